@@ -1,0 +1,82 @@
+//! `cargo bench --bench norm`: RMSNorm family at NemotronH decode and prefill shapes. Prints,
+//! per shape, the median per-launch time (CUDA events) cold and warm in L2 with GB/s and % of
+//! the copy bandwidth measured in the same run, then criterion's own statistics (cold).
+
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use host::norm::{NormShape, gated_norm, gated_norm_fp8, rms_norm};
+use nemotron_rs::{BenchGpu, Rng};
+
+struct Set {
+    x: host::CudaSlice<bf16>,
+    z: host::CudaSlice<bf16>,
+    y: host::CudaSlice<bf16>,
+    q: host::CudaSlice<u8>,
+    s: host::CudaSlice<f32>,
+}
+
+fn benches(c: &mut Criterion) {
+    let Some(b) = BenchGpu::open() else { return };
+    let gpu = &b.gpu;
+    let mut rng = Rng::new(7);
+    let mut group = c.benchmark_group("norm");
+    group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
+    // (variant, rows, width, groups): the block pre-norm at hidden 2688, the mixer's gated
+    // norm at D_in 4096 with 8 groups; decode batches 1 and 64, prefill 4096 and 16384 tokens.
+    let cases: &[(&str, usize, usize, usize)] = &[
+        ("rms", 1, 2688, 1),
+        ("rms", 64, 2688, 1),
+        ("rms", 4096, 2688, 1),
+        ("rms", 16384, 2688, 1),
+        ("gated", 1, 4096, 8),
+        ("gated", 64, 4096, 8),
+        ("gated", 4096, 4096, 8),
+        ("gated", 16384, 4096, 8),
+        ("gated_fp8", 1, 4096, 8),
+        ("gated_fp8", 64, 4096, 8),
+        ("gated_fp8", 4096, 4096, 8),
+        ("gated_fp8", 16384, 4096, 8),
+    ];
+    for &(variant, rows, width, groups) in cases {
+        let n = rows * width;
+        let gated = variant != "rms";
+        let out_bytes = if variant == "gated_fp8" { n + 4 * rows } else { 2 * n };
+        let bytes = 2 * n * if gated { 2 } else { 1 } + 2 * width + out_bytes;
+        let sets: Vec<Set> = (0..BenchGpu::cold_sets(bytes))
+            .map(|_| Set {
+                x: gpu.upload(&rng.bf16s(n, -3.0, 3.0)).unwrap(),
+                z: if gated { gpu.upload(&rng.bf16s(n, -3.0, 3.0)).unwrap() } else { gpu.zeros(1).unwrap() },
+                y: gpu.zeros(n).unwrap(),
+                q: gpu.zeros(n).unwrap(),
+                s: gpu.zeros(rows).unwrap(),
+            })
+            .collect();
+        let w = gpu.upload(&rng.bf16s(width, -1.0, 1.0)).unwrap();
+        let shape = NormShape::new(rows, width, groups, 1e-5);
+        let mut sets = sets;
+        let nsets = sets.len();
+        let mut launch = |i: usize| {
+            let s = &mut sets[i % nsets];
+            match variant {
+                "rms" => rms_norm(gpu, shape, &s.x, &w, &mut s.y),
+                "gated" => gated_norm(gpu, shape, &s.x, &s.z, &w, &mut s.y),
+                _ => gated_norm_fp8(gpu, shape, &s.x, &s.z, &w, None, &mut s.q, &mut s.s),
+            }
+        };
+        let name = format!("norm/{variant}/bf16/{rows}x{width}");
+        b.report(&name, bytes, nsets, &mut launch);
+        group.throughput(Throughput::Bytes(bytes as u64));
+        group.bench_function(name.trim_start_matches("norm/"), |bench| {
+            bench.iter_custom(|iters| {
+                let ms = gpu.time_ms(|| (0..iters as usize).try_for_each(&mut launch)).unwrap();
+                Duration::from_secs_f64(ms as f64 * 1e-3)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(norm, benches);
+criterion_main!(norm);

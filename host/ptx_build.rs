@@ -1,0 +1,64 @@
+//! Builds `kernels-gpu` to PTX for one arch with rustc's NVPTX backend.
+//!
+//! Shared by `host/build.rs` (which embeds the PTX of every arch) and `cargo xtask ptx` (which
+//! also assembles it with ptxas), through `#[path]`, so there is one definition of the build.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The arches whose PTX the host embeds, by `-C target-cpu` name.
+pub const ARCHES: [&str; 3] = ["sm_90", "sm_110", "sm_121a"];
+
+/// Environment a parent cargo (or clippy) sets that must not leak into the device build.
+const CLEARED_ENV: [&str; 8] = [
+    "RUSTFLAGS",
+    "CARGO_ENCODED_RUSTFLAGS",
+    "CARGO_BUILD_RUSTFLAGS",
+    "RUSTC_WRAPPER",
+    "RUSTC_WORKSPACE_WRAPPER",
+    "CARGO_TARGET_DIR",
+    "CARGO_BUILD_TARGET",
+    "CARGO_PROFILE_RELEASE_DEBUG",
+];
+
+/// Builds the PTX of `arch` under `target_dir/<arch>` and returns its path, after checking
+/// that its `.target` line names `arch`.
+pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<PathBuf, String> {
+    if !ARCHES.contains(&arch) {
+        return Err(format!("unsupported arch `{arch}`; supported: {}", ARCHES.join(", ")));
+    }
+    let dir = target_dir.join(arch);
+    let out = dir.join("kernels.ptx");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(workspace)
+        .args(["rustc", "-p", "kernels-gpu", "--lib", "--profile", "ptx"])
+        .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
+        .arg(&dir)
+        .arg("--")
+        .arg(format!("--emit=asm={}", out.display()));
+    for var in CLEARED_ENV {
+        cmd.env_remove(var);
+    }
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}"));
+    let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "building kernels-gpu for {arch} failed ({}):\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let ptx = std::fs::read_to_string(&out).map_err(|e| {
+        format!("the {arch} build succeeded but {} is unreadable ({e}); run `cargo clean` and retry", out.display())
+    })?;
+    match ptx_target(&ptx) {
+        Some(t) if t == arch => Ok(out),
+        t => Err(format!("{} has `.target {}`, expected `.target {arch}`", out.display(), t.unwrap_or("<none>"))),
+    }
+}
+
+/// The `.target` of a PTX module (first word after the directive).
+pub fn ptx_target(ptx: &str) -> Option<&str> {
+    ptx.lines().find_map(|l| l.trim().strip_prefix(".target ")).and_then(|t| t.split([',', ' ']).next())
+}

@@ -1,0 +1,48 @@
+//! Pure argument checks for the launchers: each failure names the kernel, the argument, the
+//! expected and the actual value. No GPU needed, so they are tested in CI.
+
+use std::fmt::Display;
+
+use kernels_gpu::Kernel;
+
+use crate::error::{Error, Result};
+
+/// Checks for one kernel's launch.
+#[derive(Clone, Copy)]
+pub(crate) struct Check(pub Kernel);
+
+impl Check {
+    /// Fails unless `ok`, reporting `expected` and `got` for `arg`.
+    pub fn that(self, arg: &'static str, ok: bool, expected: impl Display, got: impl Display) -> Result<()> {
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Shape { kernel: self.0.name(), arg, expected: expected.to_string(), got: got.to_string() })
+        }
+    }
+
+    /// A buffer of exactly `expected` elements.
+    pub fn len(self, arg: &'static str, expected: usize, got: usize) -> Result<()> {
+        self.that(arg, got == expected, format!("{expected} elements"), format!("{got} elements"))
+    }
+
+    /// A buffer of at least `min` elements.
+    pub fn len_at_least(self, arg: &'static str, min: usize, got: usize) -> Result<()> {
+        self.that(arg, got >= min, format!("at least {min} elements"), format!("{got} elements"))
+    }
+
+    /// A count in `1..=max` (grid and index limits of the device code).
+    pub fn count(self, arg: &'static str, max: usize, got: usize) -> Result<()> {
+        self.that(arg, (1..=max).contains(&got), format!("1..={max}"), got)
+    }
+
+    /// A finite, strictly positive float.
+    pub fn positive(self, arg: &'static str, got: f32) -> Result<()> {
+        self.that(arg, got.is_finite() && got > 0.0, "a finite value > 0", got)
+    }
+}
+
+/// Most rows (blocks) of a row-wise launch, and most elements of an element-wise one: the
+/// device code indexes with u32 arithmetic that must not overflow.
+pub(crate) const MAX_ROWS: usize = i32::MAX as usize;
+pub(crate) const MAX_ELEMS: usize = i32::MAX as usize;

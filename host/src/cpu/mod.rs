@@ -1,0 +1,6 @@
+//! CPU reference backend: naive implementations written from `shared/SPEC.md`, never derived
+//! from the GPU code. Accumulation in f64; where SPEC.md defines an operation in f32 (the FP8
+//! scales and divisions) the reference does exactly that operation, so codes compare bit-exact.
+
+pub mod norm;
+pub mod quant;

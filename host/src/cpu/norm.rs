@@ -1,0 +1,41 @@
+//! Reference RMSNorm and gated group RMSNorm (SPEC.md section 5).
+
+use half::bf16;
+
+/// Gated group RMSNorm over contiguous `[rows, width]`: `u = x * silu(z)` (or `u = x` when
+/// `z` is `None`), then per group of `width / groups` channels `y = w * u / sqrt(mean(u^2) + eps)`.
+/// Returns the unrounded outputs. Plain RMSNorm is `z = None, groups = 1`.
+///
+/// # Panics
+/// If `groups` does not divide `width` or a buffer is shorter than its shape (test misuse).
+pub fn gated_norm(x: &[bf16], z: Option<&[bf16]>, w: &[bf16], width: usize, groups: usize, eps: f64) -> Vec<f64> {
+    assert!(width.is_multiple_of(groups) && x.len().is_multiple_of(width) && w.len() == width, "reference misuse");
+    let gs = width / groups;
+    let mut y = Vec::with_capacity(x.len());
+    for (r, xr) in x.chunks_exact(width).enumerate() {
+        let u: Vec<f64> = (0..width)
+            .map(|c| {
+                let xv = xr[c].to_f64();
+                match z {
+                    Some(z) => {
+                        let zv = z[r * width + c].to_f64();
+                        xv * zv / (1.0 + (-zv).exp())
+                    }
+                    None => xv,
+                }
+            })
+            .collect();
+        for g in u.chunks_exact(gs).enumerate() {
+            let (gi, ug) = g;
+            let mean_sq = ug.iter().map(|v| v * v).sum::<f64>() / gs as f64;
+            let rstd = 1.0 / (mean_sq + eps).sqrt();
+            y.extend(ug.iter().enumerate().map(|(i, v)| w[gi * gs + i].to_f64() * v * rstd));
+        }
+    }
+    y
+}
+
+/// Plain RMSNorm (the pre-norm of every block and norm_f).
+pub fn rms_norm(x: &[bf16], w: &[bf16], width: usize, eps: f64) -> Vec<f64> {
+    gated_norm(x, None, w, width, 1, eps)
+}

@@ -1,0 +1,44 @@
+use cudarc::driver::DriverError;
+
+/// Everything the host crate can fail with. Messages say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "no CUDA driver found (libcuda.so could not be loaded): install the NVIDIA driver, or use the CPU reference backend"
+    )]
+    NoDriver,
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice { ordinal: usize, count: usize },
+    #[error("CUDA driver error while {during}: {source}")]
+    Driver {
+        during: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    #[error("{kernel}: argument `{arg}`: expected {expected}, got {got}")]
+    Shape { kernel: &'static str, arg: &'static str, expected: String, got: String },
+    #[error(
+        "unsupported GPU: compute capability {major}.{minor}; the kernels need 9.0 or newer (PTX is embedded for sm_90, sm_110 and sm_121a)"
+    )]
+    UnsupportedArch { major: i32, minor: i32 },
+    #[error("the CUDA driver (version {driver}) cannot load {arch} PTX (ISA {isa}): update the NVIDIA driver")]
+    DriverTooOld { driver: String, arch: &'static str, isa: &'static str },
+    #[error(
+        "kernel entry `{0}` is missing from the loaded PTX module: the build is inconsistent, run `cargo clean` and rebuild"
+    )]
+    MissingEntry(&'static str),
+}
+
+/// The host crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Wraps a driver error with what was being done.
+pub(crate) trait During<T> {
+    fn during(self, what: &'static str) -> Result<T>;
+}
+
+impl<T> During<T> for std::result::Result<T, DriverError> {
+    fn during(self, during: &'static str) -> Result<T> {
+        self.map_err(|source| Error::Driver { during, source })
+    }
+}

@@ -1,0 +1,234 @@
+//! The CUDA device: driver context, one stream, the PTX module of the device's arch, and the
+//! single place kernels are launched from.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use kernels_gpu::{Kernel, KernelParams};
+
+use crate::error::{During, Error, Result};
+
+/// A PTX flavour embedded in this crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Hopper (H100, H200): compute capability 9.0; PTX ISA 7.8.
+    Sm90,
+    /// Jetson Thor: compute capability 11.0; PTX ISA 9.0.
+    Sm110,
+    /// DGX Spark GB10: compute capability 12.1, arch-specific features; PTX ISA 8.8.
+    Sm121a,
+}
+
+impl Arch {
+    /// Every embedded arch.
+    pub const ALL: [Arch; 3] = [Arch::Sm90, Arch::Sm110, Arch::Sm121a];
+
+    /// The `-C target-cpu` / `.target` name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Arch::Sm90 => "sm_90",
+            Arch::Sm110 => "sm_110",
+            Arch::Sm121a => "sm_121a",
+        }
+    }
+
+    /// The PTX ISA version rustc emits for this arch.
+    pub const fn ptx_isa(self) -> &'static str {
+        match self {
+            Arch::Sm90 => "7.8",
+            Arch::Sm110 => "9.0",
+            Arch::Sm121a => "8.8",
+        }
+    }
+
+    /// The embedded PTX text.
+    pub const fn ptx(self) -> &'static str {
+        match self {
+            Arch::Sm90 => include_str!(concat!(env!("OUT_DIR"), "/sm_90.ptx")),
+            Arch::Sm110 => include_str!(concat!(env!("OUT_DIR"), "/sm_110.ptx")),
+            Arch::Sm121a => include_str!(concat!(env!("OUT_DIR"), "/sm_121a.ptx")),
+        }
+    }
+
+    /// Picks the PTX for a device of compute capability `major.minor`.
+    ///
+    /// 9.0, 11.0 and 12.1 get their own PTX. Any other device of 9.0 or newer gets the sm_90
+    /// PTX, which the driver JIT-compiles for it (plain `sm_90` PTX is forward compatible);
+    /// that pairing is not verified by this project. Older devices are refused: the kernels
+    /// use sm_89+ FP8 conversions.
+    pub fn for_compute_capability(major: i32, minor: i32) -> Result<Arch> {
+        match (major, minor) {
+            (11, 0) => Ok(Arch::Sm110),
+            (12, 1) => Ok(Arch::Sm121a),
+            (m, _) if m >= 9 => Ok(Arch::Sm90),
+            _ => Err(Error::UnsupportedArch { major, minor }),
+        }
+    }
+}
+
+/// Passes a [`KernelParams`] struct by value as a kernel's single `.param` block.
+#[repr(transparent)]
+struct ParamBlock<P>(P);
+
+// SAFETY: `P: KernelParams` is #[repr(C)] + Copy with only plain fields, and ParamBlock is
+// transparent, so its bytes are exactly the `.param` block of the entry it is passed to.
+unsafe impl<P: KernelParams> DeviceRepr for ParamBlock<P> {}
+
+/// One CUDA device with the module of its arch loaded, and the stream every launch goes to.
+///
+/// All work is ordered on that one stream; cudarc's per-allocation event tracking is disabled
+/// (it is redundant on one stream and breaks CUDA graph capture), so buffers must only be used
+/// through this `Gpu`'s stream.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    functions: Vec<CudaFunction>,
+    _module: Arc<CudaModule>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, picks its arch and loads the embedded PTX.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        // SAFETY: only probes whether the driver library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoDriver);
+        }
+        let count = CudaContext::device_count().during("counting devices")?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::NoDevice { ordinal, count: count.max(0) as usize });
+        }
+        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        // SAFETY: no buffers exist yet; everything this Gpu does is on one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().during("reading the compute capability")?;
+        let arch = Arch::for_compute_capability(major, minor)?;
+        let module = ctx.load_module(Ptx::from_src(arch.ptx())).map_err(|e| match e {
+            DriverError(CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION) => {
+                Error::DriverTooOld { driver: driver_version(), arch: arch.name(), isa: arch.ptx_isa() }
+            }
+            source => Error::Driver { during: "loading the PTX module", source },
+        })?;
+        let functions = Kernel::ALL
+            .iter()
+            .map(|k| module.load_function(k.name()).map_err(|_| Error::MissingEntry(k.name())))
+            .collect::<Result<Vec<_>>>()?;
+        let stream = ctx.new_stream().during("creating a stream")?;
+        Ok(Gpu { ctx, stream, arch, functions, _module: module })
+    }
+
+    /// The arch whose PTX was loaded.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn name(&self) -> Result<String> {
+        self.ctx.name().during("reading the device name")
+    }
+
+    /// The stream all of this Gpu's work runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Copies `data` to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).during("copying to the device")
+    }
+
+    /// Copies a device buffer back (waits for the stream).
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, buf: &S) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(buf).during("copying from the device")
+    }
+
+    /// A new zeroed device buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(len).during("allocating device memory")
+    }
+
+    /// Waits until all queued work is done; reports errors of earlier launches.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().during("waiting for the stream")
+    }
+
+    /// GPU time in milliseconds of the work `f` queues, between two CUDA events on the stream.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(flags).during("recording a timing event")?;
+        f()?;
+        let end = self.stream.record_event(flags).during("recording a timing event")?;
+        end.synchronize().during("waiting for a timing event")?;
+        start.elapsed_ms(&end).during("reading a timing event")
+    }
+
+    /// Copies `src` into `dst` on the device (equal lengths).
+    pub fn copy<T: DeviceRepr>(&self, src: &impl DevicePtr<T>, dst: &mut impl DevicePtrMut<T>) -> Result<()> {
+        self.stream.memcpy_dtod(src, dst).during("copying on the device")
+    }
+
+    /// Fails unless `buf` was allocated in this Gpu's context.
+    fn check_owner<T>(&self, kernel: Kernel, arg: &'static str, buf: &impl DeviceSlice<T>) -> Result<()> {
+        let ctx = buf.stream().context();
+        if Arc::ptr_eq(ctx, &self.ctx) {
+            return Ok(());
+        }
+        Err(Error::Shape {
+            kernel: kernel.name(),
+            arg,
+            expected: format!("a buffer of this Gpu's context (device {})", self.ctx.ordinal()),
+            got: format!("a buffer of another context (device {})", ctx.ordinal()),
+        })
+    }
+
+    /// The device address of an input buffer of this Gpu.
+    pub(crate) fn addr<T>(&self, kernel: Kernel, arg: &'static str, buf: &impl DevicePtr<T>) -> Result<u64> {
+        self.check_owner(kernel, arg, buf)?;
+        Ok(buf.device_ptr(&self.stream).0)
+    }
+
+    /// The device address of an output buffer of this Gpu.
+    pub(crate) fn addr_mut<T>(&self, kernel: Kernel, arg: &'static str, buf: &mut impl DevicePtrMut<T>) -> Result<u64> {
+        self.check_owner(kernel, arg, buf)?;
+        Ok(buf.device_ptr_mut(&self.stream).0)
+    }
+
+    /// Queues `kernel` with its parameter block.
+    ///
+    /// # Safety
+    /// `params` must satisfy `kernel`'s launch contract (its doc comment in kernels-gpu): every
+    /// pointer valid for the extent the shape fields imply, outputs not aliasing inputs, and
+    /// `grid`, `block`, `smem` as the kernel documents.
+    pub(crate) unsafe fn launch<P: KernelParams>(
+        &self,
+        kernel: Kernel,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        params: P,
+    ) -> Result<()> {
+        let f = &self.functions[kernel as usize];
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        let block = ParamBlock(params);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&block);
+        // SAFETY: forwarded from this function's contract.
+        unsafe { b.launch(cfg) }.during("launching a kernel")?;
+        Ok(())
+    }
+}
+
+/// The driver's CUDA version, as `major.minor`.
+fn driver_version() -> String {
+    let mut v = 0;
+    // SAFETY: writes one int; the driver library is loaded (checked in Gpu::new).
+    match unsafe { sys::cuDriverGetVersion(&mut v) } {
+        CUresult::CUDA_SUCCESS => format!("{}.{}", v / 1000, v % 1000 / 10),
+        _ => "unknown".into(),
+    }
+}

@@ -1,0 +1,29 @@
+//! Host side of the NemotronH kernels: the PTX of every supported arch embedded at build time,
+//! the module picked by the device's compute capability, safe typed launchers, and the CPU
+//! reference backend.
+//!
+//! ```no_run
+//! use half::bf16;
+//! use host::{Gpu, norm::{rms_norm, NormShape}};
+//! # fn main() -> host::Result<()> {
+//! let gpu = Gpu::new(0)?; // a clear error without a driver or GPU
+//! let (rows, width) = (4, 2688);
+//! let x = gpu.upload(&vec![bf16::from_f32(0.5); rows * width])?;
+//! let w = gpu.upload(&vec![bf16::ONE; width])?;
+//! let mut y = gpu.zeros::<bf16>(rows * width)?;
+//! rms_norm(&gpu, NormShape::new(rows, width, 1, 1e-5), &x, &w, &mut y)?;
+//! let y = gpu.download(&y)?;
+//! # Ok(()) }
+//! ```
+
+mod check;
+pub mod cpu;
+mod error;
+mod gpu;
+pub mod norm;
+pub mod quant;
+
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+pub use error::{Error, Result};
+pub use gpu::{Arch, Gpu};
+pub use kernels_gpu::Kernel;

@@ -1,0 +1,156 @@
+//! Launchers of the FP8 e4m3 quantization family (kernels-gpu/src/quant.rs; reference:
+//! cpu/quant.rs).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+use kernels_gpu::quant::{
+    ELEMS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams, QuantTokenParams,
+    TOKEN_SMEM_BYTES,
+};
+use kernels_gpu::{Kernel, ROW_BLOCK};
+
+use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
+use crate::error::{During, Result};
+use crate::gpu::Gpu;
+
+/// The amax upper bound as the kernels take it (`INFINITY`: none); must be > 0 when given.
+pub(crate) fn check_amax_ub(kernel: Kernel, amax_ub: Option<f32>) -> Result<f32> {
+    match amax_ub {
+        None => Ok(f32::INFINITY),
+        Some(ub) => Check(kernel).positive("amax_ub", ub).map(|()| ub),
+    }
+}
+
+/// Rows of a `[rows, width]` buffer of `len` elements, checked.
+fn rows_of(kernel: Kernel, len: usize, width: usize) -> Result<usize> {
+    let c = Check(kernel);
+    c.count("width", MAX_ELEMS, width)?;
+    c.that("x", len.is_multiple_of(width) && len > 0, format!("a non-empty multiple of width {width} elements"), len)?;
+    c.count("rows", MAX_ROWS, len / width)?;
+    Ok(len / width)
+}
+
+/// Blocks of a grid-stride launch over `n` elements.
+fn elementwise_grid(n: usize) -> u32 {
+    n.div_ceil((ROW_BLOCK * ELEMS_PER_THREAD) as usize).clamp(1, MAX_GRID as usize) as u32
+}
+
+/// Per-token dynamic FP8: `x` is `[rows, width]`; writes codes `q` (same shape) and one scale
+/// per row, `s = max(min(amax, amax_ub) / 448, 1/(448*512))`, `q = e4m3(x / s)`.
+pub fn quant_token(
+    gpu: &Gpu,
+    width: usize,
+    x: &impl DevicePtr<bf16>,
+    amax_ub: Option<f32>,
+    q: &mut impl DevicePtrMut<u8>,
+    scales: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    let k = Kernel::QuantToken;
+    let rows = rows_of(k, x.len(), width)?;
+    Check(k).len("q", x.len(), q.len())?;
+    Check(k).len("scales", rows, scales.len())?;
+    let p = QuantTokenParams {
+        x: gpu.addr(k, "x", x)? as *const u16,
+        q: gpu.addr_mut(k, "q", q)? as *mut u8,
+        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        rows: rows as u32,
+        width: width as u32,
+        amax_ub: check_amax_ub(k, amax_ub)?,
+    };
+    // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
+    // grid/block/smem as quant_token_fp8_bf16 documents.
+    unsafe { gpu.launch(k, rows as u32, ROW_BLOCK, TOKEN_SMEM_BYTES, p) }
+}
+
+/// Per-tensor dynamic FP8 over all of `x`: writes `amax = max |x|` (NaN ignored), the scale
+/// `s = max(amax / 448, 1/(448*512))` and codes `q = e4m3(x * (1/s))`. Two launches.
+pub fn quant_tensor(
+    gpu: &Gpu,
+    x: &impl DevicePtr<bf16>,
+    q: &mut impl DevicePtrMut<u8>,
+    amax: &mut impl DevicePtrMut<f32>,
+    scale: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    let (ka, kq) = (Kernel::QuantAmax, Kernel::QuantTensor);
+    let n = x.len();
+    Check(ka).count("x", MAX_ELEMS, n)?;
+    Check(ka).len("amax", 1, amax.len())?;
+    Check(kq).len("q", n, q.len())?;
+    Check(kq).len("scale", 1, scale.len())?;
+    gpu.stream().memset_zeros(amax).during("zeroing the amax accumulator")?;
+    let grid = elementwise_grid(n);
+    let pa = QuantAmaxParams {
+        x: gpu.addr(ka, "x", x)? as *const u16,
+        amax: gpu.addr_mut(ka, "amax", amax)? as *mut f32,
+        n: n as u32,
+    };
+    // SAFETY: x holds n elements, amax one (zeroed above, in stream order); any grid, block
+    // ROW_BLOCK, smem TOKEN_SMEM_BYTES as quant_amax_bf16 documents.
+    unsafe { gpu.launch(ka, grid, ROW_BLOCK, TOKEN_SMEM_BYTES, pa)? };
+    let pq = QuantTensorParams {
+        x: pa.x,
+        amax: pa.amax,
+        q: gpu.addr_mut(kq, "q", q)? as *mut u8,
+        scale: gpu.addr_mut(kq, "scale", scale)? as *mut f32,
+        n: n as u32,
+    };
+    // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
+    // the scale write cannot race the amax reads); runs after the amax launch on the stream.
+    unsafe { gpu.launch(kq, grid, ROW_BLOCK, 0, pq) }
+}
+
+/// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
+pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut impl DevicePtrMut<u8>) -> Result<()> {
+    let k = Kernel::QuantStatic;
+    let n = x.len();
+    Check(k).count("x", MAX_ELEMS, n)?;
+    Check(k).len("q", n, q.len())?;
+    Check(k).positive("scale", scale)?;
+    let p = QuantStaticParams {
+        x: gpu.addr(k, "x", x)? as *const u16,
+        q: gpu.addr_mut(k, "q", q)? as *mut u8,
+        n: n as u32,
+        scale,
+    };
+    // SAFETY: x and q hold n elements, q is `&mut`; any grid, block ROW_BLOCK.
+    unsafe { gpu.launch(k, elementwise_grid(n), ROW_BLOCK, 0, p) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    fn arg_of<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
+        match r {
+            Err(Error::Shape { arg, .. }) => arg,
+            other => panic!("expected a shape error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn rows_of_checks_width_and_length() {
+        let k = Kernel::QuantToken;
+        assert_eq!(rows_of(k, 64 * 2688, 2688).unwrap(), 64);
+        assert_eq!(arg_of(rows_of(k, 64 * 2688 + 1, 2688)), "x");
+        assert_eq!(arg_of(rows_of(k, 0, 2688)), "x");
+        assert_eq!(arg_of(rows_of(k, 10, 0)), "width");
+    }
+
+    #[test]
+    fn amax_ub_must_be_positive_and_finite() {
+        let k = Kernel::QuantToken;
+        assert_eq!(check_amax_ub(k, None).unwrap(), f32::INFINITY);
+        assert_eq!(check_amax_ub(k, Some(2.0)).unwrap(), 2.0);
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert_eq!(arg_of(check_amax_ub(k, Some(bad))), "amax_ub");
+        }
+    }
+
+    #[test]
+    fn elementwise_grid_is_bounded() {
+        assert_eq!(elementwise_grid(1), 1);
+        assert_eq!(elementwise_grid((ROW_BLOCK * ELEMS_PER_THREAD) as usize + 1), 2);
+        assert_eq!(elementwise_grid(usize::MAX / 2), MAX_GRID);
+    }
+}

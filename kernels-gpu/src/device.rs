@@ -1,0 +1,195 @@
+//! The one module that talks to the hardware: thread ids, warp shuffles, barriers, dynamic shared
+//! memory, bf16 and FP8 conversions, fast exp. Kernels use only these wrappers.
+
+use core::arch::asm;
+use core::arch::nvptx;
+
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.f32"]
+    fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
+}
+
+// The block's dynamic shared memory (sized by the launch). A module-level `.extern .shared`
+// declaration is the only form ptxas accepts for it.
+core::arch::global_asm!(".extern .shared .align 16 .b8 dyn_smem[];");
+
+/// Stops the kernel (used by the panic handler; bounds-check failures end here).
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` has no preconditions; it aborts the kernel.
+    unsafe { nvptx::trap() }
+}
+
+#[inline(always)]
+pub fn thread_x() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+
+#[inline(always)]
+pub fn block_x() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+
+/// Lane of this thread within its warp.
+#[inline(always)]
+pub fn lane_id() -> u32 {
+    thread_x() % 32
+}
+
+/// Warp of this thread within its block.
+#[inline(always)]
+pub fn warp_id() -> u32 {
+    thread_x() / 32
+}
+
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+/// Block-wide barrier. Every thread of the block must reach it.
+#[inline(always)]
+pub fn sync_threads() {
+    // SAFETY: callers keep the barrier in uniform control flow.
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// Start of the block's dynamic shared memory, as f32 words.
+#[inline(always)]
+pub fn dyn_smem_f32() -> *mut f32 {
+    let p: u64;
+    // SAFETY: takes the generic address of the module's `dyn_smem` symbol.
+    unsafe { asm!("cvta.shared.u64 {p}, dyn_smem;", p = out(reg64) p, options(pure, nomem, nostack)) };
+    p as *mut f32
+}
+
+/// Sum over the 32 lanes of a full warp; every lane gets the total.
+#[inline(always)]
+pub fn warp_sum(mut v: f32) -> f32 {
+    let mut m = 16;
+    while m > 0 {
+        // SAFETY: all 32 lanes take part (full mask); callers run full warps.
+        v += unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) };
+        m >>= 1;
+    }
+    v
+}
+
+/// Max over the 32 lanes of a full warp (NaN-ignoring, like `max.f32`); every lane gets it.
+#[inline(always)]
+pub fn warp_max(mut v: f32) -> f32 {
+    let mut m = 16;
+    while m > 0 {
+        // SAFETY: as in `warp_sum`.
+        v = fmax(v, unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) });
+        m >>= 1;
+    }
+    v
+}
+
+/// `max.f32`: the non-NaN operand when one is NaN.
+#[inline(always)]
+pub fn fmax(a: f32, b: f32) -> f32 {
+    a.max(b)
+}
+
+/// bf16 bits to f32 (exact).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f32 to bf16 bits, round to nearest even (`cvt.rn.bf16.f32`).
+#[inline(always)]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    let r: u16;
+    // SAFETY: a register-to-register conversion (sm_80+).
+    unsafe { asm!("cvt.rn.bf16.f32 {r}, {v};", r = out(reg16) r, v = in(reg32) v, options(pure, nomem, nostack)) };
+    r
+}
+
+/// Two f32 to FP8 e4m3 codes, round to nearest even, saturating to +-448, NaN kept:
+/// returns `hi << 8 | lo` (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+).
+#[inline(always)]
+pub fn f32x2_to_e4m3(hi: f32, lo: f32) -> u16 {
+    let r: u16;
+    // SAFETY: a register-to-register conversion.
+    unsafe {
+        asm!("cvt.rn.satfinite.e4m3x2.f32 {r}, {a}, {b};", r = out(reg16) r, a = in(reg32) hi, b = in(reg32) lo,
+             options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// One f32 to an FP8 e4m3 code (see [`f32x2_to_e4m3`]).
+#[inline(always)]
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    f32x2_to_e4m3(0.0, v) as u8
+}
+
+/// e^v through `ex2.approx.ftz.f32` (relative error about 2^-22).
+#[inline(always)]
+pub fn exp_fast(v: f32) -> f32 {
+    let r: f32;
+    let a = v * core::f32::consts::LOG2_E;
+    // SAFETY: a register-to-register instruction.
+    unsafe { asm!("ex2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) a, options(pure, nomem, nostack)) };
+    r
+}
+
+/// silu(v) = v / (1 + e^-v).
+#[inline(always)]
+pub fn silu(v: f32) -> f32 {
+    v / (1.0 + exp_fast(-v))
+}
+
+/// Correctly rounded square root (`sqrt.rn.f32`).
+#[inline(always)]
+pub fn sqrt(v: f32) -> f32 {
+    core::f32::math::sqrt(v)
+}
+
+/// Reads element `i` of a device array.
+///
+/// # Safety
+/// `p.add(i)` must be in bounds of a live allocation the kernel may read.
+#[inline(always)]
+pub unsafe fn ld<T: Copy>(p: *const T, i: usize) -> T {
+    // SAFETY: guaranteed by the caller.
+    unsafe { *p.add(i) }
+}
+
+/// Writes element `i` of a device array.
+///
+/// # Safety
+/// `p.add(i)` must be in bounds of a live allocation this thread alone writes at `i`.
+#[inline(always)]
+pub unsafe fn st<T: Copy>(p: *mut T, i: usize, v: T) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { *p.add(i) = v }
+}
+
+/// Max over a block of [`crate::ROW_BLOCK`] threads (NaN-ignoring); every thread gets it.
+/// Uses `scratch[0..ROW_WARPS]` of shared memory; barriers inside, so call it in uniform flow.
+#[inline(always)]
+pub fn block_max(v: f32, scratch: *mut f32) -> f32 {
+    let warp_total = warp_max(v);
+    // SAFETY: `scratch` holds ROW_WARPS floats of shared memory; lane 0 of warp w alone writes
+    // slot w, and the barriers order those writes before the reads and the reads before the
+    // next reuse of `scratch`.
+    unsafe {
+        if lane_id() == 0 {
+            st(scratch, warp_id() as usize, warp_total);
+        }
+        sync_threads();
+        let mut acc = ld(scratch, 0);
+        for w in 1..crate::ROW_WARPS as usize {
+            acc = fmax(acc, ld(scratch, w));
+        }
+        sync_threads();
+        acc
+    }
+}

@@ -1,0 +1,184 @@
+//! Test and bench support shared by the integration suites (`tests/`) and the benches
+//! (`benches/`): seeded random data, and comparisons that report what they compared.
+
+use half::bf16;
+
+/// A small seeded generator (SplitMix64): the same seed gives the same data on every machine.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+
+    /// `n` bf16 values uniform in [lo, hi).
+    pub fn bf16s(&mut self, n: usize, lo: f64, hi: f64) -> Vec<bf16> {
+        (0..n).map(|_| bf16::from_f64(self.uniform(lo, hi))).collect()
+    }
+}
+
+/// Checks `|got - want| <= atol + rtol * |want|` element-wise and returns the number of
+/// elements compared. Panics with the worst element (index, both values, error), the count
+/// and the NaN/Inf counts when any element fails, when a NaN or Inf appears in either side,
+/// when the lengths differ, or when nothing was compared.
+pub fn assert_close(label: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64) -> usize {
+    assert_eq!(got.len(), want.len(), "{label}: length mismatch");
+    assert!(!got.is_empty(), "{label}: nothing compared");
+    let non_finite = |v: &[f64]| v.iter().filter(|x| !x.is_finite()).count();
+    let (bad_got, bad_want) = (non_finite(got), non_finite(want));
+    let mut worst = (0usize, f64::NEG_INFINITY);
+    let mut failures = 0usize;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let excess = (g - w).abs() - (atol + rtol * w.abs());
+        if excess > 0.0 || excess.is_nan() {
+            failures += 1;
+        }
+        if excess > worst.1 || (excess.is_nan() && !worst.1.is_nan()) {
+            worst = (i, excess);
+        }
+    }
+    let i = worst.0;
+    let report = format!(
+        "{label}: {} compared, {failures} outside atol {atol:e} + rtol {rtol:e}, non-finite got {bad_got} want {bad_want}; \
+         worst at {i}: got {} want {} (|diff| {:e})",
+        got.len(),
+        got[i],
+        want[i],
+        (got[i] - want[i]).abs()
+    );
+    assert!(failures == 0 && bad_got == 0 && bad_want == 0, "{report}");
+    println!("{report}");
+    got.len()
+}
+
+/// Checks two code buffers are identical; returns the count compared. Panics with the first
+/// mismatch and the number of mismatches.
+pub fn assert_same<T: PartialEq + std::fmt::Debug>(label: &str, got: &[T], want: &[T]) -> usize {
+    assert_eq!(got.len(), want.len(), "{label}: length mismatch");
+    assert!(!got.is_empty(), "{label}: nothing compared");
+    let mismatches: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+    if let Some(&i) = mismatches.first() {
+        panic!(
+            "{label}: {} of {} differ; first at {i}: got {:?} want {:?}",
+            mismatches.len(),
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+    println!("{label}: {} compared, all identical", got.len());
+    got.len()
+}
+
+/// bf16 values as f64 (for [`assert_close`]).
+pub fn to_f64(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// The GPU for `#[ignore = "needs a CUDA GPU"]` tests; panics with the reason when there is none.
+pub fn gpu() -> host::Gpu {
+    match host::Gpu::new(0) {
+        Ok(g) => {
+            println!("GPU: {} ({})", g.name().unwrap_or_default(), g.arch().name());
+            g
+        }
+        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
+    }
+}
+
+/// A bf16 NaN, to poison output buffers before a kernel writes them.
+pub const POISON_BF16: bf16 = bf16::NAN;
+/// An FP8 code no kernel writes for finite inputs (0x7f is e4m3 NaN), to poison code buffers.
+pub const POISON_FP8: u8 = 0x7f;
+
+/// What every bench prints beside its time: the device and its measured copy bandwidth.
+pub struct BenchGpu {
+    pub gpu: host::Gpu,
+    /// Device-to-device copy, bytes read + written per second, measured in this run.
+    pub copy_bytes_per_s: f64,
+}
+
+/// Bytes rotated through in cold-L2 runs: over twice the H200's 50 MB (60 MB reported) L2.
+pub const COLD_BYTES: usize = 256 << 20;
+
+impl BenchGpu {
+    /// Opens the GPU and measures the copy ceiling (median of 20 copies of 1 GiB); `None`, with
+    /// a message, where there is no GPU.
+    pub fn open() -> Option<BenchGpu> {
+        let gpu = match host::Gpu::new(0) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("no GPU benches: {e}");
+                return None;
+            }
+        };
+        let n = 1 << 30;
+        let src = gpu.zeros::<u8>(n).expect("allocating the copy source");
+        let mut dst = gpu.zeros::<u8>(n).expect("allocating the copy destination");
+        let mut times: Vec<f32> =
+            (0..21).map(|_| gpu.time_ms(|| gpu.copy(&src, &mut dst)).expect("timing a copy")).collect();
+        times.sort_by(f32::total_cmp);
+        let copy_bytes_per_s = 2.0 * n as f64 / (times[10] as f64 * 1e-3);
+        println!(
+            "GPU {} ({}); device-to-device copy of 1 GiB: {:.0} GB/s (read + written, median of 21)",
+            gpu.name().unwrap_or_default(),
+            gpu.arch().name(),
+            copy_bytes_per_s / 1e9
+        );
+        Some(BenchGpu { gpu, copy_bytes_per_s })
+    }
+
+    /// Buffer sets to rotate through so one pass touches at least [`COLD_BYTES`].
+    pub fn cold_sets(bytes_per_call: usize) -> usize {
+        COLD_BYTES.div_ceil(bytes_per_call.max(1)).clamp(1, 256)
+    }
+
+    /// Times `launch(set)` per launch with CUDA events, warm (set 0 again and again) and cold
+    /// (rotating over `sets`), and prints medians and spreads with GB/s and % of the copy
+    /// bandwidth for `bytes` moved per launch. Returns the cold median in microseconds.
+    pub fn report(
+        &self,
+        name: &str,
+        bytes: usize,
+        sets: usize,
+        mut launch: impl FnMut(usize) -> host::Result<()>,
+    ) -> f64 {
+        let mut run = |rotate: bool| {
+            for i in 0..10 {
+                launch(if rotate { i % sets } else { 0 }).expect("warm-up launch");
+            }
+            let mut t: Vec<f64> = (0..200)
+                .map(|i| {
+                    let set = if rotate { i % sets } else { 0 };
+                    self.gpu.time_ms(|| launch(set)).expect("timed launch") as f64 * 1e3
+                })
+                .collect();
+            t.sort_by(f64::total_cmp);
+            (t[100], t[10], t[190])
+        };
+        let (warm, cold) = (run(false), run(true));
+        let line = |(med, p5, p95): (f64, f64, f64)| {
+            let rate = bytes as f64 / (med * 1e-6);
+            format!(
+                "{med:8.2} us [p5 {p5:.2}, p95 {p95:.2}] {:7.0} GB/s {:5.1}%",
+                rate / 1e9,
+                100.0 * rate / self.copy_bytes_per_s
+            )
+        };
+        println!("{name:<40} {:>9} B  cold {}  warm {}", bytes, line(cold), line(warm));
+        cold.0
+    }
+}

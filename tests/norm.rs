@@ -1,0 +1,190 @@
+//! RMSNorm family: the CPU reference against hand-checked values (CI), and the kernels
+//! against the reference on the GPU (`#[ignore]`d: run with `--include-ignored` on a GPU).
+
+use half::bf16;
+use host::cpu::{norm as cpu, quant as cpu_quant};
+use host::norm::{NormShape, gated_norm, gated_norm_fp8, rms_norm};
+use host::quant::quant_token;
+use nemotron_rs::{POISON_BF16, POISON_FP8, Rng, assert_close, assert_same, gpu, to_f64};
+
+const EPS: f32 = 1e-5;
+/// bf16 output vs the f64 reference: half a bf16 ulp (2^-8 relative) plus f32 rounding slack.
+const RTOL: f64 = 1.0 / 256.0 + 1e-5;
+const ATOL: f64 = 1e-6;
+
+fn bf(v: &[f64]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f64(x)).collect()
+}
+
+#[test]
+fn reference_rms_norm_hand_checked() {
+    // Row [3, 4]: mean square 12.5; y = w * x / sqrt(12.5 + eps).
+    let y = cpu::rms_norm(&bf(&[3.0, 4.0]), &bf(&[1.0, 2.0]), 2, 1e-5);
+    let r = (12.5f64 + 1e-5).sqrt();
+    assert_close("rms [3,4]", &y, &[3.0 / r, 8.0 / r], 0.0, 1e-15);
+    // Two rows are independent.
+    let y = cpu::rms_norm(&bf(&[1.0, 1.0, 2.0, 2.0]), &bf(&[1.0, 1.0]), 2, 0.0);
+    assert_close("rms rows", &y, &[1.0, 1.0, 1.0, 1.0], 0.0, 1e-15);
+}
+
+#[test]
+fn reference_gated_norm_hand_checked() {
+    // z = 0 gives silu(0) = 0: u = 0, y = 0 whatever x.
+    let y = cpu::gated_norm(&bf(&[5.0, -3.0]), Some(&bf(&[0.0, 0.0])), &bf(&[1.0, 1.0]), 2, 1, 1e-5);
+    assert_close("gate 0", &y, &[0.0, 0.0], 0.0, 0.0);
+    // Two groups of 2 normalize separately: group 0 = [1, 1] (after gating), group 1 = [2, 2]
+    // scaled differently by w; with eps = 0 the common gate silu(10) cancels.
+    let x = bf(&[1.0, 1.0, 2.0, -2.0]);
+    let z = bf(&[10.0; 4]);
+    let y = cpu::gated_norm(&x, Some(&z), &bf(&[1.0, 2.0, 3.0, 4.0]), 4, 2, 0.0);
+    assert_close("two groups", &y, &[1.0, 2.0, 3.0, -4.0], 0.0, 1e-12);
+    // One group of 4 over the same data mixes the groups: mean square of [1,1,2,-2] = 2.5.
+    let y = cpu::gated_norm(&x, Some(&z), &bf(&[1.0; 4]), 4, 1, 0.0);
+    let r = 2.5f64.sqrt();
+    assert_close("one group", &y, &[1.0 / r, 1.0 / r, 2.0 / r, -2.0 / r], 0.0, 1e-12);
+}
+
+/// Rows with values of different magnitudes per row, never all zero.
+fn activations(rng: &mut Rng, rows: usize, width: usize) -> Vec<bf16> {
+    (0..rows)
+        .flat_map(|r| {
+            let scale = 0.1 + (r % 7) as f64;
+            rng.bf16s(width, -scale, scale)
+        })
+        .collect()
+}
+
+/// Copies contiguous `[rows, width]` into `[rows, stride]` with garbage in the padding.
+fn strided(rng: &mut Rng, v: &[bf16], width: usize, stride: usize) -> Vec<bf16> {
+    v.chunks_exact(width).flat_map(|r| r.iter().copied().chain(rng.bf16s(stride - width, 50.0, 60.0))).collect()
+}
+
+/// (rows, width, groups): NemotronH widths (hidden 2688, D_in 4096 with 8 groups, in_proj
+/// 10304) and edges (one row, one channel, widths not a multiple of the block, odd groups).
+const PLAIN_CASES: &[(usize, usize)] = &[(1, 2688), (64, 2688), (7, 4096), (3, 10304), (1, 1), (5, 1000), (2, 257)];
+const GATED_CASES: &[(usize, usize, usize)] =
+    &[(64, 4096, 8), (1, 4096, 8), (129, 4096, 8), (3, 1000, 8), (2, 24, 3), (1, 1, 1), (4, 2048, 256), (2, 10304, 1)];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_rms_norm_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(1);
+    let mut compared = 0;
+    for &(rows, width) in PLAIN_CASES {
+        for x_stride in [width, width + 3] {
+            let x = activations(&mut rng, rows, width);
+            let w = rng.bf16s(width, -2.0, 2.0);
+            let shape = NormShape { x_stride, ..NormShape::new(rows, width, 1, EPS) };
+            let dx = gpu.upload(&strided(&mut rng, &x, width, x_stride)).unwrap();
+            let dw = gpu.upload(&w).unwrap();
+            let mut dy = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+            rms_norm(&gpu, shape, &dx, &dw, &mut dy).unwrap();
+            let got = to_f64(&gpu.download(&dy).unwrap());
+            let want = cpu::rms_norm(&x, &w, width, EPS as f64);
+            compared += assert_close(&format!("rms {rows}x{width} stride {x_stride}"), &got, &want, ATOL, RTOL);
+        }
+    }
+    println!("rms_norm: {compared} elements compared");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gated_norm_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(2);
+    let mut compared = 0;
+    for &(rows, width, groups) in GATED_CASES {
+        // Contiguous, and strided as the mixer reads z out of in_proj's [T, 10304] output.
+        for (x_stride, z_stride) in [(width, width), (width + 1, 10304.max(width))] {
+            let (x, z) = (activations(&mut rng, rows, width), rng.bf16s(rows * width, -6.0, 6.0));
+            let w = rng.bf16s(width, -2.0, 2.0);
+            let shape = NormShape { x_stride, z_stride, ..NormShape::new(rows, width, groups, EPS) };
+            let dx = gpu.upload(&strided(&mut rng, &x, width, x_stride)).unwrap();
+            let dz = gpu.upload(&strided(&mut rng, &z, width, z_stride)).unwrap();
+            let dw = gpu.upload(&w).unwrap();
+            let mut dy = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut dy).unwrap();
+            let got = to_f64(&gpu.download(&dy).unwrap());
+            let want = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
+            let label = format!("gated {rows}x{width} g{groups} strides {x_stride}/{z_stride}");
+            compared += assert_close(&label, &got, &want, ATOL, RTOL);
+        }
+    }
+    println!("gated_norm: {compared} elements compared");
+}
+
+/// A wrong group size (the whole row as one group) must fail the tolerance: shows the test
+/// separates the defect from rounding noise.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gated_norm_tolerance_catches_wrong_groups() {
+    let gpu = gpu();
+    let mut rng = Rng::new(3);
+    let (rows, width, groups) = (8, 4096, 8);
+    let (x, z) = (activations(&mut rng, rows, width), rng.bf16s(rows * width, -6.0, 6.0));
+    // Make groups differ in scale so a wrong grouping changes the result.
+    let x: Vec<bf16> =
+        x.iter().enumerate().map(|(i, v)| bf16::from_f32(v.to_f32() * (1 + (i % width) / 512) as f32)).collect();
+    let w = rng.bf16s(width, -2.0, 2.0);
+    let (dx, dz, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap());
+    let mut dy = gpu.zeros::<bf16>(rows * width).unwrap();
+    gated_norm(&gpu, NormShape::new(rows, width, groups, EPS), &dx, &dz, &dw, &mut dy).unwrap();
+    let got = to_f64(&gpu.download(&dy).unwrap());
+    let right = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
+    let wrong = cpu::gated_norm(&x, Some(&z), &w, width, 1, EPS as f64);
+    let rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(g, w)| (g - w).abs() / (ATOL + w.abs())).fold(0.0, f64::max);
+    let (noise, defect) = (rel(&got, &right), rel(&got, &wrong));
+    println!(
+        "max relative error: against the right grouping {noise:.2e}, against one group {defect:.2e}, band {RTOL:.2e}"
+    );
+    assert!(
+        noise <= RTOL && defect > 10.0 * RTOL,
+        "tolerance band does not separate noise {noise} from defect {defect}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gated_norm_fp8_equals_unfused_and_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(4);
+    let (mut same, mut close) = (0, 0);
+    for &(rows, width, groups) in GATED_CASES {
+        for amax_ub in [None, Some(0.5)] {
+            let (x, z) = (activations(&mut rng, rows, width), rng.bf16s(rows * width, -6.0, 6.0));
+            let w = rng.bf16s(width, -2.0, 2.0);
+            let shape = NormShape::new(rows, width, groups, EPS);
+            let (dx, dz, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap());
+            let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+            let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            gated_norm_fp8(&gpu, shape, &dx, &dz, &dw, amax_ub, &mut q, &mut s).unwrap();
+            // Unfused: gated norm, then per-token quantization of its bf16 output.
+            let mut y = gpu.zeros::<bf16>(rows * width).unwrap();
+            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut y).unwrap();
+            let mut q2 = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+            let mut s2 = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            quant_token(&gpu, width, &y, amax_ub, &mut q2, &mut s2).unwrap();
+            let label = format!("fused {rows}x{width} g{groups} ub {amax_ub:?}");
+            let (q, s) = (gpu.download(&q).unwrap(), gpu.download(&s).unwrap());
+            same += assert_same(&format!("{label} codes"), &q, &gpu.download(&q2).unwrap());
+            same += assert_same(&format!("{label} scales"), &s, &gpu.download(&s2).unwrap());
+            // Against the reference: dequantized codes within e4m3's half-ulp (2^-4 relative)
+            // of the bf16-rounded reference, plus the subnormal step; clipped where ub binds.
+            let want = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
+            let deq: Vec<f64> =
+                q.iter().enumerate().map(|(i, &c)| (cpu_quant::e4m3_decode(c) * s[i / width]) as f64).collect();
+            let want: Vec<f64> = want
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    let lim = 448.0 * s[i / width] as f64;
+                    v.clamp(-lim, lim)
+                })
+                .collect();
+            let atol = s.iter().fold(0.0f32, |a, &b| a.max(b)) as f64 / 512.0 * 1.01;
+            close += assert_close(&format!("{label} dequant"), &deq, &want, atol, 1.0 / 16.0 + RTOL);
+        }
+    }
+    println!("gated_norm_fp8: {same} values identical to the unfused path, {close} dequantized values compared");
+}

@@ -1,0 +1,73 @@
+//! The embedded PTX of every arch: right `.target`, every kernel entry present, and accepted
+//! by ptxas 13.x for that arch. Needs ptxas: `cargo xtask test` provisions it and sets PTXAS.
+
+use host::{Arch, Kernel};
+
+#[test]
+fn every_arch_declares_its_target() {
+    for arch in Arch::ALL {
+        let target = arch.ptx().lines().find_map(|l| l.strip_prefix(".target ")).map(str::trim);
+        assert_eq!(target, Some(arch.name()), "{}: .target line", arch.name());
+        let version = arch.ptx().lines().find_map(|l| l.strip_prefix(".version ")).map(str::trim);
+        assert_eq!(version, Some(arch.ptx_isa()), "{}: .version line", arch.name());
+    }
+}
+
+#[test]
+fn every_kernel_is_an_entry_of_every_arch() {
+    let mut checked = 0;
+    for arch in Arch::ALL {
+        for k in Kernel::ALL {
+            let decl = format!(".visible .entry {}(", k.name());
+            assert!(arch.ptx().contains(&decl), "{}: no `.entry {}`", arch.name(), k.name());
+            checked += 1;
+        }
+        let entries = arch.ptx().matches(".visible .entry ").count();
+        assert_eq!(entries, Kernel::ALL.len(), "{}: entries not listed in Kernel", arch.name());
+    }
+    assert_eq!(checked, Arch::ALL.len() * Kernel::ALL.len());
+}
+
+#[test]
+fn no_unresolved_functions_in_the_ptx() {
+    for arch in Arch::ALL {
+        assert!(!arch.ptx().contains(".extern .func"), "{}: PTX calls an external function", arch.name());
+    }
+}
+
+#[test]
+fn ptxas_assembles_every_arch() {
+    let ptxas = std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into());
+    let dir = std::env::temp_dir().join(format!("nemotron-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for arch in Arch::ALL {
+        let src = dir.join(format!("{}.ptx", arch.name()));
+        std::fs::write(&src, arch.ptx()).unwrap();
+        let out = std::process::Command::new(&ptxas)
+            .args(["-arch", arch.name(), "-o"])
+            .arg(dir.join(format!("{}.cubin", arch.name())))
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run `{ptxas}` ({e}): run the tests with `cargo xtask test`, which provisions ptxas 13.x")
+            });
+        assert!(out.status.success(), "ptxas -arch {} failed:\n{}", arch.name(), String::from_utf8_lossy(&out.stderr));
+        println!("ptxas -arch {}: ok", arch.name());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn arch_selection_by_compute_capability() {
+    assert_eq!(Arch::for_compute_capability(9, 0).unwrap(), Arch::Sm90);
+    assert_eq!(Arch::for_compute_capability(11, 0).unwrap(), Arch::Sm110);
+    assert_eq!(Arch::for_compute_capability(12, 1).unwrap(), Arch::Sm121a);
+    // Newer or other >= 9.0 devices get the forward-compatible sm_90 PTX.
+    assert_eq!(Arch::for_compute_capability(10, 0).unwrap(), Arch::Sm90);
+    assert_eq!(Arch::for_compute_capability(12, 0).unwrap(), Arch::Sm90);
+    for (major, minor) in [(8, 9), (8, 0), (7, 5)] {
+        let err = Arch::for_compute_capability(major, minor).unwrap_err();
+        assert!(matches!(err, host::Error::UnsupportedArch { .. }), "{major}.{minor}: {err}");
+        assert!(err.to_string().contains(&format!("{major}.{minor}")), "{err}");
+    }
+}

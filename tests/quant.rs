@@ -1,0 +1,143 @@
+//! FP8 e4m3 quantization: the reference encoder against hand-checked codes (CI), and the
+//! kernels bit-exact against the reference on the GPU (`#[ignore]`d).
+
+use half::bf16;
+use host::cpu::quant as cpu;
+use host::quant::{quant_static, quant_tensor, quant_token};
+use nemotron_rs::{POISON_FP8, Rng, assert_same, gpu};
+
+#[test]
+fn reference_e4m3_hand_checked() {
+    let cases: &[(f32, u8)] = &[
+        (0.0, 0x00),
+        (-0.0, 0x80),
+        (1.0, 0x38),
+        (-2.0, 0xc0),
+        (0.5, 0x30),
+        (448.0, 0x7e),
+        (-448.0, 0xfe),
+        (1000.0, 0x7e),                // saturates
+        (f32::INFINITY, 0x7e),         // satfinite
+        (1.0625, 0x38),                // tie between 1.0 (even) and 1.125: to even
+        (1.1875, 0x3a),                // tie between 1.125 and 1.25 (even)
+        (2f32.powi(-9), 0x01),         // smallest subnormal
+        (2f32.powi(-10), 0x00),        // tie between 0 (even) and 2^-9
+        (3.0 * 2f32.powi(-10), 0x02),  // tie between 2^-9 and 2^-8 (even)
+        (0.875 * 2f32.powi(-6), 0x07), // largest subnormal
+        (2f32.powi(-6), 0x08),         // smallest normal
+        (15.5 * 2f32.powi(-10), 0x08), // rounds up out of the subnormals
+        (240.0, 0x77),                 // 1.875 * 2^7
+        (464.0, 0x7e),
+    ];
+    for &(v, code) in cases {
+        assert_eq!(cpu::e4m3_encode(v), code, "encode {v}");
+    }
+    assert_eq!(cpu::e4m3_encode(f32::NAN) & 0x7f, 0x7f, "NaN stays NaN");
+    assert!(cpu::e4m3_decode(0x7f).is_nan());
+    // Every finite code decodes to a value that encodes back to the same code.
+    let mut n = 0;
+    for code in (0u8..=255).filter(|c| c & 0x7f != 0x7f) {
+        assert_eq!(cpu::e4m3_encode(cpu::e4m3_decode(code)), code, "round trip {code:#04x}");
+        n += 1;
+    }
+    assert_eq!(n, 254);
+}
+
+#[test]
+fn reference_scales_hand_checked() {
+    let x: Vec<bf16> = [0.0, 224.0, -448.0, 0.0, 0.0, 0.0].iter().map(|&v| bf16::from_f32(v)).collect();
+    let (q, s) = cpu::quant_token(&x, 3, None);
+    assert_eq!(s, vec![1.0, cpu::MIN_SCALE], "row amax 448 -> scale 1; all-zero row -> the floor");
+    assert_eq!(q, vec![0x00, 0x76, 0xfe, 0, 0, 0]); // 224 = 1.75 * 2^7
+    let (_, s) = cpu::quant_token(&x, 3, Some(224.0));
+    assert_eq!(s[0], 0.5, "amax clipped to the upper bound");
+    let (q, amax, s) = cpu::quant_tensor(&x);
+    assert_eq!((amax, s), (448.0, 1.0));
+    assert_eq!(q[2], 0xfe);
+    assert_eq!(cpu::quant_static(&x, 2.0)[1], cpu::e4m3_encode(112.0));
+}
+
+/// Rows of mixed magnitude, including an all-zero row, a NaN, and (with `static_scale`) values
+/// past the saturation point.
+fn inputs(rng: &mut Rng, rows: usize, width: usize) -> Vec<bf16> {
+    let mut x: Vec<bf16> = (0..rows)
+        .flat_map(|r| {
+            let scale = [1e-3, 0.3, 7.0, 900.0][r % 4];
+            rng.bf16s(width, -scale, scale)
+        })
+        .collect();
+    if rows > 2 {
+        x[width..2 * width].fill(bf16::ZERO);
+        x[2 * width + width / 2] = bf16::NAN;
+    }
+    x
+}
+
+const CASES: &[(usize, usize)] = &[(64, 2688), (1, 2688), (1, 1), (3, 1000), (7, 257), (1024, 4096), (5, 10304)];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_token_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(11);
+    let mut compared = 0;
+    for &(rows, width) in CASES {
+        for ub in [None, Some(3.0)] {
+            let x = inputs(&mut rng, rows, width);
+            let dx = gpu.upload(&x).unwrap();
+            let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+            let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            quant_token(&gpu, width, &dx, ub, &mut q, &mut s).unwrap();
+            let (want_q, want_s) = cpu::quant_token(&x, width, ub);
+            let label = format!("token {rows}x{width} ub {ub:?}");
+            compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+            compared += assert_same(&format!("{label} scales"), &gpu.download(&s).unwrap(), &want_s);
+        }
+    }
+    println!("quant_token: {compared} values compared bit-exact");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_tensor_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(12);
+    let mut compared = 0;
+    for &(rows, width) in CASES.iter().chain(&[(16384, 2688)]) {
+        let x = inputs(&mut rng, rows, width);
+        let zeros = vec![bf16::ZERO; rows * width];
+        for (what, x) in [("random", &x), ("all-zero", &zeros)] {
+            let dx = gpu.upload(x).unwrap();
+            let mut q = gpu.upload(&vec![POISON_FP8; x.len()]).unwrap();
+            let mut amax = gpu.upload(&[f32::NAN]).unwrap();
+            let mut scale = gpu.upload(&[f32::NAN]).unwrap();
+            quant_tensor(&gpu, &dx, &mut q, &mut amax, &mut scale).unwrap();
+            let (want_q, want_amax, want_scale) = cpu::quant_tensor(x);
+            let label = format!("tensor {what} {rows}x{width}");
+            compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+            compared += assert_same(&format!("{label} amax"), &gpu.download(&amax).unwrap(), &[want_amax]);
+            compared += assert_same(&format!("{label} scale"), &gpu.download(&scale).unwrap(), &[want_scale]);
+        }
+    }
+    println!("quant_tensor: {compared} values compared bit-exact");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_static_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(13);
+    let mut compared = 0;
+    for &(rows, width) in CASES {
+        // 0.0173: an input_scale-like value; 900-magnitude rows saturate past 448 * 0.0173.
+        for scale in [0.0173, 1.0, 3.5] {
+            let x = inputs(&mut rng, rows, width);
+            let dx = gpu.upload(&x).unwrap();
+            let mut q = gpu.upload(&vec![POISON_FP8; x.len()]).unwrap();
+            quant_static(&gpu, &dx, scale, &mut q).unwrap();
+            let label = format!("static {rows}x{width} scale {scale}");
+            compared += assert_same(&label, &gpu.download(&q).unwrap(), &cpu::quant_static(&x, scale));
+        }
+    }
+    println!("quant_static: {compared} values compared bit-exact");
+}

@@ -1,0 +1,199 @@
+//! `cargo xtask <command>`:
+//! - `ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
+//!   `.target` and every entry, assemble with ptxas 13.x, print registers / spills / shared
+//!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
+//! - `test [ARGS...]`: provision ptxas, then `cargo test --workspace ARGS...` (the CI command);
+//! - `bundle [--out DIR]`: build the release test and bench executables and copy them, stripped,
+//!   into DIR (default `.device`) to carry to a GPU machine.
+
+#[path = "../../host/ptx_build.rs"]
+mod ptx_build;
+mod tools;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use kernels_gpu::Kernel;
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let workspace =
+        Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("xtask lives in the workspace")?.to_path_buf();
+    match args.next().as_deref() {
+        Some("ptx") => {
+            let (mut arch, mut out) = (None, workspace.join("target/ptx/out"));
+            while let Some(a) = args.next() {
+                match a.as_str() {
+                    "--arch" => arch = args.next(),
+                    "--out" => out = args.next().map(PathBuf::from).context("--out needs a directory")?,
+                    other => bail!("unknown argument `{other}`; usage: cargo xtask ptx --arch <arch|all> [--out DIR]"),
+                }
+            }
+            let arch = arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_110|sm_121a|all>")?;
+            let arches: Vec<&str> = match arch.as_str() {
+                "all" => ptx_build::ARCHES.to_vec(),
+                a if ptx_build::ARCHES.contains(&a) => vec![a],
+                a => bail!("unsupported arch `{a}`; supported: {}, all", ptx_build::ARCHES.join(", ")),
+            };
+            ptx(&workspace, &arches, &out)
+        }
+        Some("test") => {
+            let ptxas = tools::ptxas(&workspace)?;
+            cargo(&workspace, &["test", "--workspace"], args, Some(&ptxas))
+        }
+        Some("bundle") => {
+            let out = match (args.next().as_deref(), args.next()) {
+                (Some("--out"), Some(dir)) => PathBuf::from(dir),
+                (None, _) => workspace.join(".device"),
+                _ => bail!("usage: cargo xtask bundle [--out DIR]"),
+            };
+            bundle(&workspace, &out)
+        }
+        _ => bail!(
+            "usage: cargo xtask <ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | bundle [--out DIR]>"
+        ),
+    }
+}
+
+/// Builds, checks and assembles the PTX of each arch, printing a resource table per arch.
+fn ptx(workspace: &Path, arches: &[&str], out: &Path) -> Result<()> {
+    let ptxas = tools::ptxas(workspace)?;
+    std::fs::create_dir_all(out)?;
+    for &arch in arches {
+        eprintln!("building PTX for {arch}");
+        let path = ptx_build::build_ptx(workspace, &workspace.join("target/ptx"), arch).map_err(anyhow::Error::msg)?;
+        let text = std::fs::read_to_string(&path)?;
+        let missing: Vec<&str> = Kernel::ALL.iter().map(|k| k.name()).filter(|n| !has_entry(&text, n)).collect();
+        if !missing.is_empty() {
+            bail!("{}: entries missing: {}", path.display(), missing.join(", "));
+        }
+        let cubin = path.with_extension("cubin");
+        let output = Command::new(&ptxas)
+            .args(["-arch", arch, "-v", "-o"])
+            .arg(&cubin)
+            .arg(&path)
+            .output()
+            .with_context(|| format!("running {}", ptxas.display()))?;
+        let log = String::from_utf8_lossy(&output.stderr).into_owned() + &String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() {
+            bail!("ptxas -arch {arch} rejected {}:\n{log}", path.display());
+        }
+        let dest = out.join(format!("{arch}.ptx"));
+        std::fs::copy(&path, &dest)?;
+        println!("\n{arch}: {} ({} bytes), assembled by ptxas for {arch}", dest.display(), text.len());
+        println!(
+            "{:<24} {:>9} {:>12} {:>11} {:>12} {:>11}",
+            "kernel", "registers", "spill-store", "spill-load", "static-smem", "stack"
+        );
+        for r in parse_ptxas(&log) {
+            println!(
+                "{:<24} {:>9} {:>12} {:>11} {:>12} {:>11}",
+                r.name, r.registers, r.spill_stores, r.spill_loads, r.smem, r.stack
+            );
+        }
+    }
+    println!("\n(dynamic shared memory is set per launch: see each kernel's doc comment)");
+    Ok(())
+}
+
+/// Whether `ptx` declares `.entry name(`.
+fn has_entry(ptx: &str, name: &str) -> bool {
+    ptx.lines().any(|l| {
+        l.trim_start()
+            .strip_prefix(".visible .entry ")
+            .is_some_and(|r| r.strip_prefix(name).is_some_and(|r| r.starts_with('(')))
+    })
+}
+
+/// One kernel's resources as `ptxas -v` reports them.
+#[derive(Default)]
+struct Resources {
+    name: String,
+    registers: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    smem: u32,
+    stack: u32,
+}
+
+/// Parses `ptxas -v` output into one row per entry function.
+fn parse_ptxas(log: &str) -> Vec<Resources> {
+    let number_before = |line: &str, unit: &str| -> Option<u32> {
+        let i = line.find(unit)?;
+        line[..i].trim_end().rsplit([' ', ',']).next()?.parse().ok()
+    };
+    let mut rows: Vec<Resources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_string();
+            rows.push(Resources { name, ..Resources::default() });
+        } else if let Some(r) = rows.last_mut() {
+            if let Some(v) = number_before(line, "bytes stack frame") {
+                r.stack = v;
+            }
+            if let Some(v) = number_before(line, "bytes spill stores") {
+                r.spill_stores = v;
+            }
+            if let Some(v) = number_before(line, "bytes spill loads") {
+                r.spill_loads = v;
+            }
+            if let Some(v) = number_before(line, "registers") {
+                r.registers = v;
+            }
+            if let Some(v) = number_before(line, "bytes smem") {
+                r.smem = v;
+            }
+        }
+    }
+    rows
+}
+
+/// Runs `cargo <base> <extra...>` in the workspace, with `PTXAS` set when given.
+fn cargo(workspace: &Path, base: &[&str], extra: impl Iterator<Item = String>, ptxas: Option<&Path>) -> Result<()> {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace).args(base).args(extra);
+    if let Some(p) = ptxas {
+        cmd.env("PTXAS", p);
+    }
+    let status = cmd.status().context("running cargo")?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", base.join(" "));
+    }
+    Ok(())
+}
+
+/// Builds the release test and bench executables and copies them, stripped, into `out`
+/// (`out/tests/<name>`, `out/benches/<name>`).
+fn bundle(workspace: &Path, out: &Path) -> Result<()> {
+    if out.exists() {
+        std::fs::remove_dir_all(out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    let test: &[&str] = &["test", "--no-run", "--release"];
+    let bench: &[&str] = &["bench", "--no-run"];
+    for (kind, args) in [("tests", test), ("benches", bench)] {
+        let output = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+            .current_dir(workspace)
+            .args(args)
+            .args(["--workspace", "--message-format=json-render-diagnostics"])
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .context("running cargo")?;
+        if !output.status.success() {
+            bail!("cargo {} failed", args.join(" "));
+        }
+        let dir = out.join(kind);
+        std::fs::create_dir_all(&dir)?;
+        for line in String::from_utf8_lossy(&output.stdout).lines() {
+            let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let (Some(exe), Some(name)) = (msg["executable"].as_str(), msg["target"]["name"].as_str()) else {
+                continue;
+            };
+            let dest = dir.join(name);
+            std::fs::copy(exe, &dest).with_context(|| format!("copying {exe}"))?;
+            let stripped = Command::new("strip").arg(&dest).status().map(|s| s.success()).unwrap_or(false);
+            eprintln!("{}{}", dest.display(), if stripped { "" } else { " (not stripped: no `strip`)" });
+        }
+    }
+    Ok(())
+}

@@ -189,6 +189,10 @@ fn bundle(workspace: &Path, out: &Path) -> Result<()> {
             let (Some(exe), Some(name)) = (msg["executable"].as_str(), msg["target"]["name"].as_str()) else {
                 continue;
             };
+            let is_bench = msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bench"));
+            if (kind == "benches") != is_bench {
+                continue;
+            }
             let dest = dir.join(name);
             std::fs::copy(exe, &dest).with_context(|| format!("copying {exe}"))?;
             let stripped = Command::new("strip").arg(&dest).status().map(|s| s.success()).unwrap_or(false);

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Runs on a GPU machine from the repo root, after `cargo xtask bundle` built .device/ here and
+# it was copied there: the GPU tests, compute-sanitizer memcheck and racecheck, and (with
+# `bench`) the benches. Logs go to $OUT (default: .device/out).
+OUT=${OUT:-.device/out}; mkdir -p "$OUT"
+set -o pipefail
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+which ptxas compute-sanitizer; ptxas --version | tail -1
+for t in ptx gpu norm quant; do
+  echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"
+done
+for tool in memcheck racecheck; do
+  for t in norm quant; do
+    echo "=== compute-sanitizer $tool tests/$t"
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 .device/tests/$t --include-ignored --test-threads=1 gpu_ 2>&1 | tail -4
+  done
+done
+if [ "$1" = bench ]; then
+  for b in norm quant; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
+fi

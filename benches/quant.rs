@@ -45,13 +45,11 @@ fn benches(c: &mut Criterion) {
                 }
             };
             let name = format!("quant/{variant}/bf16/{rows}x{width}");
-            b.report(&name, bytes, nsets, &mut launch);
+            let timed = b.capture(nsets, &mut launch);
+            timed.report(&name, bytes);
             group.throughput(Throughput::Bytes(bytes as u64));
             group.bench_function(name.trim_start_matches("quant/"), |bench| {
-                bench.iter_custom(|iters| {
-                    let ms = gpu.time_ms(|| (0..iters as usize).try_for_each(&mut launch)).unwrap();
-                    Duration::from_secs_f64(ms as f64 * 1e-3)
-                })
+                bench.iter_custom(|iters| timed.criterion(iters))
             });
         }
     }

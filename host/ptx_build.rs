@@ -40,7 +40,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     for var in CLEARED_ENV {
         cmd.env_remove(var);
     }
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}"));
+    // The row kernels keep [[f32; 8]; CHUNKS_PER_THREAD] per thread in registers; that needs
+    // their loops fully unrolled, past LLVM's default threshold (else the array lives in local
+    // memory: `cargo xtask ptx` fails on any stack frame or spill).
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}\x1f-Cllvm-args=-unroll-threshold=4000"));
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
         return Err(format!(

@@ -146,39 +146,59 @@ impl BenchGpu {
         COLD_BYTES.div_ceil(bytes_per_call.max(1)).clamp(1, 256)
     }
 
-    /// Times `launch(set)` per launch with CUDA events, warm (set 0 again and again) and cold
-    /// (rotating over `sets`), and prints medians and spreads with GB/s and % of the copy
-    /// bandwidth for `bytes` moved per launch. Returns the cold median in microseconds.
-    pub fn report(
-        &self,
-        name: &str,
-        bytes: usize,
-        sets: usize,
-        mut launch: impl FnMut(usize) -> host::Result<()>,
-    ) -> f64 {
-        let mut run = |rotate: bool| {
-            for i in 0..10 {
-                launch(if rotate { i % sets } else { 0 }).expect("warm-up launch");
-            }
-            let mut t: Vec<f64> = (0..200)
-                .map(|i| {
-                    let set = if rotate { i % sets } else { 0 };
-                    self.gpu.time_ms(|| launch(set)).expect("timed launch") as f64 * 1e3
-                })
-                .collect();
-            t.sort_by(f64::total_cmp);
-            (t[100], t[10], t[190])
-        };
-        let (warm, cold) = (run(false), run(true));
-        let line = |(med, p5, p95): (f64, f64, f64)| {
+    /// Captures `launch(set)` into two graphs: warm (set 0, again and again) and cold
+    /// (rotating over `sets` buffer sets, at least [`COLD_BYTES`] together).
+    pub fn capture(&self, sets: usize, mut launch: impl FnMut(usize) -> host::Result<()>) -> Timed<'_> {
+        let n_warm = 64;
+        let n_cold = sets * 64usize.div_ceil(sets);
+        let warm = self.gpu.capture(|| (0..n_warm).try_for_each(|_| launch(0))).expect("capturing the warm graph");
+        let cold =
+            self.gpu.capture(|| (0..n_cold).try_for_each(|i| launch(i % sets))).expect("capturing the cold graph");
+        Timed { bench: self, warm: (warm, n_warm), cold: (cold, n_cold) }
+    }
+}
+
+/// A launch captured as warm and cold CUDA graphs (see [`BenchGpu::capture`]). Times are per
+/// launch: a graph replay of n launches, timed with CUDA events, divided by n.
+pub struct Timed<'a> {
+    bench: &'a BenchGpu,
+    warm: (host::Graph, usize),
+    cold: (host::Graph, usize),
+}
+
+impl Timed<'_> {
+    /// Median, 10th and 90th percentile of 31 timed replays (after 3 untimed), microseconds per launch.
+    fn per_launch_us(&self, (graph, n): &(host::Graph, usize)) -> (f64, f64, f64) {
+        let gpu = &self.bench.gpu;
+        for _ in 0..3 {
+            graph.replay().expect("replaying a graph");
+        }
+        let mut t: Vec<f64> =
+            (0..31).map(|_| gpu.time_ms(|| graph.replay()).expect("timing a graph") as f64 * 1e3 / *n as f64).collect();
+        t.sort_by(f64::total_cmp);
+        (t[15], t[3], t[27])
+    }
+
+    /// Prints cold and warm per-launch times with GB/s and % of the copy bandwidth for `bytes`
+    /// moved per launch.
+    pub fn report(&self, name: &str, bytes: usize) {
+        let line = |(med, p10, p90): (f64, f64, f64)| {
             let rate = bytes as f64 / (med * 1e-6);
             format!(
-                "{med:8.2} us [p5 {p5:.2}, p95 {p95:.2}] {:7.0} GB/s {:5.1}%",
+                "{med:8.2} us [p10 {p10:.2}, p90 {p90:.2}] {:6.0} GB/s {:5.1}%",
                 rate / 1e9,
-                100.0 * rate / self.copy_bytes_per_s
+                100.0 * rate / self.bench.copy_bytes_per_s
             )
         };
-        println!("{name:<40} {:>9} B  cold {}  warm {}", bytes, line(cold), line(warm));
-        cold.0
+        let (cold, warm) = (self.per_launch_us(&self.cold), self.per_launch_us(&self.warm));
+        println!("{name:<36} {bytes:>10} B  cold {}  warm {}", line(cold), line(warm));
+    }
+
+    /// GPU time of `iters` launches (cold graph replays) for criterion's `iter_custom`.
+    pub fn criterion(&self, iters: u64) -> std::time::Duration {
+        let (graph, n) = &self.cold;
+        let reps = (iters as usize).div_ceil(*n);
+        let ms = self.bench.gpu.time_ms(|| (0..reps).try_for_each(|_| graph.replay())).expect("timing graph replays");
+        std::time::Duration::from_secs_f64(ms as f64 * 1e-3 * iters as f64 / (reps * n) as f64)
     }
 }

@@ -61,9 +61,22 @@ fn strided(rng: &mut Rng, v: &[bf16], width: usize, stride: usize) -> Vec<bf16> 
 
 /// (rows, width, groups): NemotronH widths (hidden 2688, D_in 4096 with 8 groups, in_proj
 /// 10304) and edges (one row, one channel, widths not a multiple of the block, odd groups).
-const PLAIN_CASES: &[(usize, usize)] = &[(1, 2688), (64, 2688), (7, 4096), (3, 10304), (1, 1), (5, 1000), (2, 257)];
-const GATED_CASES: &[(usize, usize, usize)] =
-    &[(64, 4096, 8), (1, 4096, 8), (129, 4096, 8), (3, 1000, 8), (2, 24, 3), (1, 1, 1), (4, 2048, 256), (2, 10304, 1)];
+/// The widest row (32768: 1024 threads of 4 chunks) and widths with a partial last chunk (257)
+/// or a partial last block (2688: 336 chunks on 96 threads) are edges too.
+const PLAIN_CASES: &[(usize, usize)] =
+    &[(1, 2688), (64, 2688), (7, 4096), (3, 10304), (1, 1), (5, 1000), (2, 257), (2, 32768)];
+const GATED_CASES: &[(usize, usize, usize)] = &[
+    (64, 4096, 8),
+    (1, 4096, 8),
+    (129, 4096, 8),
+    (3, 1000, 5),
+    (2, 24, 3),
+    (1, 1, 1),
+    (4, 2048, 256),
+    (2, 10304, 1),
+    (3, 1001, 1),
+    (1, 32768, 8),
+];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

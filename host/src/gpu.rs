@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
-    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DeviceSlice, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use kernels_gpu::{Kernel, KernelParams};
@@ -167,6 +167,22 @@ impl Gpu {
         start.elapsed_ms(&end).during("reading a timing event")
     }
 
+    /// Records the work `f` queues into a CUDA graph instead of running it; replay it with
+    /// [`Graph::replay`]. The buffers the work uses must outlive the graph and stay in place.
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(mode).during("starting a graph capture")?;
+        let queued = f();
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).during("ending a graph capture");
+        queued?;
+        let graph = graph?.ok_or(Error::Driver {
+            during: "ending a graph capture (nothing was captured)",
+            source: DriverError(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        })?;
+        graph.upload().during("uploading a graph")?;
+        Ok(Graph(graph))
+    }
+
     /// Copies `src` into `dst` on the device (equal lengths).
     pub fn copy<T: DeviceRepr>(&self, src: &impl DevicePtr<T>, dst: &mut impl DevicePtrMut<T>) -> Result<()> {
         self.stream.memcpy_dtod(src, dst).during("copying on the device")
@@ -220,6 +236,16 @@ impl Gpu {
         // SAFETY: forwarded from this function's contract.
         unsafe { b.launch(cfg) }.during("launching a kernel")?;
         Ok(())
+    }
+}
+
+/// A captured sequence of launches (see [`Gpu::capture`]).
+pub struct Graph(CudaGraph);
+
+impl Graph {
+    /// Queues the whole graph on the stream it was captured from.
+    pub fn replay(&self) -> Result<()> {
+        self.0.launch().during("launching a graph")
     }
 }
 

@@ -25,5 +25,5 @@ pub mod quant;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::{Error, Result};
-pub use gpu::{Arch, Gpu};
+pub use gpu::{Arch, Gpu, Graph};
 pub use kernels_gpu::Kernel;

@@ -2,10 +2,10 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, MAX_GROUPS, RmsNormParams, smem_bytes};
-use kernels_gpu::{Kernel, ROW_BLOCK};
+use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, RmsNormParams, smem_bytes};
+use kernels_gpu::{Kernel, MAX_ROW_WIDTH, VEC, row_block};
 
-use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
+use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
 
@@ -40,13 +40,20 @@ impl NormShape {
     ) -> Result<()> {
         let c = Check(kernel);
         c.count("rows", MAX_ROWS, self.rows)?;
-        c.count("width", MAX_ELEMS, self.width)?;
-        c.count("groups", MAX_GROUPS as usize, self.groups)?;
+        c.count("width", MAX_ROW_WIDTH as usize, self.width)?;
+        c.count("groups", self.width, self.groups)?;
         c.that(
             "groups",
             self.width.is_multiple_of(self.groups),
             format!("a divisor of width {}", self.width),
             self.groups,
+        )?;
+        let gs = self.width / self.groups;
+        c.that(
+            "groups",
+            self.groups == 1 || gs.is_multiple_of(VEC as usize),
+            format!("1, or a group size (width / groups) that is a multiple of {VEC}"),
+            format!("{} groups of {gs}", self.groups),
         )?;
         c.positive("eps", self.eps)?;
         let rows_extent = |stride: usize| (self.rows - 1).checked_mul(stride).and_then(|v| v.checked_add(self.width));
@@ -91,7 +98,7 @@ pub fn rms_norm(
     // SAFETY: `check` proved x covers rows * x_stride, w = width and y = rows * width
     // elements, rows and width in the kernel's index range; y is `&mut`, so it aliases no
     // input; grid/block/smem as norm_rms_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, ROW_BLOCK, smem_bytes(1), p) }
+    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, 1), p) }
 }
 
 /// Gated group RMSNorm (SPEC.md section 5): `u = x * silu(z)`, normalized per group.
@@ -118,8 +125,8 @@ pub fn gated_norm(
         eps: shape.eps,
     };
     // SAFETY: `check` proved the extents of x, z (strided), w and y and the group count
-    // (<= MAX_GROUPS, dividing width); y is `&mut`; grid/block/smem as norm_gated_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, ROW_BLOCK, smem_bytes(shape.groups as u32), p) }
+    // (dividing width into whole chunks); y is `&mut`; grid/block/smem as norm_gated_bf16 documents.
+    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, p.groups), p) }
 }
 
 /// Gated group RMSNorm fused with per-token FP8 e4m3 quantization of its bf16 output: the
@@ -154,7 +161,7 @@ pub fn gated_norm_fp8(
     };
     // SAFETY: as in `gated_norm`, plus q = rows * width and scales = rows elements, both
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, ROW_BLOCK, smem_bytes(shape.groups as u32), p) }
+    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, p.groups), p) }
 }
 
 #[cfg(test)]
@@ -189,6 +196,8 @@ mod tests {
         assert_eq!(bad(NormShape::new(4, 4096, 7, 1e-5)), "groups");
         assert_eq!(bad(NormShape::new(4, 4096, 0, 1e-5)), "groups");
         assert_eq!(bad(NormShape::new(4, 4096, 4096 * 2, 1e-5)), "groups");
+        assert_eq!(bad(NormShape::new(4, 1000, 8, 1e-5)), "groups"); // groups of 125
+        assert_eq!(bad(NormShape::new(4, MAX_ROW_WIDTH as usize + 8, 1, 1e-5)), "width");
         assert_eq!(bad(NormShape::new(0, 4096, 8, 1e-5)), "rows");
         assert_eq!(bad(NormShape::new(4, 0, 1, 1e-5)), "width");
         assert_eq!(bad(NormShape::new(4, 4096, 8, 0.0)), "eps");

@@ -4,10 +4,10 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::quant::{
-    ELEMS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams, QuantTokenParams,
-    TOKEN_SMEM_BYTES,
+    EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams, QuantTokenParams,
+    REDUCE_SMEM_BYTES,
 };
-use kernels_gpu::{Kernel, ROW_BLOCK};
+use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks, row_block};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::{During, Result};
@@ -24,15 +24,15 @@ pub(crate) fn check_amax_ub(kernel: Kernel, amax_ub: Option<f32>) -> Result<f32>
 /// Rows of a `[rows, width]` buffer of `len` elements, checked.
 fn rows_of(kernel: Kernel, len: usize, width: usize) -> Result<usize> {
     let c = Check(kernel);
-    c.count("width", MAX_ELEMS, width)?;
+    c.count("width", MAX_ROW_WIDTH as usize, width)?;
     c.that("x", len.is_multiple_of(width) && len > 0, format!("a non-empty multiple of width {width} elements"), len)?;
     c.count("rows", MAX_ROWS, len / width)?;
     Ok(len / width)
 }
 
-/// Blocks of a grid-stride launch over `n` elements.
+/// Blocks of a grid-stride launch over `n` elements (`n <= MAX_ELEMS`).
 fn elementwise_grid(n: usize) -> u32 {
-    n.div_ceil((ROW_BLOCK * ELEMS_PER_THREAD) as usize).clamp(1, MAX_GRID as usize) as u32
+    chunks(n as u32).div_ceil(EW_BLOCK * EW_CHUNKS_PER_THREAD).clamp(1, MAX_GRID)
 }
 
 /// Per-token dynamic FP8: `x` is `[rows, width]`; writes codes `q` (same shape) and one scale
@@ -59,7 +59,7 @@ pub fn quant_token(
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
-    unsafe { gpu.launch(k, rows as u32, ROW_BLOCK, TOKEN_SMEM_BYTES, p) }
+    unsafe { gpu.launch(k, rows as u32, row_block(width as u32), REDUCE_SMEM_BYTES, p) }
 }
 
 /// Per-tensor dynamic FP8 over all of `x`: writes `amax = max |x|` (NaN ignored), the scale
@@ -85,8 +85,8 @@ pub fn quant_tensor(
         n: n as u32,
     };
     // SAFETY: x holds n elements, amax one (zeroed above, in stream order); any grid, block
-    // ROW_BLOCK, smem TOKEN_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(ka, grid, ROW_BLOCK, TOKEN_SMEM_BYTES, pa)? };
+    // EW_BLOCK, smem REDUCE_SMEM_BYTES as quant_amax_bf16 documents.
+    unsafe { gpu.launch(ka, grid, EW_BLOCK, REDUCE_SMEM_BYTES, pa)? };
     let pq = QuantTensorParams {
         x: pa.x,
         amax: pa.amax,
@@ -96,7 +96,7 @@ pub fn quant_tensor(
     };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
     // the scale write cannot race the amax reads); runs after the amax launch on the stream.
-    unsafe { gpu.launch(kq, grid, ROW_BLOCK, 0, pq) }
+    unsafe { gpu.launch(kq, grid, EW_BLOCK, 0, pq) }
 }
 
 /// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
@@ -112,8 +112,8 @@ pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut imp
         n: n as u32,
         scale,
     };
-    // SAFETY: x and q hold n elements, q is `&mut`; any grid, block ROW_BLOCK.
-    unsafe { gpu.launch(k, elementwise_grid(n), ROW_BLOCK, 0, p) }
+    // SAFETY: x and q hold n elements, q is `&mut`; any grid, block EW_BLOCK.
+    unsafe { gpu.launch(k, elementwise_grid(n), EW_BLOCK, 0, p) }
 }
 
 #[cfg(test)]
@@ -135,6 +135,7 @@ mod tests {
         assert_eq!(arg_of(rows_of(k, 64 * 2688 + 1, 2688)), "x");
         assert_eq!(arg_of(rows_of(k, 0, 2688)), "x");
         assert_eq!(arg_of(rows_of(k, 10, 0)), "width");
+        assert_eq!(arg_of(rows_of(k, 40000, 40000)), "width");
     }
 
     #[test]
@@ -150,7 +151,7 @@ mod tests {
     #[test]
     fn elementwise_grid_is_bounded() {
         assert_eq!(elementwise_grid(1), 1);
-        assert_eq!(elementwise_grid((ROW_BLOCK * ELEMS_PER_THREAD) as usize + 1), 2);
-        assert_eq!(elementwise_grid(usize::MAX / 2), MAX_GRID);
+        assert_eq!(elementwise_grid((EW_BLOCK * EW_CHUNKS_PER_THREAD * 8) as usize + 1), 2);
+        assert_eq!(elementwise_grid(MAX_ELEMS), MAX_GRID);
     }
 }

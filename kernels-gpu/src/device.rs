@@ -124,12 +124,6 @@ pub fn f32x2_to_e4m3(hi: f32, lo: f32) -> u16 {
     r
 }
 
-/// One f32 to an FP8 e4m3 code (see [`f32x2_to_e4m3`]).
-#[inline(always)]
-pub fn f32_to_e4m3(v: f32) -> u8 {
-    f32x2_to_e4m3(0.0, v) as u8
-}
-
 /// e^v through `ex2.approx.ftz.f32` (relative error about 2^-22).
 #[inline(always)]
 pub fn exp_fast(v: f32) -> f32 {
@@ -140,10 +134,16 @@ pub fn exp_fast(v: f32) -> f32 {
     r
 }
 
-/// silu(v) = v / (1 + e^-v).
+/// silu(v) = v / (1 + e^-v), with the full-range approximate division (2 ulp).
 #[inline(always)]
 pub fn silu(v: f32) -> f32 {
-    v / (1.0 + exp_fast(-v))
+    let r: f32;
+    // SAFETY: a register-to-register instruction.
+    unsafe {
+        asm!("div.full.f32 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) v, b = in(reg32) 1.0 + exp_fast(-v),
+             options(pure, nomem, nostack))
+    };
+    r
 }
 
 /// Correctly rounded square root (`sqrt.rn.f32`).
@@ -172,12 +172,12 @@ pub unsafe fn st<T: Copy>(p: *mut T, i: usize, v: T) {
     unsafe { *p.add(i) = v }
 }
 
-/// Max over a block of [`crate::ROW_BLOCK`] threads (NaN-ignoring); every thread gets it.
-/// Uses `scratch[0..ROW_WARPS]` of shared memory; barriers inside, so call it in uniform flow.
+/// Max over the block (NaN-ignoring); every thread gets it. Uses `scratch[0..warps()]` of
+/// shared memory; barriers inside, so call it in uniform flow.
 #[inline(always)]
 pub fn block_max(v: f32, scratch: *mut f32) -> f32 {
     let warp_total = warp_max(v);
-    // SAFETY: `scratch` holds ROW_WARPS floats of shared memory; lane 0 of warp w alone writes
+    // SAFETY: `scratch` holds warps() floats of shared memory; lane 0 of warp w alone writes
     // slot w, and the barriers order those writes before the reads and the reads before the
     // next reuse of `scratch`.
     unsafe {
@@ -186,10 +186,108 @@ pub fn block_max(v: f32, scratch: *mut f32) -> f32 {
         }
         sync_threads();
         let mut acc = ld(scratch, 0);
-        for w in 1..crate::ROW_WARPS as usize {
+        for w in 1..warps() as usize {
             acc = fmax(acc, ld(scratch, w));
         }
         sync_threads();
         acc
     }
+}
+
+/// Eight bf16 as one 16-byte load.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct Bf16x8([u16; 8]);
+
+/// Eight e4m3 codes as one 8-byte store.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct U8x8([u8; 8]);
+
+/// Elements `c0..c0 + 8` of a bf16 array of `len` as f32, zero past `len`: one 16-byte load
+/// when the chunk is whole and aligned, element loads otherwise.
+///
+/// # Safety
+/// `p[c0..min(c0 + 8, len)]` must be readable.
+#[inline(always)]
+pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
+    let q = p.wrapping_add(c0);
+    let mut v = [0.0f32; 8];
+    // SAFETY: the vector load reads q[0..8], within len; element loads stay below len.
+    unsafe {
+        if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
+            v = (*(q as *const Bf16x8)).0.map(bf16_to_f32);
+        } else {
+            for (i, vi) in v.iter_mut().enumerate() {
+                if c0 + i < len {
+                    *vi = bf16_to_f32(ld(p, c0 + i));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole
+/// and aligned).
+///
+/// # Safety
+/// `p[c0..min(c0 + 8, len)]` must be writable by this thread alone.
+#[inline(always)]
+pub unsafe fn store8_bf16(p: *mut u16, c0: usize, len: usize, v: [f32; 8]) {
+    let q = p.wrapping_add(c0);
+    let raw = Bf16x8(v.map(f32_to_bf16));
+    // SAFETY: as for load8_bf16, for writes.
+    unsafe {
+        if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
+            *(q as *mut Bf16x8) = raw;
+        } else {
+            for i in 0..8 {
+                if c0 + i < len {
+                    st(p, c0 + i, raw.0[i]);
+                }
+            }
+        }
+    }
+}
+
+/// Writes the e4m3 codes of `v` at elements `c0..min(c0 + 8, len)` (one 8-byte store when whole
+/// and aligned).
+///
+/// # Safety
+/// `p[c0..min(c0 + 8, len)]` must be writable by this thread alone.
+#[inline(always)]
+pub unsafe fn store8_e4m3(p: *mut u8, c0: usize, len: usize, v: [f32; 8]) {
+    let q = p.wrapping_add(c0);
+    let mut raw = U8x8([0; 8]);
+    for i in 0..4 {
+        let pair = f32x2_to_e4m3(v[2 * i + 1], v[2 * i]);
+        raw.0[2 * i] = pair as u8;
+        raw.0[2 * i + 1] = (pair >> 8) as u8;
+    }
+    // SAFETY: as for load8_bf16, for writes.
+    unsafe {
+        if c0 + 8 <= len && (q as usize).is_multiple_of(8) {
+            *(q as *mut U8x8) = raw;
+        } else {
+            for i in 0..8 {
+                if c0 + i < len {
+                    st(p, c0 + i, raw.0[i]);
+                }
+            }
+        }
+    }
+}
+
+/// Threads in this block.
+#[inline(always)]
+pub fn block_dim_x() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_block_dim_x() as u32 }
+}
+
+/// Warps in this block (blocks are whole warps).
+#[inline(always)]
+pub fn warps() -> u32 {
+    block_dim_x() / 32
 }

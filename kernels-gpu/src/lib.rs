@@ -21,10 +21,32 @@ mod device;
 pub mod norm;
 pub mod quant;
 
-/// Threads per block of the row-wise kernels (norm, quant); 8 warps.
-pub const ROW_BLOCK: u32 = 256;
-/// Warps per block of the row-wise kernels.
-pub const ROW_WARPS: u32 = ROW_BLOCK / 32;
+/// Elements in one chunk: the unit of a 16-byte bf16 load, and what a thread converts at once.
+pub const VEC: u32 = 8;
+/// Chunks each thread of a row kernel keeps in registers.
+pub const CHUNKS_PER_THREAD: u32 = 4;
+/// Most threads in a block.
+pub const MAX_BLOCK: u32 = 1024;
+/// Widest row a row kernel handles (every chunk of a row held in registers by one block).
+pub const MAX_ROW_WIDTH: u32 = VEC * CHUNKS_PER_THREAD * MAX_BLOCK;
+/// Floats of shared memory a block reduction uses (one per warp of the largest block).
+pub const REDUCE_SMEM_FLOATS: u32 = MAX_BLOCK / 32;
+
+/// Chunks of a row of `width` elements.
+pub const fn chunks(width: u32) -> u32 {
+    width.div_ceil(VEC)
+}
+
+/// Threads per block of the row kernels (norm, per-token quant) for rows of `width`
+/// (<= [`MAX_ROW_WIDTH`]): whole warps, enough that each thread holds at most
+/// [`CHUNKS_PER_THREAD`] chunks. One block handles one row.
+pub const fn row_block(width: u32) -> u32 {
+    let threads = chunks(width).div_ceil(CHUNKS_PER_THREAD).div_ceil(32) * 32;
+    if threads < 32 { 32 } else { threads }
+}
+
+/// Threads per block of the element-wise (grid-stride) kernels.
+pub const EW_BLOCK: u32 = 256;
 
 macro_rules! kernels {
     ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {

@@ -2,10 +2,14 @@
 //! RMSNorm fused with per-token FP8 e4m3 quantization.
 //!
 //! Layout: row-major `[rows, width]` bf16 activations (rows may be strided), `w` is `[width]`
-//! bf16, math in f32. One block of [`crate::ROW_BLOCK`] threads per row: pass 1 accumulates
-//! each group's sum of squares (block-strided over the group's channels, reduced per warp into
-//! shared memory), then one thread per group turns the partials into `rstd[g]`, then pass 2
-//! recomputes the (gated) input and writes `w * (u * rstd[g])`.
+//! bf16, math in f32. One block of [`crate::row_block`]`(width)` threads per row; the row is cut
+//! into chunks of [`crate::VEC`] channels and thread t holds chunks `t, t + B, t + 2B, ...` (at
+//! most [`crate::CHUNKS_PER_THREAD`]) in registers, loaded with 16-byte loads where aligned.
+//! Each thread writes its chunks' sums of squares to shared memory; warp w then sums the
+//! chunks of groups `w, w + warps, ...` in a fixed order (deterministic) into `rstd[g]`; each
+//! thread finally scales its own chunks: `y = w * (u * rstd[g])`.
+//!
+//! A group must hold whole chunks: `groups == 1` or `(width / groups) % 8 == 0`.
 
 use crate::KernelParams;
 
@@ -77,13 +81,10 @@ unsafe impl KernelParams for GatedNormParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for GatedNormFp8Params {}
 
-/// Most groups a norm kernel accepts (bounds its shared memory).
-pub const MAX_GROUPS: u32 = 1024;
-
-/// Dynamic shared memory of a norm launch with `groups` groups: per-warp partial sums of
-/// every group, then one `rstd` per group.
-pub const fn smem_bytes(groups: u32) -> u32 {
-    groups * (crate::ROW_WARPS + 1) * 4
+/// Dynamic shared memory of a norm launch: one sum of squares per chunk, one `rstd` per
+/// group, and the block-reduction scratch.
+pub const fn smem_bytes(width: u32, groups: u32) -> u32 {
+    (crate::chunks(width) + groups + crate::REDUCE_SMEM_FLOATS) * 4
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -91,7 +92,9 @@ mod kernels {
     use super::*;
     use crate::device::*;
     use crate::quant::token_scale;
-    use crate::{ROW_BLOCK, ROW_WARPS};
+    use crate::{CHUNKS_PER_THREAD, VEC, chunks};
+
+    const J: usize = CHUNKS_PER_THREAD as usize;
 
     /// One row of a norm launch: where its inputs are and how it is grouped.
     struct Row {
@@ -103,100 +106,111 @@ mod kernels {
         groups: u32,
     }
 
-    impl Row {
-        /// The (gated) input `u` at channel `c`, in f32.
-        #[inline(always)]
-        unsafe fn u(&self, c: u32) -> f32 {
-            // SAFETY: c < width; the launcher checked x and z hold `width` channels per row.
-            unsafe {
-                let x = bf16_to_f32(ld(self.x, c as usize));
-                if self.z.is_null() { x } else { x * silu(bf16_to_f32(ld(self.z, c as usize))) }
-            }
-        }
+    /// This thread's chunks: `j`-th is chunk `t + j * B`, present when `< chunks(width)`.
+    #[inline(always)]
+    fn chunk(j: usize) -> u32 {
+        thread_x() + j as u32 * block_dim_x()
+    }
 
-        /// Computes `rstd[g]` of every group into shared memory (`smem_bytes(groups)` bytes
-        /// at `smem`) and returns a pointer to it. Contains barriers: call in uniform flow.
+    impl Row {
+        /// The normalized row, this thread's chunks, in f32 (before rounding). Uses the shared
+        /// memory laid out by [`smem_bytes`]; contains barriers: call in uniform flow.
         #[inline(always)]
-        unsafe fn group_rstd(&self, smem: *mut f32, eps: f32) -> *mut f32 {
-            let t = thread_x();
+        unsafe fn normalize(&self, smem: *mut f32, eps: f32) -> [[f32; 8]; J] {
+            let (width, n) = (self.width as usize, chunks(self.width));
             let gs = self.width / self.groups;
-            let rstd = smem.wrapping_add((self.groups * ROW_WARPS) as usize);
-            // SAFETY: every index below is < groups * (ROW_WARPS + 1), the launch's shared
-            // memory; lane 0 of warp w alone writes partial (g, w); the barrier orders them
-            // before the per-group sums, and the second barrier orders those before any read.
+            let css = smem;
+            let rstd = smem.wrapping_add(n as usize);
+            let mut u = [[0.0f32; 8]; J];
+            // SAFETY: chunk k < n covers channels < width of rows the launcher checked; css
+            // has n slots, rstd `groups`; each thread writes only its own css slots, warp w
+            // only rstd of its groups, and the barriers order writes before reads.
             unsafe {
-                for g in 0..self.groups {
-                    let mut acc = 0.0f32;
-                    let mut c = g * gs + t;
-                    while c < (g + 1) * gs {
-                        let u = self.u(c);
-                        acc += u * u;
-                        c += ROW_BLOCK;
-                    }
-                    let acc = warp_sum(acc);
-                    if lane_id() == 0 {
-                        st(smem, (g * ROW_WARPS + warp_id()) as usize, acc);
+                for (j, uj) in u.iter_mut().enumerate() {
+                    let k = chunk(j);
+                    if k < n {
+                        let c0 = (k * VEC) as usize;
+                        *uj = load8_bf16(self.x, c0, width);
+                        if !self.z.is_null() {
+                            let z = load8_bf16(self.z, c0, width);
+                            for i in 0..8 {
+                                uj[i] *= silu(z[i]);
+                            }
+                        }
+                        st(css, k as usize, uj.iter().map(|v| v * v).sum());
                     }
                 }
                 sync_threads();
-                let mut g = t;
+                // Chunks per group: every chunk when there is one group (the last may be
+                // partial), else gs / VEC (the launcher checked gs % VEC == 0).
+                let cpg = if self.groups == 1 { n } else { gs / VEC };
+                let mut g = warp_id();
                 while g < self.groups {
                     let mut s = 0.0f32;
-                    for w in 0..ROW_WARPS {
-                        s += ld(smem, (g * ROW_WARPS + w) as usize);
+                    let mut k = g * cpg + lane_id();
+                    while k < (g + 1) * cpg {
+                        s += ld(css, k as usize);
+                        k += 32;
                     }
-                    st(rstd, g as usize, 1.0 / sqrt(s / gs as f32 + eps));
-                    g += ROW_BLOCK;
+                    let s = warp_sum(s);
+                    if lane_id() == 0 {
+                        st(rstd, g as usize, 1.0 / sqrt(s / gs as f32 + eps));
+                    }
+                    g += warps();
                 }
                 sync_threads();
+                for (j, uj) in u.iter_mut().enumerate() {
+                    let k = chunk(j);
+                    if k < n {
+                        let c0 = (k * VEC) as usize;
+                        let w = load8_bf16(self.w, c0, width);
+                        let r = ld(rstd, c0 / gs as usize);
+                        for i in 0..8 {
+                            uj[i] = w[i] * (uj[i] * r);
+                        }
+                    }
+                }
             }
-            rstd
-        }
-
-        /// The normalized output at channel `c` in f32 (before rounding to bf16).
-        #[inline(always)]
-        unsafe fn y(&self, c: u32, rstd: *const f32) -> f32 {
-            let gs = self.width / self.groups;
-            // SAFETY: c < width, so c / gs < groups, within `rstd`; w holds `width` values.
-            unsafe { bf16_to_f32(ld(self.w, c as usize)) * (self.u(c) * ld(rstd, (c / gs) as usize)) }
+            u
         }
     }
 
-    /// Normalizes row `block_x()` of `[rows, width]` into `y` (bf16).
+    /// Normalizes row `block_x()` and writes it to `y` (bf16).
     #[inline(always)]
     unsafe fn norm_row(row: Row, y: *mut u16, eps: f32) {
-        let t = thread_x();
-        // SAFETY: the launcher sized dynamic shared memory as smem_bytes(groups) and y as
-        // [rows, width]; each thread writes its own channels.
+        let (width, n) = (row.width as usize, chunks(row.width));
+        // SAFETY: the launcher sized y as [rows, width] and shared memory as smem_bytes;
+        // each thread writes its own chunks.
         unsafe {
-            let rstd = row.group_rstd(dyn_smem_f32(), eps);
-            let mut c = t;
-            while c < row.width {
-                st(y, c as usize, f32_to_bf16(row.y(c, rstd)));
-                c += ROW_BLOCK;
+            let v = row.normalize(dyn_smem_f32(), eps);
+            for (j, vj) in v.iter().enumerate() {
+                let k = chunk(j);
+                if k < n {
+                    store8_bf16(y, (k * VEC) as usize, width, *vj);
+                }
             }
         }
     }
 
-    /// Plain RMSNorm, [`RmsNormParams`]. Grid `(rows)`, block [`ROW_BLOCK`], dynamic shared
-    /// memory `smem_bytes(1)`. Block r reads row r of x and all of w, writes row r of y.
+    /// Plain RMSNorm, [`RmsNormParams`]. Grid `(rows)`, block `row_block(width)`, dynamic
+    /// shared memory `smem_bytes(width, 1)`. Block r reads row r of x and all of w, writes row r of y.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_rms_bf16(p: RmsNormParams) {
-        let r = block_x();
+        let r = block_x() as usize;
         let row = Row {
-            x: p.x.wrapping_add(r as usize * p.x_stride as usize),
+            x: p.x.wrapping_add(r * p.x_stride as usize),
             z: core::ptr::null(),
             w: p.w,
             width: p.width,
             groups: 1,
         };
         // SAFETY: launch contract checked by the host launcher (host/src/norm.rs).
-        unsafe { norm_row(row, p.y.wrapping_add(r as usize * p.width as usize), p.eps) }
+        unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize), p.eps) }
     }
 
-    /// Gated group RMSNorm, [`GatedNormParams`]. Grid `(rows)`, block [`ROW_BLOCK`], dynamic
-    /// shared memory `smem_bytes(groups)`. Block r reads rows r of x and z and all of w,
-    /// writes row r of y.
+    /// Gated group RMSNorm, [`GatedNormParams`]. Grid `(rows)`, block `row_block(width)`,
+    /// dynamic shared memory `smem_bytes(width, groups)`. Block r reads rows r of x and z and
+    /// all of w, writes row r of y.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_bf16(p: GatedNormParams) {
         let r = block_x() as usize;
@@ -212,12 +226,11 @@ mod kernels {
     }
 
     /// Gated group RMSNorm + per-token FP8, [`GatedNormFp8Params`]. Grid `(rows)`, block
-    /// [`ROW_BLOCK`], dynamic shared memory `smem_bytes(groups)`. Block r: rstd per group,
-    /// then max |bf16(y)| over the row, then codes `e4m3(bf16(y) / s)`; thread 0 writes `s`.
+    /// `row_block(width)`, dynamic shared memory `smem_bytes(width, groups)`. Block r: the
+    /// normalized row rounded to bf16, its max |.|, then codes `e4m3(y / s)`; thread 0 writes `s`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_fp8_bf16(p: GatedNormFp8Params) {
         let r = block_x() as usize;
-        let t = thread_x();
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
             z: p.z.wrapping_add(r * p.z_stride as usize),
@@ -225,26 +238,29 @@ mod kernels {
             width: p.width,
             groups: p.groups,
         };
-        let q = p.q.wrapping_add(r * p.width as usize);
-        // SAFETY: launch contract checked by the host launcher; `smem[0..ROW_WARPS]` is free
-        // again after group_rstd's last barrier (rstd lives past groups * ROW_WARPS >= ROW_WARPS).
+        let (width, n) = (p.width as usize, chunks(p.width));
+        let q = p.q.wrapping_add(r * width);
+        // SAFETY: launch contract checked by the host launcher; the reduction scratch follows
+        // css and rstd in shared memory (smem_bytes).
         unsafe {
             let smem = dyn_smem_f32();
-            let rstd = row.group_rstd(smem, p.eps);
-            let y = |c| bf16_to_f32(f32_to_bf16(row.y(c, rstd)));
+            let mut v = row.normalize(smem, p.eps);
             let mut amax = 0.0f32;
-            let mut c = t;
-            while c < row.width {
-                amax = fmax(amax, y(c).abs());
-                c += ROW_BLOCK;
+            for vj in v.iter_mut() {
+                for y in vj.iter_mut() {
+                    *y = bf16_to_f32(f32_to_bf16(*y));
+                    amax = fmax(amax, y.abs());
+                }
             }
-            let s = token_scale(block_max(amax, smem), p.amax_ub);
-            let mut c = t;
-            while c < row.width {
-                st(q, c as usize, f32_to_e4m3(y(c) / s));
-                c += ROW_BLOCK;
+            let scratch = smem.wrapping_add((n + p.groups) as usize);
+            let s = token_scale(block_max(amax, scratch), p.amax_ub);
+            for (j, vj) in v.iter().enumerate() {
+                let k = chunk(j);
+                if k < n {
+                    store8_e4m3(q, (k * VEC) as usize, width, vj.map(|y| y / s));
+                }
             }
-            if t == 0 {
+            if thread_x() == 0 {
                 st(p.scales, r, s);
             }
         }

@@ -80,12 +80,13 @@ unsafe impl KernelParams for QuantTensorParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for QuantStaticParams {}
 
-/// Dynamic shared memory of the row-wise quant kernels (one partial per warp).
-pub const TOKEN_SMEM_BYTES: u32 = crate::ROW_WARPS * 4;
+/// Dynamic shared memory of the per-token and amax kernels (the block-reduction scratch).
+pub const REDUCE_SMEM_BYTES: u32 = crate::REDUCE_SMEM_FLOATS * 4;
 
-/// Elements each thread of the element-wise kernels handles per grid pass, on average; the
-/// host sizes their grid as `ceil(n / (ROW_BLOCK * ELEMS_PER_THREAD))`, capped at [`MAX_GRID`].
-pub const ELEMS_PER_THREAD: u32 = 8;
+/// Chunks each thread of the element-wise kernels handles per grid pass, on average; the
+/// host sizes their grid as `ceil(chunks / (EW_BLOCK * EW_CHUNKS_PER_THREAD))`, capped at
+/// [`MAX_GRID`].
+pub const EW_CHUNKS_PER_THREAD: u32 = 4;
 /// Most blocks of an element-wise (grid-stride) launch.
 pub const MAX_GRID: u32 = 2048;
 
@@ -99,57 +100,63 @@ pub fn token_scale(amax: f32, amax_ub: f32) -> f32 {
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
-    use crate::ROW_BLOCK;
     use crate::device::*;
+    use crate::{CHUNKS_PER_THREAD, EW_BLOCK, VEC, chunks};
 
-    /// Per-token dynamic FP8, [`QuantTokenParams`]. Grid `(rows)`, block [`ROW_BLOCK`],
-    /// dynamic shared memory [`TOKEN_SMEM_BYTES`]. Block r reads row r twice (amax, then
-    /// codes), writes row r of q and `scales[r]` (thread 0).
+    /// Per-token dynamic FP8, [`QuantTokenParams`]. Grid `(rows)`, block `row_block(width)`,
+    /// dynamic shared memory [`REDUCE_SMEM_BYTES`]. Block r loads row r once into registers
+    /// (thread t: chunks t, t + B, ...), reduces max |x|, writes row r of q and `scales[r]`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_token_fp8_bf16(p: QuantTokenParams) {
         let r = block_x() as usize;
-        let t = thread_x();
-        let w = p.width as usize;
-        let (x, q) = (p.x.wrapping_add(r * w), p.q.wrapping_add(r * w));
-        // SAFETY: launch contract checked by host/src/quant.rs; each thread writes its own codes.
+        let (width, n) = (p.width as usize, chunks(p.width));
+        let (x, q) = (p.x.wrapping_add(r * width), p.q.wrapping_add(r * width));
+        let mut v = [[0.0f32; 8]; CHUNKS_PER_THREAD as usize];
+        let chunk = |j: usize| thread_x() + j as u32 * block_dim_x();
+        // SAFETY: launch contract checked by host/src/quant.rs; chunk k < n covers channels
+        // below width; each thread writes its own chunks.
         unsafe {
             let mut amax = 0.0f32;
-            let mut c = t;
-            while c < p.width {
-                amax = fmax(amax, bf16_to_f32(ld(x, c as usize)).abs());
-                c += ROW_BLOCK;
+            for (j, vj) in v.iter_mut().enumerate() {
+                if chunk(j) < n {
+                    *vj = load8_bf16(x, (chunk(j) * VEC) as usize, width);
+                    amax = vj.iter().fold(amax, |a, y| fmax(a, y.abs()));
+                }
             }
             let s = token_scale(block_max(amax, dyn_smem_f32()), p.amax_ub);
-            let mut c = t;
-            while c < p.width {
-                st(q, c as usize, f32_to_e4m3(bf16_to_f32(ld(x, c as usize)) / s));
-                c += ROW_BLOCK;
+            for (j, vj) in v.iter().enumerate() {
+                if chunk(j) < n {
+                    store8_e4m3(q, (chunk(j) * VEC) as usize, width, vj.map(|y| y / s));
+                }
             }
-            if t == 0 {
+            if thread_x() == 0 {
                 st(p.scales, r, s);
             }
         }
     }
 
-    /// Grid-stride loop over `0..n` for the element-wise kernels.
+    /// Grid-stride loop over the chunks of `0..n` for the element-wise kernels: `f(c0)` for
+    /// each chunk start `c0`.
     #[inline(always)]
-    fn for_each_index(n: u32, mut f: impl FnMut(usize)) {
-        let stride = grid_dim_x() * ROW_BLOCK;
-        let mut i = block_x() * ROW_BLOCK + thread_x();
-        while i < n {
-            f(i as usize);
-            i += stride;
+    fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
+        let stride = grid_dim_x() * EW_BLOCK;
+        let mut k = block_x() * EW_BLOCK + thread_x();
+        while k < chunks(n) {
+            f((k * VEC) as usize);
+            k += stride;
         }
     }
 
-    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`ROW_BLOCK`], dynamic shared
-    /// memory [`TOKEN_SMEM_BYTES`]. Each block reduces its share and thread 0 does one
+    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`EW_BLOCK`], dynamic shared
+    /// memory [`REDUCE_SMEM_BYTES`]. Each block reduces its chunks and thread 0 does one
     /// `red.global.max.u32` on the bits of `*amax` (f32 >= 0 order like their bits).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_amax_bf16(p: QuantAmaxParams) {
         let mut amax = 0.0f32;
-        // SAFETY: i < n, the length the launcher checked.
-        for_each_index(p.n, |i| amax = fmax(amax, bf16_to_f32(unsafe { ld(p.x, i) }).abs()));
+        // SAFETY: chunks stay below n, the length the launcher checked.
+        for_each_chunk(p.n, |c0| {
+            amax = unsafe { load8_bf16(p.x, c0, p.n as usize) }.iter().fold(amax, |a, y| fmax(a, y.abs()))
+        });
         let amax = block_max(amax, dyn_smem_f32());
         if thread_x() == 0 {
             // SAFETY: `p.amax` points at one f32 in global memory; the atomic serializes blocks.
@@ -160,25 +167,27 @@ mod kernels {
         }
     }
 
-    /// Per-tensor quantization, [`QuantTensorParams`]. Any grid, block [`ROW_BLOCK`]. Each
-    /// thread reads `*amax`, derives the scale, and writes the codes of its elements.
+    /// Per-tensor quantization, [`QuantTensorParams`]. Any grid, block [`EW_BLOCK`]. Each
+    /// thread reads `*amax`, derives the scale, and writes the codes of its chunks.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_tensor_fp8_bf16(p: QuantTensorParams) {
         // SAFETY: launch contract checked by host/src/quant.rs.
         unsafe {
             let s = (ld(p.amax, 0) / E4M3_MAX).max(MIN_SCALE);
             let inv = 1.0 / s;
-            for_each_index(p.n, |i| st(p.q, i, f32_to_e4m3(bf16_to_f32(ld(p.x, i)) * inv)));
+            let n = p.n as usize;
+            for_each_chunk(p.n, |c0| store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v * inv)));
             if block_x() == 0 && thread_x() == 0 {
                 st(p.scale, 0, s);
             }
         }
     }
 
-    /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`ROW_BLOCK`].
+    /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`EW_BLOCK`].
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_static_fp8_bf16(p: QuantStaticParams) {
-        // SAFETY: i < n, the length the launcher checked.
-        for_each_index(p.n, |i| unsafe { st(p.q, i, f32_to_e4m3(bf16_to_f32(ld(p.x, i)) / p.scale)) });
+        let n = p.n as usize;
+        // SAFETY: chunks stay below n, the length the launcher checked.
+        for_each_chunk(p.n, |c0| unsafe { store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v / p.scale)) });
     }
 }

@@ -86,11 +86,20 @@ fn ptx(workspace: &Path, arches: &[&str], out: &Path) -> Result<()> {
             "{:<24} {:>9} {:>12} {:>11} {:>12} {:>11}",
             "kernel", "registers", "spill-store", "spill-load", "static-smem", "stack"
         );
-        for r in parse_ptxas(&log) {
+        let rows = parse_ptxas(&log);
+        for r in &rows {
             println!(
                 "{:<24} {:>9} {:>12} {:>11} {:>12} {:>11}",
                 r.name, r.registers, r.spill_stores, r.spill_loads, r.smem, r.stack
             );
+        }
+        if rows.len() != Kernel::ALL.len() {
+            bail!("ptxas -v reported {} entries, expected {}:\n{log}", rows.len(), Kernel::ALL.len());
+        }
+        let local: Vec<&str> =
+            rows.iter().filter(|r| r.stack + r.spill_stores + r.spill_loads > 0).map(|r| r.name.as_str()).collect();
+        if !local.is_empty() {
+            bail!("{arch}: kernels using local memory (stack frame or spills): {}", local.join(", "));
         }
     }
     println!("\n(dynamic shared memory is set per launch: see each kernel's doc comment)");

@@ -204,34 +204,11 @@ struct Bf16x8([u16; 8]);
 #[derive(Clone, Copy)]
 struct U8x8([u8; 8]);
 
-/// 16 bytes of global memory through the read-only data path (`ld.global.nc`).
+/// Elements `c0..c0 + 8` of a bf16 array of `len` as f32, zero past `len`: one 16-byte load
+/// when the chunk is whole and aligned, element loads otherwise.
 ///
 /// # Safety
-/// `p` must be 16-byte aligned, in global memory, readable, and not written while the kernel runs.
-#[inline(always)]
-unsafe fn ld_global_nc_v4(p: *const u16) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    // SAFETY: guaranteed by the caller; generic-to-global conversion first, as PTX requires.
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .u64 g;",
-            "cvta.to.global.u64 g, {p};",
-            "ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [g];",
-            "}}",
-            p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-            options(pure, readonly, nostack)
-        )
-    };
-    [a, b, c, d]
-}
-
-/// Elements `c0..c0 + 8` of a read-only bf16 input array of `len` as f32, zero past `len`: one
-/// 16-byte load when the chunk is whole and aligned, element loads otherwise.
-///
-/// # Safety
-/// `p[c0..min(c0 + 8, len)]` must be readable global memory that no thread writes during the
-/// kernel.
+/// `p[c0..min(c0 + 8, len)]` must be readable.
 #[inline(always)]
 pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
     let q = p.wrapping_add(c0);
@@ -239,12 +216,7 @@ pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
     // SAFETY: the vector load reads q[0..8], within len; element loads stay below len.
     unsafe {
         if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
-            // Little-endian: the low half of each word is the even element.
-            let w = ld_global_nc_v4(q);
-            for i in 0..4 {
-                v[2 * i] = f32::from_bits(w[i] << 16);
-                v[2 * i + 1] = f32::from_bits(w[i] & 0xffff_0000);
-            }
+            v = (*(q as *const Bf16x8)).0.map(bf16_to_f32);
         } else {
             for (i, vi) in v.iter_mut().enumerate() {
                 if c0 + i < len {

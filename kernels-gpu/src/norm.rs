@@ -122,18 +122,14 @@ mod kernels {
             let css = smem;
             let rstd = smem.wrapping_add(n as usize);
             let mut u = [[0.0f32; 8]; J];
-            let mut w = [[0.0f32; 8]; J];
             // SAFETY: chunk k < n covers channels < width of rows the launcher checked; css
             // has n slots, rstd `groups`; each thread writes only its own css slots, warp w
             // only rstd of its groups, and the barriers order writes before reads.
             unsafe {
-                for (j, (uj, wj)) in u.iter_mut().zip(w.iter_mut()).enumerate() {
+                for (j, uj) in u.iter_mut().enumerate() {
                     let k = chunk(j);
                     if k < n {
                         let c0 = (k * VEC) as usize;
-                        // w is needed only after the reductions; loading it now keeps its
-                        // latency off the critical path.
-                        *wj = load8_bf16(self.w, c0, width);
                         *uj = load8_bf16(self.x, c0, width);
                         if !self.z.is_null() {
                             let z = load8_bf16(self.z, c0, width);
@@ -163,12 +159,14 @@ mod kernels {
                     g += warps();
                 }
                 sync_threads();
-                for (j, (uj, wj)) in u.iter_mut().zip(w.iter()).enumerate() {
+                for (j, uj) in u.iter_mut().enumerate() {
                     let k = chunk(j);
                     if k < n {
-                        let r = ld(rstd, (k * VEC / gs) as usize);
+                        let c0 = (k * VEC) as usize;
+                        let w = load8_bf16(self.w, c0, width);
+                        let r = ld(rstd, c0 / gs as usize);
                         for i in 0..8 {
-                            uj[i] = wj[i] * (uj[i] * r);
+                            uj[i] = w[i] * (uj[i] * r);
                         }
                     }
                 }

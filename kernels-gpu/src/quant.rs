@@ -83,7 +83,7 @@ unsafe impl KernelParams for QuantStaticParams {}
 /// Dynamic shared memory of the per-token and amax kernels (the block-reduction scratch).
 pub const REDUCE_SMEM_BYTES: u32 = crate::REDUCE_SMEM_FLOATS * 4;
 
-/// Chunks each thread of the element-wise kernels loads at once per grid-stride step; the
+/// Chunks each thread of the element-wise kernels handles per grid pass, on average; the
 /// host sizes their grid as `ceil(chunks / (EW_BLOCK * EW_CHUNKS_PER_THREAD))`, capped at
 /// [`MAX_GRID`].
 pub const EW_CHUNKS_PER_THREAD: u32 = 4;
@@ -135,34 +135,15 @@ mod kernels {
         }
     }
 
-    /// Grid-stride loop over the chunks of the bf16 input `x` of `n` elements: each step
-    /// loads [`EW_CHUNKS_PER_THREAD`] chunks per thread at once (coalesced per chunk index),
-    /// then calls `f(c0, values)` for each chunk starting at element `c0`.
-    ///
-    /// # Safety
-    /// `x[0..n]` must be readable and not written during the kernel.
+    /// Grid-stride loop over the chunks of `0..n` for the element-wise kernels: `f(c0)` for
+    /// each chunk start `c0`.
     #[inline(always)]
-    unsafe fn for_each_chunk(x: *const u16, n: u32, mut f: impl FnMut(usize, [f32; 8])) {
-        const J: u32 = EW_CHUNKS_PER_THREAD;
-        let nch = chunks(n);
-        let step = grid_dim_x() * EW_BLOCK * J;
-        let mut base = block_x() * EW_BLOCK * J + thread_x();
-        while base < nch {
-            let mut v = [[0.0f32; 8]; J as usize];
-            for (j, vj) in v.iter_mut().enumerate() {
-                let k = base + j as u32 * EW_BLOCK;
-                if k < nch {
-                    // SAFETY: chunk k < chunks(n) starts below n; load8_bf16 stops at n.
-                    *vj = unsafe { load8_bf16(x, (k * VEC) as usize, n as usize) };
-                }
-            }
-            for (j, vj) in v.iter().enumerate() {
-                let k = base + j as u32 * EW_BLOCK;
-                if k < nch {
-                    f((k * VEC) as usize, *vj);
-                }
-            }
-            base += step;
+    fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
+        let stride = grid_dim_x() * EW_BLOCK;
+        let mut k = block_x() * EW_BLOCK + thread_x();
+        while k < chunks(n) {
+            f((k * VEC) as usize);
+            k += stride;
         }
     }
 
@@ -172,8 +153,10 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_amax_bf16(p: QuantAmaxParams) {
         let mut amax = 0.0f32;
-        // SAFETY: x holds n elements, the length the launcher checked.
-        unsafe { for_each_chunk(p.x, p.n, |_, v| amax = v.iter().fold(amax, |a, y| fmax(a, y.abs()))) };
+        // SAFETY: chunks stay below n, the length the launcher checked.
+        for_each_chunk(p.n, |c0| {
+            amax = unsafe { load8_bf16(p.x, c0, p.n as usize) }.iter().fold(amax, |a, y| fmax(a, y.abs()))
+        });
         let amax = block_max(amax, dyn_smem_f32());
         if thread_x() == 0 {
             // SAFETY: `p.amax` points at one f32 in global memory; the atomic serializes blocks.
@@ -193,7 +176,7 @@ mod kernels {
             let s = (ld(p.amax, 0) / E4M3_MAX).max(MIN_SCALE);
             let inv = 1.0 / s;
             let n = p.n as usize;
-            for_each_chunk(p.x, p.n, |c0, v| store8_e4m3(p.q, c0, n, v.map(|v| v * inv)));
+            for_each_chunk(p.n, |c0| store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v * inv)));
             if block_x() == 0 && thread_x() == 0 {
                 st(p.scale, 0, s);
             }
@@ -204,7 +187,7 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_static_fp8_bf16(p: QuantStaticParams) {
         let n = p.n as usize;
-        // SAFETY: x and q hold n elements, the length the launcher checked.
-        unsafe { for_each_chunk(p.x, p.n, |c0, v| store8_e4m3(p.q, c0, n, v.map(|v| v / p.scale))) };
+        // SAFETY: chunks stay below n, the length the launcher checked.
+        for_each_chunk(p.n, |c0| unsafe { store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v / p.scale)) });
     }
 }

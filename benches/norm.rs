@@ -42,6 +42,9 @@ fn benches(c: &mut Criterion) {
         ("gated_fp8", 16384, 4096, 8),
     ];
     for &(variant, rows, width, groups) in cases {
+        if !BenchGpu::selected(&format!("{variant}/bf16/{rows}x{width}")) {
+            continue;
+        }
         let n = rows * width;
         let gated = variant != "rms";
         let out_bytes = if variant == "gated_fp8" { n + 4 * rows } else { 2 * n };

@@ -24,6 +24,9 @@ fn benches(c: &mut Criterion) {
     let width = 2688;
     for variant in ["token", "tensor", "static"] {
         for rows in [1, 64, 4096, 16384] {
+            if !BenchGpu::selected(&format!("{variant}/bf16/{rows}x{width}")) {
+                continue;
+            }
             let n = rows * width;
             // Minimal bytes: x read once, codes written, one scale per row (token).
             let bytes = 2 * n + n + if variant == "token" { 4 * rows } else { 4 };

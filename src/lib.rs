@@ -141,6 +141,12 @@ impl BenchGpu {
         Some(BenchGpu { gpu, copy_bytes_per_s })
     }
 
+    /// Whether the shape `name` is selected by the bench's filter argument (criterion's
+    /// positional filter, e.g. `cargo bench --bench norm -- gated/bf16/64x`); all without one.
+    pub fn selected(name: &str) -> bool {
+        std::env::args().skip(1).find(|a| !a.starts_with('-')).is_none_or(|f| name.contains(&f))
+    }
+
     /// Buffer sets to rotate through so one pass touches at least [`COLD_BYTES`].
     pub fn cold_sets(bytes_per_call: usize) -> usize {
         COLD_BYTES.div_ceil(bytes_per_call.max(1)).clamp(1, 256)
@@ -202,3 +208,8 @@ impl Timed<'_> {
         std::time::Duration::from_secs_f64(ms as f64 * 1e-3 * iters as f64 / (reps * n) as f64)
     }
 }
+
+/// The README's Rust examples, compiled as doctests so they stay true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -11,6 +11,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use kernels_gpu::{Kernel, KernelParams};
 
+use crate::check::Check;
 use crate::error::{During, Error, Result};
 
 /// A PTX flavour embedded in this crate.
@@ -89,6 +90,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     arch: Arch,
     functions: Vec<CudaFunction>,
+    /// Most threads per block each function can launch with (its register use decides).
+    max_threads: Vec<u32>,
     _module: Arc<CudaModule>,
 }
 
@@ -118,8 +121,14 @@ impl Gpu {
             .iter()
             .map(|k| module.load_function(k.name()).map_err(|_| Error::MissingEntry(k.name())))
             .collect::<Result<Vec<_>>>()?;
+        let max_threads = functions
+            .iter()
+            .map(|f| f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK))
+            .map(|r| r.map(|v| v.max(0) as u32))
+            .collect::<Result<Vec<_>, _>>()
+            .during("reading kernel attributes")?;
         let stream = ctx.new_stream().during("creating a stream")?;
-        Ok(Gpu { ctx, stream, arch, functions, _module: module })
+        Ok(Gpu { ctx, stream, arch, functions, max_threads, _module: module })
     }
 
     /// The arch whose PTX was loaded.
@@ -229,6 +238,13 @@ impl Gpu {
         params: P,
     ) -> Result<()> {
         let f = &self.functions[kernel as usize];
+        let max = self.max_threads[kernel as usize];
+        Check(kernel).that(
+            "width",
+            block <= max,
+            format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),
+            format!("one needing {block}"),
+        )?;
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: smem };
         let block = ParamBlock(params);
         let mut b = self.stream.launch_builder(f);

@@ -3,6 +3,8 @@
 //!   `.target` and every entry, assemble with ptxas 13.x, print registers / spills / shared
 //!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
 //! - `test [ARGS...]`: provision ptxas, then `cargo test --workspace ARGS...` (the CI command);
+//! - `lint`: rustfmt check, and clippy with warnings denied on the host crates and on the
+//!   device code as built for nvptx64;
 //! - `bundle [--out DIR]`: build the release test and bench executables and copy them, stripped,
 //!   into DIR (default `.device`) to carry to a GPU machine.
 
@@ -41,6 +43,31 @@ fn main() -> Result<()> {
         Some("test") => {
             let ptxas = tools::ptxas(&workspace)?;
             cargo(&workspace, &["test", "--workspace"], args, Some(&ptxas))
+        }
+        Some("lint") => {
+            cargo(&workspace, &["fmt", "--all", "--", "--check"], args, None)?;
+            cargo(
+                &workspace,
+                &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+                std::iter::empty(),
+                None,
+            )?;
+            let device = [
+                "clippy",
+                "-p",
+                "kernels-gpu",
+                "--profile",
+                "ptx",
+                "--target",
+                "nvptx64-nvidia-cuda",
+                "-Zbuild-std=core",
+                "--target-dir",
+                "target/clippy-ptx",
+                "--",
+                "-D",
+                "warnings",
+            ];
+            cargo(&workspace, &device, std::iter::empty(), None)
         }
         Some("bundle") => {
             let out = match (args.next().as_deref(), args.next()) {

@@ -102,13 +102,39 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// f32 to bf16 bits, round to nearest even (`cvt.rn.bf16.f32`).
+/// Two f32 to bf16 bits, round to nearest even: `hi << 16 | lo` (`cvt.rn.bf16x2.f32`, one
+/// instruction for the pair).
 #[inline(always)]
-pub fn f32_to_bf16(v: f32) -> u16 {
-    let r: u16;
+pub fn f32x2_to_bf16x2(hi: f32, lo: f32) -> u32 {
+    let r: u32;
     // SAFETY: a register-to-register conversion (sm_80+).
-    unsafe { asm!("cvt.rn.bf16.f32 {r}, {v};", r = out(reg16) r, v = in(reg32) v, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) hi, b = in(reg32) lo,
+             options(pure, nomem, nostack))
+    };
     r
+}
+
+/// Eight f32 rounded to bf16 (nearest even), as bits.
+#[inline(always)]
+pub fn f32x8_to_bf16(v: [f32; 8]) -> [u16; 8] {
+    let mut out = [0u16; 8];
+    for i in 0..4 {
+        let pair = f32x2_to_bf16x2(v[2 * i + 1], v[2 * i]);
+        out[2 * i] = pair as u16;
+        out[2 * i + 1] = (pair >> 16) as u16;
+    }
+    out
+}
+
+/// `x / s`, correctly rounded like `div.rn.f32`, given `r = 1 / s` correctly rounded: one
+/// multiply and two FMAs instead of a full division per element (Markstein: the FMA residual
+/// correction of a quotient within 1 ulp, with a reciprocal within half an ulp, rounds
+/// correctly). Used where one divisor serves many elements.
+#[inline(always)]
+pub fn div_rn_by(x: f32, s: f32, r: f32) -> f32 {
+    let q = x * r;
+    core::f32::math::mul_add(core::f32::math::mul_add(-q, s, x), r, q)
 }
 
 /// Two f32 to FP8 e4m3 codes, round to nearest even, saturating to +-448, NaN kept:
@@ -236,7 +262,7 @@ pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
 #[inline(always)]
 pub unsafe fn store8_bf16(p: *mut u16, c0: usize, len: usize, v: [f32; 8]) {
     let q = p.wrapping_add(c0);
-    let raw = Bf16x8(v.map(f32_to_bf16));
+    let raw = Bf16x8(f32x8_to_bf16(v));
     // SAFETY: as for load8_bf16, for writes.
     unsafe {
         if c0 + 8 <= len && (q as usize).is_multiple_of(16) {

@@ -247,17 +247,16 @@ mod kernels {
             let mut v = row.normalize(smem, p.eps);
             let mut amax = 0.0f32;
             for vj in v.iter_mut() {
-                for y in vj.iter_mut() {
-                    *y = bf16_to_f32(f32_to_bf16(*y));
-                    amax = fmax(amax, y.abs());
-                }
+                *vj = f32x8_to_bf16(*vj).map(bf16_to_f32);
+                amax = vj.iter().fold(amax, |a, y| fmax(a, y.abs()));
             }
             let scratch = smem.wrapping_add((n + p.groups) as usize);
             let s = token_scale(block_max(amax, scratch), p.amax_ub);
+            let inv_s = 1.0 / s;
             for (j, vj) in v.iter().enumerate() {
                 let k = chunk(j);
                 if k < n {
-                    store8_e4m3(q, (k * VEC) as usize, width, vj.map(|y| y / s));
+                    store8_e4m3(q, (k * VEC) as usize, width, vj.map(|y| div_rn_by(y, s, inv_s)));
                 }
             }
             if thread_x() == 0 {

@@ -124,9 +124,10 @@ mod kernels {
                 }
             }
             let s = token_scale(block_max(amax, dyn_smem_f32()), p.amax_ub);
+            let inv_s = 1.0 / s;
             for (j, vj) in v.iter().enumerate() {
                 if chunk(j) < n {
-                    store8_e4m3(q, (chunk(j) * VEC) as usize, width, vj.map(|y| y / s));
+                    store8_e4m3(q, (chunk(j) * VEC) as usize, width, vj.map(|y| div_rn_by(y, s, inv_s)));
                 }
             }
             if thread_x() == 0 {
@@ -186,8 +187,11 @@ mod kernels {
     /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`EW_BLOCK`].
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_static_fp8_bf16(p: QuantStaticParams) {
-        let n = p.n as usize;
+        let (n, s) = (p.n as usize, p.scale);
+        let r = 1.0 / s;
         // SAFETY: chunks stay below n, the length the launcher checked.
-        for_each_chunk(p.n, |c0| unsafe { store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v / p.scale)) });
+        for_each_chunk(p.n, |c0| unsafe {
+            store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| div_rn_by(v, s, r)))
+        });
     }
 }

@@ -6,15 +6,18 @@ OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 which ptxas compute-sanitizer; ptxas --version | tail -1
-for t in ptx gpu norm quant; do
+for t in ptx gpu norm quant conv1d ssm ssd; do
   echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"
 done
+# The sanitizers run every GPU test except the long sequential ones (100 decode steps, the
+# token-by-token scan), which add time but no kernel the others do not run.
 for tool in memcheck racecheck; do
-  for t in norm quant; do
+  for t in norm quant conv1d ssm ssd; do
     echo "=== compute-sanitizer $tool tests/$t"
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 .device/tests/$t --include-ignored --test-threads=1 gpu_ 2>&1 | tail -4
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 .device/tests/$t --include-ignored --test-threads=1 \
+      --skip 100_steps --skip token_by_token gpu_ 2>&1 | tail -4
   done
 done
 if [ "$1" = bench ]; then
-  for b in norm quant; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
+  for b in ${BENCHES:-norm quant conv1d ssm ssd}; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
 fi

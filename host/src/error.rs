@@ -27,6 +27,8 @@ pub enum Error {
         "kernel entry `{0}` is missing from the loaded PTX module: the build is inconsistent, run `cargo clean` and rebuild"
     )]
     MissingEntry(&'static str),
+    #[error("invalid batch: {0}")]
+    Batch(String),
 }
 
 /// The host crate's result type.

@@ -92,6 +92,9 @@ pub struct Gpu {
     functions: Vec<CudaFunction>,
     /// Most threads per block each function can launch with (its register use decides).
     max_threads: Vec<u32>,
+    /// Most dynamic shared memory a block may use (the device's opt-in limit, enabled for
+    /// every function at load).
+    max_smem: u32,
     _module: Arc<CudaModule>,
 }
 
@@ -127,8 +130,14 @@ impl Gpu {
             .map(|r| r.map(|v| v.max(0) as u32))
             .collect::<Result<Vec<_>, _>>()
             .during("reading kernel attributes")?;
+        let optin = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        let max_smem = ctx.attribute(optin).during("reading the shared memory limit")?.max(0) as u32;
+        for f in &functions {
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, max_smem as i32).during("enabling large shared memory")?;
+        }
         let stream = ctx.new_stream().during("creating a stream")?;
-        Ok(Gpu { ctx, stream, arch, functions, max_threads, _module: module })
+        Ok(Gpu { ctx, stream, arch, functions, max_threads, max_smem, _module: module })
     }
 
     /// The arch whose PTX was loaded.
@@ -223,7 +232,7 @@ impl Gpu {
         Ok(buf.device_ptr_mut(&self.stream).0)
     }
 
-    /// Queues `kernel` with its parameter block.
+    /// Queues `kernel` with its parameter block on a grid of `grid` blocks (x, y, z).
     ///
     /// # Safety
     /// `params` must satisfy `kernel`'s launch contract (its doc comment in kernels-gpu): every
@@ -232,12 +241,24 @@ impl Gpu {
     pub(crate) unsafe fn launch<P: KernelParams>(
         &self,
         kernel: Kernel,
-        grid: u32,
+        grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         params: P,
     ) -> Result<()> {
         let f = &self.functions[kernel as usize];
+        Check(kernel).that(
+            "shape",
+            smem <= self.max_smem,
+            format!("one needing at most {} bytes of shared memory per block on this GPU", self.max_smem),
+            format!("one needing {smem}"),
+        )?;
+        Check(kernel).that(
+            "shape",
+            grid.1 <= 65535 && grid.2 <= 65535,
+            "a grid of at most 65535 in y and z",
+            format!("{grid:?}"),
+        )?;
         let max = self.max_threads[kernel as usize];
         Check(kernel).that(
             "width",
@@ -245,7 +266,7 @@ impl Gpu {
             format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),
             format!("one needing {block}"),
         )?;
-        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
         let block = ParamBlock(params);
         let mut b = self.stream.launch_builder(f);
         b.arg(&block);

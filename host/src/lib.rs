@@ -16,12 +16,16 @@
 //! # Ok(()) }
 //! ```
 
+pub mod batch;
 mod check;
+pub mod conv1d;
 pub mod cpu;
 mod error;
 mod gpu;
 pub mod norm;
 pub mod quant;
+pub mod ssd;
+pub mod ssm;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::{Error, Result};

@@ -98,7 +98,7 @@ pub fn rms_norm(
     // SAFETY: `check` proved x covers rows * x_stride, w = width and y = rows * width
     // elements, rows and width in the kernel's index range; y is `&mut`, so it aliases no
     // input; grid/block/smem as norm_rms_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, 1), p) }
+    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), row_block(p.width), smem_bytes(p.width, 1), p) }
 }
 
 /// Gated group RMSNorm (SPEC.md section 5): `u = x * silu(z)`, normalized per group.
@@ -126,7 +126,7 @@ pub fn gated_norm(
     };
     // SAFETY: `check` proved the extents of x, z (strided), w and y and the group count
     // (dividing width into whole chunks); y is `&mut`; grid/block/smem as norm_gated_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, p.groups), p) }
+    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), row_block(p.width), smem_bytes(p.width, p.groups), p) }
 }
 
 /// Gated group RMSNorm fused with per-token FP8 e4m3 quantization of its bf16 output: the
@@ -161,7 +161,7 @@ pub fn gated_norm_fp8(
     };
     // SAFETY: as in `gated_norm`, plus q = rows * width and scales = rows elements, both
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.
-    unsafe { gpu.launch(k, shape.rows as u32, row_block(p.width), smem_bytes(p.width, p.groups), p) }
+    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), row_block(p.width), smem_bytes(p.width, p.groups), p) }
 }
 
 #[cfg(test)]

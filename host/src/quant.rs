@@ -59,7 +59,7 @@ pub fn quant_token(
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
-    unsafe { gpu.launch(k, rows as u32, row_block(width as u32), REDUCE_SMEM_BYTES, p) }
+    unsafe { gpu.launch(k, (rows as u32, 1, 1), row_block(width as u32), REDUCE_SMEM_BYTES, p) }
 }
 
 /// Per-tensor dynamic FP8 over all of `x`: writes `amax = max |x|` (NaN ignored), the scale
@@ -86,7 +86,7 @@ pub fn quant_tensor(
     };
     // SAFETY: x holds n elements, amax one (zeroed above, in stream order); any grid, block
     // EW_BLOCK, smem REDUCE_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(ka, grid, EW_BLOCK, REDUCE_SMEM_BYTES, pa)? };
+    unsafe { gpu.launch(ka, (grid, 1, 1), EW_BLOCK, REDUCE_SMEM_BYTES, pa)? };
     let pq = QuantTensorParams {
         x: pa.x,
         amax: pa.amax,
@@ -96,7 +96,7 @@ pub fn quant_tensor(
     };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
     // the scale write cannot race the amax reads); runs after the amax launch on the stream.
-    unsafe { gpu.launch(kq, grid, EW_BLOCK, 0, pq) }
+    unsafe { gpu.launch(kq, (grid, 1, 1), EW_BLOCK, 0, pq) }
 }
 
 /// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
@@ -113,7 +113,7 @@ pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut imp
         scale,
     };
     // SAFETY: x and q hold n elements, q is `&mut`; any grid, block EW_BLOCK.
-    unsafe { gpu.launch(k, elementwise_grid(n), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@ use core::arch::nvptx;
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.bfly.f32"]
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
+    #[link_name = "llvm.nvvm.shfl.sync.up.f32"]
+    fn shfl_up_f32(mask: u32, v: f32, delta: u32, clamp: u32) -> f32;
 }
 
 // The block's dynamic shared memory (sized by the launch). A module-level `.extern .shared`
@@ -45,6 +47,18 @@ pub fn warp_id() -> u32 {
 }
 
 #[inline(always)]
+pub fn block_y() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_block_idx_y() as u32 }
+}
+
+#[inline(always)]
+pub fn block_z() -> u32 {
+    // SAFETY: reading a special register.
+    unsafe { nvptx::_block_idx_z() as u32 }
+}
+
+#[inline(always)]
 pub fn grid_dim_x() -> u32 {
     // SAFETY: reading a special register.
     unsafe { nvptx::_grid_dim_x() as u32 }
@@ -74,6 +88,22 @@ pub fn warp_sum(mut v: f32) -> f32 {
         // SAFETY: all 32 lanes take part (full mask); callers run full warps.
         v += unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) };
         m >>= 1;
+    }
+    v
+}
+
+/// Inclusive prefix sum over the lanes of a full warp: lane l gets the sum of lanes 0..=l.
+#[inline(always)]
+pub fn warp_inclusive_sum(mut v: f32) -> f32 {
+    let lane = lane_id();
+    let mut d = 1;
+    while d < 32 {
+        // SAFETY: all 32 lanes take part (full mask); callers run full warps.
+        let up = unsafe { shfl_up_f32(u32::MAX, v, d, 0) };
+        if lane >= d {
+            v += up;
+        }
+        d <<= 1;
     }
     v
 }
@@ -113,6 +143,12 @@ pub fn f32x2_to_bf16x2(hi: f32, lo: f32) -> u32 {
              options(pure, nomem, nostack))
     };
     r
+}
+
+/// One f32 to bf16 bits, round to nearest even.
+#[inline(always)]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    f32x2_to_bf16x2(0.0, v) as u16
 }
 
 /// Eight f32 rounded to bf16 (nearest even), as bits.
@@ -316,4 +352,92 @@ pub fn block_dim_x() -> u32 {
 #[inline(always)]
 pub fn warps() -> u32 {
     block_dim_x() / 32
+}
+
+/// ln(1 + e^v), and v itself above 20 (SPEC.md's softplus).
+#[inline(always)]
+pub fn softplus(v: f32) -> f32 {
+    if v > 20.0 {
+        return v;
+    }
+    let r: f32;
+    // SAFETY: a register-to-register instruction (lg2.approx: relative error about 2^-22).
+    unsafe {
+        asm!("lg2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) 1.0 + exp_fast(v),
+             options(pure, nomem, nostack))
+    };
+    r * core::f32::consts::LN_2
+}
+
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct F32x4([f32; 4]);
+
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct Bf16x4([u16; 4]);
+
+/// An SSM state element type: f32, or u16 holding bf16 bits. Four consecutive elements move
+/// as one aligned access.
+pub trait StateElem: Copy {
+    /// # Safety
+    /// `p[0..4]` readable, `p` aligned to 4 elements.
+    unsafe fn load4(p: *const Self) -> [f32; 4];
+    /// # Safety
+    /// `p[0..4]` writable by this thread alone, `p` aligned to 4 elements.
+    unsafe fn store4(p: *mut Self, v: [f32; 4]);
+    /// # Safety
+    /// `p` readable.
+    unsafe fn load(p: *const Self) -> f32;
+    /// # Safety
+    /// `p` writable by this thread alone.
+    unsafe fn store(p: *mut Self, v: f32);
+}
+
+impl StateElem for f32 {
+    #[inline(always)]
+    unsafe fn load4(p: *const f32) -> [f32; 4] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (*(p as *const F32x4)).0 }
+    }
+    #[inline(always)]
+    unsafe fn store4(p: *mut f32, v: [f32; 4]) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { *(p as *mut F32x4) = F32x4(v) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        // SAFETY: guaranteed by the caller.
+        unsafe { *p }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: f32) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { *p = v }
+    }
+}
+
+impl StateElem for u16 {
+    #[inline(always)]
+    unsafe fn load4(p: *const u16) -> [f32; 4] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (*(p as *const Bf16x4)).0.map(bf16_to_f32) }
+    }
+    #[inline(always)]
+    unsafe fn store4(p: *mut u16, v: [f32; 4]) {
+        let lo = f32x2_to_bf16x2(v[1], v[0]);
+        let hi = f32x2_to_bf16x2(v[3], v[2]);
+        // SAFETY: guaranteed by the caller.
+        unsafe { *(p as *mut Bf16x4) = Bf16x4([lo as u16, (lo >> 16) as u16, hi as u16, (hi >> 16) as u16]) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> f32 {
+        // SAFETY: guaranteed by the caller.
+        bf16_to_f32(unsafe { *p })
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u16, v: f32) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { *p = f32_to_bf16(v) }
+    }
 }

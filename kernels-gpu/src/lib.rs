@@ -18,8 +18,11 @@
 #[cfg(target_arch = "nvptx64")]
 mod device;
 
+pub mod conv1d;
 pub mod norm;
 pub mod quant;
+pub mod ssd;
+pub mod ssm;
 
 /// Elements in one chunk: the unit of a 16-byte bf16 load, and what a thread converts at once.
 pub const VEC: u32 = 8;
@@ -86,6 +89,26 @@ kernels! {
     QuantTensor = "quant_tensor_fp8_bf16",
     /// [`quant::QuantStaticParams`]: FP8 e4m3 quantization with a given (static) scale.
     QuantStatic = "quant_static_fp8_bf16",
+    /// [`conv1d::ConvUpdateParams`]: causal conv1d decode step, in place at the rows' slots.
+    ConvUpdate = "conv1d_update_bf16",
+    /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs (varlen).
+    ConvFwd = "conv1d_fwd_bf16",
+    /// [`conv1d::ConvFwdParams`]: causal conv1d prefill final states.
+    ConvFwdState = "conv1d_fwd_state_bf16",
+    /// [`ssm::SsmUpdateParams`]`<f32>`: selective state update, f32 state.
+    SsmUpdateF32 = "ssm_update_f32",
+    /// [`ssm::SsmUpdateParams`]`<u16>`: selective state update, bf16 state.
+    SsmUpdateBf16 = "ssm_update_bf16",
+    /// [`ssd::SsdParams`]: chunk cumsum of the chunked scan.
+    SsdCumsum = "ssd_cumsum_f32",
+    /// [`ssd::SsdParams`]: per-chunk states of the chunked scan.
+    SsdChunkState = "ssd_chunk_state_f32",
+    /// [`ssd::SsdPassParams`]`<f32>`: state passing, f32 state cache.
+    SsdStatePassF32 = "ssd_state_pass_f32",
+    /// [`ssd::SsdPassParams`]`<u16>`: state passing, bf16 state cache.
+    SsdStatePassBf16 = "ssd_state_pass_bf16",
+    /// [`ssd::SsdParams`]: chunk scan outputs.
+    SsdScan = "ssd_scan_bf16",
 }
 
 /// Marker for the `#[repr(C)]` launch-parameter structs passed by value to a kernel.

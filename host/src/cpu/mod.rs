@@ -2,5 +2,8 @@
 //! from the GPU code. Accumulation in f64; where SPEC.md defines an operation in f32 (the FP8
 //! scales and divisions) the reference does exactly that operation, so codes compare bit-exact.
 
+pub mod conv1d;
 pub mod norm;
 pub mod quant;
+pub mod ssd;
+pub mod ssm;

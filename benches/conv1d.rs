@@ -1,0 +1,58 @@
+//! `cargo bench --bench conv1d`: causal conv1d at NemotronH shapes (conv_dim 6144, K 4, inputs
+//! inside in_proj rows of 10304): the decode update at batch 1/8/64/256 and the prefill
+//! forward at 512/4096/16384 tokens (one sequence). Method as in benches/norm.rs; bytes: x read,
+//! y written, the slots' states read and written, weights once.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use host::batch::{Prefill, Slots};
+use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use nemotron_rs::{BenchGpu, Rng};
+use std::time::Duration;
+
+fn benches(c: &mut Criterion) {
+    let Some(b) = BenchGpu::open() else { return };
+    let gpu = &b.gpu;
+    let mut rng = Rng::new(10);
+    let mut group = c.benchmark_group("conv1d");
+    group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
+    let shape = ConvShape { dim: 6144, k: 4, x_stride: 10304 };
+    let w = gpu.upload(&rng.bf16s(6144 * 4, -0.5, 0.5)).unwrap();
+    let bias = gpu.upload(&rng.bf16s(6144, -0.5, 0.5)).unwrap();
+    let wbytes = 2 * 6144 * 5;
+    for (variant, n) in [
+        ("update", 1usize),
+        ("update", 8),
+        ("update", 64),
+        ("update", 256),
+        ("fwd", 512),
+        ("fwd", 4096),
+        ("fwd", 16384),
+    ] {
+        let name = format!("{variant}/bf16/6144x4/{}{n}", if variant == "update" { "b" } else { "t" });
+        if !BenchGpu::selected(&name) {
+            continue;
+        }
+        let x = gpu.upload(&rng.bf16s(n * 10304, -1.0, 1.0)).unwrap();
+        let mut y = gpu.zeros::<bf16>(n * 6144).unwrap();
+        let slots_n = if variant == "update" { n } else { 1 };
+        let state_bytes = slots_n * 6144 * 3 * 2;
+        let bytes = n * 6144 * 4 + wbytes + 2 * state_bytes;
+        let sets = BenchGpu::cold_sets(bytes);
+        let mut states: Vec<_> = (0..sets).map(|_| gpu.zeros::<bf16>(slots_n * 6144 * 3).unwrap()).collect();
+        let slots = Slots::new(gpu, &(0..n as i32).collect::<Vec<_>>(), n).unwrap();
+        let seqs = Prefill::new(gpu, &[n], &[0], &[true], 1).unwrap();
+        let mut launch = |i: usize| match variant {
+            "update" => conv_update(gpu, shape, &x, &w, Some(&bias), &mut states[i % sets], &slots, &mut y),
+            _ => conv_fwd(gpu, shape, &x, &w, Some(&bias), &mut states[i % sets], &seqs, &mut y),
+        };
+        let timed = b.capture(sets, &mut launch);
+        timed.report(&format!("conv1d/{name}"), bytes);
+        group.throughput(Throughput::Bytes(bytes as u64));
+        group.bench_function(&name, |bench| bench.iter_custom(|iters| timed.criterion(iters)));
+    }
+    group.finish();
+}
+
+criterion_group!(conv1d, benches);
+criterion_main!(conv1d);

@@ -1,0 +1,138 @@
+//! Launchers of the causal conv1d family (kernels-gpu/src/conv1d.rs; reference: cpu/conv1d.rs).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use half::bf16;
+use kernels_gpu::Kernel;
+use kernels_gpu::conv1d::{CONV_BLOCK, ConvFwdParams, ConvUpdateParams, MAX_K};
+
+use crate::batch::{Prefill, Slots};
+use crate::check::{Check, MAX_ELEMS};
+use crate::error::Result;
+use crate::gpu::Gpu;
+
+/// Geometry of the conv: `dim` channels, `k` taps, input rows `x_stride` elements apart
+/// (channels `0..dim` at the start of each row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvShape {
+    pub dim: usize,
+    pub k: usize,
+    pub x_stride: usize,
+}
+
+impl ConvShape {
+    /// Checks the geometry, the weights and the state cache (`num_slots` slots); `rows` input
+    /// rows must fit in `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check(
+        &self,
+        kernel: Kernel,
+        rows: usize,
+        x: usize,
+        w: usize,
+        bias: Option<usize>,
+        state: usize,
+        num_slots: usize,
+    ) -> Result<()> {
+        let c = Check(kernel);
+        c.count("dim", MAX_ELEMS, self.dim)?;
+        c.that("k", (2..=MAX_K as usize).contains(&self.k), format!("2..={MAX_K} taps"), self.k)?;
+        c.that("x_stride", self.x_stride >= self.dim, format!(">= dim {}", self.dim), self.x_stride)?;
+        let need = (rows - 1).checked_mul(self.x_stride).and_then(|v| v.checked_add(self.dim));
+        c.that("x", need.is_some(), "an extent that fits in usize", format!("stride {}", self.x_stride))?;
+        c.len_at_least("x", need.unwrap_or(0), x)?;
+        c.len("w", self.dim * self.k, w)?;
+        if let Some(b) = bias {
+            c.len("bias", self.dim, b)?;
+        }
+        c.len("state", num_slots * self.dim * (self.k - 1), state)
+    }
+
+    fn blocks(&self) -> u32 {
+        self.dim.div_ceil(CONV_BLOCK as usize) as u32
+    }
+}
+
+/// The device address of an optional input (null when absent).
+fn opt_addr(gpu: &Gpu, k: Kernel, arg: &'static str, b: Option<&CudaSlice<bf16>>) -> Result<*const u16> {
+    b.map_or(Ok(std::ptr::null()), |b| gpu.addr(k, arg, b).map(|a| a as *const u16))
+}
+
+/// Decode step (SPEC.md section 1): for each row, `y = silu(bias + w . [state[slot], x])`,
+/// then the slot's state shifted left with x appended. Pad rows are skipped entirely.
+/// `state` is the whole `[slots, dim, k - 1]` cache; `y` is `[batch, dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_update(
+    gpu: &Gpu,
+    shape: ConvShape,
+    x: &impl DevicePtr<bf16>,
+    w: &CudaSlice<bf16>,
+    bias: Option<&CudaSlice<bf16>>,
+    state: &mut impl DevicePtrMut<bf16>,
+    slots: &Slots,
+    y: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::ConvUpdate;
+    let batch = slots.len();
+    Check(k).count("batch", 65535, batch)?;
+    shape.check(k, batch, x.len(), w.len(), bias.map(|b| b.len()), state.len(), slots.num_slots())?;
+    Check(k).len("y", batch * shape.dim, y.len())?;
+    let p = ConvUpdateParams {
+        x: gpu.addr(k, "x", x)? as *const u16,
+        w: gpu.addr(k, "w", w)? as *const u16,
+        bias: opt_addr(gpu, k, "bias", bias)?,
+        state: gpu.addr_mut(k, "state", state)? as *mut u16,
+        cache_index: gpu.addr(k, "slots", &slots.dev)? as *const i32,
+        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        batch: batch as u32,
+        dim: shape.dim as u32,
+        k: shape.k as u32,
+        x_stride: shape.x_stride as u32,
+    };
+    // SAFETY: `check` proved x, w, bias, the state cache and y cover the shape; Slots holds
+    // only PAD_SLOT or distinct slots < num_slots, the cache's slot count; state and y are
+    // `&mut`; grid/block as conv1d_update_bf16 documents.
+    unsafe { gpu.launch(k, (shape.blocks(), batch as u32, 1), CONV_BLOCK, 0, p) }
+}
+
+/// Prefill (SPEC.md section 1): each sequence's outputs from its slot's state (or zeros) and
+/// its inputs, then its last k - 1 inputs as the slot's new state. Two launches. Pad
+/// sequences are skipped entirely. `y` is `[tokens, dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_fwd(
+    gpu: &Gpu,
+    shape: ConvShape,
+    x: &impl DevicePtr<bf16>,
+    w: &CudaSlice<bf16>,
+    bias: Option<&CudaSlice<bf16>>,
+    state: &mut impl DevicePtrMut<bf16>,
+    seqs: &Prefill,
+    y: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let (kf, ks) = (Kernel::ConvFwd, Kernel::ConvFwdState);
+    let tokens = seqs.tokens();
+    Check(ks).count("sequences", 65535, seqs.nseq())?;
+    shape.check(kf, tokens, x.len(), w.len(), bias.map(|b| b.len()), state.len(), seqs.num_slots())?;
+    Check(kf).len("y", tokens * shape.dim, y.len())?;
+    let p = ConvFwdParams {
+        x: gpu.addr(kf, "x", x)? as *const u16,
+        w: gpu.addr(kf, "w", w)? as *const u16,
+        bias: opt_addr(gpu, kf, "bias", bias)?,
+        state: gpu.addr_mut(kf, "state", state)? as *mut u16,
+        cu_seqlens: gpu.addr(kf, "seqs", &seqs.cu_seqlens)? as *const i32,
+        cache_index: gpu.addr(kf, "seqs", &seqs.slots)? as *const i32,
+        has_initial: gpu.addr(kf, "seqs", &seqs.has_initial)? as *const u8,
+        y: gpu.addr_mut(kf, "y", y)? as *mut u16,
+        tokens: tokens as u32,
+        nseq: seqs.nseq() as u32,
+        dim: shape.dim as u32,
+        k: shape.k as u32,
+        x_stride: shape.x_stride as u32,
+    };
+    // SAFETY: as in conv_update, with Prefill's cu_seqlens (0 .. tokens, each sequence >= 1
+    // token), slots (PAD_SLOT or distinct, in range) and flags (no initial state for pads);
+    // the outputs launch only reads states, the state launch runs after it on the stream.
+    unsafe {
+        gpu.launch(kf, (tokens as u32, shape.blocks(), 1), CONV_BLOCK, 0, p)?;
+        gpu.launch(ks, (shape.blocks(), seqs.nseq() as u32, 1), CONV_BLOCK, 0, p)
+    }
+}

@@ -1,0 +1,74 @@
+//! Reference selective state update (SPEC.md section 2): the Mamba2 recurrence for one token,
+//! in f64. The chunked scan's reference (cpu/ssd.rs) is this step applied token by token.
+
+use half::bf16;
+
+/// softplus(v) = ln(1 + e^v), and v itself above 20.
+pub fn softplus(v: f64) -> f64 {
+    if v > 20.0 { v } else { v.exp().ln_1p() }
+}
+
+/// The group head `h` reads: contiguous blocks of `heads / groups` heads per group.
+pub fn group_of(h: usize, heads: usize, groups: usize) -> usize {
+    h / (heads / groups)
+}
+
+/// SSM geometry and per-head parameters (f32, as the kernels take them).
+pub struct SsmRef<'a> {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub groups: usize,
+    pub state_size: usize,
+    pub dt_bias: &'a [f32],
+    /// A = -exp(A_log).
+    pub a: &'a [f32],
+    pub d: Option<&'a [f32]>,
+    pub dt_min: f64,
+    pub dt_max: f64,
+}
+
+impl SsmRef<'_> {
+    /// One token: updates `s` (`[heads, head_dim, state_size]`) in place and returns
+    /// `y [heads * head_dim]`. `x`, `z` hold `heads * head_dim` values, `dt` `heads`, `b`, `c`
+    /// `groups * state_size`; head h uses group `group(h)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_with_groups(
+        &self,
+        s: &mut [f64],
+        x: &[bf16],
+        dt: &[bf16],
+        b: &[bf16],
+        c: &[bf16],
+        z: Option<&[bf16]>,
+        group: impl Fn(usize) -> usize,
+    ) -> Vec<f64> {
+        let (hd, n) = (self.head_dim, self.state_size);
+        let mut y = vec![0.0; self.heads * hd];
+        for h in 0..self.heads {
+            let g = group(h);
+            let delta = softplus(dt[h].to_f64() + f64::from(self.dt_bias[h])).clamp(self.dt_min, self.dt_max);
+            let da = (f64::from(self.a[h]) * delta).exp();
+            for p in 0..hd {
+                let xv = x[h * hd + p].to_f64();
+                let row = &mut s[(h * hd + p) * n..(h * hd + p + 1) * n];
+                let mut acc = 0.0;
+                for (i, sv) in row.iter_mut().enumerate() {
+                    *sv = *sv * da + delta * xv * b[g * n + i].to_f64();
+                    acc += *sv * c[g * n + i].to_f64();
+                }
+                acc += self.d.map_or(0.0, |d| f64::from(d[h]) * xv);
+                if let Some(z) = z {
+                    let zv = z[h * hd + p].to_f64();
+                    acc *= zv / (1.0 + (-zv).exp());
+                }
+                y[h * hd + p] = acc;
+            }
+        }
+        y
+    }
+
+    /// [`SsmRef::step_with_groups`] with SPEC.md's head-to-group mapping.
+    pub fn step(&self, s: &mut [f64], x: &[bf16], dt: &[bf16], b: &[bf16], c: &[bf16], z: Option<&[bf16]>) -> Vec<f64> {
+        self.step_with_groups(s, x, dt, b, c, z, |h| group_of(h, self.heads, self.groups))
+    }
+}

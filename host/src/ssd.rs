@@ -1,0 +1,157 @@
+//! Launcher of the chunked scan (kernels-gpu/src/ssd.rs; reference: cpu/ssd.rs).
+
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use half::bf16;
+use kernels_gpu::ssd::{
+    SSD_BLOCK, SSD_CHUNK, SSD_I_TILE, SSD_MAX_HEAD_DIM, SSD_MAX_HEAD_STATE, SSD_MAX_STATE, SsdChunk, SsdParams,
+    SsdPassParams, chunk_state_smem_bytes, scan_smem_bytes,
+};
+use kernels_gpu::{Kernel, KernelParams};
+
+use crate::batch::Prefill;
+use crate::check::Check;
+use crate::error::Result;
+use crate::gpu::Gpu;
+use crate::ssm::{SsmHeads, SsmInputs, SsmShape, StateDtype};
+
+/// The chunks of a prefill batch (SSD_CHUNK tokens, never spanning two sequences) and the
+/// workspaces of one scan over it. Build once per batch shape; reusable across layers.
+pub struct SsdPlan {
+    chunks: CudaSlice<SsdChunkRepr>,
+    seq_chunks: CudaSlice<u32>,
+    delta: CudaSlice<f32>,
+    acum: CudaSlice<f32>,
+    states: CudaSlice<f32>,
+    nchunks: usize,
+    tokens: usize,
+    lens: Vec<usize>,
+    shape: (usize, usize, usize),
+}
+
+/// The chunk table of sequences of `lens` tokens: (chunks, first chunk of each sequence).
+pub fn chunk_table(lens: &[usize]) -> (Vec<SsdChunk>, Vec<u32>) {
+    let (mut chunks, mut first) = (Vec::new(), vec![0u32]);
+    let mut start = 0;
+    for (s, &len) in lens.iter().enumerate() {
+        for c0 in (0..len).step_by(SSD_CHUNK as usize) {
+            let l = (len - c0).min(SSD_CHUNK as usize);
+            chunks.push(SsdChunk { seq: s as u32, start: (start + c0) as u32, len: l as u32, _pad: 0 });
+        }
+        first.push(chunks.len() as u32);
+        start += len;
+    }
+    (chunks, first)
+}
+
+// SAFETY: #[repr(C)] plain integers; any bit pattern is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for SsdChunkRepr {}
+
+/// SsdChunk as cudarc sees it (kernels-gpu cannot implement cudarc's trait).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct SsdChunkRepr(SsdChunk);
+
+impl SsdPlan {
+    /// Plans a scan over `seqs` for `heads` heads of `head_dim` x `state_size` states.
+    pub fn new(gpu: &Gpu, seqs: &Prefill, heads: usize, head_dim: usize, state_size: usize) -> Result<SsdPlan> {
+        let c = Check(Kernel::SsdScan);
+        c.count("head_dim", SSD_MAX_HEAD_DIM as usize, head_dim)?;
+        c.count("state_size", SSD_MAX_STATE as usize, state_size)?;
+        c.count("head_dim * state_size", SSD_MAX_HEAD_STATE as usize, head_dim * state_size)?;
+        let (chunks, first) = chunk_table(&seqs.lens);
+        let n = chunks.len();
+        let repr: Vec<SsdChunkRepr> = chunks.iter().map(|&c| SsdChunkRepr(c)).collect();
+        Ok(SsdPlan {
+            chunks: gpu.upload(&repr)?,
+            seq_chunks: gpu.upload(&first)?,
+            delta: gpu.zeros(n * heads * SSD_CHUNK as usize)?,
+            acum: gpu.zeros(n * heads * SSD_CHUNK as usize)?,
+            states: gpu.zeros(n * heads * head_dim * state_size)?,
+            nchunks: n,
+            tokens: seqs.tokens(),
+            lens: seqs.lens.clone(),
+            shape: (heads, head_dim, state_size),
+        })
+    }
+
+    /// Chunks in the plan.
+    pub fn nchunks(&self) -> usize {
+        self.nchunks
+    }
+}
+
+/// Chunked scan (SPEC.md section 3) over the sequences of `seqs`: writes `y [tokens, heads *
+/// head_dim]` and each sequence's final state to its slot (read first where it has an
+/// initial state; pad sequences start from zero and write nothing). Four launches.
+#[allow(clippy::too_many_arguments)]
+pub fn ssd_scan<T: StateDtype>(
+    gpu: &Gpu,
+    shape: SsmShape,
+    inputs: SsmInputs,
+    heads: SsmHeads,
+    state: &mut CudaSlice<T>,
+    seqs: &Prefill,
+    plan: &mut SsdPlan,
+    y: &mut impl DevicePtrMut<bf16>,
+) -> Result<()>
+where
+    SsdPassParams<T::Raw>: KernelParams,
+{
+    let k = Kernel::SsdScan;
+    let c = Check(k);
+    shape.check(T::PASS, &heads, state.len(), seqs.num_slots())?;
+    c.that("plan", plan.lens == seqs.lens, "a plan built for this batch", "a plan of another batch")?;
+    let planned = (shape.heads, shape.head_dim, shape.state_size);
+    c.that("plan", plan.shape == planned, format!("a plan for {planned:?}"), format!("{:?}", plan.shape))?;
+    c.count("sequences", 65535, seqs.nseq())?;
+    let (tokens, w, gn) = (plan.tokens, shape.width(), shape.groups * shape.state_size);
+    c.len("y", tokens * w, y.len())?;
+    let p = SsdParams {
+        x: inputs.x.addr(gpu, k, "x", tokens, w)?,
+        dt: inputs.dt.addr(gpu, k, "dt", tokens, shape.heads)?,
+        b: inputs.b.addr(gpu, k, "b", tokens, gn)?,
+        c: inputs.c.addr(gpu, k, "c", tokens, gn)?,
+        dt_bias: gpu.addr(k, "dt_bias", heads.dt_bias)? as *const f32,
+        a: gpu.addr(k, "a", heads.a)? as *const f32,
+        d: heads.d.map_or(Ok(0), |d| gpu.addr(k, "d", d))? as *const f32,
+        chunks: gpu.addr(k, "plan", &plan.chunks)? as *const SsdChunk,
+        delta: gpu.addr_mut(k, "plan", &mut plan.delta)? as *mut f32,
+        acum: gpu.addr_mut(k, "plan", &mut plan.acum)? as *mut f32,
+        states: gpu.addr_mut(k, "plan", &mut plan.states)? as *mut f32,
+        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        nchunks: plan.nchunks as u32,
+        heads: shape.heads as u32,
+        head_dim: shape.head_dim as u32,
+        groups: shape.groups as u32,
+        state_size: shape.state_size as u32,
+        x_stride: inputs.x.stride as u32,
+        dt_stride: inputs.dt.stride as u32,
+        b_stride: inputs.b.stride as u32,
+        c_stride: inputs.c.stride as u32,
+        dt_min: shape.dt_min,
+        dt_max: shape.dt_max,
+    };
+    let q = SsdPassParams::<T::Raw> {
+        base: p,
+        state: gpu.addr_mut(T::PASS, "state", state)? as *mut T::Raw,
+        cache_index: gpu.addr(T::PASS, "seqs", &seqs.slots)? as *const i32,
+        has_initial: gpu.addr(T::PASS, "seqs", &seqs.has_initial)? as *const u8,
+        seq_chunks: gpu.addr(T::PASS, "plan", &plan.seq_chunks)? as *const u32,
+        nseq: seqs.nseq() as u32,
+    };
+    let (nc, h) = (plan.nchunks as u32, shape.heads as u32);
+    let (hd, n) = (shape.head_dim as u32, shape.state_size as u32);
+    let hn_blocks = (hd * n).div_ceil(SSD_BLOCK);
+    // SAFETY: `check`, `Rows::addr` and the plan checks proved every input covers the batch's
+    // tokens, the per-head arrays `heads`, the cache `num_slots` slots and the workspaces the
+    // plan's chunks; the chunk table comes from the same lengths as Prefill's cu_seqlens, so
+    // chunks lie inside their sequences; Prefill's slots are PAD_SLOT or distinct in range;
+    // head_dim, state_size are within the kernels' limits (SsdPlan::new); launches are
+    // ordered on the stream; grids, blocks and shared memory as each kernel documents.
+    unsafe {
+        gpu.launch(Kernel::SsdCumsum, (nc, h, 1), SSD_CHUNK, 16, p)?;
+        gpu.launch(Kernel::SsdChunkState, (nc, h, 1), SSD_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
+        gpu.launch(T::PASS, (hn_blocks, h, seqs.nseq() as u32), SSD_BLOCK, 0, q)?;
+        gpu.launch(k, (nc, h, SSD_CHUNK / SSD_I_TILE), SSD_BLOCK, scan_smem_bytes(hd, n), p)
+    }
+}

@@ -1,0 +1,149 @@
+//! Selective state update, the Mamba2 decode step (SPEC.md section 2), in place at the rows'
+//! cache slots.
+//!
+//! For row b, head h, group g = h / (heads / groups), slot s = cache_index[b]:
+//! `delta = clamp(softplus(dt[b, h] + dt_bias[h]), dt_min, dt_max)`,
+//! `S = S_in * exp(A[h] * delta) + delta * x[b, h, :] (outer) B[b, g, :]` (`S_in = 0` for a pad
+//! row), `y[p] = sum_n S[p, n] * C[b, g, n] + D[h] * x[b, h, p]`, times `silu(z)` when a gate is
+//! given; `S` is written to slot `dst_index[b]` (or `s` without a destination array) unless
+//! that is [`crate::conv1d::PAD_SLOT`].
+//!
+//! Layouts: state cache `[slots, heads, head_dim, state_size]` in f32 or bf16; `x` and `z` rows
+//! hold `heads * head_dim` channels head-major; `dt` rows `heads`; `B`, `C` rows
+//! `groups * state_size`; every row has its own stride (they are slices of wider rows). `A`,
+//! `D`, `dt_bias` are f32 per head (A = -exp(A_log), computed at load).
+//!
+//! Work split: one warp per (row, head, p): lane l holds state columns `4l + 128j`, updates
+//! them in registers, and the warp sums `S[p, :] . C`; so the state moves once through
+//! 16-byte (f32) or 8-byte (bf16) accesses.
+
+use crate::KernelParams;
+
+/// Warps (head-dim rows `p`) per block of the state update.
+pub const SSM_WARPS: u32 = 8;
+/// Largest state size the update handles (each lane holds `state_size / 32` columns).
+pub const SSM_MAX_STATE: u32 = 512;
+
+/// Launch parameters of the state update; `S` is the state element (f32, or u16 for bf16).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SsmUpdateParams<S> {
+    /// `[slots, heads, head_dim, state_size]`, read at `cache_index`, written at `dst_index`.
+    pub state: *mut S,
+    /// `[batch, x_stride]` bf16.
+    pub x: *const u16,
+    /// `[batch, dt_stride]` bf16.
+    pub dt: *const u16,
+    /// `[batch, b_stride]` bf16.
+    pub b: *const u16,
+    /// `[batch, c_stride]` bf16.
+    pub c: *const u16,
+    /// `[batch, z_stride]` bf16, or null for no gate.
+    pub z: *const u16,
+    /// `[heads]` f32.
+    pub dt_bias: *const f32,
+    /// `[heads]` f32, A = -exp(A_log).
+    pub a: *const f32,
+    /// `[heads]` f32, or null for no skip term.
+    pub d: *const f32,
+    /// `[batch]` slot read, or PAD_SLOT.
+    pub cache_index: *const i32,
+    /// `[batch]` slot written, or PAD_SLOT; null: the read slot.
+    pub dst_index: *const i32,
+    /// `[batch, heads * head_dim]` bf16, written.
+    pub y: *mut u16,
+    pub batch: u32,
+    pub heads: u32,
+    pub head_dim: u32,
+    pub groups: u32,
+    pub state_size: u32,
+    pub x_stride: u32,
+    pub dt_stride: u32,
+    pub b_stride: u32,
+    pub c_stride: u32,
+    pub z_stride: u32,
+    pub dt_min: f32,
+    pub dt_max: f32,
+}
+
+// SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
+unsafe impl KernelParams for SsmUpdateParams<f32> {}
+// SAFETY: as above.
+unsafe impl KernelParams for SsmUpdateParams<u16> {}
+
+#[cfg(target_arch = "nvptx64")]
+mod kernels {
+    use super::*;
+    use crate::conv1d::PAD_SLOT;
+    use crate::device::*;
+
+    const J: usize = (SSM_MAX_STATE / 128) as usize;
+
+    /// The state update for one (row, head, p), by the calling warp. Grid
+    /// `(ceil(head_dim / SSM_WARPS), heads, batch)`, block `32 * SSM_WARPS`.
+    #[inline(always)]
+    unsafe fn update<S: StateElem>(p: &SsmUpdateParams<S>) {
+        let (b, h) = (block_z() as usize, block_y() as usize);
+        let pi = (block_x() * SSM_WARPS + warp_id()) as usize;
+        let (hd, n) = (p.head_dim as usize, p.state_size as usize);
+        if pi >= hd {
+            return;
+        }
+        let g = h / (p.heads / p.groups) as usize;
+        let lane = lane_id() as usize;
+        // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst
+        // slots distinct, state_size % 4 == 0 (4-aligned columns); this warp alone touches
+        // state[slot, h, pi, ..] and y[b, h, pi].
+        unsafe {
+            let slot = ld(p.cache_index, b);
+            let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
+            let dtv = bf16_to_f32(ld(p.dt, b * p.dt_stride as usize + h)) + ld(p.dt_bias, h);
+            let delta = softplus(dtv).max(p.dt_min).min(p.dt_max);
+            let da = exp_fast(ld(p.a, h) * delta);
+            let xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + pi));
+            let dx = delta * xv;
+            let row = |s: i32| ((s as usize * p.heads as usize + h) * hd + pi) * n;
+            let (bp, cp) =
+                (p.b.wrapping_add(b * p.b_stride as usize + g * n), p.c.wrapping_add(b * p.c_stride as usize + g * n));
+            let mut acc = 0.0f32;
+            for j in 0..J {
+                let n0 = 4 * lane + 128 * j;
+                if n0 < n {
+                    let mut s4 =
+                        if slot == PAD_SLOT { [0.0; 4] } else { S::load4(p.state.wrapping_add(row(slot) + n0)) };
+                    for (i, s) in s4.iter_mut().enumerate() {
+                        *s = *s * da + dx * bf16_to_f32(ld(bp, n0 + i));
+                        acc += *s * bf16_to_f32(ld(cp, n0 + i));
+                    }
+                    if dst != PAD_SLOT {
+                        S::store4(p.state.wrapping_add(row(dst) + n0), s4);
+                    }
+                }
+            }
+            let mut y = warp_sum(acc);
+            if !p.d.is_null() {
+                y += ld(p.d, h) * xv;
+            }
+            if !p.z.is_null() {
+                y *= silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + h * hd + pi)));
+            }
+            if lane == 0 {
+                st(p.y, (b * p.heads as usize + h) * hd + pi, f32_to_bf16(y));
+            }
+        }
+    }
+
+    /// Selective state update with an f32 state cache, [`SsmUpdateParams`]`<f32>`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn ssm_update_f32(p: SsmUpdateParams<f32>) {
+        // SAFETY: launch contract checked by the host launcher.
+        unsafe { update(&p) }
+    }
+
+    /// Selective state update with a bf16 state cache, [`SsmUpdateParams`]`<u16>`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn ssm_update_bf16(p: SsmUpdateParams<u16>) {
+        // SAFETY: launch contract checked by the host launcher.
+        unsafe { update(&p) }
+    }
+}

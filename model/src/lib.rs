@@ -1,4 +1,10 @@
 //! NemotronH: config, checkpoint loading, the hybrid stack, the state cache and the engine.
 //!
-//! Not yet implemented: this crate is the place the model issues fill. It depends on `host`
-//! only, and never on the driver directly.
+//! In progress: so far the crate parses and checks a checkpoint's `config.json`
+//! ([`Config`]). It depends on `host` only, and never on the driver directly.
+
+pub mod config;
+mod error;
+
+pub use config::{Config, LayerKind};
+pub use error::{Error, Result};

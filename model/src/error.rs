@@ -1,0 +1,13 @@
+/// Everything the model crate can fail with. Messages say what is wrong and where.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A GPU or kernel-argument error from the host crate.
+    #[error(transparent)]
+    Host(#[from] host::Error),
+    /// `config.json` is unreadable, incomplete, inconsistent or asks for something unsupported.
+    #[error("config.json: `{field}` {reason}")]
+    Config { field: String, reason: String },
+}
+
+/// The model crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -7,6 +7,9 @@ pub enum Error {
     /// `config.json` is unreadable, incomplete, inconsistent or asks for something unsupported.
     #[error("config.json: `{field}` {reason}")]
     Config { field: String, reason: String },
+    /// A checkpoint file is missing, corrupt, or lacks / mis-shapes / mistypes a tensor.
+    #[error("checkpoint {}: {}{reason}", path.display(), if tensor.is_empty() { String::new() } else { format!("tensor `{tensor}` ") })]
+    Checkpoint { path: std::path::PathBuf, tensor: String, reason: String },
 }
 
 /// The model crate's result type.

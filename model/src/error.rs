@@ -10,6 +10,9 @@ pub enum Error {
     /// A checkpoint file is missing, corrupt, or lacks / mis-shapes / mistypes a tensor.
     #[error("checkpoint {}: {}{reason}", path.display(), if tensor.is_empty() { String::new() } else { format!("tensor `{tensor}` ") })]
     Checkpoint { path: std::path::PathBuf, tensor: String, reason: String },
+    /// The checkpoint's tensors do not match its config: every problem, one per line.
+    #[error("the checkpoint does not match its config.json ({} problems):\n  {}", .0.len(), .0.join("\n  "))]
+    Tensors(Vec<String>),
 }
 
 /// The model crate's result type.

@@ -1,11 +1,14 @@
 //! NemotronH: config, checkpoint loading, the hybrid stack, the state cache and the engine.
 //!
 //! In progress: so far the crate parses and checks a checkpoint's `config.json` ([`Config`])
-//! and maps its safetensors files ([`Checkpoint`]). It depends on `host` only, and never on
-//! the driver directly.
+//! and maps its safetensors files ([`Checkpoint`]), finds and checks every tensor the config
+//! needs ([`layout::Layout`]), and writes random checkpoints for tests ([`synthetic`]). It
+//! depends on `host` only, and never on the driver directly.
 
 pub mod config;
 mod error;
+pub mod layout;
+pub mod synthetic;
 pub mod weights;
 
 pub use config::{Config, LayerKind};

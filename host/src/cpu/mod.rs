@@ -3,6 +3,7 @@
 //! scales and divisions) the reference does exactly that operation, so codes compare bit-exact.
 
 pub mod conv1d;
+pub mod moe;
 pub mod norm;
 pub mod quant;
 pub mod ssd;

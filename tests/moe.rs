@@ -1,0 +1,96 @@
+//! MoE routing reference: hand-checked selections, the tie rule, the bias that changes the
+//! selection but not the weights, and group-limited selection.
+
+use host::cpu::moe::{Routing, expert, route};
+use nemotron_rs::{Rng, assert_close};
+
+fn logit(p: f64) -> f64 {
+    (p / (1.0 - p)).ln()
+}
+
+const NANO: Routing = Routing { top_k: 6, n_group: 1, topk_group: 1, norm_topk_prob: true, scaling: 2.5 };
+
+#[test]
+fn top_k_with_renormalized_scaled_weights() {
+    // Scores 0.9, 0.2, 0.8, 0.7 (sigmoid of the logits); top-2 = experts 0 and 2.
+    let logits: Vec<f64> = [0.9, 0.2, 0.8, 0.7].iter().map(|&p| logit(p)).collect();
+    let r = Routing { top_k: 2, ..NANO };
+    let got = route(&logits, &[0.0; 4], &r);
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![0, 2]);
+    assert_close(
+        "weights",
+        &got.iter().map(|g| g.1).collect::<Vec<_>>(),
+        &[2.5 * 0.9 / 1.7, 2.5 * 0.8 / 1.7],
+        0.0,
+        1e-12,
+    );
+    // Without renormalization the weights are the scores times the scaling.
+    let got = route(&logits, &[0.0; 4], &Routing { norm_topk_prob: false, ..r });
+    assert_close("raw weights", &got.iter().map(|g| g.1).collect::<Vec<_>>(), &[2.5 * 0.9, 2.5 * 0.8], 0.0, 1e-12);
+}
+
+#[test]
+fn ties_go_to_the_lowest_index() {
+    let logits = vec![0.0, 1.0, 1.0, 0.0, 1.0];
+    let got = route(&logits, &[0.0; 5], &Routing { top_k: 2, ..NANO });
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![1, 2]);
+    // All equal: the first k.
+    let got = route(&[0.3; 8], &[0.0; 8], &Routing { top_k: 3, ..NANO });
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+}
+
+#[test]
+fn bias_selects_but_does_not_weigh() {
+    let logits: Vec<f64> = [0.9, 0.2, 0.8, 0.7].iter().map(|&p| logit(p)).collect();
+    let bias = [0.0, 0.75, 0.0, 0.0]; // expert 1: 0.2 + 0.75 = 0.95, now the best
+    let got = route(&logits, &bias, &Routing { top_k: 2, ..NANO });
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![1, 0]);
+    assert_close(
+        "weights",
+        &got.iter().map(|g| g.1).collect::<Vec<_>>(),
+        &[2.5 * 0.2 / 1.1, 2.5 * 0.9 / 1.1],
+        0.0,
+        1e-12,
+    );
+}
+
+#[test]
+fn groups_limit_the_selection() {
+    // 8 experts in 4 groups of 2; group scores (sum of top 2): g0 1.0, g1 1.3, g2 0.4, g3 1.2.
+    let p = [0.5, 0.5, 0.95, 0.35, 0.3, 0.1, 0.6, 0.6];
+    let logits: Vec<f64> = p.iter().map(|&p| logit(p)).collect();
+    let r = Routing { top_k: 3, n_group: 4, topk_group: 2, norm_topk_prob: true, scaling: 1.0 };
+    let got = route(&logits, &[0.0; 8], &r);
+    // Kept groups 1 and 3: experts 2, 3, 6, 7; top 3: 2 (0.95), 6 and 7 (0.6, tie: 6 first).
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![2, 6, 7]);
+    // With a fourth pick the grouping decides: expert 3 (0.35, kept group) beats expert 0
+    // (0.5, dropped group); ungrouped, expert 0 wins.
+    let got = route(&logits, &[0.0; 8], &Routing { top_k: 4, ..r });
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![2, 6, 7, 3]);
+    let ungrouped = route(&logits, &[0.0; 8], &Routing { top_k: 4, n_group: 1, topk_group: 1, ..r });
+    assert_eq!(ungrouped.iter().map(|g| g.0).collect::<Vec<_>>(), vec![2, 6, 7, 0]);
+}
+
+#[test]
+fn nano_routing_on_random_logits() {
+    let mut rng = Rng::new(51);
+    for _ in 0..100 {
+        let logits: Vec<f64> = (0..128).map(|_| rng.uniform(-4.0, 4.0)).collect();
+        let got = route(&logits, &vec![0.0; 128], &NANO);
+        assert_eq!(got.len(), 6);
+        let total: f64 = got.iter().map(|g| g.1).sum();
+        assert!((total - 2.5).abs() < 1e-12, "renormalized weights sum to the scaling: {total}");
+        let worst_chosen = got.iter().map(|g| logits[g.0]).fold(f64::INFINITY, f64::min);
+        let best_other =
+            (0..128).filter(|i| !got.iter().any(|g| g.0 == *i)).map(|i| logits[i]).fold(f64::NEG_INFINITY, f64::max);
+        assert!(worst_chosen >= best_other, "a better expert was left out");
+    }
+}
+
+#[test]
+fn expert_hand_checked() {
+    // hidden 2, inter 2: up rows [1, 1] and [1, -1]; x = [2, 3]: h = [25, relu(-1)^2 = 0];
+    // down rows [1, 0] and [0.5, 2]: out = [25, 12.5].
+    let y = expert(&[2.0, 3.0], &[1.0, 1.0, 1.0, -1.0], &[1.0, 0.0, 0.5, 2.0]);
+    assert_close("expert", &y, &[25.0, 12.5], 0.0, 0.0);
+}

@@ -1,5 +1,5 @@
-//! Reference causal conv1d (SPEC.md section 1), f64 accumulation. States hold raw bf16 inputs,
-//! so they compare bit-exact.
+//! Reference causal conv1d (SPEC.md section 1), f64 accumulation. States hold raw inputs (of
+//! the inputs' own type), so bf16 states compare bit-exact with the kernels'.
 
 use half::bf16;
 
@@ -17,20 +17,26 @@ pub struct ConvRef<'a> {
 
 impl ConvRef<'_> {
     /// `silu(bias + sum_j w[c, j] * window[j])` for channel c.
-    fn out(&self, c: usize, window: &[bf16]) -> f64 {
+    fn out<T: Copy + Into<f64>>(&self, c: usize, window: &[T]) -> f64 {
         let b = self.bias.map_or(0.0, |b| b[c].to_f64());
-        silu(b + (0..self.k).map(|j| self.w[c * self.k + j].to_f64() * window[j].to_f64()).sum::<f64>())
+        silu(b + (0..self.k).map(|j| self.w[c * self.k + j].to_f64() * window[j].into()).sum::<f64>())
     }
 
     /// The `k - 1` state values of channel c in slot s of a `[slots, dim, k - 1]` cache.
-    fn state_of<'s>(&self, state: &'s mut [bf16], s: usize, c: usize) -> &'s mut [bf16] {
+    fn state_of<'s, T>(&self, state: &'s mut [T], s: usize, c: usize) -> &'s mut [T] {
         let km1 = self.k - 1;
         &mut state[(s * self.dim + c) * km1..(s * self.dim + c + 1) * km1]
     }
 
     /// Decode: row r's input is `x[r * x_stride ..][..dim]`, its slot `slots[r]` (negative:
     /// pad). Returns each row's outputs (None for pad rows) and rolls the states in place.
-    pub fn update(&self, x: &[bf16], x_stride: usize, state: &mut [bf16], slots: &[i32]) -> Vec<Option<Vec<f64>>> {
+    pub fn update<T: Copy + Into<f64>>(
+        &self,
+        x: &[T],
+        x_stride: usize,
+        state: &mut [T],
+        slots: &[i32],
+    ) -> Vec<Option<Vec<f64>>> {
         slots
             .iter()
             .enumerate()
@@ -42,7 +48,7 @@ impl ConvRef<'_> {
                     (0..self.dim)
                         .map(|c| {
                             let st = self.state_of(state, s as usize, c);
-                            let mut window: Vec<bf16> = st.to_vec();
+                            let mut window: Vec<T> = st.to_vec();
                             window.push(x[r * x_stride + c]);
                             st.copy_from_slice(&window[1..]);
                             self.out(c, &window)

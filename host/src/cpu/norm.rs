@@ -8,17 +8,24 @@ use half::bf16;
 ///
 /// # Panics
 /// If `groups` does not divide `width` or a buffer is shorter than its shape (test misuse).
-pub fn gated_norm(x: &[bf16], z: Option<&[bf16]>, w: &[bf16], width: usize, groups: usize, eps: f64) -> Vec<f64> {
+pub fn gated_norm<T: Copy + Into<f64>>(
+    x: &[T],
+    z: Option<&[T]>,
+    w: &[bf16],
+    width: usize,
+    groups: usize,
+    eps: f64,
+) -> Vec<f64> {
     assert!(width.is_multiple_of(groups) && x.len().is_multiple_of(width) && w.len() == width, "reference misuse");
     let gs = width / groups;
     let mut y = Vec::with_capacity(x.len());
     for (r, xr) in x.chunks_exact(width).enumerate() {
         let u: Vec<f64> = (0..width)
             .map(|c| {
-                let xv = xr[c].to_f64();
+                let xv: f64 = xr[c].into();
                 match z {
                     Some(z) => {
-                        let zv = z[r * width + c].to_f64();
+                        let zv: f64 = z[r * width + c].into();
                         xv * zv / (1.0 + (-zv).exp())
                     }
                     None => xv,
@@ -36,6 +43,6 @@ pub fn gated_norm(x: &[bf16], z: Option<&[bf16]>, w: &[bf16], width: usize, grou
 }
 
 /// Plain RMSNorm (the pre-norm of every block and norm_f).
-pub fn rms_norm(x: &[bf16], w: &[bf16], width: usize, eps: f64) -> Vec<f64> {
+pub fn rms_norm<T: Copy + Into<f64>>(x: &[T], w: &[bf16], width: usize, eps: f64) -> Vec<f64> {
     gated_norm(x, None, w, width, 1, eps)
 }

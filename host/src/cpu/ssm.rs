@@ -1,7 +1,6 @@
 //! Reference selective state update (SPEC.md section 2): the Mamba2 recurrence for one token,
-//! in f64. The chunked scan's reference (cpu/ssd.rs) is this step applied token by token.
-
-use half::bf16;
+//! in f64, from inputs of any type that widens to f64 (bf16 from tests, f64 from the model's
+//! reference forward). The chunked scan's reference (cpu/ssd.rs) is this step applied token by token.
 
 /// softplus(v) = ln(1 + e^v), and v itself above 20.
 pub fn softplus(v: f64) -> f64 {
@@ -32,33 +31,33 @@ impl SsmRef<'_> {
     /// `y [heads * head_dim]`. `x`, `z` hold `heads * head_dim` values, `dt` `heads`, `b`, `c`
     /// `groups * state_size`; head h uses group `group(h)`.
     #[allow(clippy::too_many_arguments)]
-    pub fn step_with_groups(
+    pub fn step_with_groups<T: Copy + Into<f64>>(
         &self,
         s: &mut [f64],
-        x: &[bf16],
-        dt: &[bf16],
-        b: &[bf16],
-        c: &[bf16],
-        z: Option<&[bf16]>,
+        x: &[T],
+        dt: &[T],
+        b: &[T],
+        c: &[T],
+        z: Option<&[T]>,
         group: impl Fn(usize) -> usize,
     ) -> Vec<f64> {
         let (hd, n) = (self.head_dim, self.state_size);
         let mut y = vec![0.0; self.heads * hd];
         for h in 0..self.heads {
             let g = group(h);
-            let delta = softplus(dt[h].to_f64() + f64::from(self.dt_bias[h])).clamp(self.dt_min, self.dt_max);
+            let delta = softplus(dt[h].into() + f64::from(self.dt_bias[h])).clamp(self.dt_min, self.dt_max);
             let da = (f64::from(self.a[h]) * delta).exp();
             for p in 0..hd {
-                let xv = x[h * hd + p].to_f64();
+                let xv = x[h * hd + p].into();
                 let row = &mut s[(h * hd + p) * n..(h * hd + p + 1) * n];
                 let mut acc = 0.0;
                 for (i, sv) in row.iter_mut().enumerate() {
-                    *sv = *sv * da + delta * xv * b[g * n + i].to_f64();
-                    acc += *sv * c[g * n + i].to_f64();
+                    *sv = *sv * da + delta * xv * b[g * n + i].into();
+                    acc += *sv * c[g * n + i].into();
                 }
                 acc += self.d.map_or(0.0, |d| f64::from(d[h]) * xv);
                 if let Some(z) = z {
-                    let zv = z[h * hd + p].to_f64();
+                    let zv = z[h * hd + p].into();
                     acc *= zv / (1.0 + (-zv).exp());
                 }
                 y[h * hd + p] = acc;
@@ -68,7 +67,15 @@ impl SsmRef<'_> {
     }
 
     /// [`SsmRef::step_with_groups`] with SPEC.md's head-to-group mapping.
-    pub fn step(&self, s: &mut [f64], x: &[bf16], dt: &[bf16], b: &[bf16], c: &[bf16], z: Option<&[bf16]>) -> Vec<f64> {
+    pub fn step<T: Copy + Into<f64>>(
+        &self,
+        s: &mut [f64],
+        x: &[T],
+        dt: &[T],
+        b: &[T],
+        c: &[T],
+        z: Option<&[T]>,
+    ) -> Vec<f64> {
         self.step_with_groups(s, x, dt, b, c, z, |h| group_of(h, self.heads, self.groups))
     }
 }

@@ -301,8 +301,11 @@ impl Config {
     pub fn from_json(text: &str) -> Result<Config> {
         let raw: Raw = serde_json::from_str(text).map_err(|e| bad("config.json", e.to_string()))?;
         let layers = layer_kinds(&raw)?;
-        let n = size("num_hidden_layers", raw.num_hidden_layers)?;
-        if layers.len() != n {
+        if layers.is_empty() {
+            return Err(bad("hybrid_override_pattern", "names no layers"));
+        }
+        // transformers 5.x derives the count from layers_block_type and does not write it.
+        if let Some(n) = raw.num_hidden_layers.filter(|&n| n != layers.len()) {
             return Err(bad(
                 "hybrid_override_pattern",
                 format!("names {} layers, num_hidden_layers is {n}", layers.len()),

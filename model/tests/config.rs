@@ -51,7 +51,7 @@ fn transformers_5_layout() {
     let text = with(|v| {
         let o = v.as_object_mut().unwrap();
         o.remove("hybrid_override_pattern");
-        o.insert("num_hidden_layers".into(), 4.into());
+        o.remove("num_hidden_layers"); // transformers 5.x does not write it
         o.insert("layers_block_type".into(), serde_json::json!(["linear_attention", "moe", "full_attention", "mlp"]));
         o.insert("intermediate_size".into(), 512.into());
         o.insert("time_step_limit".into(), serde_json::json!([0.0, {"__float__": "Infinity"}]));
@@ -75,6 +75,7 @@ fn errors_name_the_field() {
     let cases: Vec<(String, &str)> = vec![
         (with(|v| v["hybrid_override_pattern"] = "MEX".into()), "`hybrid_override_pattern` has 'X' at layer 2"),
         (with(|v| v["num_hidden_layers"] = 51.into()), "names 52 layers, num_hidden_layers is 51"),
+        (with(|v| v["hybrid_override_pattern"] = "".into()), "`hybrid_override_pattern` names no layers"),
         (with(|v| v["n_groups"] = 7.into()), "`n_groups` 7 does not divide mamba_num_heads 64"),
         (
             with(|v| v.as_object_mut().unwrap().remove("ssm_state_size").map(|_| ()).unwrap()),

@@ -2,12 +2,14 @@
 //!
 //! In progress: so far the crate parses and checks a checkpoint's `config.json` ([`Config`])
 //! and maps its safetensors files ([`Checkpoint`]), finds and checks every tensor the config
-//! needs ([`layout::Layout`]), and writes random checkpoints for tests ([`synthetic`]). It
-//! depends on `host` only, and never on the driver directly.
+//! needs ([`layout::Layout`]), runs the whole model in f64 on the CPU one token at a time as
+//! the oracle for the backends ([`reference::Reference`]), and writes random checkpoints for
+//! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
 
 pub mod config;
 mod error;
 pub mod layout;
+pub mod reference;
 pub mod synthetic;
 pub mod weights;
 

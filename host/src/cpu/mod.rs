@@ -2,6 +2,7 @@
 //! from the GPU code. Accumulation in f64; where SPEC.md defines an operation in f32 (the FP8
 //! scales and divisions) the reference does exactly that operation, so codes compare bit-exact.
 
+pub mod attn;
 pub mod conv1d;
 pub mod moe;
 pub mod norm;

@@ -1,0 +1,255 @@
+//! The whole model on the CPU in f64, one token at a time: the oracle the backends are checked
+//! against (SPEC.md: a plain sequential recurrence), built from the host crate's CPU
+//! references. Activations are never rounded; weights are used as stored (bf16 exact), conv
+//! and norm weights and the per-head parameters as the kernels take them (bf16, f32). Meant
+//! for small models: every weight is widened to f64 in memory.
+
+use half::bf16;
+use host::cpu::conv1d::ConvRef;
+use host::cpu::moe::{Routing, expert, route};
+use host::cpu::ssm::SsmRef;
+use host::cpu::{attn, norm};
+
+use crate::config::{Config, MambaConfig};
+use crate::error::{Error, Result};
+use crate::layout::{Layout, Linear, Mixer, Mlp};
+use crate::weights::Tensor;
+
+/// A linear layer widened to f64: `y = W x + b`, `W [out, in]`.
+struct Lin {
+    w: Vec<f64>,
+    b: Option<Vec<f64>>,
+    inp: usize,
+}
+
+impl Lin {
+    fn new(l: &Linear) -> Result<Lin> {
+        if l.fp8.is_some() {
+            return Err(Error::Unsupported(format!(
+                "`{}` is FP8: the f64 reference reads floating-point weights only",
+                l.weight.name
+            )));
+        }
+        Ok(Lin { w: f64s(&l.weight)?, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.weight.shape[1] })
+    }
+
+    fn apply(&self, x: &[f64]) -> Vec<f64> {
+        self.w
+            .chunks_exact(self.inp)
+            .enumerate()
+            .map(|(o, row)| row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + self.b.as_ref().map_or(0.0, |b| b[o]))
+            .collect()
+    }
+
+    /// The rows as they are, for the expert reference (which takes `[out, in]` matrices).
+    fn rows(&self) -> &[f64] {
+        &self.w
+    }
+}
+
+fn f64s(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_f32()?.into_iter().map(f64::from).collect())
+}
+
+struct MambaRef {
+    cfg: MambaConfig,
+    in_proj: Lin,
+    conv_w: Vec<bf16>,
+    conv_b: Option<Vec<bf16>>,
+    dt_bias: Vec<f32>,
+    a: Vec<f32>,
+    d: Vec<f32>,
+    norm: Vec<bf16>,
+    out_proj: Lin,
+}
+
+struct MoeRef {
+    gate: Lin,
+    bias: Vec<f64>,
+    experts: Vec<(Lin, Lin)>,
+    shared: Option<(Lin, Lin)>,
+    routing: Routing,
+}
+
+enum Mix {
+    Mamba(Box<MambaRef>),
+    Moe(MoeRef),
+    Attention { q: Lin, k: Lin, v: Lin, o: Lin },
+    Mlp(Lin, Lin),
+}
+
+/// The model, widened to f64.
+pub struct Reference {
+    config: Config,
+    embeddings: Vec<f64>,
+    layers: Vec<(Vec<bf16>, Mix)>,
+    norm_f: Vec<bf16>,
+    lm_head: Lin,
+}
+
+/// One sequence's recurrent state: per layer, the conv and SSM states (Mamba) or the keys and
+/// values so far (attention).
+pub struct RefState {
+    layers: Vec<LayerState>,
+}
+
+enum LayerState {
+    Mamba { conv: Vec<f64>, ssm: Vec<f64> },
+    Attention { keys: Vec<Vec<f64>>, values: Vec<Vec<f64>> },
+    Stateless,
+}
+
+fn mlp(m: &Mlp) -> Result<(Lin, Lin)> {
+    Ok((Lin::new(&m.up)?, Lin::new(&m.down)?))
+}
+
+impl Reference {
+    /// Widens every tensor of `layout`.
+    pub fn new(config: &Config, layout: &Layout) -> Result<Reference> {
+        let mut layers = Vec::new();
+        for layer in &layout.layers {
+            let mix = match &layer.mixer {
+                Mixer::Mamba(m) => {
+                    let cfg = config
+                        .mamba
+                        .clone()
+                        .ok_or_else(|| Error::Unsupported("a Mamba layer without mamba settings".into()))?;
+                    Mix::Mamba(Box::new(MambaRef {
+                        cfg,
+                        in_proj: Lin::new(&m.in_proj)?,
+                        conv_w: m.conv_w.to_bf16()?,
+                        conv_b: m.conv_b.as_ref().map(|b| b.to_bf16()).transpose()?,
+                        dt_bias: m.dt_bias.to_f32()?,
+                        a: m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect(),
+                        d: m.d.to_f32()?,
+                        norm: m.norm.to_bf16()?,
+                        out_proj: Lin::new(&m.out_proj)?,
+                    }))
+                }
+                Mixer::Moe(m) => {
+                    let c = config
+                        .moe
+                        .as_ref()
+                        .ok_or_else(|| Error::Unsupported("an MoE layer without moe settings".into()))?;
+                    Mix::Moe(MoeRef {
+                        gate: Lin { w: f64s(&m.gate)?, b: None, inp: config.hidden_size },
+                        bias: m.score_bias.as_ref().map(f64s).transpose()?.unwrap_or_else(|| vec![0.0; c.experts]),
+                        experts: m.experts.iter().map(mlp).collect::<Result<_>>()?,
+                        shared: m.shared.as_ref().map(mlp).transpose()?,
+                        routing: Routing {
+                            top_k: c.top_k,
+                            n_group: c.n_group,
+                            topk_group: c.topk_group,
+                            norm_topk_prob: c.norm_topk_prob,
+                            scaling: f64::from(c.routed_scaling_factor),
+                        },
+                    })
+                }
+                Mixer::Attention(a) => {
+                    Mix::Attention { q: Lin::new(&a.q)?, k: Lin::new(&a.k)?, v: Lin::new(&a.v)?, o: Lin::new(&a.o)? }
+                }
+                Mixer::Mlp(m) => {
+                    let (up, down) = mlp(m)?;
+                    Mix::Mlp(up, down)
+                }
+            };
+            layers.push((layer.norm.to_bf16()?, mix));
+        }
+        Ok(Reference {
+            config: config.clone(),
+            embeddings: f64s(&layout.embeddings)?,
+            layers,
+            norm_f: layout.norm_f.to_bf16()?,
+            lm_head: Lin::new(&layout.lm_head)?,
+        })
+    }
+
+    /// A fresh sequence's state (zeros, no keys).
+    pub fn new_state(&self) -> RefState {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(_, mix)| match mix {
+                Mix::Mamba(m) => LayerState::Mamba {
+                    conv: vec![0.0; m.cfg.conv_dim() * (m.cfg.conv_kernel - 1)],
+                    ssm: vec![0.0; m.cfg.inner() * m.cfg.state_size],
+                },
+                Mix::Attention { .. } => LayerState::Attention { keys: Vec::new(), values: Vec::new() },
+                _ => LayerState::Stateless,
+            })
+            .collect();
+        RefState { layers }
+    }
+
+    /// Feeds one token and returns the logits for the next.
+    pub fn step(&self, state: &mut RefState, token: u32) -> Result<Vec<f64>> {
+        let (hidden, eps) = (self.config.hidden_size, f64::from(self.config.norm_eps));
+        let t = token as usize;
+        if t >= self.config.vocab_size {
+            return Err(Error::Unsupported(format!(
+                "token id {token} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let mut h = self.embeddings[t * hidden..(t + 1) * hidden].to_vec();
+        for ((norm_w, mix), ls) in self.layers.iter().zip(&mut state.layers) {
+            let x = norm::rms_norm(&h, norm_w, hidden, eps);
+            let out = match (mix, ls) {
+                (Mix::Mamba(m), LayerState::Mamba { conv, ssm }) => m.step(&x, conv, ssm, eps),
+                (Mix::Moe(m), _) => m.step(&x),
+                (Mix::Attention { q, k, v, o }, LayerState::Attention { keys, values }) => {
+                    let a = self.config.attention.as_ref().expect("attention layers come with attention settings");
+                    keys.push(k.apply(&x));
+                    values.push(v.apply(&x));
+                    o.apply(&attn::attend(&q.apply(&x), keys, values, a.heads, a.kv_heads, a.head_dim))
+                }
+                (Mix::Mlp(up, down), _) => expert(&x, up.rows(), down.rows()),
+                _ => unreachable!("states are built from the same layers"),
+            };
+            h.iter_mut().zip(out).for_each(|(a, b)| *a += b);
+        }
+        Ok(self.lm_head.apply(&norm::rms_norm(&h, &self.norm_f, hidden, eps)))
+    }
+}
+
+impl MambaRef {
+    /// in_proj -> (z, xBC, dt); conv update + silu on xBC; SSM step on (x, B, C, dt); gated
+    /// group norm of y with z; out_proj.
+    fn step(&self, x: &[f64], conv: &mut [f64], ssm: &mut [f64], eps: f64) -> Vec<f64> {
+        let c = &self.cfg;
+        let (inner, cd, gn) = (c.inner(), c.conv_dim(), c.groups * c.state_size);
+        let zxbcdt = self.in_proj.apply(x);
+        let (z, rest) = zxbcdt.split_at(inner);
+        let (xbc, dt) = rest.split_at(cd);
+        let conv_ref = ConvRef { dim: cd, k: c.conv_kernel, w: &self.conv_w, bias: self.conv_b.as_deref() };
+        let xbc = conv_ref.update(xbc, cd, conv, &[0]).remove(0).expect("slot 0 is not padding");
+        let ssm_ref = SsmRef {
+            heads: c.heads,
+            head_dim: c.head_dim,
+            groups: c.groups,
+            state_size: c.state_size,
+            dt_bias: &self.dt_bias,
+            a: &self.a,
+            d: Some(&self.d),
+            dt_min: f64::from(c.dt_limit.0),
+            dt_max: f64::from(c.dt_limit.1),
+        };
+        let y = ssm_ref.step(ssm, &xbc[..inner], dt, &xbc[inner..inner + gn], &xbc[inner + gn..], None);
+        self.out_proj.apply(&norm::gated_norm(&y, Some(z), &self.norm, inner, c.groups, eps))
+    }
+}
+
+impl MoeRef {
+    /// Routed experts weighted by the router, plus the shared expert.
+    fn step(&self, x: &[f64]) -> Vec<f64> {
+        let mut out = match &self.shared {
+            Some((up, down)) => expert(x, up.rows(), down.rows()),
+            None => vec![0.0; x.len()],
+        };
+        for (e, w) in route(&self.gate.apply(x), &self.bias, &self.routing) {
+            let y = expert(x, self.experts[e].0.rows(), self.experts[e].1.rows());
+            out.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
+        }
+        out
+    }
+}

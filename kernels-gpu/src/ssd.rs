@@ -216,12 +216,18 @@ mod kernels {
                     e += blk;
                 }
                 sync_threads();
-                for jj in 0..jt {
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let o = t + blk * r;
-                        if o < hd * n {
-                            *a += ld(xw, jj * hd + o / n) * ld(bt, jj * n + o % n);
+                // Outputs outer (their (p, n) found once, in 32-bit arithmetic), staged tokens
+                // inner with a runtime bound: no division in the inner loop.
+                let jn = (len - j0).min(jt) as u32;
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let o = (t + blk * r) as u32;
+                    if o < (hd * n) as u32 {
+                        let (pi, ni) = ((o / n as u32) as usize, (o % n as u32) as usize);
+                        let mut sum = *a;
+                        for jj in 0..jn as usize {
+                            sum += ld(xw, jj * hd + pi) * ld(bt, jj * n + ni);
                         }
+                        *a = sum;
                     }
                 }
                 sync_threads();

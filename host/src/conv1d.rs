@@ -33,7 +33,7 @@ impl ConvShape {
         state: usize,
         num_slots: usize,
     ) -> Result<()> {
-        let c = Check(kernel);
+        let c = Check(kernel.name());
         c.count("dim", MAX_ELEMS, self.dim)?;
         c.that("k", (2..=MAX_K as usize).contains(&self.k), format!("2..={MAX_K} taps"), self.k)?;
         c.that("x_stride", self.x_stride >= self.dim, format!(">= dim {}", self.dim), self.x_stride)?;
@@ -73,9 +73,9 @@ pub fn conv_update(
 ) -> Result<()> {
     let k = Kernel::ConvUpdate;
     let batch = slots.len();
-    Check(k).count("batch", 65535, batch)?;
+    Check(k.name()).count("batch", 65535, batch)?;
     shape.check(k, batch, x.len(), w.len(), bias.map(|b| b.len()), state.len(), slots.num_slots())?;
-    Check(k).len("y", batch * shape.dim, y.len())?;
+    Check(k.name()).len("y", batch * shape.dim, y.len())?;
     let p = ConvUpdateParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         w: gpu.addr(k, "w", w)? as *const u16,
@@ -110,9 +110,9 @@ pub fn conv_fwd(
 ) -> Result<()> {
     let (kf, ks) = (Kernel::ConvFwd, Kernel::ConvFwdState);
     let tokens = seqs.tokens();
-    Check(ks).count("sequences", 65535, seqs.nseq())?;
+    Check(ks.name()).count("sequences", 65535, seqs.nseq())?;
     shape.check(kf, tokens, x.len(), w.len(), bias.map(|b| b.len()), state.len(), seqs.num_slots())?;
-    Check(kf).len("y", tokens * shape.dim, y.len())?;
+    Check(kf.name()).len("y", tokens * shape.dim, y.len())?;
     let p = ConvFwdParams {
         x: gpu.addr(kf, "x", x)? as *const u16,
         w: gpu.addr(kf, "w", w)? as *const u16,

@@ -29,6 +29,14 @@ pub enum Error {
     MissingEntry(&'static str),
     #[error("invalid batch: {0}")]
     Batch(String),
+    #[error("cuBLASLt is not available (libcublasLt.so could not be loaded): install the CUDA toolkit's cuBLAS")]
+    NoCublas,
+    #[error("cuBLASLt error while {during}: {source}")]
+    Cublas {
+        during: &'static str,
+        #[source]
+        source: cudarc::cublaslt::result::CublasError,
+    },
 }
 
 /// The host crate's result type.

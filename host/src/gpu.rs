@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use cudarc::cublaslt::CudaBlasLT;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
@@ -92,6 +93,8 @@ pub struct Gpu {
     functions: Vec<CudaFunction>,
     /// Most threads per block each function can launch with (its register use decides).
     max_threads: Vec<u32>,
+    /// cuBLASLt on `stream`, created on first use (see [`Gpu::blas`]).
+    blas: std::sync::OnceLock<CudaBlasLT>,
     /// Most dynamic shared memory a block may use (the device's opt-in limit, enabled for
     /// every function at load).
     max_smem: u32,
@@ -137,7 +140,16 @@ impl Gpu {
             f.set_attribute(attr, max_smem as i32).during("enabling large shared memory")?;
         }
         let stream = ctx.new_stream().during("creating a stream")?;
-        Ok(Gpu { ctx, stream, arch, functions, max_threads, max_smem, _module: module })
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch,
+            functions,
+            max_threads,
+            max_smem,
+            blas: std::sync::OnceLock::new(),
+            _module: module,
+        })
     }
 
     /// The arch whose PTX was loaded.
@@ -148,6 +160,20 @@ impl Gpu {
     /// The device's name as the driver reports it.
     pub fn name(&self) -> Result<String> {
         self.ctx.name().during("reading the device name")
+    }
+
+    /// cuBLASLt bound to this Gpu's stream (its workspace is allocated on first use).
+    pub(crate) fn blas(&self) -> Result<&CudaBlasLT> {
+        if let Some(b) = self.blas.get() {
+            return Ok(b);
+        }
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            return Err(Error::NoCublas);
+        }
+        let b = CudaBlasLT::new(self.stream.clone())
+            .map_err(|source| Error::Cublas { during: "creating a handle", source })?;
+        Ok(self.blas.get_or_init(|| b))
     }
 
     /// The stream all of this Gpu's work runs on.
@@ -206,14 +232,19 @@ impl Gpu {
         self.stream.memcpy_dtod(src, dst).during("copying on the device")
     }
 
-    /// Fails unless `buf` was allocated in this Gpu's context.
-    fn check_owner<T>(&self, kernel: Kernel, arg: &'static str, buf: &impl DeviceSlice<T>) -> Result<()> {
+    /// Fails unless `buf` was allocated in this Gpu's context (`what`: the kernel or entry).
+    pub(crate) fn check_owner<T>(
+        &self,
+        what: &'static str,
+        arg: &'static str,
+        buf: &impl DeviceSlice<T>,
+    ) -> Result<()> {
         let ctx = buf.stream().context();
         if Arc::ptr_eq(ctx, &self.ctx) {
             return Ok(());
         }
         Err(Error::Shape {
-            kernel: kernel.name(),
+            kernel: what,
             arg,
             expected: format!("a buffer of this Gpu's context (device {})", self.ctx.ordinal()),
             got: format!("a buffer of another context (device {})", ctx.ordinal()),
@@ -222,13 +253,13 @@ impl Gpu {
 
     /// The device address of an input buffer of this Gpu.
     pub(crate) fn addr<T>(&self, kernel: Kernel, arg: &'static str, buf: &impl DevicePtr<T>) -> Result<u64> {
-        self.check_owner(kernel, arg, buf)?;
+        self.check_owner(kernel.name(), arg, buf)?;
         Ok(buf.device_ptr(&self.stream).0)
     }
 
     /// The device address of an output buffer of this Gpu.
     pub(crate) fn addr_mut<T>(&self, kernel: Kernel, arg: &'static str, buf: &mut impl DevicePtrMut<T>) -> Result<u64> {
-        self.check_owner(kernel, arg, buf)?;
+        self.check_owner(kernel.name(), arg, buf)?;
         Ok(buf.device_ptr_mut(&self.stream).0)
     }
 
@@ -247,20 +278,20 @@ impl Gpu {
         params: P,
     ) -> Result<()> {
         let f = &self.functions[kernel as usize];
-        Check(kernel).that(
+        Check(kernel.name()).that(
             "shape",
             smem <= self.max_smem,
             format!("one needing at most {} bytes of shared memory per block on this GPU", self.max_smem),
             format!("one needing {smem}"),
         )?;
-        Check(kernel).that(
+        Check(kernel.name()).that(
             "shape",
             grid.1 <= 65535 && grid.2 <= 65535,
             "a grid of at most 65535 in y and z",
             format!("{grid:?}"),
         )?;
         let max = self.max_threads[kernel as usize];
-        Check(kernel).that(
+        Check(kernel.name()).that(
             "width",
             block <= max,
             format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),

@@ -21,6 +21,7 @@ mod check;
 pub mod conv1d;
 pub mod cpu;
 mod error;
+pub mod gemm;
 mod gpu;
 pub mod norm;
 pub mod quant;

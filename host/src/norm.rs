@@ -38,7 +38,7 @@ impl NormShape {
         w: usize,
         outs: &[(&'static str, usize, usize)],
     ) -> Result<()> {
-        let c = Check(kernel);
+        let c = Check(kernel.name());
         c.count("rows", MAX_ROWS, self.rows)?;
         c.count("width", MAX_ROW_WIDTH as usize, self.width)?;
         c.count("groups", self.width, self.groups)?;
@@ -84,7 +84,7 @@ pub fn rms_norm(
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::NormRms;
-    Check(k).that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
+    Check(k.name()).that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
     shape.check(k, x.len(), None, w.len(), &[("y", shape.width, y.len())])?;
     let p = RmsNormParams {
         x: gpu.addr(k, "x", x)? as *const u16,

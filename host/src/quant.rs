@@ -17,13 +17,13 @@ use crate::gpu::Gpu;
 pub(crate) fn check_amax_ub(kernel: Kernel, amax_ub: Option<f32>) -> Result<f32> {
     match amax_ub {
         None => Ok(f32::INFINITY),
-        Some(ub) => Check(kernel).positive("amax_ub", ub).map(|()| ub),
+        Some(ub) => Check(kernel.name()).positive("amax_ub", ub).map(|()| ub),
     }
 }
 
 /// Rows of a `[rows, width]` buffer of `len` elements, checked.
 fn rows_of(kernel: Kernel, len: usize, width: usize) -> Result<usize> {
-    let c = Check(kernel);
+    let c = Check(kernel.name());
     c.count("width", MAX_ROW_WIDTH as usize, width)?;
     c.that("x", len.is_multiple_of(width) && len > 0, format!("a non-empty multiple of width {width} elements"), len)?;
     c.count("rows", MAX_ROWS, len / width)?;
@@ -47,8 +47,8 @@ pub fn quant_token(
 ) -> Result<()> {
     let k = Kernel::QuantToken;
     let rows = rows_of(k, x.len(), width)?;
-    Check(k).len("q", x.len(), q.len())?;
-    Check(k).len("scales", rows, scales.len())?;
+    Check(k.name()).len("q", x.len(), q.len())?;
+    Check(k.name()).len("scales", rows, scales.len())?;
     let p = QuantTokenParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         q: gpu.addr_mut(k, "q", q)? as *mut u8,
@@ -73,10 +73,10 @@ pub fn quant_tensor(
 ) -> Result<()> {
     let (ka, kq) = (Kernel::QuantAmax, Kernel::QuantTensor);
     let n = x.len();
-    Check(ka).count("x", MAX_ELEMS, n)?;
-    Check(ka).len("amax", 1, amax.len())?;
-    Check(kq).len("q", n, q.len())?;
-    Check(kq).len("scale", 1, scale.len())?;
+    Check(ka.name()).count("x", MAX_ELEMS, n)?;
+    Check(ka.name()).len("amax", 1, amax.len())?;
+    Check(kq.name()).len("q", n, q.len())?;
+    Check(kq.name()).len("scale", 1, scale.len())?;
     gpu.stream().memset_zeros(amax).during("zeroing the amax accumulator")?;
     let grid = elementwise_grid(n);
     let pa = QuantAmaxParams {
@@ -103,9 +103,9 @@ pub fn quant_tensor(
 pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut impl DevicePtrMut<u8>) -> Result<()> {
     let k = Kernel::QuantStatic;
     let n = x.len();
-    Check(k).count("x", MAX_ELEMS, n)?;
-    Check(k).len("q", n, q.len())?;
-    Check(k).positive("scale", scale)?;
+    Check(k.name()).count("x", MAX_ELEMS, n)?;
+    Check(k.name()).len("q", n, q.len())?;
+    Check(k.name()).positive("scale", scale)?;
     let p = QuantStaticParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         q: gpu.addr_mut(k, "q", q)? as *mut u8,

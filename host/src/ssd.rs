@@ -54,7 +54,7 @@ struct SsdChunkRepr(SsdChunk);
 impl SsdPlan {
     /// Plans a scan over `seqs` for `heads` heads of `head_dim` x `state_size` states.
     pub fn new(gpu: &Gpu, seqs: &Prefill, heads: usize, head_dim: usize, state_size: usize) -> Result<SsdPlan> {
-        let c = Check(Kernel::SsdScan);
+        let c = Check(Kernel::SsdScan.name());
         c.count("head_dim", SSD_MAX_HEAD_DIM as usize, head_dim)?;
         c.count("state_size", SSD_MAX_STATE as usize, state_size)?;
         c.count("head_dim * state_size", SSD_MAX_HEAD_STATE as usize, head_dim * state_size)?;
@@ -98,7 +98,7 @@ where
     SsdPassParams<T::Raw>: KernelParams,
 {
     let k = Kernel::SsdScan;
-    let c = Check(k);
+    let c = Check(k.name());
     shape.check(T::PASS, &heads, state.len(), seqs.num_slots())?;
     c.that("plan", plan.lens == seqs.lens, "a plan built for this batch", "a plan of another batch")?;
     let planned = (shape.heads, shape.head_dim, shape.state_size);

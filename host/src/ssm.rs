@@ -35,7 +35,7 @@ impl<'a> Rows<'a> {
         rows: usize,
         width: usize,
     ) -> Result<*const u16> {
-        let c = Check(k);
+        let c = Check(k.name());
         c.that(
             arg,
             self.stride >= width && self.stride <= MAX_ELEMS,
@@ -95,7 +95,7 @@ impl SsmShape {
 
     /// Checks the geometry, the per-head parameters and the state cache (`num_slots` slots).
     pub(crate) fn check(&self, k: Kernel, heads: &SsmHeads, state: usize, num_slots: usize) -> Result<()> {
-        let c = Check(k);
+        let c = Check(k.name());
         c.count("heads", 65535, self.heads)?;
         c.count("groups", self.heads, self.groups)?;
         c.that(
@@ -152,7 +152,7 @@ impl StateDtype for bf16 {
 
 /// Fails when a row writes a slot another row reads (the update runs rows concurrently).
 fn check_dst(k: Kernel, src: &Slots, dst: &Slots) -> Result<()> {
-    let c = Check(k);
+    let c = Check(k.name());
     c.len("dst", src.len(), dst.len())?;
     c.that(
         "dst",
@@ -193,13 +193,13 @@ where
 {
     let k = T::UPDATE;
     let batch = slots.len();
-    Check(k).count("batch", 65535, batch)?;
+    Check(k.name()).count("batch", 65535, batch)?;
     shape.check(k, &heads, state.len(), slots.num_slots())?;
     if let Some(dst) = dst {
         check_dst(k, slots, dst)?;
     }
     let (w, gn) = (shape.width(), shape.groups * shape.state_size);
-    Check(k).len("y", batch * w, y.len())?;
+    Check(k.name()).len("y", batch * w, y.len())?;
     let p = SsmUpdateParams::<T::Raw> {
         state: gpu.addr_mut(k, "state", state)? as *mut T::Raw,
         x: inputs.x.addr(gpu, k, "x", batch, w)?,

@@ -4,6 +4,7 @@
 
 pub mod attn;
 pub mod conv1d;
+pub mod gemm;
 pub mod moe;
 pub mod norm;
 pub mod quant;

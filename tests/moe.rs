@@ -94,3 +94,33 @@ fn expert_hand_checked() {
     let y = expert(&[2.0, 3.0], &[1.0, 1.0, 1.0, -1.0], &[1.0, 0.0, 0.5, 2.0]);
     assert_close("expert", &y, &[25.0, 12.5], 0.0, 0.0);
 }
+
+#[test]
+fn dispatch_groups_tokens_by_expert() {
+    use host::cpu::moe::dispatch;
+    // 3 tokens, top-2 of 4 experts.
+    let routes = vec![vec![(2, 0.5), (0, 0.5)], vec![(2, 0.7), (3, 0.3)], vec![(0, 0.9), (2, 0.1)]];
+    let d = dispatch(&routes, 4);
+    assert_eq!(d.counts, vec![2, 0, 3, 1]);
+    assert_eq!(d.offsets, vec![0, 2, 2, 5, 6]);
+    assert_eq!(d.order, vec![(0, 1), (2, 0), (0, 0), (1, 0), (2, 1), (1, 1)]);
+}
+
+#[test]
+fn permute_then_combine_is_identity_with_unit_weights() {
+    use host::cpu::moe::{combine, dispatch, permute};
+    let mut rng = Rng::new(52);
+    let (tokens, width) = (37, 5);
+    let x: Vec<f64> = (0..tokens * width).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let routes: Vec<Vec<(usize, f64)>> = (0..tokens)
+        .map(|_| {
+            let logits: Vec<f64> = (0..16).map(|_| rng.uniform(-3.0, 3.0)).collect();
+            let r = route(&logits, &[0.0; 16], &Routing { top_k: 4, norm_topk_prob: false, scaling: 1.0, ..NANO });
+            r.into_iter().map(|(e, _)| (e, 0.25)).collect()
+        })
+        .collect();
+    let d = dispatch(&routes, 16);
+    assert_eq!(d.order.len(), tokens * 4);
+    let back = combine(&permute(&x, width, &d), width, &d, &routes);
+    assert_close("round trip", &back, &x, 1e-15, 1e-15);
+}

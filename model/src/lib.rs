@@ -10,6 +10,7 @@ pub mod config;
 mod error;
 pub mod layout;
 pub mod reference;
+pub mod sampling;
 pub mod synthetic;
 pub mod weights;
 

@@ -13,6 +13,9 @@ pub enum Error {
     /// The checkpoint's tensors do not match its config: every problem, one per line.
     #[error("the checkpoint does not match its config.json ({} problems):\n  {}", .0.len(), .0.join("\n  "))]
     Tensors(Vec<String>),
+    /// A limit of the engine was reached (state slots, sequence length).
+    #[error("capacity: {0}")]
+    Capacity(String),
     /// A request or a checkpoint feature this code does not handle (yet).
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -6,6 +6,7 @@
 //! the oracle for the backends ([`reference::Reference`]), and writes random checkpoints for
 //! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
 
+pub mod cache;
 pub mod config;
 mod error;
 pub mod layout;

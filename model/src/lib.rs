@@ -6,10 +6,13 @@
 //! the oracle for the backends ([`reference::Reference`]), and writes random checkpoints for
 //! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
 
+pub mod backend;
 pub mod cache;
 pub mod config;
+pub mod cpu;
 mod error;
 pub mod layout;
+pub mod model;
 pub mod reference;
 pub mod sampling;
 pub mod synthetic;

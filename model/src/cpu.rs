@@ -1,0 +1,331 @@
+//! The CPU reference backend: every operation from the host crate's CPU references (f64
+//! inside), outputs rounded to bf16 where the model's activations are bf16, SSM states kept in
+//! f32, so the model runs without a GPU (slowly) with the dataflow of the GPU backend.
+
+use half::bf16;
+use host::cpu::conv1d::ConvRef;
+use host::cpu::moe::{Routing, expert, route};
+use host::cpu::ssm::SsmRef;
+use host::cpu::{attn, gemm, norm};
+
+use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
+use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
+use crate::error::{Error, Result};
+use crate::layout::Linear;
+
+/// The CPU backend (stateless: buffers are `Vec`s).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+/// A bf16 weight `[n, k]`.
+pub struct CpuWeight {
+    w: Vec<bf16>,
+    n: usize,
+    k: usize,
+}
+
+/// `rows` rows of `width` from `x`, as f64.
+fn gather(x: &In<Vec<bf16>>, rows: usize, width: usize) -> Vec<f64> {
+    (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..width].iter().map(|v| v.to_f64())).collect()
+}
+
+/// Writes `v` rounded to bf16 at the output.
+fn put(y: Out<Vec<bf16>>, v: impl IntoIterator<Item = f64>) {
+    for (i, x) in v.into_iter().enumerate() {
+        y.buf[y.offset + i] = bf16::from_f64(x);
+    }
+}
+
+fn ssm_ref<'a>(c: &MambaConfig, heads: (&'a Vec<f32>, &'a Vec<f32>, &'a Vec<f32>)) -> SsmRef<'a> {
+    SsmRef {
+        heads: c.heads,
+        head_dim: c.head_dim,
+        groups: c.groups,
+        state_size: c.state_size,
+        dt_bias: heads.0,
+        a: heads.1,
+        d: Some(heads.2),
+        dt_min: f64::from(c.dt_limit.0),
+        dt_max: f64::from(c.dt_limit.1),
+    }
+}
+
+/// One SSM token on the f32 state of `slot` (zeros for a pad row, nothing written back).
+#[allow(clippy::too_many_arguments)]
+fn ssm_token(
+    c: &MambaConfig,
+    r: &SsmRef,
+    xbc: &In<Vec<bf16>>,
+    dt: &In<Vec<bf16>>,
+    row: usize,
+    state: &mut [f32],
+    slot: i32,
+    carry: &mut Option<Vec<f64>>,
+) -> Vec<f64> {
+    let (inner, gn, sl) = (c.inner(), c.groups * c.state_size, c.inner() * c.state_size);
+    let xr = &xbc.buf[xbc.offset + row * xbc.stride..][..inner + 2 * gn];
+    let dr = &dt.buf[dt.offset + row * dt.stride..][..c.heads];
+    let s = carry.get_or_insert_with(|| {
+        if slot < 0 { vec![0.0; sl] } else { state[slot as usize * sl..][..sl].iter().map(|&v| f64::from(v)).collect() }
+    });
+    r.step(s, &xr[..inner], dr, &xr[inner..inner + gn], &xr[inner + gn..], None)
+}
+
+fn store_state(state: &mut [f32], slot: i32, sl: usize, s: &[f64]) {
+    if slot >= 0 {
+        state[slot as usize * sl..][..sl].iter_mut().zip(s).for_each(|(d, v)| *d = *v as f32);
+    }
+}
+
+impl Backend for Cpu {
+    type Buf = Vec<bf16>;
+    type Buf32 = Vec<f32>;
+    type Weight = CpuWeight;
+
+    fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
+        Ok(v.to_vec())
+    }
+    fn upload32(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+    fn zeros(&self, n: usize) -> Result<Vec<bf16>> {
+        Ok(vec![bf16::ZERO; n])
+    }
+    fn zeros32(&self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+    fn download(&self, b: &Vec<bf16>) -> Result<Vec<bf16>> {
+        Ok(b.clone())
+    }
+    fn download32(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(b.clone())
+    }
+
+    fn weight(&self, l: &Linear) -> Result<CpuWeight> {
+        if l.fp8.is_some() || l.bias.is_some() {
+            return Err(Error::Unsupported(format!(
+                "`{}`: the CPU backend handles bf16 weights without bias",
+                l.weight.name
+            )));
+        }
+        Ok(CpuWeight { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
+    }
+
+    fn embed(&self, table: &Vec<bf16>, width: usize, tokens: &[u32], out: Out<Vec<bf16>>) -> Result<()> {
+        let vocab = table.len() / width;
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= vocab {
+                return Err(Error::Unsupported(format!("token id {t} is outside the vocabulary of {vocab}")));
+            }
+            out.buf[out.offset + i * width..][..width].copy_from_slice(&table[t as usize * width..][..width]);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: In<Vec<bf16>>,
+        w: &Vec<bf16>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        put(y, norm::rms_norm(&gather(&x, rows, width), w, width, f64::from(eps)));
+        Ok(())
+    }
+
+    fn gated_norm(
+        &self,
+        x: In<Vec<bf16>>,
+        z: In<Vec<bf16>>,
+        w: &Vec<bf16>,
+        rows: usize,
+        width: usize,
+        groups: usize,
+        eps: f32,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let (xs, zs) = (gather(&x, rows, width), gather(&z, rows, width));
+        put(y, norm::gated_norm(&xs, Some(&zs), w, width, groups, f64::from(eps)));
+        Ok(())
+    }
+
+    fn linear(&self, x: In<Vec<bf16>>, rows: usize, w: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
+        let xs: Vec<bf16> = (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..w.k].iter().copied()).collect();
+        put(y, gemm::linear(&xs, &w.w, rows, w.n, w.k));
+        Ok(())
+    }
+
+    fn add(&self, h: &mut Vec<bf16>, x: &Vec<bf16>, n: usize) -> Result<()> {
+        h[..n].iter_mut().zip(&x[..n]).for_each(|(a, b)| *a = bf16::from_f32(a.to_f32() + b.to_f32()));
+        Ok(())
+    }
+
+    fn relu2(&self, x: &mut Vec<bf16>, n: usize) -> Result<()> {
+        x[..n].iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32().max(0.0).powi(2)));
+        Ok(())
+    }
+
+    fn conv_decode(
+        &self,
+        c: &MambaConfig,
+        x: In<Vec<bf16>>,
+        w: &Vec<bf16>,
+        bias: Option<&Vec<bf16>>,
+        state: &mut Vec<bf16>,
+        slots: &[i32],
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let cd = c.conv_dim();
+        let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
+        let rows = conv.update(&x.buf[x.offset..], x.stride, state, slots);
+        for (r, row) in rows.into_iter().enumerate() {
+            if let Some(row) = row {
+                put(Out { buf: &mut *y.buf, offset: y.offset + r * cd }, row);
+            }
+        }
+        Ok(())
+    }
+
+    fn conv_prefill(
+        &self,
+        c: &MambaConfig,
+        x: In<Vec<bf16>>,
+        w: &Vec<bf16>,
+        bias: Option<&Vec<bf16>>,
+        state: &mut Vec<bf16>,
+        seqs: &PrefillSeqs,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let cd = c.conv_dim();
+        let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
+        let rows = conv.forward(&x.buf[x.offset..], x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
+        for (r, row) in rows.into_iter().enumerate() {
+            if let Some(row) = row {
+                put(Out { buf: &mut *y.buf, offset: y.offset + r * cd }, row);
+            }
+        }
+        Ok(())
+    }
+
+    fn ssm_decode(
+        &self,
+        c: &MambaConfig,
+        xbc: In<Vec<bf16>>,
+        dt: In<Vec<bf16>>,
+        heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
+        state: &mut Vec<f32>,
+        slots: &[i32],
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let r = ssm_ref(c, heads);
+        let (inner, sl) = (c.inner(), c.inner() * c.state_size);
+        for (row, &slot) in slots.iter().enumerate() {
+            let mut carry = None;
+            let out = ssm_token(c, &r, &xbc, &dt, row, state, slot, &mut carry);
+            store_state(state, slot, sl, &carry.unwrap_or_default());
+            put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
+        }
+        Ok(())
+    }
+
+    fn ssm_prefill(
+        &self,
+        c: &MambaConfig,
+        xbc: In<Vec<bf16>>,
+        dt: In<Vec<bf16>>,
+        heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
+        state: &mut Vec<f32>,
+        seqs: &PrefillSeqs,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        // The sequential recurrence the chunked scan equals, token by token.
+        let r = ssm_ref(c, heads);
+        let (inner, sl) = (c.inner(), c.inner() * c.state_size);
+        let mut row = 0;
+        for s in 0..seqs.lens.len() {
+            let slot = if seqs.initial[s] { seqs.slots[s] } else { -1 };
+            let mut carry = None;
+            for _ in 0..seqs.lens[s] {
+                let out = ssm_token(c, &r, &xbc, &dt, row, state, slot, &mut carry);
+                put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
+                row += 1;
+            }
+            store_state(state, seqs.slots[s], sl, &carry.unwrap_or_default());
+        }
+        Ok(())
+    }
+
+    fn moe(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>, y: Out<Vec<bf16>>) -> Result<()> {
+        let hidden = w.gate.len() / c.experts;
+        let routing = Routing {
+            top_k: c.top_k,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            norm_topk_prob: c.norm_topk_prob,
+            scaling: f64::from(c.routed_scaling_factor),
+        };
+        let gate: Vec<bf16> = w.gate.clone();
+        let bias: Vec<f64> = w.score_bias.iter().map(|&v| f64::from(v)).collect();
+        let f = |m: &CpuWeight| m.w.iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
+        let experts: Vec<(Vec<f64>, Vec<f64>)> = w.experts.iter().map(|(u, d)| (f(u), f(d))).collect();
+        let shared = w.shared.as_ref().map(|(u, d)| (f(u), f(d)));
+        for r in 0..rows {
+            let xr: Vec<bf16> = x.buf[x.offset + r * x.stride..][..hidden].to_vec();
+            let xf: Vec<f64> = xr.iter().map(|v| v.to_f64()).collect();
+            let logits = gemm::linear(&xr, &gate, 1, c.experts, hidden);
+            let mut out = shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| expert(&xf, u, d));
+            for (e, wt) in route(&logits, &bias, &routing) {
+                let o = expert(&xf, &experts[e].0, &experts[e].1);
+                out.iter_mut().zip(o).for_each(|(a, b)| *a += wt * b);
+            }
+            put(Out { buf: &mut *y.buf, offset: y.offset + r * hidden }, out);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        c: &AttentionConfig,
+        q: In<Vec<bf16>>,
+        k: In<Vec<bf16>>,
+        v: In<Vec<bf16>>,
+        cache: (&mut Vec<bf16>, &mut Vec<bf16>),
+        max_len: usize,
+        seqs: (&[usize], &[i32], &[usize]),
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let (lens, slots, past) = seqs;
+        let mut row = 0;
+        for s in 0..lens.len() {
+            if past[s] + lens[s] > max_len {
+                return Err(Error::Capacity(format!(
+                    "sequence of {} tokens exceeds the KV cache's {max_len}",
+                    past[s] + lens[s]
+                )));
+            }
+            let base = slots[s] as usize * max_len * kw;
+            for t in 0..lens[s] {
+                let pos = past[s] + t;
+                cache.0[base + pos * kw..][..kw].copy_from_slice(&k.buf[k.offset + (row + t) * k.stride..][..kw]);
+                cache.1[base + pos * kw..][..kw].copy_from_slice(&v.buf[v.offset + (row + t) * v.stride..][..kw]);
+            }
+            let rows_of = |c: &Vec<bf16>, n: usize| -> Vec<Vec<f64>> {
+                (0..n).map(|p| c[base + p * kw..][..kw].iter().map(|x| x.to_f64()).collect()).collect()
+            };
+            for t in 0..lens[s] {
+                let n = past[s] + t + 1;
+                let (keys, values) = (rows_of(cache.0, n), rows_of(cache.1, n));
+                let qr: Vec<f64> = q.buf[q.offset + (row + t) * q.stride..][..qw].iter().map(|x| x.to_f64()).collect();
+                put(
+                    Out { buf: &mut *y.buf, offset: y.offset + (row + t) * qw },
+                    attn::attend(&qr, &keys, &values, c.heads, c.kv_heads, c.head_dim),
+                );
+            }
+            row += lens[s];
+        }
+        Ok(())
+    }
+}

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cache;
 pub mod config;
 pub mod cpu;
+pub mod engine;
 mod error;
 pub mod layout;
 pub mod model;

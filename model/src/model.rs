@@ -347,4 +347,19 @@ impl<B: Backend> Model<B> {
     pub fn layers(&self) -> &[LayerKind] {
         &self.config.layers
     }
+
+    /// Slots in the state cache.
+    pub fn slots(&self) -> usize {
+        self.past.len()
+    }
+
+    /// Most tokens a slot holds.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
 }

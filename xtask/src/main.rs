@@ -2,6 +2,8 @@
 //! - `ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
 //!   `.target` and every entry, assemble with ptxas 13.x, print registers / spills / shared
 //!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
+//! - `generate ARGS...`: the model crate's `generate` CLI (release build), e.g.
+//!   `./x generate --prompt "Hello"` runs the built-in model;
 //! - `test [ARGS...]`: provision ptxas, then `cargo test --workspace ARGS...` (the CI command);
 //! - `lint`: rustfmt check, and clippy with warnings denied on the host crates and on the
 //!   device code as built for nvptx64;
@@ -43,6 +45,9 @@ fn main() -> Result<()> {
         Some("test") => {
             let ptxas = tools::ptxas(&workspace)?;
             cargo(&workspace, &["test", "--workspace"], args, Some(&ptxas))
+        }
+        Some("generate") => {
+            cargo(&workspace, &["run", "--release", "--quiet", "-p", "model", "--bin", "generate", "--"], args, None)
         }
         Some("lint") => {
             cargo(&workspace, &["fmt", "--all", "--", "--check"], args, None)?;

@@ -1,0 +1,149 @@
+//! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+//! [--top-p P] [--seed S]`: generates text with a NemotronH checkpoint directory (config.json,
+//! safetensors, tokenizer.json), streaming the tokens, then prints prefill and decode speed.
+//! Without `--model` it runs the small built-in model (random weights: the text means
+//! nothing). Runs on the CPU reference backend (the CUDA model path is not built yet).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use model::config::Config;
+use model::cpu::Cpu;
+use model::engine::{Engine, RequestParams};
+use model::layout::Layout;
+use model::model::Model;
+use model::sampling::SamplingParams;
+use model::weights::Checkpoint;
+use tokenizers::Tokenizer;
+
+const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]";
+
+/// The built-in model's files, embedded in the binary.
+const BUILT_IN: [(&str, &[u8]); 3] = [
+    ("config.json", include_bytes!("../../assets/default/config.json")),
+    ("model.safetensors", include_bytes!("../../assets/default/model.safetensors")),
+    ("tokenizer.json", include_bytes!("../../assets/default/tokenizer.json")),
+];
+
+/// Writes the built-in model to a folder under the temp dir (once) and returns it.
+fn built_in() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("nemotron-rs-built-in-{}", env!("CARGO_PKG_VERSION")));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (name, bytes) in BUILT_IN {
+        let path = dir.join(name);
+        if std::fs::read(&path).ok().as_deref() != Some(bytes) {
+            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(dir)
+}
+
+struct Args {
+    model: Option<PathBuf>,
+    prompt: String,
+    max_new: usize,
+    sampling: SamplingParams,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args { model: None, prompt: String::new(), max_new: 32, sampling: SamplingParams::greedy() };
+    let mut it = std::env::args().skip(1);
+    let mut prompt = None;
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
+        match flag.as_str() {
+            "--model" => a.model = Some(value()?.into()),
+            "--prompt" => prompt = Some(value()?),
+            "--max-new-tokens" => a.max_new = value()?.parse().context("--max-new-tokens")?,
+            "--temperature" => a.sampling.temperature = value()?.parse().context("--temperature")?,
+            "--top-k" => a.sampling.top_k = Some(value()?.parse().context("--top-k")?),
+            "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
+            "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument `{other}`\n{USAGE}"),
+        }
+    }
+    a.prompt = prompt.with_context(|| format!("--prompt is required\n{USAGE}"))?;
+    Ok(a)
+}
+
+/// The end-of-sequence ids config.json names (a number or a list), if any.
+fn eos_ids(dir: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    match &v["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        serde_json::Value::Array(a) => a.iter().filter_map(|n| n.as_u64()).map(|n| n as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn main() -> Result<()> {
+    let args = parse()?;
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => built_in()?,
+    };
+    let t0 = Instant::now();
+    eprintln!("loading {}", dir.display());
+    let config = Config::from_dir(&dir)?;
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        bail!("{} has no tokenizer.json: the CLI needs the checkpoint's tokenizer", dir.display());
+    }
+    let tokenizer =
+        Tokenizer::from_file(&tok_path).map_err(|e| anyhow::anyhow!("reading {}: {e}", tok_path.display()))?;
+    let ck = Checkpoint::open(&dir)?;
+    eprintln!("  {} tensors, {:.1} MB mapped", ck.names().count(), ck.total_bytes() as f64 / 1e6);
+    let layout = Layout::new(&config, &ck)?;
+    let prompt: Vec<u32> = tokenizer
+        .encode(args.prompt.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+        .get_ids()
+        .to_vec();
+    let max_len = prompt.len() + args.max_new;
+    eprintln!("  backend: CPU reference (no CUDA model path yet); loading weights...");
+    let model = Model::load(Cpu, &config, &layout, 1, max_len)?;
+    eprintln!("  loaded in {:.2} s; prompt: {} tokens", t0.elapsed().as_secs_f64(), prompt.len());
+    let mut engine = Engine::new(model);
+    engine.add(
+        &prompt,
+        RequestParams { max_new_tokens: args.max_new, sampling: args.sampling, stop_tokens: eos_ids(&dir) },
+    )?;
+
+    print!("{}", args.prompt);
+    let (mut generated, mut shown) = (Vec::new(), 0);
+    let (mut prefill_s, mut decode_s) = (0.0, 0.0);
+    while engine.has_work() {
+        let t = Instant::now();
+        let events = engine.step()?;
+        let dt = t.elapsed().as_secs_f64();
+        if generated.is_empty() {
+            prefill_s = dt
+        } else {
+            decode_s += dt
+        }
+        generated.extend(events.iter().map(|e| e.token));
+        let text = tokenizer.decode(&generated, true).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
+        if !text.ends_with('\u{FFFD}') && text.len() > shown {
+            print!("{}", &text[shown..]);
+            shown = text.len();
+            std::io::stdout().flush()?;
+        }
+    }
+    println!();
+    let decoded = generated.len().saturating_sub(1);
+    eprintln!(
+        "prefill: {} tokens in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token",
+        prompt.len(),
+        prefill_s * 1e3,
+        prompt.len() as f64 / prefill_s.max(1e-9),
+        if decoded > 0 { decode_s * 1e3 / decoded as f64 } else { 0.0 }
+    );
+    Ok(())
+}

@@ -1,0 +1,29 @@
+//! The `generate` binary: the built-in model generates on the CPU, and a checkpoint without a
+//! tokenizer is a clear error.
+
+use std::process::Command;
+
+fn generate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_generate")).args(args).output().unwrap()
+}
+
+#[test]
+fn built_in_model_generates() {
+    let out = generate(&["--prompt", "Hello", "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "3"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.starts_with("Hello"), "{stdout}");
+    assert!(stderr.contains("prefill: 5 tokens in") && stderr.contains("ms/token"), "{stderr}");
+}
+
+#[test]
+fn missing_tokenizer_and_bad_arguments_are_errors() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny_nemotron_h");
+    let out = generate(&["--model", fixture, "--prompt", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has no tokenizer.json"));
+    let out = generate(&["--max-new-tokens", "3"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt is required"));
+    let out = generate(&["--prompt", "x", "--bogus"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown argument `--bogus`"));
+}

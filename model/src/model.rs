@@ -73,9 +73,22 @@ impl<B: Backend> Model<B> {
     /// Uploads every weight of `layout` and allocates a state cache of `slots` slots, each
     /// holding up to `max_len` tokens of attention keys and values.
     pub fn load(backend: B, config: &Config, layout: &Layout, slots: usize, max_len: usize) -> Result<Model<B>> {
+        Model::load_with_progress(backend, config, layout, slots, max_len, &mut |_, _| {})
+    }
+
+    /// [`Model::load`], calling `progress(layers_done, layers)` after each layer's weights.
+    pub fn load_with_progress(
+        backend: B,
+        config: &Config,
+        layout: &Layout,
+        slots: usize,
+        max_len: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>> {
         let b = &backend;
         let mut layers = Vec::new();
         let mut cache = Vec::new();
+        let total = layout.layers.len();
         for layer in &layout.layers {
             let (mix, lc) = match &layer.mixer {
                 Mixer::Mamba(m) => {
@@ -132,6 +145,7 @@ impl<B: Backend> Model<B> {
             };
             layers.push((bf16s(b, &layer.norm)?, mix));
             cache.push(lc);
+            progress(layers.len(), total);
         }
         Ok(Model {
             embeddings: bf16s(b, &layout.embeddings)?,

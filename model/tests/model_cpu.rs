@@ -141,6 +141,16 @@ fn split_prefill_and_fresh_one_token_requests() {
 }
 
 #[test]
+fn loading_reports_progress_per_layer() {
+    let config = Config::from_dir(&dir()).unwrap();
+    let ck = Checkpoint::open(&dir()).unwrap();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let mut seen = Vec::new();
+    Model::load_with_progress(Cpu, &config, &layout, 1, 8, &mut |done, total| seen.push((done, total))).unwrap();
+    assert_eq!(seen, (1..=6).map(|i| (i, 6)).collect::<Vec<_>>());
+}
+
+#[test]
 fn bad_steps_are_errors() {
     let config = Config::from_dir(&dir()).unwrap();
     let ck = Checkpoint::open(&dir()).unwrap();

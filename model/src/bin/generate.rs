@@ -108,7 +108,12 @@ fn main() -> Result<()> {
         .to_vec();
     let max_len = prompt.len() + args.max_new;
     eprintln!("  backend: CPU reference (no CUDA model path yet); loading weights...");
-    let model = Model::load(Cpu, &config, &layout, 1, max_len)?;
+    let model = Model::load_with_progress(Cpu, &config, &layout, 1, max_len, &mut |done, total| {
+        eprint!("\r  layer {done}/{total}");
+        if done == total {
+            eprintln!();
+        }
+    })?;
     eprintln!("  loaded in {:.2} s; prompt: {} tokens", t0.elapsed().as_secs_f64(), prompt.len());
     let mut engine = Engine::new(model);
     engine.add(

@@ -4,24 +4,43 @@
 
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
-use host::cpu::moe::{Routing, expert, route};
+use host::cpu::moe::{Routing, route};
 use host::cpu::ssm::SsmRef;
 use host::cpu::{attn, gemm, norm};
 
 use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
+use crate::fp8::Fp8Linear;
 use crate::layout::Linear;
 
 /// The CPU backend (stateless: buffers are `Vec`s).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
-/// A bf16 weight `[n, k]`.
-pub struct CpuWeight {
-    w: Vec<bf16>,
-    n: usize,
-    k: usize,
+/// A linear layer's weight `[n, k]`: bf16, or FP8 (W8A8).
+pub enum CpuWeight {
+    Bf16 { w: Vec<bf16>, n: usize, k: usize },
+    Fp8(Fp8Linear),
+}
+
+impl CpuWeight {
+    fn k(&self) -> usize {
+        match self {
+            CpuWeight::Bf16 { k, .. } => *k,
+            CpuWeight::Fp8(f) => f.k,
+        }
+    }
+
+    /// `rows` rows of `xs` (contiguous, `k` each) times the weight, unrounded.
+    fn apply(&self, xs: &[bf16], rows: usize) -> Vec<f64> {
+        match self {
+            CpuWeight::Bf16 { w, n, k } => gemm::linear(xs, w, rows, *n, *k),
+            CpuWeight::Fp8(f) => {
+                xs.chunks_exact(f.k).flat_map(|r| f.apply(&r.iter().map(|v| v.to_f32()).collect::<Vec<_>>())).collect()
+            }
+        }
+    }
 }
 
 /// `rows` rows of `width` from `x`, as f64.
@@ -102,13 +121,16 @@ impl Backend for Cpu {
     }
 
     fn weight(&self, l: &Linear) -> Result<CpuWeight> {
-        if l.fp8.is_some() || l.bias.is_some() {
+        if l.bias.is_some() {
             return Err(Error::Unsupported(format!(
-                "`{}`: the CPU backend handles bf16 weights without bias",
+                "`{}`: the CPU backend handles linear layers without bias",
                 l.weight.name
             )));
         }
-        Ok(CpuWeight { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
+        if let Some(f) = Fp8Linear::new(l)? {
+            return Ok(CpuWeight::Fp8(f));
+        }
+        Ok(CpuWeight::Bf16 { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
     }
 
     fn embed(&self, table: &Vec<bf16>, width: usize, tokens: &[u32], out: Out<Vec<bf16>>) -> Result<()> {
@@ -152,8 +174,9 @@ impl Backend for Cpu {
     }
 
     fn linear(&self, x: In<Vec<bf16>>, rows: usize, w: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
-        let xs: Vec<bf16> = (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..w.k].iter().copied()).collect();
-        put(y, gemm::linear(&xs, &w.w, rows, w.n, w.k));
+        let k = w.k();
+        let xs: Vec<bf16> = (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..k].iter().copied()).collect();
+        put(y, w.apply(&xs, rows));
         Ok(())
     }
 
@@ -266,18 +289,22 @@ impl Backend for Cpu {
             norm_topk_prob: c.norm_topk_prob,
             scaling: f64::from(c.routed_scaling_factor),
         };
-        let gate: Vec<bf16> = w.gate.clone();
         let bias: Vec<f64> = w.score_bias.iter().map(|&v| f64::from(v)).collect();
-        let f = |m: &CpuWeight| m.w.iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
-        let experts: Vec<(Vec<f64>, Vec<f64>)> = w.experts.iter().map(|(u, d)| (f(u), f(d))).collect();
-        let shared = w.shared.as_ref().map(|(u, d)| (f(u), f(d)));
+        // An expert as the model's dense MLP runs: bf16 up projection, relu^2 in bf16, down.
+        let run = |(up, down): &(CpuWeight, CpuWeight), xr: &[bf16]| -> Vec<f64> {
+            let h: Vec<bf16> = up
+                .apply(xr, 1)
+                .into_iter()
+                .map(|v| bf16::from_f32(bf16::from_f64(v).to_f32().max(0.0).powi(2)))
+                .collect();
+            down.apply(&h, 1)
+        };
         for r in 0..rows {
             let xr: Vec<bf16> = x.buf[x.offset + r * x.stride..][..hidden].to_vec();
-            let xf: Vec<f64> = xr.iter().map(|v| v.to_f64()).collect();
-            let logits = gemm::linear(&xr, &gate, 1, c.experts, hidden);
-            let mut out = shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| expert(&xf, u, d));
+            let logits = gemm::linear(&xr, &w.gate, 1, c.experts, hidden);
+            let mut out = w.shared.as_ref().map_or_else(|| vec![0.0; hidden], |s| run(s, &xr));
             for (e, wt) in route(&logits, &bias, &routing) {
-                let o = expert(&xf, &experts[e].0, &experts[e].1);
+                let o = run(&w.experts[e], &xr);
                 out.iter_mut().zip(o).for_each(|(a, b)| *a += wt * b);
             }
             put(Out { buf: &mut *y.buf, offset: y.offset + r * hidden }, out);

@@ -12,6 +12,7 @@ pub mod config;
 pub mod cpu;
 pub mod engine;
 mod error;
+pub mod fp8;
 pub mod layout;
 pub mod model;
 pub mod reference;

@@ -1,50 +1,50 @@
 //! The whole model on the CPU in f64, one token at a time: the oracle the backends are checked
 //! against (SPEC.md: a plain sequential recurrence), built from the host crate's CPU
-//! references. Activations are never rounded; weights are used as stored (bf16 exact), conv
-//! and norm weights and the per-head parameters as the kernels take them (bf16, f32). Meant
-//! for small models: every weight is widened to f64 in memory.
+//! references. Activations are never rounded; weights are used as stored (bf16 exact; FP8
+//! layers as W8A8, see [`crate::fp8`]), conv and norm weights and the per-head parameters as
+//! the kernels take them (bf16, f32). Meant for small models: every weight is widened to f64.
 
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
-use host::cpu::moe::{Routing, expert, route};
+use host::cpu::moe::{Routing, route};
 use host::cpu::ssm::SsmRef;
 use host::cpu::{attn, norm};
 
 use crate::config::{Config, MambaConfig};
 use crate::error::{Error, Result};
+use crate::fp8::Fp8Linear;
 use crate::layout::{Layout, Linear, Mixer, Mlp};
 use crate::weights::Tensor;
 
-/// A linear layer widened to f64: `y = W x + b`, `W [out, in]`.
-struct Lin {
-    w: Vec<f64>,
-    b: Option<Vec<f64>>,
-    inp: usize,
+/// A linear layer widened to f64: `y = W x + b`, `W [out, in]`; or an FP8 (W8A8) layer.
+enum Lin {
+    Dense { w: Vec<f64>, b: Option<Vec<f64>>, inp: usize },
+    Fp8(Fp8Linear),
 }
 
 impl Lin {
     fn new(l: &Linear) -> Result<Lin> {
-        if l.fp8.is_some() {
-            return Err(Error::Unsupported(format!(
-                "`{}` is FP8: the f64 reference reads floating-point weights only",
-                l.weight.name
-            )));
+        if let Some(f) = Fp8Linear::new(l)? {
+            return Ok(Lin::Fp8(f));
         }
-        Ok(Lin { w: f64s(&l.weight)?, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.weight.shape[1] })
+        Ok(Lin::Dense { w: f64s(&l.weight)?, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.weight.shape[1] })
     }
 
     fn apply(&self, x: &[f64]) -> Vec<f64> {
-        self.w
-            .chunks_exact(self.inp)
-            .enumerate()
-            .map(|(o, row)| row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + self.b.as_ref().map_or(0.0, |b| b[o]))
-            .collect()
+        match self {
+            Lin::Dense { w, b, inp } => w
+                .chunks_exact(*inp)
+                .enumerate()
+                .map(|(o, row)| row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + b.as_ref().map_or(0.0, |b| b[o]))
+                .collect(),
+            Lin::Fp8(f) => f.apply(&x.iter().map(|&v| v as f32).collect::<Vec<_>>()),
+        }
     }
+}
 
-    /// The rows as they are, for the expert reference (which takes `[out, in]` matrices).
-    fn rows(&self) -> &[f64] {
-        &self.w
-    }
+/// A non-gated relu^2 MLP (and MoE expert): `down(relu(up x)^2)`.
+fn mlp_apply((up, down): &(Lin, Lin), x: &[f64]) -> Vec<f64> {
+    down.apply(&up.apply(x).into_iter().map(|v| v.max(0.0).powi(2)).collect::<Vec<_>>())
 }
 
 fn f64s(t: &Tensor) -> Result<Vec<f64>> {
@@ -75,7 +75,7 @@ enum Mix {
     Mamba(Box<MambaRef>),
     Moe(MoeRef),
     Attention { q: Lin, k: Lin, v: Lin, o: Lin },
-    Mlp(Lin, Lin),
+    Mlp((Lin, Lin)),
 }
 
 /// The model, widened to f64.
@@ -132,7 +132,7 @@ impl Reference {
                         .as_ref()
                         .ok_or_else(|| Error::Unsupported("an MoE layer without moe settings".into()))?;
                     Mix::Moe(MoeRef {
-                        gate: Lin { w: f64s(&m.gate)?, b: None, inp: config.hidden_size },
+                        gate: Lin::Dense { w: f64s(&m.gate)?, b: None, inp: config.hidden_size },
                         bias: m.score_bias.as_ref().map(f64s).transpose()?.unwrap_or_else(|| vec![0.0; c.experts]),
                         experts: m.experts.iter().map(mlp).collect::<Result<_>>()?,
                         shared: m.shared.as_ref().map(mlp).transpose()?,
@@ -148,10 +148,7 @@ impl Reference {
                 Mixer::Attention(a) => {
                     Mix::Attention { q: Lin::new(&a.q)?, k: Lin::new(&a.k)?, v: Lin::new(&a.v)?, o: Lin::new(&a.o)? }
                 }
-                Mixer::Mlp(m) => {
-                    let (up, down) = mlp(m)?;
-                    Mix::Mlp(up, down)
-                }
+                Mixer::Mlp(m) => Mix::Mlp(mlp(m)?),
             };
             layers.push((layer.norm.to_bf16()?, mix));
         }
@@ -203,7 +200,7 @@ impl Reference {
                     values.push(v.apply(&x));
                     o.apply(&attn::attend(&q.apply(&x), keys, values, a.heads, a.kv_heads, a.head_dim))
                 }
-                (Mix::Mlp(up, down), _) => expert(&x, up.rows(), down.rows()),
+                (Mix::Mlp(m), _) => mlp_apply(m, &x),
                 _ => unreachable!("states are built from the same layers"),
             };
             h.iter_mut().zip(out).for_each(|(a, b)| *a += b);
@@ -243,11 +240,11 @@ impl MoeRef {
     /// Routed experts weighted by the router, plus the shared expert.
     fn step(&self, x: &[f64]) -> Vec<f64> {
         let mut out = match &self.shared {
-            Some((up, down)) => expert(x, up.rows(), down.rows()),
+            Some(s) => mlp_apply(s, x),
             None => vec![0.0; x.len()],
         };
         for (e, w) in route(&self.gate.apply(x), &self.bias, &self.routing) {
-            let y = expert(x, self.experts[e].0.rows(), self.experts[e].1.rows());
+            let y = mlp_apply(&self.experts[e], x);
             out.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
         }
         out

@@ -16,6 +16,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod act;
 pub mod batch;
 mod check;
 pub mod conv1d;

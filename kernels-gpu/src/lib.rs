@@ -18,6 +18,7 @@
 #[cfg(target_arch = "nvptx64")]
 mod device;
 
+pub mod act;
 pub mod conv1d;
 pub mod norm;
 pub mod quant;
@@ -109,6 +110,12 @@ kernels! {
     SsdStatePassBf16 = "ssd_state_pass_bf16",
     /// [`ssd::SsdParams`]: chunk scan outputs.
     SsdScan = "ssd_scan_bf16",
+    /// [`act::AddParams`]: residual add.
+    ActAdd = "act_add_bf16",
+    /// [`act::Relu2Params`]: relu^2 in place.
+    ActRelu2 = "act_relu2_bf16",
+    /// [`act::GatherParams`]: rows gathered by index.
+    ActGather = "act_gather_bf16",
 }
 
 /// Marker for the `#[repr(C)]` launch-parameter structs passed by value to a kernel.

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cache;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod engine;
 mod error;
 pub mod fp8;

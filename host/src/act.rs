@@ -1,0 +1,68 @@
+//! Launchers of the small row and element-wise kernels (kernels-gpu/src/act.rs).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+use kernels_gpu::act::{AddParams, GatherParams, Relu2Params};
+use kernels_gpu::{EW_BLOCK, Kernel, chunks};
+
+use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
+use crate::error::Result;
+use crate::gpu::Gpu;
+
+/// Blocks of a grid-stride launch over `n` elements (four chunks per thread, at most 2048).
+fn grid(n: usize) -> u32 {
+    chunks(n as u32).div_ceil(EW_BLOCK * 4).clamp(1, 2048)
+}
+
+/// `h = bf16(h + x)` over the first `n` elements.
+pub fn add(gpu: &Gpu, h: &mut impl DevicePtrMut<bf16>, x: &impl DevicePtr<bf16>, n: usize) -> Result<()> {
+    let k = Kernel::ActAdd;
+    let c = Check(k.name());
+    c.count("n", MAX_ELEMS, n)?;
+    c.len_at_least("h", n, h.len())?;
+    c.len_at_least("x", n, x.len())?;
+    let p = AddParams { x: gpu.addr(k, "x", x)? as *const u16, h: gpu.addr_mut(k, "h", h)? as *mut u16, n: n as u32 };
+    // SAFETY: h and x hold at least n elements; h is `&mut`, so it does not alias x.
+    unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
+}
+
+/// `x = bf16(relu(x)^2)` over the first `n` elements.
+pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()> {
+    let k = Kernel::ActRelu2;
+    Check(k.name()).count("n", MAX_ELEMS, n)?;
+    Check(k.name()).len_at_least("x", n, x.len())?;
+    let p = Relu2Params { x: gpu.addr_mut(k, "x", x)? as *mut u16, n: n as u32 };
+    // SAFETY: x holds at least n elements.
+    unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
+}
+
+/// `out[r] = table[idx[r]]`, rows of `width`; the indices are checked and uploaded.
+pub fn gather(
+    gpu: &Gpu,
+    table: &impl DevicePtr<bf16>,
+    width: usize,
+    idx: &[u32],
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::ActGather;
+    let c = Check(k.name());
+    c.count("width", MAX_ELEMS, width)?;
+    c.count("rows", MAX_ROWS, idx.len())?;
+    let table_rows = table.len() / width;
+    if let Some(&bad) = idx.iter().find(|&&i| i as usize >= table_rows) {
+        c.that("idx", false, format!("row indices below {table_rows}"), bad)?;
+    }
+    c.len("out", idx.len() * width, out.len())?;
+    let didx = gpu.upload(idx)?;
+    let p = GatherParams {
+        table: gpu.addr(k, "table", table)? as *const u16,
+        idx: gpu.addr(k, "idx", &didx)? as *const u32,
+        out: gpu.addr_mut(k, "out", out)? as *mut u16,
+        rows: idx.len() as u32,
+        width: width as u32,
+    };
+    // SAFETY: every index is below the table's rows, out holds rows * width; out is `&mut`.
+    // The index buffer lives until the end of this call; the stream orders the kernel before
+    // its release (cudarc frees on the same stream).
+    unsafe { gpu.launch(k, (idx.len() as u32, 1, 1), EW_BLOCK, 0, p) }
+}

@@ -1,0 +1,105 @@
+//! Small element-wise and row operations the model needs between the big kernels: the
+//! residual add, relu^2, and gathering rows by index (embedding lookup, picking the rows the
+//! LM head reads). bf16 in and out, f32 math, chunks of [`crate::VEC`] elements per thread.
+
+use crate::KernelParams;
+
+/// `h = bf16(h + x)` over `n` elements.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AddParams {
+    pub h: *mut u16,
+    pub x: *const u16,
+    pub n: u32,
+}
+
+/// `x = bf16(relu(x)^2)` over `n` elements.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Relu2Params {
+    pub x: *mut u16,
+    pub n: u32,
+}
+
+/// `out[r, :] = table[idx[r], :]` for `rows` rows of `width`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GatherParams {
+    pub table: *const u16,
+    /// `[rows]`, each < the table's row count (checked by the launcher).
+    pub idx: *const u32,
+    pub out: *mut u16,
+    pub rows: u32,
+    pub width: u32,
+}
+
+// SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
+unsafe impl KernelParams for AddParams {}
+// SAFETY: as above.
+unsafe impl KernelParams for Relu2Params {}
+// SAFETY: as above.
+unsafe impl KernelParams for GatherParams {}
+
+#[cfg(target_arch = "nvptx64")]
+mod kernels {
+    use super::*;
+    use crate::device::*;
+    use crate::{EW_BLOCK, VEC, chunks};
+
+    /// Grid-stride loop over the chunks of `0..n`: `f(c0)` for each chunk start.
+    #[inline(always)]
+    fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
+        let stride = grid_dim_x() * EW_BLOCK;
+        let mut k = block_x() * EW_BLOCK + thread_x();
+        while k < chunks(n) {
+            f((k * VEC) as usize);
+            k += stride;
+        }
+    }
+
+    /// Residual add, [`AddParams`]. Any grid, block [`EW_BLOCK`]; each thread reads and
+    /// writes its own chunks of h.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn act_add_bf16(p: AddParams) {
+        let n = p.n as usize;
+        // SAFETY: h and x hold n elements (checked by the launcher); chunks are disjoint.
+        for_each_chunk(p.n, |c0| unsafe {
+            let (h, x) = (load8_bf16(p.h, c0, n), load8_bf16(p.x, c0, n));
+            let mut s = [0.0f32; 8];
+            for i in 0..8 {
+                s[i] = h[i] + x[i];
+            }
+            store8_bf16(p.h, c0, n, s);
+        });
+    }
+
+    /// relu^2, [`Relu2Params`]. Any grid, block [`EW_BLOCK`].
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn act_relu2_bf16(p: Relu2Params) {
+        let n = p.n as usize;
+        // SAFETY: x holds n elements (checked by the launcher); chunks are disjoint.
+        for_each_chunk(p.n, |c0| unsafe {
+            let v = load8_bf16(p.x, c0, n).map(|v| v.max(0.0) * v.max(0.0));
+            store8_bf16(p.x, c0, n, v);
+        });
+    }
+
+    /// Row gather, [`GatherParams`]. Grid `(rows)`, block [`EW_BLOCK`]: block r copies row
+    /// `idx[r]` of the table into row r of out.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn act_gather_bf16(p: GatherParams) {
+        let r = block_x() as usize;
+        let w = p.width as usize;
+        // SAFETY: idx[r] < the table's rows and out holds rows * width (checked by the launcher).
+        unsafe {
+            let src = p.table.wrapping_add(ld(p.idx, r) as usize * w);
+            let dst = p.out.wrapping_add(r * w);
+            let mut k = thread_x();
+            while k < chunks(p.width) {
+                let c0 = (k * VEC) as usize;
+                store8_bf16(dst, c0, w, load8_bf16(src, c0, w));
+                k += EW_BLOCK;
+            }
+        }
+    }
+}

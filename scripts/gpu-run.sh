@@ -6,7 +6,7 @@ OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 which ptxas compute-sanitizer; ptxas --version | tail -1
-for t in ptx gpu norm quant conv1d ssm ssd gemm moe act cuda; do
+for t in ptx gpu norm quant conv1d ssm ssd gemm moe act attn cuda; do
   echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"
 done
 # The sanitizers run every GPU test except the long sequential ones (100 decode steps, the

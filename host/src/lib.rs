@@ -17,6 +17,7 @@
 //! ```
 
 pub mod act;
+pub mod attn;
 pub mod batch;
 mod check;
 pub mod conv1d;

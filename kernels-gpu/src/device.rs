@@ -238,7 +238,18 @@ pub unsafe fn st<T: Copy>(p: *mut T, i: usize, v: T) {
 /// shared memory; barriers inside, so call it in uniform flow.
 #[inline(always)]
 pub fn block_max(v: f32, scratch: *mut f32) -> f32 {
-    let warp_total = warp_max(v);
+    block_reduce(warp_max(v), scratch, fmax)
+}
+
+/// Sum over the block; every thread gets it. As [`block_max`].
+#[inline(always)]
+pub fn block_sum(v: f32, scratch: *mut f32) -> f32 {
+    block_reduce(warp_sum(v), scratch, |a, b| a + b)
+}
+
+/// Combines the per-warp results `warp_total` in warp order (deterministic).
+#[inline(always)]
+fn block_reduce(warp_total: f32, scratch: *mut f32, op: impl Fn(f32, f32) -> f32) -> f32 {
     // SAFETY: `scratch` holds warps() floats of shared memory; lane 0 of warp w alone writes
     // slot w, and the barriers order those writes before the reads and the reads before the
     // next reuse of `scratch`.
@@ -249,7 +260,7 @@ pub fn block_max(v: f32, scratch: *mut f32) -> f32 {
         sync_threads();
         let mut acc = ld(scratch, 0);
         for w in 1..warps() as usize {
-            acc = fmax(acc, ld(scratch, w));
+            acc = op(acc, ld(scratch, w));
         }
         sync_threads();
         acc

@@ -19,6 +19,7 @@
 mod device;
 
 pub mod act;
+pub mod attn;
 pub mod conv1d;
 pub mod norm;
 pub mod quant;
@@ -116,6 +117,10 @@ kernels! {
     ActRelu2 = "act_relu2_bf16",
     /// [`act::GatherParams`]: rows gathered by index.
     ActGather = "act_gather_bf16",
+    /// [`attn::AttnParams`]: new keys and values into the cache.
+    AttnCacheWrite = "attn_cache_write_bf16",
+    /// [`attn::AttnParams`]: causal attention over the cache.
+    Attn = "attn_bf16",
 }
 
 /// Marker for the `#[repr(C)]` launch-parameter structs passed by value to a kernel.

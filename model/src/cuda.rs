@@ -1,12 +1,13 @@
 //! The CUDA backend: each operation through the host crate's kernels and cuBLASLt.
 //!
-//! Not complete: MoE layers need the routing and expert kernels and attention layers the
-//! attention kernels (their issues), so a model with `E` or `*` layers fails to step with
-//! [`Error::Unsupported`]; FP8 weights are not handled yet either. Step metadata (slots,
+//! Not complete: MoE layers need the routing and expert kernels (the MoE issue), so a model
+//! with `E` layers fails to step with [`Error::Unsupported`]; FP8 weights are not handled yet
+//! either. Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step metadata (slots,
 //! sequences, the scan plan) is uploaded per operation, which a later version will hoist to
 //! once per step.
 
 use half::bf16;
+use host::attn::{AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
 use host::norm::{NormShape, gated_norm, rms_norm};
@@ -251,15 +252,32 @@ impl Backend for Cuda {
 
     fn attention(
         &self,
-        _: &AttentionConfig,
-        _: In<CudaSlice<bf16>>,
-        _: In<CudaSlice<bf16>>,
-        _: In<CudaSlice<bf16>>,
-        _: (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
-        _: usize,
-        _: (&[usize], &[i32], &[usize]),
-        _: Out<CudaSlice<bf16>>,
+        c: &AttentionConfig,
+        q: In<CudaSlice<bf16>>,
+        k: In<CudaSlice<bf16>>,
+        v: In<CudaSlice<bf16>>,
+        cache: (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+        max_len: usize,
+        seqs: (&[usize], &[i32], &[usize]),
+        y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
-        Err(unsupported("attention layers"))
+        let (lens, slots, past) = seqs;
+        let mut row_slots = Vec::new();
+        let mut row_pos = Vec::new();
+        for s in 0..lens.len() {
+            if past[s] + lens[s] > max_len {
+                return Err(Error::Capacity(format!(
+                    "sequence of {} tokens exceeds the KV cache's {max_len}",
+                    past[s] + lens[s]
+                )));
+            }
+            row_slots.extend(std::iter::repeat_n(slots[s], lens[s]));
+            row_pos.extend((past[s]..past[s] + lens[s]).map(|p| p as u32));
+        }
+        let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len };
+        let rows = row_slots.len();
+        let mut y = view_mut(y, rows * c.heads * c.head_dim)?;
+        let (q, k, v) = (view(&q), view(&k), view(&v));
+        Ok(attention(&self.gpu, shape, &q, &k, &v, cache.0, cache.1, &row_slots, &row_pos, &mut y)?)
     }
 }

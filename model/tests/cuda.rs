@@ -1,6 +1,6 @@
 //! The CUDA backend against the CPU backend on the model's one code path (`#[ignore]`d:
-//! needs a GPU). Mamba and dense MLP layers only: the MoE and attention kernels do not exist
-//! yet, and a model with such layers must fail with a clear error.
+//! needs a GPU). Mamba, attention and dense MLP layers: the MoE kernels do not exist yet, and
+//! a model with MoE layers must fail with a clear error.
 
 use model::cache::Part;
 use model::config::Config;
@@ -15,7 +15,8 @@ use nemotron_rs::assert_close;
 /// Mamba layers at NemotronH's head geometry (64-wide heads, state 128, 4 heads per group
 /// here) with a small hidden size, so the CPU reference stays quick.
 const MAMBA_MLP: &str = r#"{
-  "vocab_size": 512, "hidden_size": 256, "hybrid_override_pattern": "M-M-",
+  "vocab_size": 512, "hidden_size": 256, "hybrid_override_pattern": "M-*M-",
+  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
   "mamba_num_heads": 16, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 4, "conv_kernel": 4,
   "intermediate_size": 512
 }"#;
@@ -61,7 +62,7 @@ fn cuda_backend_matches_cpu_backend() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn cuda_backend_refuses_moe_and_attention_layers() {
+fn cuda_backend_refuses_moe_layers() {
     let dir = std::env::temp_dir().join(format!("nemotron-cuda-moe-{}", std::process::id()));
     let config = r#"{"vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "E",
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}"#;

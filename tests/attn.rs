@@ -1,0 +1,67 @@
+//! Causal attention over the KV cache on the GPU against the CPU reference (`#[ignore]`d):
+//! NemotronH's geometry (32 query heads, 2 kv heads, head_dim 128) and an odd one; prefill
+//! rows continuing a cached prefix, fresh sequences and decode rows in one call.
+
+use half::bf16;
+use host::attn::{AttnShape, attention};
+use host::cpu::attn::attend;
+use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(81);
+    let mut compared = 0;
+    for s in [
+        AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 256 },
+        AttnShape { heads: 6, kv_heads: 3, head_dim: 5, max_len: 40 },
+    ] {
+        let (qw, kw, slots_n) = (s.heads * s.head_dim, s.kv_heads * s.head_dim, 4);
+        // (slot, first position, rows): a prefill continuing 5 cached tokens, a fresh one, decodes.
+        let seqs = [(2i32, 5u32, 3usize), (0, 0, 1), (3, (s.max_len - 2) as u32, 1), (1, 17, 1)];
+        let (slots, pos): (Vec<i32>, Vec<u32>) =
+            seqs.iter().flat_map(|&(sl, p0, n)| (0..n as u32).map(move |t| (sl, p0 + t))).unzip();
+        let rows = slots.len();
+        let (q, k, v) =
+            (rng.bf16s(rows * qw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0));
+        let mut kc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
+        let mut vc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
+        let (dq, dk, dv) = (gpu.upload(&q).unwrap(), gpu.upload(&k).unwrap(), gpu.upload(&v).unwrap());
+        let (mut dkc, mut dvc) = (gpu.upload(&kc).unwrap(), gpu.upload(&vc).unwrap());
+        let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
+        attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &slots, &pos, &mut out).unwrap();
+        // Reference: write the new rows, then attend over positions 0..=pos.
+        for r in 0..rows {
+            let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
+            kc[at..at + kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
+            vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
+        }
+        let f = |x: &[bf16]| to_f64(x);
+        let mut want = Vec::new();
+        for r in 0..rows {
+            let base = slots[r] as usize * s.max_len * kw;
+            let keys: Vec<Vec<f64>> = (0..=pos[r] as usize).map(|j| f(&kc[base + j * kw..][..kw])).collect();
+            let values: Vec<Vec<f64>> = (0..=pos[r] as usize).map(|j| f(&vc[base + j * kw..][..kw])).collect();
+            want.extend(attend(&f(&q[r * qw..][..qw]), &keys, &values, s.heads, s.kv_heads, s.head_dim));
+        }
+        let label = format!("attention {s:?}");
+        compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-3, 1.0 / 256.0 + 1e-3);
+        compared += assert_same(&format!("{label} k cache"), &gpu.download(&dkc).unwrap(), &kc);
+        compared += assert_same(&format!("{label} v cache"), &gpu.download(&dvc).unwrap(), &vc);
+        let err = attention(
+            &gpu,
+            s,
+            &dq,
+            &dk,
+            &dv,
+            &mut dkc,
+            &mut dvc,
+            &[0, 0],
+            &[3, 3],
+            &mut gpu.zeros::<bf16>(2 * qw).unwrap(),
+        );
+        assert!(err.unwrap_err().to_string().contains("one row per slot and position"));
+    }
+    println!("attention: {compared} values compared");
+}

@@ -124,3 +124,117 @@ fn permute_then_combine_is_identity_with_unit_weights() {
     let back = combine(&permute(&x, width, &d), width, &d, &routes);
     assert_close("round trip", &back, &x, 1e-15, 1e-15);
 }
+
+mod gpu {
+    use half::bf16;
+    use host::cpu::moe::{Routing, route};
+    use host::moe::{RouteShape, combine, route as gpu_route};
+    use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+
+    /// Router logits in f64 from the bf16 activations and weights, as the kernel forms them.
+    fn logits(x: &[bf16], gate: &[bf16], hidden: usize) -> Vec<Vec<f64>> {
+        x.chunks(hidden)
+            .map(|r| gate.chunks(hidden).map(|g| r.iter().zip(g).map(|(a, b)| a.to_f64() * b.to_f64()).sum()).collect())
+            .collect()
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_routing_matches_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(91);
+        let mut compared = 0;
+        // NemotronH (128 experts, top-6, one group), grouped (8 groups keep 4), a bias that
+        // changes the selection, and identical router rows (ties: lowest index).
+        let cases = [
+            (
+                RouteShape { experts: 128, top_k: 6, n_group: 1, topk_group: 1, renormalize: true, scaling: 2.5 },
+                0.0,
+                false,
+            ),
+            (
+                RouteShape { experts: 64, top_k: 4, n_group: 8, topk_group: 4, renormalize: true, scaling: 1.0 },
+                0.0,
+                false,
+            ),
+            (
+                RouteShape { experts: 128, top_k: 6, n_group: 1, topk_group: 1, renormalize: false, scaling: 1.0 },
+                0.3,
+                false,
+            ),
+            (
+                RouteShape { experts: 16, top_k: 3, n_group: 1, topk_group: 1, renormalize: true, scaling: 1.0 },
+                0.0,
+                true,
+            ),
+        ];
+        for (s, bias_scale, ties) in cases {
+            let (rows, hidden) = (64, 2688);
+            let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let mut gate = rng.bf16s(s.experts * hidden, -0.05, 0.05);
+            if ties {
+                let first = gate[..hidden].to_vec();
+                gate.chunks_mut(hidden).for_each(|g| g.copy_from_slice(&first));
+            }
+            let bias: Vec<f32> = (0..s.experts).map(|_| (rng.uniform(-1.0, 1.0) * bias_scale) as f32).collect();
+            let (dx, dg, db) = (gpu.upload(&x).unwrap(), gpu.upload(&gate).unwrap(), gpu.upload(&bias).unwrap());
+            let (mut idx, mut w) = (
+                gpu.upload(&vec![-1i32; rows * s.top_k]).unwrap(),
+                gpu.upload(&vec![f32::NAN; rows * s.top_k]).unwrap(),
+            );
+            gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+            let r = Routing {
+                top_k: s.top_k,
+                n_group: s.n_group,
+                topk_group: s.topk_group,
+                norm_topk_prob: s.renormalize,
+                scaling: f64::from(s.scaling),
+            };
+            let bias64: Vec<f64> = bias.iter().map(|&b| f64::from(b)).collect();
+            let want: Vec<(usize, f64)> =
+                logits(&x, &gate, hidden).iter().flat_map(|l| route(l, &bias64, &r)).collect();
+            let label = format!("route {s:?}");
+            let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
+            compared +=
+                assert_same(&format!("{label} experts"), &got_idx, &want.iter().map(|w| w.0).collect::<Vec<_>>());
+            let got_w: Vec<f64> = gpu.download(&w).unwrap().iter().map(|&v| f64::from(v)).collect();
+            compared += assert_close(
+                &format!("{label} weights"),
+                &got_w,
+                &want.iter().map(|w| w.1).collect::<Vec<_>>(),
+                1e-6,
+                1e-5,
+            );
+            if ties {
+                assert!(got_idx.chunks(s.top_k).all(|c| c == [0, 1, 2]), "ties go to the lowest index");
+            }
+        }
+        println!("routing: {compared} values compared");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_combine_matches_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(92);
+        let (rows, k, hidden, slots) = (7, 3, 2688, 21);
+        let y = rng.bf16s(slots * hidden, -2.0, 2.0);
+        let shared = rng.bf16s(rows * hidden, -1.0, 1.0);
+        let slot: Vec<i32> = (0..rows * k).map(|j| ((j * 5 + 2) % slots) as i32).collect();
+        let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
+        let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
+        let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+        combine(&gpu, &dy, Some(&dsh), &slot, &dw, k, hidden, &mut out).unwrap();
+        let want: Vec<f64> = (0..rows * hidden)
+            .map(|i| {
+                let (t, c) = (i / hidden, i % hidden);
+                shared[i].to_f64()
+                    + (0..k)
+                        .map(|kk| f64::from(w[t * k + kk]) * y[slot[t * k + kk] as usize * hidden + c].to_f64())
+                        .sum::<f64>()
+            })
+            .collect();
+        let n = assert_close("combine", &to_f64(&gpu.download(&out).unwrap()), &want, 1e-5, 1.0 / 256.0 + 1e-5);
+        println!("combine: {n} values compared");
+    }
+}

@@ -21,6 +21,7 @@ mod device;
 pub mod act;
 pub mod attn;
 pub mod conv1d;
+pub mod moe;
 pub mod norm;
 pub mod quant;
 pub mod ssd;
@@ -121,6 +122,10 @@ kernels! {
     AttnCacheWrite = "attn_cache_write_bf16",
     /// [`attn::AttnParams`]: causal attention over the cache.
     Attn = "attn_bf16",
+    /// [`moe::RouteParams`]: router logits, sigmoid, group-limited top-k.
+    MoeRoute = "moe_route_bf16",
+    /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
+    MoeCombine = "moe_combine_bf16",
 }
 
 /// Marker for the `#[repr(C)]` launch-parameter structs passed by value to a kernel.

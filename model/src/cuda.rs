@@ -1,8 +1,8 @@
 //! The CUDA backend: each operation through the host crate's kernels and cuBLASLt.
 //!
-//! Not complete: MoE layers need the routing and expert kernels (the MoE issue), so a model
-//! with `E` layers fails to step with [`Error::Unsupported`]; FP8 weights are not handled yet
-//! either. Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step metadata (slots,
+//! Not complete: FP8 weights are not handled yet; MoE dispatch (grouping tokens by expert) runs
+//! on the host after the routing kernel, a sync per MoE layer; attention assumes q, k, v rows
+//! are contiguous (they are: the model computes them). Step metadata (slots,
 //! sequences, the scan plan) is uploaded per operation, which a later version will hoist to
 //! once per step.
 
@@ -10,6 +10,8 @@ use half::bf16;
 use host::attn::{AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::cpu::moe::dispatch;
+use host::moe::{RouteShape, combine, route};
 use host::norm::{NormShape, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
@@ -70,8 +72,27 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
     }
 }
 
+impl Cuda {
+    /// `down(relu(up x)^2)` over the rows `tokens` of `x`, into `out` (`tokens.len()` rows).
+    fn mlp(
+        &self,
+        x: &CudaView<bf16>,
+        tokens: &[u32],
+        (up, down): &(CudaWeight, CudaWeight),
+        out: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let (g, n, hidden) = (&self.gpu, tokens.len(), up.k);
+        let mut xs = g.zeros::<bf16>(n * hidden)?;
+        host::act::gather(g, x, hidden, tokens, &mut xs)?;
+        let mut h = g.zeros::<bf16>(n * up.n)?;
+        host::gemm::linear(g, n, &xs.as_view(), &up.w.as_view(), up.n, hidden, &mut h)?;
+        host::act::relu2(g, &mut h, n * up.n)?;
+        Ok(host::gemm::linear(g, n, &h.as_view(), &down.w.as_view(), down.n, up.n, out)?)
+    }
+}
+
 fn unsupported(what: &str) -> Error {
-    Error::Unsupported(format!("the CUDA backend has no {what} yet (see the MoE and model issues)"))
+    Error::Unsupported(format!("the CUDA backend has no {what} yet"))
 }
 
 impl Backend for Cuda {
@@ -241,13 +262,58 @@ impl Backend for Cuda {
 
     fn moe(
         &self,
-        _: &MoeConfig,
-        _: In<CudaSlice<bf16>>,
-        _: usize,
-        _: &MoeWeights<Cuda>,
-        _: Out<CudaSlice<bf16>>,
+        c: &MoeConfig,
+        x: In<CudaSlice<bf16>>,
+        rows: usize,
+        w: &MoeWeights<Cuda>,
+        y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
-        Err(unsupported("MoE layers"))
+        let g = &self.gpu;
+        let hidden = w.gate.len() / c.experts;
+        if x.stride != hidden {
+            return Err(unsupported("strided MoE inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
+        let shape = RouteShape {
+            experts: c.experts,
+            top_k: c.top_k,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            renormalize: c.norm_topk_prob,
+            scaling: c.routed_scaling_factor,
+        };
+        let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
+        route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
+        // Dispatch on the host (a sync per MoE layer; a device-side dispatch is to come).
+        let idx = g.download(&idx)?;
+        let routes: Vec<Vec<(usize, f64)>> =
+            idx.chunks(c.top_k).map(|r| r.iter().map(|&e| (e as usize, 1.0)).collect()).collect();
+        let d = dispatch(&routes, c.experts);
+        let mut grouped = g.zeros::<bf16>(d.order.len().max(1) * hidden)?;
+        for e in 0..c.experts {
+            let (lo, hi) = (d.offsets[e], d.offsets[e + 1]);
+            if lo == hi {
+                continue;
+            }
+            let tokens: Vec<u32> = d.order[lo..hi].iter().map(|&(t, _)| t as u32).collect();
+            let mut out = grouped.slice_mut(lo * hidden..hi * hidden);
+            self.mlp(&xv, &tokens, &w.experts[e], &mut out)?;
+        }
+        let mut slot = vec![0i32; rows * c.top_k];
+        for (j, &(t, k)) in d.order.iter().enumerate() {
+            slot[t * c.top_k + k] = j as i32;
+        }
+        let shared = match &w.shared {
+            Some(s) => {
+                let all: Vec<u32> = (0..rows as u32).collect();
+                let mut out = g.zeros::<bf16>(rows * hidden)?;
+                self.mlp(&xv, &all, s, &mut out.as_view_mut())?;
+                Some(out)
+            }
+            None => None,
+        };
+        let mut y = view_mut(y, rows * hidden)?;
+        Ok(combine(g, &grouped, shared.as_ref(), &slot, &wts, c.top_k, hidden, &mut y)?)
     }
 
     fn attention(

@@ -27,3 +27,12 @@ fn missing_tokenizer_and_bad_arguments_are_errors() {
     let out = generate(&["--prompt", "x", "--bogus"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown argument `--bogus`"));
 }
+
+#[test]
+fn cuda_backend_runs_or_says_why() {
+    let out = generate(&["--prompt", "Hi", "--max-new-tokens", "2", "--backend", "cuda"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() || stderr.contains("no CUDA driver found"), "{stderr}");
+    let out = generate(&["--prompt", "Hi", "--backend", "tpu"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend `tpu`"));
+}

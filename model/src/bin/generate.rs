@@ -1,16 +1,19 @@
 //! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-//! [--top-p P] [--seed S]`: generates text with a NemotronH checkpoint directory (config.json,
-//! safetensors, tokenizer.json), streaming the tokens, then prints prefill and decode speed.
-//! Without `--model` it runs the small built-in model (random weights: the text means
-//! nothing). Runs on the CPU reference backend (the CUDA model path is not built yet).
+//! [--top-p P] [--seed S] [--backend cpu|cuda]`: generates text with a NemotronH checkpoint
+//! directory (config.json, safetensors, tokenizer.json), streaming the tokens, then prints
+//! prefill and decode speed. Without `--model` it runs the small built-in model (random
+//! weights: the text means nothing). The default backend is the CPU reference; `--backend
+//! cuda` uses the GPU (that path has not been run on a GPU yet).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use model::backend::Backend;
 use model::config::Config;
 use model::cpu::Cpu;
+use model::cuda::Cuda;
 use model::engine::{Engine, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
@@ -18,7 +21,7 @@ use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
-const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]";
+const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend cpu|cuda]";
 
 /// The built-in model's files, embedded in the binary.
 const BUILT_IN: [(&str, &[u8]); 3] = [
@@ -42,13 +45,15 @@ fn built_in() -> Result<PathBuf> {
 
 struct Args {
     model: Option<PathBuf>,
+    cuda: bool,
     prompt: String,
     max_new: usize,
     sampling: SamplingParams,
 }
 
 fn parse() -> Result<Args> {
-    let mut a = Args { model: None, prompt: String::new(), max_new: 32, sampling: SamplingParams::greedy() };
+    let mut a =
+        Args { model: None, cuda: false, prompt: String::new(), max_new: 32, sampling: SamplingParams::greedy() };
     let mut it = std::env::args().skip(1);
     let mut prompt = None;
     while let Some(flag) = it.next() {
@@ -61,6 +66,13 @@ fn parse() -> Result<Args> {
             "--top-k" => a.sampling.top_k = Some(value()?.parse().context("--top-k")?),
             "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
             "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
+            "--backend" => {
+                a.cuda = match value()?.as_str() {
+                    "cpu" => false,
+                    "cuda" => true,
+                    other => bail!("unknown backend `{other}` (cpu, cuda)\n{USAGE}"),
+                }
+            }
             "--help" | "-h" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -107,8 +119,29 @@ fn main() -> Result<()> {
         .get_ids()
         .to_vec();
     let max_len = prompt.len() + args.max_new;
-    eprintln!("  backend: CPU reference (no CUDA model path yet); loading weights...");
-    let model = Model::load_with_progress(Cpu, &config, &layout, 1, max_len, &mut |done, total| {
+    if args.cuda {
+        eprintln!("  backend: CUDA");
+        run(Cuda::new(0)?, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+    } else {
+        eprintln!("  backend: CPU reference");
+        run(Cpu, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+    }
+}
+
+/// Loads the model on `backend` and generates.
+#[allow(clippy::too_many_arguments)]
+fn run<B: Backend>(
+    backend: B,
+    args: &Args,
+    config: &Config,
+    layout: &Layout,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    max_len: usize,
+    dir: &Path,
+    t0: Instant,
+) -> Result<()> {
+    let model = Model::load_with_progress(backend, config, layout, 1, max_len, &mut |done, total| {
         eprint!("\r  layer {done}/{total}");
         if done == total {
             eprintln!();
@@ -117,8 +150,8 @@ fn main() -> Result<()> {
     eprintln!("  loaded in {:.2} s; prompt: {} tokens", t0.elapsed().as_secs_f64(), prompt.len());
     let mut engine = Engine::new(model);
     engine.add(
-        &prompt,
-        RequestParams { max_new_tokens: args.max_new, sampling: args.sampling, stop_tokens: eos_ids(&dir) },
+        prompt,
+        RequestParams { max_new_tokens: args.max_new, sampling: args.sampling, stop_tokens: eos_ids(dir) },
     )?;
 
     print!("{}", args.prompt);

@@ -46,17 +46,6 @@ mod kernels {
     use crate::device::*;
     use crate::{EW_BLOCK, VEC, chunks};
 
-    /// Grid-stride loop over the chunks of `0..n`: `f(c0)` for each chunk start.
-    #[inline(always)]
-    fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
-        let stride = grid_dim_x() * EW_BLOCK;
-        let mut k = block_x() * EW_BLOCK + thread_x();
-        while k < chunks(n) {
-            f((k * VEC) as usize);
-            k += stride;
-        }
-    }
-
     /// Residual add, [`AddParams`]. Any grid, block [`EW_BLOCK`]; each thread reads and
     /// writes its own chunks of h.
     #[unsafe(no_mangle)]

@@ -452,3 +452,15 @@ impl StateElem for u16 {
         unsafe { *p = f32_to_bf16(v) }
     }
 }
+
+/// Grid-stride loop of the element-wise kernels (blocks of [`crate::EW_BLOCK`] threads) over
+/// the chunks of `0..n`: `f(c0)` for each chunk start `c0`, each chunk by one thread.
+#[inline(always)]
+pub fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
+    let stride = grid_dim_x() * crate::EW_BLOCK;
+    let mut k = block_x() * crate::EW_BLOCK + thread_x();
+    while k < crate::chunks(n) {
+        f((k * crate::VEC) as usize);
+        k += stride;
+    }
+}

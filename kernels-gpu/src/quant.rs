@@ -101,7 +101,7 @@ pub fn token_scale(amax: f32, amax_ub: f32) -> f32 {
 mod kernels {
     use super::*;
     use crate::device::*;
-    use crate::{CHUNKS_PER_THREAD, EW_BLOCK, VEC, chunks};
+    use crate::{CHUNKS_PER_THREAD, VEC, chunks};
 
     /// Per-token dynamic FP8, [`QuantTokenParams`]. Grid `(rows)`, block `row_block(width)`,
     /// dynamic shared memory [`REDUCE_SMEM_BYTES`]. Block r loads row r once into registers
@@ -136,19 +136,7 @@ mod kernels {
         }
     }
 
-    /// Grid-stride loop over the chunks of `0..n` for the element-wise kernels: `f(c0)` for
-    /// each chunk start `c0`.
-    #[inline(always)]
-    fn for_each_chunk(n: u32, mut f: impl FnMut(usize)) {
-        let stride = grid_dim_x() * EW_BLOCK;
-        let mut k = block_x() * EW_BLOCK + thread_x();
-        while k < chunks(n) {
-            f((k * VEC) as usize);
-            k += stride;
-        }
-    }
-
-    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`EW_BLOCK`], dynamic shared
+    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`crate::EW_BLOCK`], dynamic shared
     /// memory [`REDUCE_SMEM_BYTES`]. Each block reduces its chunks and thread 0 does one
     /// `red.global.max.u32` on the bits of `*amax` (f32 >= 0 order like their bits).
     #[unsafe(no_mangle)]
@@ -168,7 +156,7 @@ mod kernels {
         }
     }
 
-    /// Per-tensor quantization, [`QuantTensorParams`]. Any grid, block [`EW_BLOCK`]. Each
+    /// Per-tensor quantization, [`QuantTensorParams`]. Any grid, block [`crate::EW_BLOCK`]. Each
     /// thread reads `*amax`, derives the scale, and writes the codes of its chunks.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_tensor_fp8_bf16(p: QuantTensorParams) {
@@ -184,7 +172,7 @@ mod kernels {
         }
     }
 
-    /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`EW_BLOCK`].
+    /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`crate::EW_BLOCK`].
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_static_fp8_bf16(p: QuantStaticParams) {
         let (n, s) = (p.n as usize, p.scale);

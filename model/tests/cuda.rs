@@ -2,6 +2,8 @@
 //! needs a GPU). Mamba, attention and dense MLP layers: the MoE kernels do not exist yet, and
 //! a model with MoE layers must fail with a clear error.
 
+mod common;
+
 use model::cache::Part;
 use model::config::Config;
 use model::cpu::Cpu;
@@ -65,32 +67,19 @@ fn cuda_backend_matches_cpu_backend() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_backend_on_the_transformers_fixture() {
-    #[derive(serde::Deserialize)]
-    struct Case {
-        prompt: Vec<u32>,
-        greedy: Vec<u32>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Fixture {
-        cases: Vec<Case>,
-    }
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_nemotron_h");
-    let fixture: Fixture = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let config = Config::from_dir(&dir).unwrap();
-    let ck = Checkpoint::open(&dir).unwrap();
+    let (config, ck) = common::open();
     let layout = Layout::new(&config, &ck).unwrap();
     let mut cpu = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
     let mut gpu = Model::load(Cuda::new(0).unwrap(), &config, &layout, 4, 64).unwrap();
-    let argmax = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32;
     let (mut compared, mut matched, mut total) = (0, 0, 0);
-    for (i, case) in fixture.cases.iter().enumerate() {
+    for (i, case) in common::cases().iter().enumerate() {
         let slot = i as i32;
         let mut part = Part { slot, computed: 0, tokens: &case.prompt };
         let mut next_tok = [0u32];
         for (n, &want) in (case.prompt.len()..).zip(&case.greedy) {
             let (a, b) = (cpu.step(&[part.clone()]).unwrap().remove(0), gpu.step(&[part]).unwrap().remove(0));
             compared += assert_close(&format!("prompt {i} position {n}"), &f64s(&b), &f64s(&a), 0.05, 0.02);
-            next_tok[0] = argmax(&b);
+            next_tok[0] = common::argmax(&b);
             matched += usize::from(next_tok[0] == want);
             total += 1;
             next_tok[0] = want;

@@ -2,36 +2,19 @@
 //! and in turn give the tokens transformers gives, stop tokens end them, bad requests are
 //! refused without disturbing the others.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+mod common;
 
-use model::config::Config;
+use std::collections::BTreeMap;
+
+use common::{cases, open};
 use model::cpu::Cpu;
 use model::engine::{Engine, Event, Finish, RequestId, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
 use model::sampling::SamplingParams;
-use model::weights::Checkpoint;
-use serde::Deserialize;
-
-#[derive(Deserialize)]
-struct Case {
-    prompt: Vec<u32>,
-    greedy: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct Fixture {
-    cases: Vec<Case>,
-}
-
-fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_nemotron_h")
-}
 
 fn engine(slots: usize) -> Engine<Cpu> {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     Engine::new(Model::load(Cpu, &config, &layout, slots, 64).unwrap())
 }
@@ -58,8 +41,7 @@ fn run(e: &mut Engine<Cpu>) -> BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> {
 
 #[test]
 fn requests_in_turn_and_together_give_transformers_tokens() {
-    let cases =
-        serde_json::from_str::<Fixture>(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap().cases;
+    let cases = cases();
     // Two slots for three requests: the third waits for a slot.
     let mut e = engine(2);
     let ids: Vec<RequestId> = cases.iter().map(|c| e.add(&c.prompt, greedy(8, vec![])).unwrap()).collect();
@@ -75,8 +57,7 @@ fn requests_in_turn_and_together_give_transformers_tokens() {
 
 #[test]
 fn stop_tokens_end_a_request() {
-    let cases =
-        serde_json::from_str::<Fixture>(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap().cases;
+    let cases = cases();
     let c = &cases[1];
     let mut e = engine(1);
     let id = e.add(&c.prompt, greedy(8, vec![c.greedy[2]])).unwrap();

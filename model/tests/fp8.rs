@@ -3,7 +3,9 @@
 //! backend against the f64 reference on the same FP8 checkpoint, and both against the bf16
 //! model within the quantization error.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use host::cpu::quant::{E4M3_MAX, e4m3_encode};
 use model::cache::Part;
@@ -16,16 +18,12 @@ use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
 use safetensors::tensor::TensorView;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_nemotron_h")
-}
-
 /// Writes the fixture with every `*proj.weight` as FP8; q/k/v and in_proj get input_scale 0.01.
 fn write_fp8(out: &Path) -> usize {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
-    std::fs::copy(fixture().join("config.json"), out.join("config.json")).unwrap();
-    let ck = Checkpoint::open(&fixture()).unwrap();
+    std::fs::copy(common::dir().join("config.json"), out.join("config.json")).unwrap();
+    let ck = Checkpoint::open(&common::dir()).unwrap();
     let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut quantized = 0;
     for name in ck.names() {
@@ -81,7 +79,7 @@ fn fp8_checkpoint_runs_as_w8a8() {
     assert_eq!(quantized, 2 * 8 * 2 + 2 * 2 + 2 * 2 + 4 + 2, "every projection quantized");
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
     let (fp8_cpu, fp8_exact) = prompt_logits(&dir, &prompt);
-    let (bf16_cpu, bf16_exact) = prompt_logits(&fixture(), &prompt);
+    let (bf16_cpu, bf16_exact) = prompt_logits(&common::dir(), &prompt);
     let (backend_gap, quant_gap) = (max_gap(&fp8_cpu, &fp8_exact), max_gap(&fp8_exact, &bf16_exact));
     println!(
         "max logit gap: FP8 CPU backend vs FP8 f64 reference {backend_gap:.3}, FP8 vs bf16 weights (f64) {quant_gap:.3}, bf16 CPU vs f64 {:.3}",

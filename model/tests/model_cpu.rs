@@ -2,41 +2,15 @@
 //! transformers fixture and the f64 reference, batched and split steps against single ones,
 //! and the per-step counters of which kernels ran.
 
-use std::path::PathBuf;
+mod common;
 
+use common::{argmax, cases, open};
 use model::cache::Part;
-use model::config::Config;
 use model::cpu::Cpu;
 use model::layout::Layout;
 use model::model::{Model, StepCounters};
 use model::reference::Reference;
-use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
-use serde::Deserialize;
-
-#[derive(Deserialize)]
-struct Case {
-    prompt: Vec<u32>,
-    logits: Vec<Vec<f64>>,
-    greedy: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct Fixture {
-    cases: Vec<Case>,
-}
-
-fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_nemotron_h")
-}
-
-fn fixture() -> Fixture {
-    serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
-}
 
 fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
@@ -49,13 +23,12 @@ const RTOL: f64 = 0.02;
 
 #[test]
 fn cpu_backend_matches_transformers_and_reference() {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let reference = Reference::new(&config, &layout).unwrap();
     let mut model = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
     let (mut compared, mut matched, mut total) = (0, 0, 0);
-    for (i, case) in fixture().cases.iter().enumerate() {
+    for (i, case) in cases().iter().enumerate() {
         let slot = i as i32;
         let got = model.step(&[Part { slot, computed: 0, tokens: &case.prompt }]).unwrap().remove(0);
         let mut st = reference.new_state();
@@ -80,10 +53,9 @@ fn cpu_backend_matches_transformers_and_reference() {
 /// same logits as each prompt alone (operations are row-independent on the CPU, so exactly).
 #[test]
 fn batched_steps_equal_single_ones() {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let cases = fixture().cases;
+    let cases = cases();
     let mut single = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
     let mut batched = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
     // Slots in a different order in the batch.
@@ -121,10 +93,9 @@ fn batched_steps_equal_single_ones() {
 /// and a fresh one-token request runs as a prefill, not a decode.
 #[test]
 fn split_prefill_and_fresh_one_token_requests() {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let prompt = &fixture().cases[2].prompt;
+    let prompt = &cases()[2].prompt;
     let mut a = Model::load(Cpu, &config, &layout, 2, 64).unwrap();
     let whole = a.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
     a.step(&[Part { slot: 1, computed: 0, tokens: &prompt[..17] }]).unwrap();
@@ -142,8 +113,7 @@ fn split_prefill_and_fresh_one_token_requests() {
 
 #[test]
 fn loading_reports_progress_per_layer() {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let mut seen = Vec::new();
     Model::load_with_progress(Cpu, &config, &layout, 1, 8, &mut |done, total| seen.push((done, total))).unwrap();
@@ -152,8 +122,7 @@ fn loading_reports_progress_per_layer() {
 
 #[test]
 fn bad_steps_are_errors() {
-    let config = Config::from_dir(&dir()).unwrap();
-    let ck = Checkpoint::open(&dir()).unwrap();
+    let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let mut m = Model::load(Cpu, &config, &layout, 2, 8).unwrap();
     let err = |m: &mut Model<Cpu>, parts: &[Part]| m.step(parts).unwrap_err().to_string();

@@ -2,30 +2,12 @@
 //! (tests/fixtures/tiny_nemotron_h, float32 logits of every prompt position and 8 greedy
 //! tokens; prompts shorter than one chunk, where transformers' slow path is exact).
 
-use std::path::PathBuf;
+mod common;
 
-use model::config::Config;
+use common::argmax;
 use model::layout::Layout;
 use model::reference::Reference;
-use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
-use serde::Deserialize;
-
-#[derive(Deserialize)]
-struct Case {
-    prompt: Vec<u32>,
-    logits: Vec<Vec<f64>>,
-    greedy: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct Fixture {
-    cases: Vec<Case>,
-}
-
-fn argmax(v: &[f64]) -> u32 {
-    (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
-}
 
 /// transformers computes in float32 (from the same bf16 weights), the reference in f64: the
 /// logits (O(1) to O(10) here) differ by float32 rounding through 6 layers, about 1e-5
@@ -35,13 +17,10 @@ const ATOL: f64 = 1e-4;
 
 #[test]
 fn reference_matches_transformers() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_nemotron_h");
-    let fixture: Fixture = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let config = Config::from_dir(&dir).unwrap();
-    let ck = Checkpoint::open(&dir).unwrap();
+    let (config, ck) = common::open();
     let reference = Reference::new(&config, &Layout::new(&config, &ck).unwrap()).unwrap();
     let (mut compared, mut tokens) = (0, 0);
-    for (i, case) in fixture.cases.iter().enumerate() {
+    for (i, case) in common::cases().iter().enumerate() {
         let mut state = reference.new_state();
         let mut got = Vec::new();
         for &t in &case.prompt {

@@ -55,6 +55,15 @@ fn put(y: Out<Vec<bf16>>, v: impl IntoIterator<Item = f64>) {
     }
 }
 
+/// Writes the rows that exist (pad rows have none) at their places, `width` apart.
+fn put_rows(y: Out<Vec<bf16>>, rows: Vec<Option<Vec<f64>>>, width: usize) {
+    for (r, row) in rows.into_iter().enumerate() {
+        if let Some(row) = row {
+            put(Out { buf: &mut *y.buf, offset: y.offset + r * width }, row);
+        }
+    }
+}
+
 fn ssm_ref<'a>(c: &MambaConfig, heads: (&'a Vec<f32>, &'a Vec<f32>, &'a Vec<f32>)) -> SsmRef<'a> {
     SsmRef {
         heads: c.heads,
@@ -203,11 +212,7 @@ impl Backend for Cpu {
         let cd = c.conv_dim();
         let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
         let rows = conv.update(&x.buf[x.offset..], x.stride, state, slots);
-        for (r, row) in rows.into_iter().enumerate() {
-            if let Some(row) = row {
-                put(Out { buf: &mut *y.buf, offset: y.offset + r * cd }, row);
-            }
-        }
+        put_rows(y, rows, cd);
         Ok(())
     }
 
@@ -224,11 +229,7 @@ impl Backend for Cpu {
         let cd = c.conv_dim();
         let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
         let rows = conv.forward(&x.buf[x.offset..], x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
-        for (r, row) in rows.into_iter().enumerate() {
-            if let Some(row) = row {
-                put(Out { buf: &mut *y.buf, offset: y.offset + r * cd }, row);
-            }
-        }
+        put_rows(y, rows, cd);
         Ok(())
     }
 

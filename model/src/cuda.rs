@@ -64,6 +64,12 @@ fn rows<'a>(x: &In<'a, CudaSlice<bf16>>, cols: usize) -> Rows<'a> {
     Rows { buf: x.buf, offset: x.offset + cols, stride: x.stride }
 }
 
+/// x, B and C inside the conv output rows, dt inside in_proj's.
+fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, CudaSlice<bf16>>, dt: &In<'a, CudaSlice<bf16>>) -> SsmInputs<'a> {
+    let gn = c.groups * c.state_size;
+    SsmInputs { x: rows(xbc, 0), dt: rows(dt, 0), b: rows(xbc, c.inner()), c: rows(xbc, c.inner() + gn) }
+}
+
 fn ssm_shape(c: &MambaConfig) -> SsmShape {
     SsmShape {
         dt_min: c.dt_limit.0,
@@ -231,9 +237,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let shape = ssm_shape(c);
         let slots = Slots::new(&self.gpu, slots, state.len() / shape.slot_len())?;
-        let gn = c.groups * c.state_size;
-        let inputs =
-            SsmInputs { x: rows(&xbc, 0), dt: rows(&dt, 0), b: rows(&xbc, c.inner()), c: rows(&xbc, c.inner() + gn) };
+        let inputs = ssm_inputs(c, &xbc, &dt);
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, slots.len() * c.inner())?;
         Ok(ssm_update(&self.gpu, shape, inputs, None, h, state, &slots, None, &mut y)?)
@@ -252,9 +256,7 @@ impl Backend for Cuda {
         let shape = ssm_shape(c);
         let p = Prefill::new(&self.gpu, &seqs.lens, &seqs.slots, &seqs.initial, state.len() / shape.slot_len())?;
         let mut plan = SsdPlan::new(&self.gpu, &p, c.heads, c.head_dim, c.state_size)?;
-        let gn = c.groups * c.state_size;
-        let inputs =
-            SsmInputs { x: rows(&xbc, 0), dt: rows(&dt, 0), b: rows(&xbc, c.inner()), c: rows(&xbc, c.inner() + gn) };
+        let inputs = ssm_inputs(c, &xbc, &dt);
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, p.tokens() * c.inner())?;
         Ok(ssd_scan(&self.gpu, shape, inputs, h, state, &p, &mut plan, &mut y)?)

@@ -79,7 +79,6 @@ pub trait Backend: Sized {
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     fn zeros32(&self, n: usize) -> Result<Self::Buf32>;
     fn download(&self, b: &Self::Buf) -> Result<Vec<bf16>>;
-    fn download32(&self, b: &Self::Buf32) -> Result<Vec<f32>>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
 
     /// Rows `tokens[i]` of `table [vocab, width]` into `out`.

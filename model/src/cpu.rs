@@ -125,9 +125,6 @@ impl Backend for Cpu {
     fn download(&self, b: &Vec<bf16>) -> Result<Vec<bf16>> {
         Ok(b.clone())
     }
-    fn download32(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(b.clone())
-    }
 
     fn weight(&self, l: &Linear) -> Result<CpuWeight> {
         if l.bias.is_some() {

@@ -121,9 +121,6 @@ impl Backend for Cuda {
     fn download(&self, b: &CudaSlice<bf16>) -> Result<Vec<bf16>> {
         Ok(self.gpu.download(b)?)
     }
-    fn download32(&self, b: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        Ok(self.gpu.download(b)?)
-    }
 
     fn weight(&self, l: &Linear) -> Result<CudaWeight> {
         if l.fp8.is_some() || l.bias.is_some() {

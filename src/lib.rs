@@ -106,7 +106,8 @@ pub const POISON_FP8: u8 = 0x7f;
 
 /// What every bench prints beside its time: the device and its measured copy bandwidth.
 pub struct BenchGpu {
-    pub gpu: host::Gpu,
+    /// Shared, so a backend can run on the same context and stream.
+    pub gpu: std::sync::Arc<host::Gpu>,
     /// Device-to-device copy, bytes read + written per second, measured in this run.
     pub copy_bytes_per_s: f64,
 }
@@ -138,7 +139,7 @@ impl BenchGpu {
             gpu.arch().name(),
             copy_bytes_per_s / 1e9
         );
-        Some(BenchGpu { gpu, copy_bytes_per_s })
+        Some(BenchGpu { gpu: std::sync::Arc::new(gpu), copy_bytes_per_s })
     }
 
     /// Whether the shape `name` is selected by the bench's filter argument (criterion's

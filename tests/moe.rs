@@ -127,8 +127,13 @@ fn permute_then_combine_is_identity_with_unit_weights() {
 
 mod gpu {
     use half::bf16;
+    use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::moe::{RouteShape, combine, route as gpu_route};
+    use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
+    use host::moe::{
+        Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_gemm,
+        route as gpu_route,
+    };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
     /// Router logits in f64 from the bf16 activations and weights, as the kernel forms them.
@@ -224,7 +229,7 @@ mod gpu {
         let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
         let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-        combine(&gpu, &dy, Some(&dsh), &slot, &dw, k, hidden, &mut out).unwrap();
+        combine(&gpu, &dy, Some(&dsh), &gpu.upload(&slot).unwrap(), &dw, k, hidden, &mut out).unwrap();
         let want: Vec<f64> = (0..rows * hidden)
             .map(|i| {
                 let (t, c) = (i / hidden, i % hidden);
@@ -236,5 +241,236 @@ mod gpu {
             .collect();
         let n = assert_close("combine", &to_f64(&gpu.download(&out).unwrap()), &want, 1e-5, 1.0 / 256.0 + 1e-5);
         println!("combine: {n} values compared");
+    }
+
+    /// `rows` tokens each choosing `k` distinct experts of `e` at random.
+    fn random_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
+        let mut idx = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            let mut row: Vec<i32> = Vec::with_capacity(k);
+            while row.len() < k {
+                let x = (rng.next_u64() % e as u64) as i32;
+                if !row.contains(&x) {
+                    row.push(x);
+                }
+            }
+            idx.extend(row);
+        }
+        idx
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_dispatch_groups_by_expert() {
+        let gpu = gpu();
+        let mut rng = Rng::new(93);
+        let mut compared = 0;
+        // NemotronH at decode and prefill batches, the largest expert count and top-k, every
+        // expert chosen by every token, one token.
+        for (rows, k, e) in
+            [(1, 6, 128), (7, 6, 128), (64, 6, 128), (1024, 6, 128), (16384, 6, 128), (300, 16, 256), (5, 8, 8)]
+        {
+            let idx = random_choices(&mut rng, rows, k, e);
+            let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+            dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+            let routes: Vec<Vec<(usize, f64)>> =
+                idx.chunks(k).map(|r| r.iter().map(|&x| (x as usize, 1.0)).collect()).collect();
+            let want = cpu_dispatch(&routes, e);
+            let offsets: Vec<usize> = gpu.download(&d.offsets).unwrap().iter().map(|&o| o as usize).collect();
+            let label = format!("dispatch rows {rows} top-{k} of {e}");
+            compared += assert_same(&format!("{label} offsets"), &offsets, &want.offsets);
+            let active: Vec<u32> =
+                (0..e as u32).filter(|&x| want.offsets[x as usize + 1] > want.offsets[x as usize]).collect();
+            let count = gpu.download(&d.active_count).unwrap()[0] as usize;
+            compared += assert_same(&format!("{label} active"), &gpu.download(&d.active).unwrap()[..count], &active);
+            // Each choice sits in its expert's range, at a row holding its token, and no two
+            // choices share a row.
+            let (token, slot) = (gpu.download(&d.token).unwrap(), gpu.download(&d.slot).unwrap());
+            let mut seen = vec![false; rows * k];
+            for (i, (&x, &s)) in idx.iter().zip(&slot).enumerate() {
+                let s = s as usize;
+                assert!((want.offsets[x as usize]..want.offsets[x as usize + 1]).contains(&s), "{label}: entry {i}");
+                assert_eq!(token[s] as usize, i / k, "{label}: token of row {s}");
+                assert!(!std::mem::replace(&mut seen[s], true), "{label}: row {s} twice");
+                compared += 1;
+            }
+        }
+        println!("dispatch: {compared} values compared");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_experts_match_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(94);
+        let mut compared = 0;
+        // NemotronH's expert sizes with 16 experts (each expert then gets more rows), and an
+        // odd shape (k not a multiple of the 256-wide lane stride, n not of the block's rows).
+        for (hidden, inter, e, k, rows) in
+            [(2688, 1856, 16, 6, 1), (2688, 1856, 16, 6, 7), (2688, 1856, 16, 6, 64), (136, 40, 5, 2, 33)]
+        {
+            let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
+            let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
+            let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let idx = random_choices(&mut rng, rows, k, e);
+            let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
+            let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+            dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+            let slot = gpu.download(&d.slot).unwrap();
+            // The reference expert in f64 with the hidden activation rounded to bf16 as the
+            // kernels store it.
+            let (up64, down64) = (to_f64(&up), to_f64(&down));
+            let mut want = vec![0.0; rows * k * hidden];
+            for (i, &ex) in idx.iter().enumerate() {
+                let ex = ex as usize;
+                let xr = to_f64(&x[i / k * hidden..][..hidden]);
+                let (u, dn) =
+                    (&up64[ex * inter * hidden..][..inter * hidden], &down64[ex * hidden * inter..][..hidden * inter]);
+                let h: Vec<f64> = u
+                    .chunks(hidden)
+                    .map(|row| {
+                        let v = bf16::from_f64(row.iter().zip(&xr).map(|(a, b)| a * b).sum::<f64>()).to_f64().max(0.0);
+                        bf16::from_f64(v * v).to_f64()
+                    })
+                    .collect();
+                let y: Vec<f64> = dn.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect();
+                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
+            }
+            for gemm in [false, true] {
+                let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+                if gemm {
+                    experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
+                } else {
+                    experts_mlp(
+                        &gpu,
+                        &d,
+                        &dx,
+                        ExpertWeights::Bf16(&dup),
+                        ExpertWeights::Bf16(&ddown),
+                        (inter, hidden),
+                        &mut out,
+                    )
+                    .unwrap();
+                }
+                let label = format!(
+                    "experts {} hidden {hidden} inter {inter} rows {rows}",
+                    if gemm { "cuBLASLt" } else { "kernel" }
+                );
+                // bf16 output (2^-8 relative) over f32 sums of bf16 products.
+                compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 128.0);
+            }
+        }
+        println!("experts: {compared} values compared");
+    }
+
+    /// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):
+    /// codes, scales, and the decoded code values.
+    fn fp8_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
+        let a = (3.0 / k as f64).sqrt();
+        let (mut codes, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..count {
+            let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
+            let s = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
+            let c: Vec<u8> = w.iter().map(|&v| e4m3_encode(v / s)).collect();
+            values.extend(c.iter().map(|&c| f64::from(e4m3_decode(c))));
+            codes.extend(c);
+            scales.push(s);
+        }
+        (codes, scales, values)
+    }
+
+    /// W8A8 as SPEC.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
+    /// code values multiplied in f64 and scaled by both scales.
+    fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f64> {
+        let s = in_scale.unwrap_or_else(|| {
+            let amax = x.iter().fold(0.0f64, |m, v| m.max(v.abs())) as f32;
+            (amax / E4M3_MAX).max(MIN_SCALE)
+        });
+        let xq: Vec<f64> = x.iter().map(|&v| f64::from(e4m3_decode(e4m3_encode(v as f32 / s)))).collect();
+        w.chunks(x.len())
+            .map(|row| row.iter().zip(&xq).map(|(a, b)| a * b).sum::<f64>() * f64::from(w_scale * s))
+            .collect()
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_fp8_experts_and_dense_match_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(96);
+        let mut compared = 0;
+        // NemotronH's expert sizes, static input scales for up and per-token for down, then
+        // the other way round; an odd shape.
+        for (hidden, inter, e, k, rows, up_static) in
+            [(2688, 1856, 8, 2, 7, true), (2688, 1856, 8, 2, 7, false), (136, 40, 5, 2, 33, true)]
+        {
+            let (up_c, up_s, up_v) = fp8_weights(&mut rng, e, inter, hidden);
+            let (down_c, down_s, down_v) = fp8_weights(&mut rng, e, hidden, inter);
+            let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
+            let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
+            let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let idx = random_choices(&mut rng, rows, k, e);
+            let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+            dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+            let slot = gpu.download(&d.slot).unwrap();
+            let up_i = if up_static { Some(gpu.upload(&up_in).unwrap()) } else { None };
+            let down_i = if up_static { None } else { Some(gpu.upload(&down_in).unwrap()) };
+            let (uc, us, dc, ds) = (
+                gpu.upload(&up_c).unwrap(),
+                gpu.upload(&up_s).unwrap(),
+                gpu.upload(&down_c).unwrap(),
+                gpu.upload(&down_s).unwrap(),
+            );
+            let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
+            let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
+            let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+            experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), up, down, (inter, hidden), &mut out).unwrap();
+            let mut want = vec![0.0; rows * k * hidden];
+            for (i, &ex) in idx.iter().enumerate() {
+                let ex = ex as usize;
+                let xr = to_f64(&x[i / k * hidden..][..hidden]);
+                let u =
+                    w8a8(&xr, &up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
+                let h: Vec<f64> = u
+                    .iter()
+                    .map(|&v| {
+                        let v = bf16::from_f64(v).to_f64().max(0.0);
+                        bf16::from_f64(v * v).to_f64()
+                    })
+                    .collect();
+                let y = w8a8(
+                    &h,
+                    &down_v[ex * hidden * inter..][..hidden * inter],
+                    down_s[ex],
+                    (!up_static).then_some(down_in[ex]),
+                );
+                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
+            }
+            let label = format!(
+                "FP8 experts hidden {hidden} inter {inter} rows {rows} static {}",
+                if up_static { "up" } else { "down" }
+            );
+            // The codes are the same on both sides (same bf16 inputs, same f32 division);
+            // sums in f32 against f64 can move a hidden value by one bf16 step.
+            compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 64.0);
+            // The dense path: one expert, every row in order.
+            let rows = 5;
+            let xd = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let dense = Dispatch::dense(&gpu, rows).unwrap();
+            let in0 = up_i.as_ref().map(|_| gpu.upload(&up_in[..1]).unwrap());
+            let w0 = ExpertWeights::Fp8 {
+                codes: &gpu.upload(&up_c[..inter * hidden]).unwrap(),
+                w_scale: &gpu.upload(&up_s[..1]).unwrap(),
+                in_scale: in0.as_ref(),
+            };
+            let mut y = gpu.upload(&vec![POISON_BF16; rows * inter]).unwrap();
+            experts(&gpu, &dense, &gpu.upload(&xd).unwrap(), false, w0, (inter, hidden), false, &mut y).unwrap();
+            let want: Vec<f64> = xd
+                .chunks(hidden)
+                .flat_map(|r| w8a8(&to_f64(r), &up_v[..inter * hidden], up_s[0], up_static.then_some(up_in[0])))
+                .collect();
+            compared +=
+                assert_close(&format!("{label} dense"), &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
+        }
+        println!("FP8 experts and dense: {compared} values compared");
     }
 }

@@ -36,7 +36,8 @@ pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()>
     unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
 }
 
-/// `out[r] = table[idx[r]]`, rows of `width`; the indices are checked and uploaded.
+/// `out[r] = table[idx[r]]`, rows of `width`; the indices are checked here (an index
+/// outside the table is an error naming it) and uploaded.
 pub fn gather(
     gpu: &Gpu,
     table: &impl DevicePtr<bf16>,
@@ -44,25 +45,38 @@ pub fn gather(
     idx: &[u32],
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::ActGather;
-    let c = Check(k.name());
+    let c = Check(Kernel::ActGather.name());
     c.count("width", MAX_ELEMS, width)?;
-    c.count("rows", MAX_ROWS, idx.len())?;
     let table_rows = table.len() / width;
     if let Some(&bad) = idx.iter().find(|&&i| i as usize >= table_rows) {
         c.that("idx", false, format!("row indices below {table_rows}"), bad)?;
     }
+    gather_by(gpu, table, width, &gpu.upload(idx)?, out)
+}
+
+/// [`gather`] with the indices already on the device (e.g. written by a kernel): an index
+/// outside the table traps the kernel, an error at the next synchronization.
+pub fn gather_by(
+    gpu: &Gpu,
+    table: &impl DevicePtr<bf16>,
+    width: usize,
+    idx: &impl DevicePtr<u32>,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::ActGather;
+    let c = Check(k.name());
+    c.count("width", MAX_ELEMS, width)?;
+    c.count("rows", MAX_ROWS, idx.len())?;
     c.len("out", idx.len() * width, out.len())?;
-    let didx = gpu.upload(idx)?;
     let p = GatherParams {
         table: gpu.addr(k, "table", table)? as *const u16,
-        idx: gpu.addr(k, "idx", &didx)? as *const u32,
+        idx: gpu.addr(k, "idx", idx)? as *const u32,
         out: gpu.addr_mut(k, "out", out)? as *mut u16,
         rows: idx.len() as u32,
         width: width as u32,
+        table_rows: (table.len() / width) as u32,
     };
-    // SAFETY: every index is below the table's rows, out holds rows * width; out is `&mut`.
-    // The index buffer lives until the end of this call; the stream orders the kernel before
-    // its release (cudarc frees on the same stream).
+    // SAFETY: the table holds table_rows * width, out rows * width; out is `&mut`. The index
+    // buffer outlives the launch in stream order (cudarc frees on the same stream).
     unsafe { gpu.launch(k, (idx.len() as u32, 1, 1), EW_BLOCK, 0, p) }
 }

@@ -95,9 +95,9 @@ pub struct Gpu {
     max_threads: Vec<u32>,
     /// cuBLASLt on `stream`, created on first use (see [`Gpu::blas`]).
     blas: std::sync::OnceLock<CudaBlasLT>,
-    /// Most dynamic shared memory a block may use (the device's opt-in limit, enabled for
-    /// every function at load).
-    max_smem: u32,
+    /// Most dynamic shared memory a block of each function may use (the device's opt-in
+    /// limit less the function's static shared memory, enabled at load).
+    max_smem: Vec<u32>,
     _module: Arc<CudaModule>,
 }
 
@@ -134,10 +134,14 @@ impl Gpu {
             .collect::<Result<Vec<_>, _>>()
             .during("reading kernel attributes")?;
         let optin = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-        let max_smem = ctx.attribute(optin).during("reading the shared memory limit")?.max(0) as u32;
+        let optin = ctx.attribute(optin).during("reading the shared memory limit")?.max(0);
+        let mut max_smem = Vec::with_capacity(functions.len());
         for f in &functions {
+            let fixed = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+            let dynamic = optin - f.get_attribute(fixed).during("reading kernel attributes")?.clamp(0, optin);
             let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, max_smem as i32).during("enabling large shared memory")?;
+            f.set_attribute(attr, dynamic).during("enabling large shared memory")?;
+            max_smem.push(dynamic as u32);
         }
         let stream = ctx.new_stream().during("creating a stream")?;
         Ok(Gpu {
@@ -186,6 +190,19 @@ impl Gpu {
         self.stream.clone_htod(data).during("copying to the device")
     }
 
+    /// Copies `data` into the start of an existing device buffer (at least as long).
+    pub fn upload_into<T: DeviceRepr>(&self, data: &[T], dst: &mut impl DevicePtrMut<T>) -> Result<()> {
+        if dst.len() < data.len() {
+            return Err(Error::Shape {
+                kernel: "upload_into",
+                arg: "dst",
+                expected: format!("at least {} elements", data.len()),
+                got: format!("{} elements", dst.len()),
+            });
+        }
+        self.stream.memcpy_htod(data, dst).during("copying to the device")
+    }
+
     /// Copies a device buffer back (waits for the stream).
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, buf: &S) -> Result<Vec<T>> {
         self.stream.clone_dtoh(buf).during("copying from the device")
@@ -194,6 +211,15 @@ impl Gpu {
     /// A new zeroed device buffer of `len` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros(len).during("allocating device memory")
+    }
+
+    /// A new device buffer of `len` elements with undefined contents.
+    ///
+    /// # Safety
+    /// Every element must be written (in stream order) before it is read.
+    pub(crate) unsafe fn uninit<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.stream.alloc(len) }.during("allocating device memory")
     }
 
     /// Waits until all queued work is done; reports errors of earlier launches.
@@ -214,6 +240,10 @@ impl Gpu {
     /// Records the work `f` queues into a CUDA graph instead of running it; replay it with
     /// [`Graph::replay`]. The buffers the work uses must outlive the graph and stay in place.
     pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        // cuBLASLt's handle allocates its workspace when first used: create it before the
+        // capture, or the graph would hold that allocation and refuse a second launch. Where
+        // cuBLASLt is missing the capture goes on; a GEMM inside it reports that.
+        let _ = self.blas();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).during("starting a graph capture")?;
         let queued = f();
@@ -280,8 +310,11 @@ impl Gpu {
         let f = &self.functions[kernel as usize];
         Check(kernel.name()).that(
             "shape",
-            smem <= self.max_smem,
-            format!("one needing at most {} bytes of shared memory per block on this GPU", self.max_smem),
+            smem <= self.max_smem[kernel as usize],
+            format!(
+                "one needing at most {} bytes of shared memory per block (this kernel's limit on this GPU)",
+                self.max_smem[kernel as usize]
+            ),
             format!("one needing {smem}"),
         )?;
         Check(kernel.name()).that(

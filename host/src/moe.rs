@@ -3,7 +3,10 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
-use kernels_gpu::moe::{CombineParams, MAX_EXPERTS, MAX_TOP_K, ROUTE_BLOCK, ROUTE_SMEM_BYTES, RouteParams};
+use kernels_gpu::moe::{
+    CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS, ExpertParams,
+    LOGITS_BLOCK, LOGITS_TOKENS, MAX_EXPERTS, MAX_TOP_K, RouteParams, SELECT_SMEM_BYTES, SELECT_TOKENS,
+};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
@@ -32,7 +35,7 @@ pub fn route(
     idx: &mut CudaSlice<i32>,
     weight: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let k = Kernel::MoeRoute;
+    let k = Kernel::MoeRouterLogits;
     let c = Check(k.name());
     c.count("experts", MAX_EXPERTS as usize, s.experts)?;
     c.count("top_k", (MAX_TOP_K as usize).min(s.experts), s.top_k)?;
@@ -46,6 +49,7 @@ pub fn route(
         s.top_k,
     )?;
     c.count("hidden", MAX_ELEMS, hidden)?;
+    c.that("hidden", hidden.is_multiple_of(8), "a multiple of 8", hidden)?;
     c.that("x", x.len().is_multiple_of(hidden) && !x.is_empty(), format!("whole rows of {hidden}"), x.len())?;
     let rows = x.len() / hidden;
     c.count("rows", MAX_ROWS, rows)?;
@@ -53,9 +57,12 @@ pub fn route(
     c.len("bias", s.experts, bias.len())?;
     c.len("idx", rows * s.top_k, idx.len())?;
     c.len("weight", rows * s.top_k, weight.len())?;
+    // SAFETY: the logits kernel writes every element before the selection kernel reads it.
+    let mut logits = unsafe { gpu.uninit::<f32>(rows * s.experts) }?;
     let p = RouteParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         gate: gpu.addr(k, "gate", gate)? as *const u16,
+        logits: gpu.addr_mut(k, "logits", &mut logits)? as *mut f32,
         bias: gpu.addr(k, "bias", bias)? as *const f32,
         idx: gpu.addr_mut(k, "idx", idx)? as *mut i32,
         weight: gpu.addr_mut(k, "weight", weight)? as *mut f32,
@@ -68,19 +75,249 @@ pub fn route(
         renormalize: u32::from(s.renormalize),
         scaling: s.scaling,
     };
-    // SAFETY: all extents checked above; the group settings can always fill top_k; outputs
-    // are `&mut`.
-    unsafe { gpu.launch(k, (rows as u32, 1, 1), ROUTE_BLOCK, ROUTE_SMEM_BYTES, p) }
+    let tiles = (rows as u32).div_ceil(LOGITS_TOKENS);
+    // SAFETY: all extents checked above (logits allocated for rows * experts); the group
+    // settings can always fill top_k; outputs are `&mut`; the selection kernel runs after the
+    // logits kernel on the one stream.
+    unsafe {
+        gpu.launch(k, (s.experts as u32, tiles, 1), LOGITS_BLOCK, 0, p)?;
+        let blocks = (rows as u32).div_ceil(SELECT_TOKENS);
+        gpu.launch(Kernel::MoeRouteSelect, (blocks, 1, 1), 32 * SELECT_TOKENS, SELECT_SMEM_BYTES, p)
+    }
 }
 
-/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for rows of `hidden`; `slot`
-/// (host indices into the rows of `y`) is checked and uploaded.
+/// Routing choices grouped by expert, on the device (written by [`dispatch`]): expert `e`'s
+/// rows are `offsets[e]..offsets[e + 1]` of the grouped order, `token[j]` is the token of
+/// grouped row `j`, `slot[t * top_k + k]` the grouped row of token t's k-th choice, and
+/// `active[..active_count]` the experts with rows. Within an expert the order of its rows is
+/// unspecified (atomics); every consumer computes each row on its own.
+pub struct Dispatch {
+    pub offsets: CudaSlice<u32>,
+    pub active: CudaSlice<u32>,
+    pub active_count: CudaSlice<u32>,
+    pub token: CudaSlice<u32>,
+    pub slot: CudaSlice<i32>,
+    experts: usize,
+    top_k: usize,
+}
+
+impl Dispatch {
+    /// Buffers for `rows` tokens choosing `top_k` of `experts` each.
+    pub fn new(gpu: &Gpu, experts: usize, top_k: usize, rows: usize) -> Result<Dispatch> {
+        let c = Check(Kernel::MoeDispatch.name());
+        c.count("experts", MAX_EXPERTS as usize, experts)?;
+        c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)?;
+        c.count("rows", MAX_ROWS / MAX_TOP_K as usize, rows)?;
+        Ok(Dispatch {
+            offsets: gpu.zeros(experts + 1)?,
+            active: gpu.zeros(experts)?,
+            active_count: gpu.zeros(1)?,
+            token: gpu.zeros(rows * top_k)?,
+            slot: gpu.zeros(rows * top_k)?,
+            experts,
+            top_k,
+        })
+    }
+
+    /// Grouped rows (`rows * top_k`).
+    pub fn entries(&self) -> usize {
+        self.slot.len()
+    }
+
+    /// Experts.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// The trivial dispatch of a dense layer: one expert, all `rows` rows in order (so
+    /// [`experts`] computes a linear layer).
+    pub fn dense(gpu: &Gpu, rows: usize) -> Result<Dispatch> {
+        Check(Kernel::MoeExpert.name()).count("rows", MAX_ROWS, rows)?;
+        Ok(Dispatch {
+            offsets: gpu.upload(&[0, rows as u32])?,
+            active: gpu.upload(&[0u32])?,
+            active_count: gpu.upload(&[1u32])?,
+            token: gpu.zeros(rows)?,
+            slot: gpu.zeros(rows)?,
+            experts: 1,
+            top_k: 1,
+        })
+    }
+}
+
+/// The weights of one projection of every expert, `[experts, n, k]`.
+#[derive(Clone, Copy)]
+pub enum ExpertWeights<'a> {
+    Bf16(&'a CudaSlice<bf16>),
+    /// e4m3 codes with a weight scale per expert and, for static activation quantization, an
+    /// input scale per expert (none: each input row gets its own scale).
+    Fp8 {
+        codes: &'a CudaSlice<u8>,
+        w_scale: &'a CudaSlice<f32>,
+        in_scale: Option<&'a CudaSlice<f32>>,
+    },
+}
+
+/// Groups the routing choices `idx [rows, top_k]` (from [`route`]) by expert into `d`. An
+/// expert id outside `0..experts` traps the kernel (an error at the next synchronization).
+pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()> {
+    let k = Kernel::MoeDispatch;
+    Check(k.name()).len("idx", d.entries(), idx.len())?;
+    let p = DispatchParams {
+        idx: gpu.addr(k, "idx", idx)? as *const i32,
+        offsets: gpu.addr_mut(k, "offsets", &mut d.offsets)? as *mut u32,
+        active: gpu.addr_mut(k, "active", &mut d.active)? as *mut u32,
+        active_count: gpu.addr_mut(k, "active_count", &mut d.active_count)? as *mut u32,
+        token: gpu.addr_mut(k, "token", &mut d.token)? as *mut u32,
+        slot: gpu.addr_mut(k, "slot", &mut d.slot)? as *mut i32,
+        entries: d.entries() as u32,
+        top_k: d.top_k as u32,
+        experts: d.experts as u32,
+    };
+    // SAFETY: the buffers have the extents Dispatch::new gave them for these counts (experts
+    // <= MAX_EXPERTS); out-of-range ids trap in the kernel.
+    unsafe { gpu.launch(k, (1, 1, 1), DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, p) }
+}
+
+/// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
+/// `out[j] = f(x_j W_e^T)`, `x_j` row `token[j]` of `x` when `by_token` (the layer input), row
+/// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when
+/// `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small batches:
+/// each weight row is streamed once per four rows of its expert.
+#[allow(clippy::too_many_arguments)]
+pub fn experts(
+    gpu: &Gpu,
+    d: &Dispatch,
+    x: &impl DevicePtr<bf16>,
+    by_token: bool,
+    w: ExpertWeights,
+    (n, k): (usize, usize),
+    relu2: bool,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let kern = match w {
+        ExpertWeights::Bf16(_) => Kernel::MoeExpert,
+        ExpertWeights::Fp8 { .. } => Kernel::MoeExpertFp8,
+    };
+    let c = Check(kern.name());
+    c.count("n", MAX_ELEMS, n)?;
+    c.count("k", MAX_ELEMS, k)?;
+    c.that("k", k.is_multiple_of(8), "a multiple of 8", k)?;
+    let (w_addr, w_scale, in_scale) = match w {
+        ExpertWeights::Bf16(w) => {
+            c.len("w", d.experts * n * k, w.len())?;
+            (gpu.addr(kern, "w", w)?, 0, 0)
+        }
+        ExpertWeights::Fp8 { codes, w_scale, in_scale } => {
+            c.len("w", d.experts * n * k, codes.len())?;
+            c.len("w_scale", d.experts, w_scale.len())?;
+            if let Some(s) = in_scale {
+                c.len("in_scale", d.experts, s.len())?;
+            }
+            let in_addr = in_scale.map_or(Ok(0), |s| gpu.addr(kern, "in_scale", s))?;
+            (gpu.addr(kern, "w", codes)?, gpu.addr(kern, "w_scale", w_scale)?, in_addr)
+        }
+    };
+    c.len("out", d.entries() * n, out.len())?;
+    let x_rows = if by_token { x.len() / k } else { d.entries() };
+    c.len_at_least("x", x_rows * k, x.len())?;
+    c.that("x", x_rows > 0 && x.len().is_multiple_of(k), format!("whole rows of {k}"), x.len())?;
+    let p = ExpertParams {
+        x: gpu.addr(kern, "x", x)? as *const u16,
+        x_row: if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { core::ptr::null() },
+        w: w_addr as *const u8,
+        w_scale: w_scale as *const f32,
+        in_scale: in_scale as *const f32,
+        offsets: gpu.addr(kern, "offsets", &d.offsets)? as *const u32,
+        active: gpu.addr(kern, "active", &d.active)? as *const u32,
+        active_count: gpu.addr(kern, "active_count", &d.active_count)? as *const u32,
+        out: gpu.addr_mut(kern, "out", out)? as *mut u16,
+        n: n as u32,
+        k: k as u32,
+        relu2: u32::from(relu2),
+    };
+    let slots = d.experts.min(d.entries()) as u32;
+    // SAFETY: the dispatch buffers come from [`dispatch`] or [`Dispatch::dense`] (offsets
+    // within entries, token ids below rows: the tokens are the rows of x when by_token, x has
+    // entries rows otherwise); w holds experts * n * k weights and the scales one per expert;
+    // out holds entries * n; k is a multiple of 8.
+    unsafe { gpu.launch(kern, ((n as u32).div_ceil(EXPERT_BLOCK_ROWS), slots, 1), EXPERT_BLOCK, 0, p) }
+}
+
+/// The routed experts' MLPs `down_e(relu(up_e x)^2)` for every grouped row of `d`, into
+/// `out [entries, hidden]` in grouped order: `up [experts, inter, hidden]`, `down [experts,
+/// hidden, inter]`, `x [rows, hidden]` the layer input. Two launches of [`experts`], no
+/// synchronization (a CUDA graph can hold them): the path for small batches.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_mlp(
+    gpu: &Gpu,
+    d: &Dispatch,
+    x: &impl DevicePtr<bf16>,
+    up: ExpertWeights,
+    down: ExpertWeights,
+    (inter, hidden): (usize, usize),
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let mut h = gpu.zeros::<bf16>(d.entries() * inter)?;
+    experts(gpu, d, x, true, up, (inter, hidden), true, &mut h)?;
+    experts(gpu, d, &h, false, down, (hidden, inter), false, out)
+}
+
+/// As [`experts_mlp`], through cuBLASLt: per expert with rows, its tokens gathered, then two
+/// GEMMs. Reads the offsets back (a synchronization): the path for large batches, where tensor
+/// cores pay.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_mlp_gemm(
+    gpu: &Gpu,
+    d: &Dispatch,
+    x: &impl DevicePtr<bf16>,
+    up: &CudaSlice<bf16>,
+    down: &CudaSlice<bf16>,
+    (inter, hidden): (usize, usize),
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let c = Check("moe_experts_gemm");
+    c.len("up", d.experts * inter * hidden, up.len())?;
+    c.len("down", d.experts * hidden * inter, down.len())?;
+    c.len("out", d.entries() * hidden, out.len())?;
+    let offsets = gpu.download(&d.offsets)?;
+    let most = offsets.windows(2).map(|o| (o[1] - o[0]) as usize).max().unwrap_or(0);
+    let mut xs = gpu.zeros::<bf16>(most.max(1) * hidden)?;
+    let mut h = gpu.zeros::<bf16>(most.max(1) * inter)?;
+    for e in 0..d.experts {
+        let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);
+        if lo == hi {
+            continue;
+        }
+        let m = hi - lo;
+        let mut xs = xs.slice_mut(..m * hidden);
+        crate::act::gather_by(gpu, x, hidden, &d.token.slice(lo..hi), &mut xs)?;
+        let mut h = h.slice_mut(..m * inter);
+        let up_e = up.slice(e * inter * hidden..(e + 1) * inter * hidden);
+        crate::gemm::linear(gpu, m, &xs.as_view(), &up_e, inter, hidden, &mut h)?;
+        crate::act::relu2(gpu, &mut h, m * inter)?;
+        let down_e = down.slice(e * hidden * inter..(e + 1) * hidden * inter);
+        crate::gemm::linear(
+            gpu,
+            m,
+            &h.as_view(),
+            &down_e,
+            hidden,
+            inter,
+            &mut out.slice_mut(lo * hidden..hi * hidden),
+        )?;
+    }
+    Ok(())
+}
+
+/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for rows of `hidden` (slots as
+/// [`Dispatch::slot`]; one outside the rows of `y` traps the kernel).
 #[allow(clippy::too_many_arguments)]
 pub fn combine(
     gpu: &Gpu,
     y: &impl DevicePtr<bf16>,
     shared: Option<&CudaSlice<bf16>>,
-    slot: &[i32],
+    slot: &CudaSlice<i32>,
     weight: &CudaSlice<f32>,
     top_k: usize,
     hidden: usize,
@@ -98,22 +335,17 @@ pub fn combine(
     if let Some(s) = shared {
         c.len("shared", rows * hidden, s.len())?;
     }
-    let y_rows = y.len() / hidden;
-    if let Some(&bad) = slot.iter().find(|&&s| s < 0 || s as usize >= y_rows) {
-        c.that("slot", false, format!("rows of y below {y_rows}"), bad)?;
-    }
-    let dslot = gpu.upload(slot)?;
     let p = CombineParams {
         y: gpu.addr(k, "y", y)? as *const u16,
         shared: shared.map_or(Ok(0), |s| gpu.addr(k, "shared", s))? as *const u16,
-        slot: gpu.addr(k, "slot", &dslot)? as *const i32,
+        slot: gpu.addr(k, "slot", slot)? as *const i32,
         weight: gpu.addr(k, "weight", weight)? as *const f32,
         out: gpu.addr_mut(k, "out", out)? as *mut u16,
         rows: rows as u32,
         top_k: top_k as u32,
         hidden: hidden as u32,
+        y_rows: (y.len() / hidden) as u32,
     };
-    // SAFETY: extents checked above, every slot indexes a row of y; out is `&mut`; the slot
-    // buffer is freed in stream order after the kernel.
+    // SAFETY: extents checked above; a slot outside y traps; out is `&mut`.
     unsafe { gpu.launch(k, (rows as u32, 1, 1), kernels_gpu::EW_BLOCK, 0, p) }
 }

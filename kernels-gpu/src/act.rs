@@ -26,11 +26,12 @@ pub struct Relu2Params {
 #[derive(Clone, Copy, Debug)]
 pub struct GatherParams {
     pub table: *const u16,
-    /// `[rows]`, each < the table's row count (checked by the launcher).
+    /// `[rows]`, each below `table_rows`, else the kernel traps.
     pub idx: *const u32,
     pub out: *mut u16,
     pub rows: u32,
     pub width: u32,
+    pub table_rows: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -79,9 +80,14 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn act_gather_bf16(p: GatherParams) {
         let r = block_x() as usize;
         let w = p.width as usize;
-        // SAFETY: idx[r] < the table's rows and out holds rows * width (checked by the launcher).
+        // SAFETY: the table holds table_rows * width and out rows * width (checked by the
+        // launcher); an index outside the table traps.
         unsafe {
-            let src = p.table.wrapping_add(ld(p.idx, r) as usize * w);
+            let i = ld(p.idx, r);
+            if i >= p.table_rows {
+                trap();
+            }
+            let src = p.table.wrapping_add(i as usize * w);
             let dst = p.out.wrapping_add(r * w);
             let mut k = thread_x();
             while k < chunks(p.width) {

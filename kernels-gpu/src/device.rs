@@ -9,6 +9,8 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.up.f32"]
     fn shfl_up_f32(mask: u32, v: f32, delta: u32, clamp: u32) -> f32;
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+    fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
 }
 
 // The block's dynamic shared memory (sized by the launch). A module-level `.extern .shared`
@@ -108,6 +110,30 @@ pub fn warp_inclusive_sum(mut v: f32) -> f32 {
     v
 }
 
+/// The largest `(value, index)` over the lanes of a full warp, the lowest index among equal
+/// values; every lane gets it.
+#[inline(always)]
+pub fn warp_argmax(mut v: f32, mut i: u32) -> (f32, u32) {
+    let mut m = 16;
+    while m > 0 {
+        // SAFETY: as in `warp_sum`.
+        let (ov, oi) =
+            unsafe { (shfl_bfly_f32(u32::MAX, v, m, 0x1f), shfl_bfly_i32(u32::MAX, i as i32, m, 0x1f) as u32) };
+        if ov > v || (ov == v && oi < i) {
+            (v, i) = (ov, oi);
+        }
+        m >>= 1;
+    }
+    (v, i)
+}
+
+/// Warp barrier: orders the shared-memory accesses of a full warp's lanes.
+#[inline(always)]
+pub fn sync_warp() {
+    // SAFETY: all 32 lanes take part; callers run full warps in uniform flow.
+    unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) }
+}
+
 /// Max over the 32 lanes of a full warp (NaN-ignoring, like `max.f32`); every lane gets it.
 #[inline(always)]
 pub fn warp_max(mut v: f32) -> f32 {
@@ -184,6 +210,23 @@ pub fn f32x2_to_e4m3(hi: f32, lo: f32) -> u16 {
              options(pure, nomem, nostack))
     };
     r
+}
+
+/// Two e4m3 codes (`lo` in bits 0..8) to f32, exactly (`cvt.rn.f16x2.e4m3x2`, sm_89+).
+#[inline(always)]
+pub fn e4m3x2_to_f32(codes: u16) -> (f32, f32) {
+    let h: u32;
+    // SAFETY: a register-to-register conversion.
+    unsafe {
+        asm!("cvt.rn.f16x2.e4m3x2 {h}, {c};", h = out(reg32) h, c = in(reg16) codes, options(pure, nomem, nostack))
+    };
+    let (lo, hi): (f32, f32);
+    // SAFETY: register-to-register conversions (every f16 is exact in f32).
+    unsafe {
+        asm!("cvt.f32.f16 {lo}, {a};", lo = out(reg32) lo, a = in(reg16) h as u16, options(pure, nomem, nostack));
+        asm!("cvt.f32.f16 {hi}, {a};", hi = out(reg32) hi, a = in(reg16) (h >> 16) as u16, options(pure, nomem, nostack));
+    }
+    (lo, hi)
 }
 
 /// e^v through `ex2.approx.ftz.f32` (relative error about 2^-22).
@@ -299,6 +342,31 @@ pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
         }
     }
     v
+}
+
+/// Elements `c0..c0 + 8` of a bf16 array of `len` as raw pairs (element `2i` in the low half
+/// of word `i`), zero past `len`; converted where used, so a thread can keep many loads in
+/// flight in few registers.
+///
+/// # Safety
+/// As [`load8_bf16`].
+#[inline(always)]
+pub unsafe fn load8_raw(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
+    let q = p.wrapping_add(c0);
+    // SAFETY: as in load8_bf16.
+    unsafe {
+        if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
+            *(q as *const [u32; 4])
+        } else {
+            let mut v = [0u32; 4];
+            for i in 0..8 {
+                if c0 + i < len {
+                    v[i / 2] |= u32::from(ld(p, c0 + i)) << (16 * (i % 2));
+                }
+            }
+            v
+        }
+    }
 }
 
 /// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole

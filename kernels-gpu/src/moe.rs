@@ -6,14 +6,18 @@
 
 use crate::KernelParams;
 
-/// Threads per block of the routing kernel (one block per token).
-pub const ROUTE_BLOCK: u32 = 256;
+/// Threads per block of the router-logits kernel.
+pub const LOGITS_BLOCK: u32 = 256;
+/// Tokens per block of the router-logits kernel (the router row read once for all of them).
+pub const LOGITS_TOKENS: u32 = 8;
+/// Tokens per block of the selection kernel (one warp each).
+pub const SELECT_TOKENS: u32 = 4;
 /// Most experts the routing kernel handles.
 pub const MAX_EXPERTS: u32 = 256;
 /// Most experts per token.
 pub const MAX_TOP_K: u32 = 16;
 
-/// Routing of `rows` tokens.
+/// Routing of `rows` tokens, in two kernels: router logits, then selection.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RouteParams {
@@ -21,6 +25,8 @@ pub struct RouteParams {
     pub x: *const u16,
     /// Router `[experts, hidden]` bf16.
     pub gate: *const u16,
+    /// `[rows, experts]` f32 router logits: written by the first kernel, read by the second.
+    pub logits: *mut f32,
     /// `[experts]` f32 selection bias.
     pub bias: *const f32,
     /// `[rows, top_k]` chosen experts, highest selection score first.
@@ -46,7 +52,8 @@ pub struct CombineParams {
     pub y: *const u16,
     /// `[rows, hidden]` shared expert output, or null.
     pub shared: *const u16,
-    /// `[rows, top_k]` row of `y` holding token t's k-th expert output.
+    /// `[rows, top_k]` row of `y` holding token t's k-th expert output; each below `y_rows`,
+    /// else the kernel traps.
     pub slot: *const i32,
     /// `[rows, top_k]` routing weights.
     pub weight: *const f32,
@@ -55,16 +62,88 @@ pub struct CombineParams {
     pub rows: u32,
     pub top_k: u32,
     pub hidden: u32,
+    pub y_rows: u32,
+}
+
+/// Dispatch of `entries = rows * top_k` routing choices: groups them by expert.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchParams {
+    /// `[entries]` chosen experts (the routing kernel's `idx`); each in `0..experts`, else the
+    /// kernel traps.
+    pub idx: *const i32,
+    /// `[experts + 1]` start of each expert's rows in the grouped order; the last is `entries`.
+    pub offsets: *mut u32,
+    /// `[experts]` the experts with rows, ascending, in `active[0..active_count]`.
+    pub active: *mut u32,
+    /// `[1]` how many experts have rows.
+    pub active_count: *mut u32,
+    /// `[entries]` grouped row -> the token it holds.
+    pub token: *mut u32,
+    /// `[entries]` entry `t * top_k + j` -> the grouped row holding it.
+    pub slot: *mut i32,
+    pub entries: u32,
+    pub top_k: u32,
+    pub experts: u32,
+}
+
+/// One projection of every expert with rows: grouped row `j` of expert `e`
+/// (`offsets[e] <= j < offsets[e + 1]`) gets `out[j] = f(x[row(j)] W_e^T)`, `f` the identity or
+/// `relu(bf16(.))^2`. FP8 weights (W8A8, SPEC.md section 7): `W_e = codes * w_scale[e]`, and
+/// each input row is quantized to e4m3 first, with `in_scale[e]` or, when `in_scale` is null,
+/// its own per-token scale (SPEC.md section 4); the product of the codes is summed in f32 and
+/// scaled by both scales.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertParams {
+    /// Input rows of `k` bf16.
+    pub x: *const u16,
+    /// `[entries]` grouped row -> row of `x`; null: row `j` of `x` itself.
+    pub x_row: *const u32,
+    /// `[experts, n, k]` weights: bf16, or e4m3 codes for the FP8 kernel.
+    pub w: *const u8,
+    /// FP8: `[experts]` weight scales (unused by the bf16 kernel).
+    pub w_scale: *const f32,
+    /// FP8: `[experts]` static input scales, or null for per-token scales.
+    pub in_scale: *const f32,
+    pub offsets: *const u32,
+    pub active: *const u32,
+    pub active_count: *const u32,
+    /// `[entries, n]` bf16, written.
+    pub out: *mut u16,
+    pub n: u32,
+    pub k: u32,
+    /// 1: `relu(bf16(.))^2`, as the experts' hidden activation.
+    pub relu2: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
 unsafe impl KernelParams for RouteParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for CombineParams {}
+// SAFETY: as above.
+unsafe impl KernelParams for DispatchParams {}
+// SAFETY: as above.
+unsafe impl KernelParams for ExpertParams {}
 
-/// Dynamic shared memory of the routing kernel: scores, selection scores, group scores, kept
-/// flags.
-pub const ROUTE_SMEM_BYTES: u32 = 4 * MAX_EXPERTS * 4;
+/// Threads of the dispatch kernel (one block).
+pub const DISPATCH_BLOCK: u32 = 1024;
+/// Dynamic shared memory of the dispatch kernel: a count and a cursor per expert.
+pub const DISPATCH_SMEM_BYTES: u32 = 2 * MAX_EXPERTS * 4;
+/// Threads per block of the expert kernel.
+pub const EXPERT_BLOCK: u32 = 128;
+/// Weight rows each warp of the expert kernel computes together.
+pub const EXPERT_WARP_ROWS: u32 = 2;
+/// Chunks of each row a lane of the expert kernel loads at once (loads in flight).
+pub const EXPERT_UNROLL: usize = 2;
+/// Weight rows per block of the expert kernel.
+pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
+/// Tokens the expert kernel multiplies with one pass over its weight rows.
+pub const EXPERT_TOKENS: usize = 4;
+
+/// Dynamic shared memory of the selection kernel: per token, scores, selection scores and
+/// group scores.
+pub const SELECT_SMEM_BYTES: u32 = SELECT_TOKENS * 3 * MAX_EXPERTS * 4;
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
@@ -72,88 +151,425 @@ mod kernels {
     use crate::EW_BLOCK;
     use crate::device::*;
 
-    /// Index of the largest `v[i]` with `ok(i)` (lowest index on ties), if any.
+    /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
+    /// values, by one full warp (lanes over i). NaN marks an entry already taken: skipped.
     #[inline(always)]
-    unsafe fn argmax(v: *const f32, n: usize, ok: impl Fn(usize) -> bool) -> Option<usize> {
-        let mut best: Option<usize> = None;
-        for i in 0..n {
-            // SAFETY: i < n, within v (shared memory of at least n floats).
-            if ok(i) && best.is_none_or(|b| unsafe { ld(v, i) > ld(v, b) }) {
-                best = Some(i);
+    unsafe fn warp_pick(v: *const f32, n: usize) -> (f32, u32) {
+        let (mut best, mut at) = (f32::NEG_INFINITY, u32::MAX);
+        let mut i = lane_id() as usize;
+        while i < n {
+            // SAFETY: i < n, within v.
+            let x = unsafe { ld(v, i) };
+            // Ascending i per lane: a later equal value never replaces an earlier one.
+            if !x.is_nan() && (x > best || at == u32::MAX) {
+                (best, at) = (x, i as u32);
             }
+            i += 32;
         }
-        best
+        warp_argmax(best, at)
     }
 
-    /// Routing, [`RouteParams`]. Grid `(rows)`, block [`ROUTE_BLOCK`], dynamic shared memory
-    /// [`ROUTE_SMEM_BYTES`]. Block t: warp w computes the logits of experts w, w + 8, ...
-    /// (lanes over hidden, f32); then thread 0 selects groups and experts serially.
+    /// Router logits, [`RouteParams`]. Grid `(experts, ceil(rows / LOGITS_TOKENS))`, block
+    /// [`LOGITS_BLOCK`]: block `(e, b)` forms `logits[t, e]` for the block's tokens, threads
+    /// over hidden (16-byte loads, f32 sums), reduced across the block in warp order.
     #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
-        let t = block_x() as usize;
-        let (h, e) = (p.hidden as usize, p.experts as usize);
-        // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, top_k <=
-        // MAX_TOP_K, groups dividing experts); shared memory as ROUTE_SMEM_BYTES.
+    pub unsafe extern "ptx-kernel" fn moe_router_logits_bf16(p: RouteParams) {
+        const T: usize = LOGITS_TOKENS as usize;
+        let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
+        let t0 = block_y() as usize * T;
+        let toks = (p.rows as usize - t0).min(T);
+        // SAFETY: launch contract checked by host/src/moe.rs (x holds rows * hidden, gate
+        // experts * hidden, logits rows * experts; hidden a multiple of 8); shared memory: the
+        // static per-warp partial sums below.
         unsafe {
-            let smem = dyn_smem_f32();
-            let (score, sel) = (smem, smem.wrapping_add(MAX_EXPERTS as usize));
-            let x = p.x.wrapping_add(t * h);
-            let mut ex = warp_id() as usize;
-            while ex < e {
-                let mut acc = 0.0f32;
-                let mut i = lane_id() as usize;
-                while i < h {
-                    acc += bf16_to_f32(ld(x, i)) * bf16_to_f32(ld(p.gate, ex * h + i));
-                    i += 32;
+            let partial: *mut f32;
+            core::arch::asm!(
+                "{{ .shared .align 4 .b8 route_partial[{n}]; cvta.shared.u64 {p}, route_partial; }}",
+                p = out(reg64) partial,
+                n = const (LOGITS_BLOCK / 32 * LOGITS_TOKENS * 4),
+                options(nostack),
+            );
+            let x = p.x.wrapping_add(t0 * h);
+            let w = p.gate.wrapping_add(ex * h);
+            let mut acc = [0.0f32; T];
+            let mut c = thread_x() as usize * 8;
+            while c < h {
+                let wv = load8_bf16(w, c, h);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    if t < toks {
+                        let xv = load8_bf16(x.wrapping_add(t * h), c, h);
+                        for i in 0..8 {
+                            *acc += wv[i] * xv[i];
+                        }
+                    }
                 }
-                let logit = warp_sum(acc);
+                c += LOGITS_BLOCK as usize * 8;
+            }
+            let warp = warp_id() as usize;
+            for (t, &v) in acc.iter().enumerate() {
+                let s = warp_sum(v);
                 if lane_id() == 0 {
-                    let s = 1.0 / (1.0 + exp_fast(-logit));
-                    st(score, ex, s);
-                    st(sel, ex, s + ld(p.bias, ex));
+                    st(partial, warp * T + t, s);
                 }
-                ex += warps() as usize;
             }
             sync_threads();
-            if thread_x() != 0 {
-                return;
-            }
-            let (ng, k) = (p.n_group as usize, p.top_k as usize);
-            let per = e / ng;
-            let gscore = sel.wrapping_add(MAX_EXPERTS as usize);
-            let kept = gscore.wrapping_add(MAX_EXPERTS as usize);
-            for g in 0..ng {
-                let base = sel.wrapping_add(g * per);
-                let a = argmax(base, per, |_| true).unwrap_or(0);
-                let b = argmax(base, per, |i| i != a);
-                st(gscore, g, ld(base, a) + b.map_or(0.0, |b| ld(base, b)));
-                st(kept, g, 0.0);
-            }
-            for _ in 0..p.topk_group {
-                if let Some(g) = argmax(gscore, ng, |g| ld(kept, g) == 0.0) {
-                    st(kept, g, 1.0);
+            let t = thread_x() as usize;
+            if t < toks {
+                let mut logit = 0.0f32;
+                for w in 0..(LOGITS_BLOCK / 32) as usize {
+                    logit += ld(partial, w * T + t);
                 }
-            }
-            // Experts of dropped groups, and experts already chosen, cannot be chosen.
-            for i in 0..e {
-                if ld(kept, i / per) == 0.0 {
-                    st(sel, i, f32::NEG_INFINITY);
-                }
-            }
-            let out = t * k;
-            let mut total = 0.0f32;
-            for j in 0..k {
-                let pick = argmax(sel, e, |_| true).unwrap_or(0);
-                st(sel, pick, f32::NEG_INFINITY);
-                st(p.idx, out + j, pick as i32);
-                total += ld(score, pick);
-            }
-            for j in 0..k {
-                let s = ld(score, ld(p.idx, out + j) as usize);
-                let w = if p.renormalize != 0 { s / total } else { s };
-                st(p.weight, out + j, w * p.scaling);
+                st(p.logits, (t0 + t) * e + ex, logit);
             }
         }
+    }
+
+    /// Selection, [`RouteParams`] (after [`moe_router_logits_bf16`]). Grid
+    /// `(ceil(rows / SELECT_TOKENS))`, block `32 * SELECT_TOKENS`, dynamic shared memory
+    /// [`SELECT_SMEM_BYTES`]: warp t selects for token t of the block: scores and selection
+    /// scores by lanes over experts, group scores by one lane per group, groups and experts by
+    /// warp-wide argmax (lowest index on ties).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_route_select(p: RouteParams) {
+        let e = p.experts as usize;
+        let (lane, warp) = (lane_id() as usize, warp_id() as usize);
+        let tok = block_x() as usize * SELECT_TOKENS as usize + warp;
+        if tok >= p.rows as usize {
+            return;
+        }
+        let me = MAX_EXPERTS as usize;
+        // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, top_k <=
+        // MAX_TOP_K and <= the experts of the kept groups, groups dividing experts); shared
+        // memory as SELECT_SMEM_BYTES: warp w's scores at smem[3 me w..], selection scores
+        // after them, group scores after those; each warp touches only its own.
+        unsafe {
+            let smem = dyn_smem_f32().wrapping_add(3 * me * warp);
+            let (score, sel, gscore) = (smem, smem.wrapping_add(me), smem.wrapping_add(2 * me));
+            let mut i = lane;
+            while i < e {
+                let s = 1.0 / (1.0 + exp_fast(-ld(p.logits, tok * e + i)));
+                st(score, i, s);
+                st(sel, i, s + ld(p.bias, i));
+                i += 32;
+            }
+            sync_warp();
+            let (ng, k) = (p.n_group as usize, p.top_k as usize);
+            if (p.topk_group as usize) < ng {
+                // Each group's score is the sum of its two best selection scores.
+                let per = e / ng;
+                let mut g = lane;
+                while g < ng {
+                    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                    for i in g * per..(g + 1) * per {
+                        let v = ld(sel, i);
+                        if v > a {
+                            (a, b) = (v, a);
+                        } else if v > b {
+                            b = v;
+                        }
+                    }
+                    st(gscore, g, if per > 1 { a + b } else { a });
+                    g += 32;
+                }
+                sync_warp();
+                // Keep the best topk_group groups (marked NaN), then mask the others' experts.
+                for _ in 0..p.topk_group {
+                    let (_, g) = warp_pick(gscore, ng);
+                    sync_warp();
+                    if lane == 0 {
+                        st(gscore, g as usize, f32::NAN);
+                    }
+                    sync_warp();
+                }
+                let mut i = lane;
+                while i < e {
+                    if !ld(gscore, i / per).is_nan() {
+                        st(sel, i, f32::NEG_INFINITY);
+                    }
+                    i += 32;
+                }
+                sync_warp();
+            }
+            // Lane j keeps the j-th pick.
+            let (mut total, mut mine) = (0.0f32, 0u32);
+            for j in 0..k {
+                let (_, pick) = warp_pick(sel, e);
+                total += ld(score, pick as usize);
+                if lane == j {
+                    mine = pick;
+                }
+                sync_warp();
+                if lane == 0 {
+                    st(sel, pick as usize, f32::NAN);
+                }
+                sync_warp();
+            }
+            if lane < k {
+                let out = tok * k + lane;
+                let s = ld(score, mine as usize);
+                let w = if p.renormalize != 0 { s / total } else { s };
+                st(p.idx, out, mine as i32);
+                st(p.weight, out, w * p.scaling);
+            }
+        }
+    }
+
+    /// Dispatch, [`DispatchParams`]. One block of [`DISPATCH_BLOCK`] threads, dynamic shared
+    /// memory [`DISPATCH_SMEM_BYTES`]: counts per expert (shared atomics), offsets and the
+    /// active list by one warp's prefix sum, then each entry takes the next row of its expert's
+    /// range. The order of the rows within an expert's range depends on atomic order; every
+    /// consumer computes each row on its own, so results do not.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_dispatch(p: DispatchParams) {
+        use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
+        let (n, e) = (p.entries as usize, p.experts as usize);
+        let tid = thread_x() as usize;
+        let step = DISPATCH_BLOCK as usize;
+        // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, array
+        // extents); an expert id out of range traps before it indexes anything.
+        unsafe {
+            let count = dyn_smem_f32() as *mut u32;
+            let cursor = count.wrapping_add(MAX_EXPERTS as usize);
+            let mut i = tid;
+            while i < e {
+                st(count, i, 0);
+                i += step;
+            }
+            sync_threads();
+            i = tid;
+            while i < n {
+                let x = ld(p.idx, i);
+                if x < 0 || x as usize >= e {
+                    trap();
+                }
+                AtomicU32::from_ptr(count.wrapping_add(x as usize)).fetch_add(1, Relaxed);
+                i += step;
+            }
+            sync_threads();
+            if warp_id() == 0 {
+                // Lane l owns experts 8l..8l+8. Counts are below 2^24, so the f32 prefix sums
+                // are exact.
+                let per = (MAX_EXPERTS / 32) as usize;
+                let first = lane_id() as usize * per;
+                let (mut rows, mut used) = (0u32, 0u32);
+                for x in first..(first + per).min(e) {
+                    rows += ld(count, x);
+                    used += u32::from(ld(count, x) > 0);
+                }
+                let mut row = (warp_inclusive_sum(rows as f32) as u32) - rows;
+                let mut a = (warp_inclusive_sum(used as f32) as u32) - used;
+                for x in first..(first + per).min(e) {
+                    st(p.offsets, x, row);
+                    st(cursor, x, row);
+                    if ld(count, x) > 0 {
+                        st(p.active, a as usize, x as u32);
+                        a += 1;
+                    }
+                    row += ld(count, x);
+                }
+                if lane_id() == 31 {
+                    st(p.offsets, e, row);
+                    st(p.active_count, 0, a);
+                }
+            }
+            sync_threads();
+            i = tid;
+            while i < n {
+                let x = ld(p.idx, i) as usize;
+                let row = AtomicU32::from_ptr(cursor.wrapping_add(x)).fetch_add(1, Relaxed);
+                st(p.token, row as usize, (i / p.top_k as usize) as u32);
+                st(p.slot, i, row as i32);
+                i += step;
+            }
+        }
+    }
+
+    /// A chunk of 8 weights of one row, as loaded: bf16 pairs or e4m3 codes.
+    trait Chunk: Copy {
+        const ZERO: Self;
+        /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
+        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
+        /// The weights as f32 (bf16 values, or e4m3 code values).
+        fn values(self) -> [f32; 8];
+    }
+
+    impl Chunk for [u32; 4] {
+        const ZERO: Self = [0; 4];
+        #[inline(always)]
+        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
+            // SAFETY: forwarded (w holds k bf16).
+            unsafe { load8_raw(w as *const u16, c, k) }
+        }
+        #[inline(always)]
+        fn values(self) -> [f32; 8] {
+            let mut v = [0.0; 8];
+            for i in 0..4 {
+                (v[2 * i], v[2 * i + 1]) = (f32::from_bits(self[i] << 16), f32::from_bits(self[i] & 0xffff_0000));
+            }
+            v
+        }
+    }
+
+    impl Chunk for u64 {
+        const ZERO: Self = 0;
+        #[inline(always)]
+        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
+            // SAFETY: forwarded (w holds k codes); 8-byte loads when whole and aligned.
+            unsafe {
+                let q = w.wrapping_add(c);
+                if c + 8 <= k && (q as usize).is_multiple_of(8) {
+                    *(q as *const u64)
+                } else {
+                    let mut v = 0u64;
+                    for i in 0..8 {
+                        if c + i < k {
+                            v |= u64::from(ld(w, c + i)) << (8 * i);
+                        }
+                    }
+                    v
+                }
+            }
+        }
+        #[inline(always)]
+        fn values(self) -> [f32; 8] {
+            let mut v = [0.0; 8];
+            for i in 0..4 {
+                (v[2 * i], v[2 * i + 1]) = e4m3x2_to_f32((self >> (16 * i)) as u16);
+            }
+            v
+        }
+    }
+
+    /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`
+    /// whether inputs are quantized (then `elem` is 1 byte per weight, else 2).
+    #[inline(always)]
+    unsafe fn expert_rows<W: Chunk>(p: &ExpertParams, fp8: bool) {
+        const R: usize = EXPERT_WARP_ROWS as usize;
+        const T: usize = EXPERT_TOKENS;
+        const U: usize = EXPERT_UNROLL;
+        let (n, k) = (p.n as usize, p.k as usize);
+        let elem = if fp8 { 1 } else { 2 };
+        let lane = lane_id() as usize;
+        // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
+        // the dispatch kernel over the same entries, k a multiple of 8, w holds experts * n * k
+        // weights (and the scales experts values), x_row entries index rows of x, out holds
+        // entries * n. Each output element is written by lane 0 of the one warp owning its
+        // weight row.
+        unsafe {
+            let a = block_y();
+            if a >= ld(p.active_count, 0) {
+                return;
+            }
+            let e = ld(p.active, a as usize) as usize;
+            let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+            if row0 >= n {
+                return;
+            }
+            let w = p.w.wrapping_add((e * n + row0) * k * elem);
+            let rows = (n - row0).min(R);
+            let (lo, hi) = (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize);
+            let w_scale = if fp8 { ld(p.w_scale, e) } else { 1.0 };
+            let mut j0 = lo;
+            while j0 < hi {
+                let toks = (hi - j0).min(T);
+                // Constant indices only (t, r < T, R), so the arrays stay in registers.
+                let mut xs = [p.x; T];
+                // FP8: each token's scale and its reciprocal.
+                let mut scale = [(1.0f32, 1.0f32); T];
+                for (t, x) in xs.iter_mut().enumerate() {
+                    if t < toks {
+                        let r = if p.x_row.is_null() { j0 + t } else { ld(p.x_row, j0 + t) as usize };
+                        *x = p.x.wrapping_add(r * k);
+                        if fp8 {
+                            let s = if p.in_scale.is_null() {
+                                let mut amax = 0.0f32;
+                                let mut c = lane * 8;
+                                while c < k {
+                                    amax = load8_bf16(*x, c, k).iter().fold(amax, |m, v| fmax(m, v.abs()));
+                                    c += 256;
+                                }
+                                crate::quant::token_scale(warp_max(amax), f32::INFINITY)
+                            } else {
+                                ld(p.in_scale, e)
+                            };
+                            scale[t] = (s, 1.0 / s);
+                        }
+                    }
+                }
+                let mut acc = [[0.0f32; T]; R];
+                let mut c = lane * 8;
+                while c < k {
+                    let mut wv = [[W::ZERO; U]; R];
+                    for (r, wv) in wv.iter_mut().enumerate() {
+                        if r < rows {
+                            for (u, v) in wv.iter_mut().enumerate() {
+                                *v = W::load(w.wrapping_add(r * k * elem), c + u * 256, k);
+                            }
+                        }
+                    }
+                    for (t, &x) in xs.iter().enumerate() {
+                        if t < toks {
+                            for u in 0..U {
+                                let mut xv = load8_bf16(x, c + u * 256, k);
+                                if fp8 {
+                                    let (s, inv) = scale[t];
+                                    for i in 0..4 {
+                                        let q = f32x2_to_e4m3(
+                                            div_rn_by(xv[2 * i + 1], s, inv),
+                                            div_rn_by(xv[2 * i], s, inv),
+                                        );
+                                        (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
+                                    }
+                                }
+                                for (acc, wv) in acc.iter_mut().zip(&wv) {
+                                    let wf = wv[u].values();
+                                    for i in 0..8 {
+                                        acc[t] += wf[i] * xv[i];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    c += 256 * U;
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    for (t, &v) in acc.iter().enumerate() {
+                        if r < rows && t < toks {
+                            let s = warp_sum(v) * w_scale * scale[t].0;
+                            let y = if p.relu2 != 0 {
+                                let h = bf16_to_f32(f32_to_bf16(s)).max(0.0);
+                                h * h
+                            } else {
+                                s
+                            };
+                            if lane == 0 {
+                                st(p.out, (j0 + t) * n + row0 + r, f32_to_bf16(y));
+                            }
+                        }
+                    }
+                }
+                j0 += T;
+            }
+        }
+    }
+
+    /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / EXPERT_BLOCK_ROWS),
+    /// slots)` with `slots >= active_count` (blocks past it return), block [`EXPERT_BLOCK`].
+    /// Block `(b, a)` takes expert `active[a]`; each warp streams [`EXPERT_WARP_ROWS`] weight
+    /// rows once per [`EXPERT_TOKENS`] of the expert's rows (lanes over k, [`EXPERT_UNROLL`]
+    /// loads per row in flight, f32 sums).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { expert_rows::<[u32; 4]>(&p, false) }
+    }
+
+    /// Expert projection, e4m3 weights (W8A8), [`ExpertParams`]; as [`moe_expert_bf16`], each
+    /// input chunk quantized to e4m3 with its token's scale before the product.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { expert_rows::<u64>(&p, true) }
     }
 
     /// Combining, [`CombineParams`]. Grid `(rows)`, block [`EW_BLOCK`]: block t, one thread
@@ -162,13 +578,17 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn moe_combine_bf16(p: CombineParams) {
         let t = block_x() as usize;
         let (h, k) = (p.hidden as usize, p.top_k as usize);
-        // SAFETY: launch contract checked by host/src/moe.rs (slots index rows of y).
+        // SAFETY: launch contract checked by host/src/moe.rs; a slot outside y traps.
         unsafe {
             let mut c = thread_x() as usize;
             while c < h {
                 let mut acc = if p.shared.is_null() { 0.0 } else { bf16_to_f32(ld(p.shared, t * h + c)) };
                 for j in t * k..(t + 1) * k {
-                    acc += ld(p.weight, j) * bf16_to_f32(ld(p.y, ld(p.slot, j) as usize * h + c));
+                    let s = ld(p.slot, j);
+                    if s < 0 || s as u32 >= p.y_rows {
+                        trap();
+                    }
+                    acc += ld(p.weight, j) * bf16_to_f32(ld(p.y, s as usize * h + c));
                 }
                 st(p.out, t * h + c, f32_to_bf16(acc));
                 c += EW_BLOCK as usize;

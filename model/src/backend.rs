@@ -12,7 +12,7 @@ use half::bf16;
 
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::Result;
-use crate::layout::Linear;
+use crate::layout::{Linear, Mlp};
 
 /// Rows read by an operation: row r at `buf[offset + r * stride ..]`.
 pub struct In<'a, B> {
@@ -60,7 +60,8 @@ pub struct MoeWeights<B: Backend> {
     pub gate: B::Buf,
     /// `[experts]` selection bias (zeros when the checkpoint has none).
     pub score_bias: B::Buf32,
-    pub experts: Vec<(B::Weight, B::Weight)>,
+    /// The routed experts.
+    pub experts: B::Experts,
     pub shared: Option<(B::Weight, B::Weight)>,
 }
 
@@ -73,6 +74,8 @@ pub trait Backend: Sized {
     type Buf32;
     /// A linear layer's weight, ready for [`Backend::linear`].
     type Weight;
+    /// A MoE layer's routed experts, ready for [`Backend::moe`].
+    type Experts;
 
     fn upload(&self, v: &[bf16]) -> Result<Self::Buf>;
     fn upload32(&self, v: &[f32]) -> Result<Self::Buf32>;
@@ -80,6 +83,8 @@ pub trait Backend: Sized {
     fn zeros32(&self, n: usize) -> Result<Self::Buf32>;
     fn download(&self, b: &Self::Buf) -> Result<Vec<bf16>>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
+    /// Uploads the routed experts of a MoE layer (all of one shape).
+    fn experts(&self, list: &[Mlp]) -> Result<Self::Experts>;
 
     /// Rows `tokens[i]` of `table [vocab, width]` into `out`.
     fn embed(&self, table: &Self::Buf, width: usize, tokens: &[u32], out: Out<Self::Buf>) -> Result<()>;

@@ -12,7 +12,7 @@ use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
-use crate::layout::Linear;
+use crate::layout::{Linear, Mlp};
 
 /// The CPU backend (stateless: buffers are `Vec`s).
 #[derive(Clone, Copy, Debug, Default)]
@@ -109,6 +109,7 @@ impl Backend for Cpu {
     type Buf = Vec<bf16>;
     type Buf32 = Vec<f32>;
     type Weight = CpuWeight;
+    type Experts = Vec<(CpuWeight, CpuWeight)>;
 
     fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
         Ok(v.to_vec())
@@ -137,6 +138,10 @@ impl Backend for Cpu {
             return Ok(CpuWeight::Fp8(f));
         }
         Ok(CpuWeight::Bf16 { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
+    }
+
+    fn experts(&self, list: &[Mlp]) -> Result<Self::Experts> {
+        list.iter().map(|m| crate::model::mlp(self, m)).collect()
     }
 
     fn embed(&self, table: &Vec<bf16>, width: usize, tokens: &[u32], out: Out<Vec<bf16>>) -> Result<()> {

@@ -1,17 +1,26 @@
 //! The CUDA backend: each operation through the host crate's kernels and cuBLASLt.
 //!
-//! Not complete: FP8 weights are not handled yet; MoE dispatch (grouping tokens by expert) runs
-//! on the host after the routing kernel, a sync per MoE layer; attention assumes q, k, v rows
-//! are contiguous (they are: the model computes them). Step metadata (slots,
-//! sequences, the scan plan) is uploaded per operation, which a later version will hoist to
-//! once per step.
+//! MoE layers route, dispatch and run their experts on the device: up to
+//! [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel (no synchronization), more through
+//! per-expert cuBLASLt GEMMs (one synchronization to read the expert offsets).
+//!
+//! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
+//! the expert kernel (dense layers as one expert), which quantizes each input row with the
+//! checkpoint's `input_scale` (or per token without one) before the product: right at any
+//! batch, fast at small ones (prefill of FP8 checkpoints does not use tensor cores yet).
+//!
+//! Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step metadata (slots, sequences, the scan plan) is
+//! uploaded per operation, which a later version will hoist to once per step.
+
+use std::sync::Arc;
 
 use half::bf16;
 use host::attn::{AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::cpu::moe::dispatch;
-use host::moe::{RouteShape, combine, route};
+use host::moe::{
+    Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_gemm, route,
+};
 use host::norm::{NormShape, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
@@ -20,17 +29,23 @@ use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
 use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
-use crate::layout::Linear;
+use crate::layout::{Linear, Mlp};
+use crate::weights::Dtype;
 
 /// The CUDA backend on one GPU.
 pub struct Cuda {
-    gpu: Gpu,
+    gpu: Arc<Gpu>,
 }
 
 impl Cuda {
     /// Opens device `ordinal` (a clear error without a driver or GPU).
     pub fn new(ordinal: usize) -> Result<Cuda> {
-        Ok(Cuda { gpu: Gpu::new(ordinal)? })
+        Ok(Cuda::on(Arc::new(Gpu::new(ordinal)?)))
+    }
+
+    /// The backend on an opened device, shared with other users of its stream.
+    pub fn on(gpu: Arc<Gpu>) -> Cuda {
+        Cuda { gpu }
     }
 
     /// The device.
@@ -39,12 +54,92 @@ impl Cuda {
     }
 }
 
-/// A bf16 weight `[n, k]` on the device.
+/// A weight `[n, k]` on the device.
 pub struct CudaWeight {
-    w: CudaSlice<bf16>,
+    w: Weights,
     n: usize,
     k: usize,
 }
+
+/// Weights of one shape, of one layer or of all experts of a MoE projection.
+enum Weights {
+    Bf16(CudaSlice<bf16>),
+    /// e4m3 codes, a weight scale per matrix, and input scales per matrix when static.
+    Fp8 {
+        codes: CudaSlice<u8>,
+        w_scale: CudaSlice<f32>,
+        in_scale: Option<CudaSlice<f32>>,
+    },
+}
+
+impl Weights {
+    fn view(&self) -> ExpertWeights<'_> {
+        match self {
+            Weights::Bf16(w) => ExpertWeights::Bf16(w),
+            Weights::Fp8 { codes, w_scale, in_scale } => {
+                ExpertWeights::Fp8 { codes, w_scale, in_scale: in_scale.as_ref() }
+            }
+        }
+    }
+
+    /// Uploads `list` (all of `shape`, all bf16 or all FP8 with or without input scales)
+    /// into one buffer.
+    fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2]) -> Result<Weights> {
+        let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
+        let size = shape[0] * shape[1];
+        for l in list {
+            if l.weight.shape != shape {
+                return Err(Error::Unsupported(format!(
+                    "`{}` has shape {:?}; its siblings' is {shape:?}",
+                    l.weight.name, l.weight.shape
+                )));
+            }
+            if l.bias.is_some() {
+                return Err(unsupported("biased linear layers"));
+            }
+            if l.fp8.is_some() != first.fp8.is_some()
+                || l.fp8.map(|f| f.input_scale.is_some()) != first.fp8.map(|f| f.input_scale.is_some())
+            {
+                return Err(Error::Unsupported(format!(
+                    "`{}` mixes FP8 and bf16, or static and dynamic FP8 inputs, with `{}`",
+                    l.weight.name, first.weight.name
+                )));
+            }
+        }
+        if first.fp8.is_none() {
+            let mut w = gpu.zeros::<bf16>(list.len() * size)?;
+            for (i, l) in list.iter().enumerate() {
+                gpu.upload_into(&l.weight.to_bf16()?, &mut w.slice_mut(i * size..(i + 1) * size))?;
+            }
+            return Ok(Weights::Bf16(w));
+        }
+        let mut codes = gpu.zeros::<u8>(list.len() * size)?;
+        for (i, l) in list.iter().enumerate() {
+            if l.weight.dtype != Dtype::F8E4M3 {
+                return Err(Error::Unsupported(format!(
+                    "`{}`: FP8 scales on a {:?} weight",
+                    l.weight.name, l.weight.dtype
+                )));
+            }
+            gpu.upload_into(l.weight.bytes, &mut codes.slice_mut(i * size..(i + 1) * size))?;
+        }
+        let scales = |f: fn(&Linear) -> Option<f32>| list.iter().map(|l| f(l)).collect::<Option<Vec<f32>>>();
+        let w_scale = gpu.upload(&scales(|l| l.fp8.map(|f| f.weight_scale)).unwrap_or_default())?;
+        let in_scale = scales(|l| l.fp8.and_then(|f| f.input_scale)).map(|s| gpu.upload(&s)).transpose()?;
+        Ok(Weights::Fp8 { codes, w_scale, in_scale })
+    }
+}
+
+/// A MoE layer's routed experts on the device, each kind in one buffer: `up [experts, inter,
+/// hidden]`, `down [experts, hidden, inter]`.
+pub struct CudaExperts {
+    up: Weights,
+    down: Weights,
+    inter: usize,
+}
+
+/// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
+pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// The rows an [`In`] reads, from row 0 to the end of its buffer.
 fn view<'a>(x: &In<'a, CudaSlice<bf16>>) -> CudaView<'a, bf16> {
@@ -79,21 +174,27 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 }
 
 impl Cuda {
-    /// `down(relu(up x)^2)` over the rows `tokens` of `x`, into `out` (`tokens.len()` rows).
+    /// `y = x W^T` for `rows` contiguous rows of `x`.
+    fn linear_rows(&self, x: &CudaView<bf16>, rows: usize, w: &CudaWeight, y: &mut CudaViewMut<bf16>) -> Result<()> {
+        let g = &self.gpu;
+        match &w.w {
+            Weights::Bf16(b) => Ok(host::gemm::linear(g, rows, x, &b.as_view(), w.n, w.k, y)?),
+            fp8 => Ok(experts(g, &Dispatch::dense(g, rows)?, x, false, fp8.view(), (w.n, w.k), false, y)?),
+        }
+    }
+
+    /// `down(relu(up x)^2)` over `n` rows of `x`, into `out`.
     fn mlp(
         &self,
         x: &CudaView<bf16>,
-        tokens: &[u32],
+        n: usize,
         (up, down): &(CudaWeight, CudaWeight),
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        let (g, n, hidden) = (&self.gpu, tokens.len(), up.k);
-        let mut xs = g.zeros::<bf16>(n * hidden)?;
-        host::act::gather(g, x, hidden, tokens, &mut xs)?;
-        let mut h = g.zeros::<bf16>(n * up.n)?;
-        host::gemm::linear(g, n, &xs.as_view(), &up.w.as_view(), up.n, hidden, &mut h)?;
-        host::act::relu2(g, &mut h, n * up.n)?;
-        Ok(host::gemm::linear(g, n, &h.as_view(), &down.w.as_view(), down.n, up.n, out)?)
+        let mut h = self.gpu.zeros::<bf16>(n * up.n)?;
+        self.linear_rows(x, n, up, &mut h.as_view_mut())?;
+        host::act::relu2(&self.gpu, &mut h, n * up.n)?;
+        self.linear_rows(&h.as_view(), n, down, out)
     }
 }
 
@@ -105,6 +206,7 @@ impl Backend for Cuda {
     type Buf = CudaSlice<bf16>;
     type Buf32 = CudaSlice<f32>;
     type Weight = CudaWeight;
+    type Experts = CudaExperts;
 
     fn upload(&self, v: &[bf16]) -> Result<CudaSlice<bf16>> {
         Ok(self.gpu.upload(v)?)
@@ -123,10 +225,18 @@ impl Backend for Cuda {
     }
 
     fn weight(&self, l: &Linear) -> Result<CudaWeight> {
-        if l.fp8.is_some() || l.bias.is_some() {
-            return Err(unsupported("FP8 or biased linear layers"));
-        }
-        Ok(CudaWeight { w: self.gpu.upload(&l.weight.to_bf16()?)?, n: l.weight.shape[0], k: l.weight.shape[1] })
+        let (n, k) = (l.weight.shape[0], l.weight.shape[1]);
+        Ok(CudaWeight { w: Weights::upload(&self.gpu, &[l], [n, k])?, n, k })
+    }
+
+    fn experts(&self, list: &[Mlp]) -> Result<CudaExperts> {
+        let first = list.first().ok_or_else(|| Error::Unsupported("a MoE layer without experts".into()))?;
+        let (inter, hidden) = (first.up.weight.shape[0], first.up.weight.shape[1]);
+        let ups: Vec<&Linear> = list.iter().map(|m| &m.up).collect();
+        let downs: Vec<&Linear> = list.iter().map(|m| &m.down).collect();
+        let up = Weights::upload(&self.gpu, &ups, [inter, hidden])?;
+        let down = Weights::upload(&self.gpu, &downs, [hidden, inter])?;
+        Ok(CudaExperts { up, down, inter })
     }
 
     fn embed(&self, table: &CudaSlice<bf16>, width: usize, tokens: &[u32], out: Out<CudaSlice<bf16>>) -> Result<()> {
@@ -170,7 +280,7 @@ impl Backend for Cuda {
         }
         let xv = x.buf.slice(x.offset..x.offset + rows * w.k);
         let mut y = view_mut(y, rows * w.n)?;
-        Ok(host::gemm::linear(&self.gpu, rows, &xv, &w.w.as_view(), w.n, w.k, &mut y)?)
+        self.linear_rows(&xv, rows, w, &mut y)
     }
 
     fn add(&self, h: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>, n: usize) -> Result<()> {
@@ -283,36 +393,26 @@ impl Backend for Cuda {
         };
         let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
         route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
-        // Dispatch on the host (a sync per MoE layer; a device-side dispatch is to come).
-        let idx = g.download(&idx)?;
-        let routes: Vec<Vec<(usize, f64)>> =
-            idx.chunks(c.top_k).map(|r| r.iter().map(|&e| (e as usize, 1.0)).collect()).collect();
-        let d = dispatch(&routes, c.experts);
-        let mut grouped = g.zeros::<bf16>(d.order.len().max(1) * hidden)?;
-        for e in 0..c.experts {
-            let (lo, hi) = (d.offsets[e], d.offsets[e + 1]);
-            if lo == hi {
-                continue;
+        let mut d = Dispatch::new(g, c.experts, c.top_k, rows)?;
+        dispatch(g, &idx, &mut d)?;
+        let ex = &w.experts;
+        let mut grouped = g.zeros::<bf16>(d.entries() * hidden)?;
+        match (&ex.up, &ex.down) {
+            (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
+                experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
             }
-            let tokens: Vec<u32> = d.order[lo..hi].iter().map(|&(t, _)| t as u32).collect();
-            let mut out = grouped.slice_mut(lo * hidden..hi * hidden);
-            self.mlp(&xv, &tokens, &w.experts[e], &mut out)?;
-        }
-        let mut slot = vec![0i32; rows * c.top_k];
-        for (j, &(t, k)) in d.order.iter().enumerate() {
-            slot[t * c.top_k + k] = j as i32;
+            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), &mut grouped)?,
         }
         let shared = match &w.shared {
             Some(s) => {
-                let all: Vec<u32> = (0..rows as u32).collect();
                 let mut out = g.zeros::<bf16>(rows * hidden)?;
-                self.mlp(&xv, &all, s, &mut out.as_view_mut())?;
+                self.mlp(&xv, rows, s, &mut out.as_view_mut())?;
                 Some(out)
             }
             None => None,
         };
         let mut y = view_mut(y, rows * hidden)?;
-        Ok(combine(g, &grouped, shared.as_ref(), &slot, &wts, c.top_k, hidden, &mut y)?)
+        Ok(combine(g, &grouped, shared.as_ref(), &d.slot, &wts, c.top_k, hidden, &mut y)?)
     }
 
     fn attention(

@@ -65,7 +65,8 @@ fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
     b.upload(&t.to_bf16()?)
 }
 
-fn mlp<B: Backend>(b: &B, m: &Mlp) -> Result<(B::Weight, B::Weight)> {
+/// A dense MLP's two weights.
+pub(crate) fn mlp<B: Backend>(b: &B, m: &Mlp) -> Result<(B::Weight, B::Weight)> {
     Ok((b.weight(&m.up)?, b.weight(&m.down)?))
 }
 
@@ -119,7 +120,7 @@ impl<B: Backend> Model<B> {
                     let w = MoeWeights {
                         gate: bf16s(b, &m.gate)?,
                         score_bias: b.upload32(&bias)?,
-                        experts: m.experts.iter().map(|e| mlp(b, e)).collect::<Result<_>>()?,
+                        experts: b.experts(&m.experts)?,
                         shared: m.shared.as_ref().map(|s| mlp(b, s)).transpose()?,
                     };
                     (MixW::Moe(w), LayerCache::Stateless)

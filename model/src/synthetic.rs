@@ -9,6 +9,7 @@ use safetensors::tensor::TensorView;
 
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
+use crate::weights::{Checkpoint, Dtype};
 
 /// Every tensor name and shape a checkpoint of `config` holds (bf16 weights, untied lm_head
 /// unless `tie_word_embeddings`).
@@ -67,16 +68,12 @@ pub fn tensor_shapes(config: &Config) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Random values for tensor `name`: norms near 1, A_log in [-1, 1], small dt_bias, and
-/// weights scaled by 1/sqrt(fan-in) so activations stay O(1) through many layers.
+/// weights scaled by 1/sqrt(fan-in) so activations stay O(1) through many layers. Generated in
+/// blocks of 2^20 values, each from its own stream, spread over the machine's threads.
 fn values(name: &str, shape: &[usize], seed: &mut u64) -> Vec<bf16> {
     let n: usize = shape.iter().product();
-    let mut next = || {
-        *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    };
+    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let base = *seed;
     let (center, spread) = if name.ends_with("norm.weight") || name.ends_with("norm_f.weight") {
         (1.0, 0.1)
     } else if name.ends_with("A_log") {
@@ -86,7 +83,53 @@ fn values(name: &str, shape: &[usize], seed: &mut u64) -> Vec<bf16> {
     } else {
         (0.0, 1.0 / (*shape.last().unwrap_or(&1) as f64).sqrt())
     };
-    (0..n).map(|_| bf16::from_f64(center + spread * next())).collect()
+    const BLOCK: usize = 1 << 20;
+    let fill = |block: usize, out: &mut [bf16]| {
+        let mut state = base ^ (block as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        for v in out {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+            *v = bf16::from_f64(center + spread * u);
+        }
+    };
+    let mut out = vec![bf16::ZERO; n];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let per = n.div_ceil(BLOCK).div_ceil(threads).max(1) * BLOCK;
+    std::thread::scope(|s| {
+        for (t, part) in out.chunks_mut(per).enumerate() {
+            s.spawn(move || {
+                for (b, block) in part.chunks_mut(BLOCK).enumerate() {
+                    fill(t * per / BLOCK + b, block);
+                }
+            });
+        }
+    });
+    out
+}
+
+/// A random bf16 checkpoint of `config` in memory, for speed measurements at full size: one
+/// random buffer per kind of tensor, shared by every layer and expert that has that kind
+/// (same name up to layer and expert numbers, same shape), so even a 30B-parameter model
+/// needs only its embedding, LM head and one tensor of each kind in host memory. Each layer's
+/// and expert's weights still get their own device memory when uploaded.
+pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
+    let mut seed = seed;
+    let mut kinds: BTreeMap<(String, Vec<usize>), usize> = BTreeMap::new();
+    let mut buffers: Vec<Vec<u8>> = Vec::new();
+    let mut tensors = Vec::new();
+    for (name, shape) in tensor_shapes(config) {
+        let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
+        let file = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
+            // Native byte order is the checkpoints' little endian on every supported host.
+            buffers.push(bytemuck::cast_slice(&values(&name, &shape, &mut seed)).to_vec());
+            buffers.len() - 1
+        });
+        tensors.push((name, Dtype::Bf16, shape, file));
+    }
+    Checkpoint::in_memory(buffers, tensors)
 }
 
 /// Writes `config_json` as `dir/config.json` and a random bf16 `dir/model.safetensors` that

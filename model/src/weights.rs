@@ -44,10 +44,27 @@ struct Entry {
     end: usize,
 }
 
-/// A checkpoint directory's tensors, memory mapped.
+/// A checkpoint directory's tensors, memory mapped (or, for synthetic checkpoints, held in
+/// memory).
 pub struct Checkpoint {
-    files: Vec<(PathBuf, Mmap)>,
+    files: Vec<(PathBuf, Backing)>,
     tensors: BTreeMap<String, Entry>,
+}
+
+/// The bytes of one file.
+enum Backing {
+    Map(Mmap),
+    Memory(Vec<u8>),
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Map(m) => m,
+            Backing::Memory(v) => v,
+        }
+    }
 }
 
 /// One tensor's bytes (little endian, row-major) and description.
@@ -135,8 +152,26 @@ impl Checkpoint {
             let (start, end) = (base + info.data_offsets.0, base + info.data_offsets.1);
             self.tensors.insert(name, Entry { dtype, shape: info.shape.clone(), file: index, start, end });
         }
-        self.files.push((path.to_path_buf(), map));
+        self.files.push((path.to_path_buf(), Backing::Map(map)));
         Ok(())
+    }
+
+    /// A checkpoint held in memory: `buffers` and, per tensor, its name, dtype, shape and the
+    /// buffer whose first bytes it is (tensors may share a buffer). For synthetic checkpoints.
+    pub(crate) fn in_memory(
+        buffers: Vec<Vec<u8>>,
+        tensors: Vec<(String, Dtype, Vec<usize>, usize)>,
+    ) -> Result<Checkpoint> {
+        let mut ck = Checkpoint { files: Vec::new(), tensors: BTreeMap::new() };
+        for (name, dtype, shape, file) in tensors {
+            let end = shape.iter().product::<usize>() * dtype.size();
+            if buffers.get(file).is_none_or(|b| b.len() < end) {
+                return Err(err(Path::new("memory"), &name, "lies outside its buffer"));
+            }
+            ck.tensors.insert(name, Entry { dtype, shape, file, start: 0, end });
+        }
+        ck.files = buffers.into_iter().map(|b| (PathBuf::from("memory"), Backing::Memory(b))).collect();
+        Ok(ck)
     }
 
     /// Names of all tensors, sorted.

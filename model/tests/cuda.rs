@@ -1,37 +1,49 @@
 //! The CUDA backend against the CPU backend on the model's one code path (`#[ignore]`d:
-//! needs a GPU). Mamba, attention and dense MLP layers: the MoE kernels do not exist yet, and
-//! a model with MoE layers must fail with a clear error.
+//! needs a GPU): every layer kind, the transformers fixture, long prompts and many decode
+//! steps, and the MoE layer alone at Nemotron-3 Nano sizes.
 
 mod common;
 
+use half::bf16;
+use model::backend::{Backend, In, MoeWeights, Out};
 use model::cache::Part;
 use model::config::Config;
+use model::config::MoeConfig;
 use model::cpu::Cpu;
 use model::cuda::Cuda;
 use model::layout::Layout;
+use model::layout::{Linear, Mlp};
 use model::model::Model;
 use model::synthetic::write_checkpoint;
 use model::weights::Checkpoint;
-use nemotron_rs::assert_close;
+use model::weights::{Dtype, Tensor};
+use nemotron_rs::{Rng, assert_close, to_f64};
 
 /// Mamba layers at NemotronH's head geometry (64-wide heads, state 128, 4 heads per group
-/// here) with a small hidden size, so the CPU reference stays quick.
-const MAMBA_MLP: &str = r#"{
-  "vocab_size": 512, "hidden_size": 256, "hybrid_override_pattern": "M-*M-",
+/// here) with a small hidden size, so the CPU reference stays quick; every layer kind.
+const HYBRID: &str = r#"{
+  "vocab_size": 512, "hidden_size": 256, "hybrid_override_pattern": "M-*ME-",
   "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
   "mamba_num_heads": 16, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 4, "conv_kernel": 4,
-  "intermediate_size": 512
+  "intermediate_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+  "moe_shared_expert_intermediate_size": 192, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+  "routed_scaling_factor": 2.5
 }"#;
 
 fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
 }
 
+/// The largest |a - b|.
+fn max_gap(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).fold(0.0, f64::max)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_backend_matches_cpu_backend() {
     let dir = std::env::temp_dir().join(format!("nemotron-cuda-{}", std::process::id()));
-    write_checkpoint(&dir, MAMBA_MLP, 9).unwrap();
+    write_checkpoint(&dir, HYBRID, 9).unwrap();
     let config = Config::from_dir(&dir).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     let layout = Layout::new(&config, &ck).unwrap();
@@ -41,11 +53,12 @@ fn cuda_backend_matches_cpu_backend() {
         [5usize, 130, 1].iter().map(|&n| (0..n).map(|i| ((i * 37 + n) % 512) as u32).collect()).collect();
     let parts: Vec<Part> =
         prompts.iter().enumerate().map(|(i, p)| Part { slot: i as i32 + 1, computed: 0, tokens: p }).collect();
-    let mut compared = 0;
+    let (mut compared, mut worst) = (0, 0.0f64);
     let (a, b) = (cpu.step(&parts).unwrap(), gpu.step(&parts).unwrap());
     assert_eq!(cpu.counters(), gpu.counters());
     for i in 0..3 {
         compared += assert_close(&format!("prefill {i}"), &f64s(&b[i]), &f64s(&a[i]), 0.05, 0.02);
+        worst = worst.max(max_gap(&a[i], &b[i]));
     }
     let mut len: Vec<usize> = prompts.iter().map(Vec::len).collect();
     for step in 0..3 {
@@ -56,10 +69,11 @@ fn cuda_backend_matches_cpu_backend() {
         assert_eq!(cpu.counters(), gpu.counters());
         for i in 0..3 {
             compared += assert_close(&format!("decode {step} row {i}"), &f64s(&b[i]), &f64s(&a[i]), 0.05, 0.02);
+            worst = worst.max(max_gap(&a[i], &b[i]));
             len[i] += 1;
         }
     }
-    println!("CUDA vs CPU backend: {compared} logits compared");
+    println!("CUDA vs CPU backend: {compared} logits compared, largest gap {worst:.3e}");
 }
 
 /// The transformers fixture (M, E, *, - layers) on the GPU: the greedy tokens transformers
@@ -71,7 +85,7 @@ fn cuda_backend_on_the_transformers_fixture() {
     let layout = Layout::new(&config, &ck).unwrap();
     let mut cpu = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
     let mut gpu = Model::load(Cuda::new(0).unwrap(), &config, &layout, 4, 64).unwrap();
-    let (mut compared, mut matched, mut total) = (0, 0, 0);
+    let (mut compared, mut matched, mut total, mut worst) = (0, 0, 0, 0.0f64);
     for (i, case) in common::cases().iter().enumerate() {
         let slot = i as i32;
         let mut part = Part { slot, computed: 0, tokens: &case.prompt };
@@ -79,6 +93,7 @@ fn cuda_backend_on_the_transformers_fixture() {
         for (n, &want) in (case.prompt.len()..).zip(&case.greedy) {
             let (a, b) = (cpu.step(&[part.clone()]).unwrap().remove(0), gpu.step(&[part]).unwrap().remove(0));
             compared += assert_close(&format!("prompt {i} position {n}"), &f64s(&b), &f64s(&a), 0.05, 0.02);
+            worst = worst.max(max_gap(&a, &b));
             next_tok[0] = common::argmax(&b);
             matched += usize::from(next_tok[0] == want);
             total += 1;
@@ -87,19 +102,31 @@ fn cuda_backend_on_the_transformers_fixture() {
         }
     }
     println!(
-        "CUDA backend on the fixture: {compared} logits compared, {matched}/{total} greedy tokens as transformers"
+        "CUDA backend on the fixture: {compared} logits compared (largest gap {worst:.3e}), {matched}/{total} greedy tokens as transformers"
     );
     assert!(matched * 10 >= total * 9, "{matched}/{total}");
 }
 
+/// Mamba, attention and MLP layers only (see the long test).
+const NO_MOE: &str = r#"{
+  "vocab_size": 512, "hidden_size": 256, "hybrid_override_pattern": "M-*M-",
+  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+  "mamba_num_heads": 16, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 4, "conv_kernel": 4,
+  "intermediate_size": 512
+}"#;
+
 /// Prompts spanning several chunks (300 and 700 tokens) and 100 decode steps: the CUDA backend
 /// stays within bf16 noise of the CPU backend the whole way (the CPU backend's prefill is the
 /// sequential recurrence, so this also checks the chunked scan over many chunks in the model).
+/// Without MoE layers: over hundreds of tokens, bf16 noise in the hidden state sometimes tips
+/// a near-tie in the router (seen on the H200 at decode step 36 with one MoE layer), and a
+/// different expert is a different output, not noise; MoE parity is checked where the router
+/// sees the same inputs (the MoE layer test) and over short runs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_backend_long_prompts_and_many_decode_steps() {
     let dir = std::env::temp_dir().join(format!("nemotron-cuda-long-{}", std::process::id()));
-    write_checkpoint(&dir, MAMBA_MLP, 10).unwrap();
+    write_checkpoint(&dir, NO_MOE, 10).unwrap();
     let config = Config::from_dir(&dir).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     let layout = Layout::new(&config, &ck).unwrap();
@@ -122,10 +149,90 @@ fn cuda_backend_long_prompts_and_many_decode_steps() {
         let parts: Vec<Part> = (0..2).map(|i| Part { slot: i as i32, computed: len[i], tokens: &toks[i] }).collect();
         let (a, b) = (cpu.step(&parts).unwrap(), gpu.step(&parts).unwrap());
         for i in 0..2 {
-            worst = worst.max(b[i].iter().zip(&a[i]).map(|(x, y)| f64::from((x - y).abs())).fold(0.0, f64::max));
+            worst = worst.max(max_gap(&a[i], &b[i]));
             compared += assert_close(&format!("decode {step} seq {i}"), &f64s(&b[i]), &f64s(&a[i]), 0.05, 0.02);
             len[i] += 1;
         }
     }
     println!("long prompts + 100 decode steps: {compared} logits compared, worst gap {worst:.3e}");
+}
+
+/// bf16 weights `[n, k]` uniform in +-sqrt(3 / k) (unit-variance outputs for unit inputs), as
+/// little-endian bytes.
+fn weight_bytes(rng: &mut Rng, n: usize, k: usize) -> Vec<u8> {
+    let a = (3.0 / k as f64).sqrt();
+    rng.bf16s(n * k, -a, a).iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn linear<'a>(name: &'a str, shape: &'a [usize], bytes: &'a [u8]) -> Linear<'a> {
+    let weight = Tensor { name, path: std::path::Path::new("memory"), dtype: Dtype::Bf16, shape, bytes };
+    Linear { weight, bias: None, fp8: None }
+}
+
+/// A MoE layer's weights uploaded to a backend.
+fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], shared: &Mlp) -> MoeWeights<B> {
+    MoeWeights {
+        gate: b.upload(gate).unwrap(),
+        score_bias: b.upload32(bias).unwrap(),
+        experts: b.experts(experts).unwrap(),
+        shared: Some((b.weight(&shared.up).unwrap(), b.weight(&shared.down).unwrap())),
+    }
+}
+
+/// The whole MoE layer (routing, dispatch, 128 experts top-6, shared expert, combine) at
+/// Nemotron-3 Nano sizes on the CUDA backend against the CPU backend, at batch 1, 7 and 64 (the
+/// expert kernel) and 1024 (cuBLASLt per expert; 64 of its rows checked, rows being
+/// independent).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_moe_layer_at_nano_sizes() {
+    let (hidden, inter, shared_inter, n_exp, top_k) = (2688, 1856, 3712, 128, 6);
+    let c = MoeConfig {
+        experts: n_exp,
+        top_k,
+        intermediate: inter,
+        shared_intermediate: Some(shared_inter),
+        n_group: 1,
+        topk_group: 1,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+    };
+    let mut rng = Rng::new(95);
+    let (up_shape, down_shape) = ([inter, hidden], [hidden, inter]);
+    let bytes: Vec<(Vec<u8>, Vec<u8>)> =
+        (0..n_exp).map(|_| (weight_bytes(&mut rng, inter, hidden), weight_bytes(&mut rng, hidden, inter))).collect();
+    let experts: Vec<Mlp> = bytes
+        .iter()
+        .map(|(u, d)| Mlp { up: linear("up", &up_shape, u), down: linear("down", &down_shape, d) })
+        .collect();
+    let (su_shape, sd_shape) = ([shared_inter, hidden], [hidden, shared_inter]);
+    let (su, sd) = (weight_bytes(&mut rng, shared_inter, hidden), weight_bytes(&mut rng, hidden, shared_inter));
+    let shared = Mlp { up: linear("shared up", &su_shape, &su), down: linear("shared down", &sd_shape, &sd) };
+    let gate = rng.bf16s(n_exp * hidden, -0.05, 0.05);
+    let bias: Vec<f32> = (0..n_exp).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
+    let cuda = Cuda::new(0).unwrap();
+    let (wc, wg) =
+        (moe_weights(&Cpu, &gate, &bias, &experts, &shared), moe_weights(&cuda, &gate, &bias, &experts, &shared));
+    drop(bytes);
+    let mut compared = 0;
+    let mut worst = 0.0f64;
+    for rows in [1usize, 7, 64, 1024] {
+        let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+        let mut y = cuda.upload(&vec![bf16::NAN; rows * hidden]).unwrap();
+        let dx = cuda.upload(&x).unwrap();
+        cuda.moe(&c, In::rows(&dx, hidden), rows, &wg, Out { buf: &mut y, offset: 0 }).unwrap();
+        let got = cuda.download(&y).unwrap();
+        let checked: Vec<usize> =
+            if rows <= 64 { (0..rows).collect() } else { (0..64).map(|i| i * rows / 64 + i % 7).collect() };
+        let xs: Vec<bf16> = checked.iter().flat_map(|&r| x[r * hidden..][..hidden].to_vec()).collect();
+        let mut want = vec![bf16::NAN; checked.len() * hidden];
+        Cpu.moe(&c, In::rows(&xs, hidden), checked.len(), &wc, Out { buf: &mut want, offset: 0 }).unwrap();
+        let got: Vec<bf16> = checked.iter().flat_map(|&r| got[r * hidden..][..hidden].to_vec()).collect();
+        let (g, w) = (to_f64(&got), to_f64(&want));
+        worst = worst.max(g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max));
+        // Outputs of a few units in bf16: one rounding of the output (2^-8 relative) plus
+        // the experts' outputs rounded to bf16 before they are summed.
+        compared += assert_close(&format!("MoE layer batch {rows}"), &g, &w, 0.02, 0.02);
+    }
+    println!("MoE layer at Nano sizes: {compared} values compared, largest gap {worst:.3e}");
 }

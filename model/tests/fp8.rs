@@ -18,8 +18,10 @@ use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
 use safetensors::tensor::TensorView;
 
-/// Writes the fixture with every `*proj.weight` as FP8; q/k/v and in_proj get input_scale 0.01.
-fn write_fp8(out: &Path) -> usize {
+/// Writes the fixture with every `*proj.weight` as FP8; q/k/v and in_proj get input_scale
+/// 0.01 and, with `static_experts`, the up projections of the last MoE layer's experts 0.02
+/// (the other experts quantize their inputs per token).
+fn write_fp8(out: &Path, static_experts: bool) -> usize {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
     std::fs::copy(common::dir().join("config.json"), out.join("config.json")).unwrap();
@@ -41,13 +43,10 @@ fn write_fp8(out: &Path) -> usize {
             v.iter().map(|&x| e4m3_encode(x / scale)).collect(),
         ));
         data.push((format!("{prefix}.weight_scale"), safetensors::Dtype::F32, vec![], scale.to_le_bytes().to_vec()));
-        if ["q_proj", "k_proj", "v_proj", "in_proj"].iter().any(|p| prefix.ends_with(p)) {
-            data.push((
-                format!("{prefix}.input_scale"),
-                safetensors::Dtype::F32,
-                vec![],
-                0.01f32.to_le_bytes().to_vec(),
-            ));
+        let expert_up = static_experts && prefix.contains("layers.5.mixer.experts.") && prefix.ends_with("up_proj");
+        if expert_up || ["q_proj", "k_proj", "v_proj", "in_proj"].iter().any(|p| prefix.ends_with(p)) {
+            let s: f32 = if expert_up { 0.02 } else { 0.01 };
+            data.push((format!("{prefix}.input_scale"), safetensors::Dtype::F32, vec![], s.to_le_bytes().to_vec()));
         }
         quantized += 1;
     }
@@ -75,7 +74,7 @@ fn max_gap(a: &[f64], b: &[f64]) -> f64 {
 #[test]
 fn fp8_checkpoint_runs_as_w8a8() {
     let dir = std::env::temp_dir().join(format!("nemotron-fp8-{}", std::process::id()));
-    let quantized = write_fp8(&dir);
+    let quantized = write_fp8(&dir, false);
     assert_eq!(quantized, 2 * 8 * 2 + 2 * 2 + 2 * 2 + 4 + 2, "every projection quantized");
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
     let (fp8_cpu, fp8_exact) = prompt_logits(&dir, &prompt);
@@ -92,4 +91,44 @@ fn fp8_checkpoint_runs_as_w8a8() {
     // Had the FP8 tensors been read as anything but quantized weights, nothing would differ.
     assert!(quant_gap > 0.05, "FP8 weights changed nothing: {quant_gap}");
     assert_close("FP8 vs bf16 weights (f64)", &fp8_exact, &bf16_exact, 0.6, 0.2);
+}
+
+/// The FP8 fixture on the CUDA backend (e4m3 codes on the device, the expert kernel's W8A8
+/// path for dense layers and experts, static and per-token input scales) against the CPU
+/// backend on the same checkpoint: a 40-token prompt, then 16 decode steps fed the CPU's
+/// greedy tokens. On this tiny model (hidden 32) one activation crossing an e4m3 rounding
+/// boundary moves the logits by about as much as FP8 itself does: measured here, the CPU
+/// backend against the f64 reference (the same W8A8 definition) over these 17 steps differs by
+/// up to 0.92 and agrees on 14/17 greedy tokens. So the logits are checked at the prompt
+/// within the CPU backend's band and decode steps by their greedy tokens, with that same
+/// margin; the kernel itself is checked value by value in tests/moe.rs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_fp8_matches_cpu_fp8() {
+    let dir = std::env::temp_dir().join(format!("nemotron-fp8-cuda-{}", std::process::id()));
+    write_fp8(&dir, true);
+    let config = Config::from_dir(&dir).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let mut cpu = Model::load(Cpu, &config, &layout, 1, 64).unwrap();
+    let mut gpu = Model::load(model::cuda::Cuda::new(0).unwrap(), &config, &layout, 1, 64).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
+    let mut part = Part { slot: 0, computed: 0, tokens: &prompt };
+    let (mut worst, mut same) = (0.0f64, 0);
+    let mut next = [0u32];
+    for n in 0..17 {
+        let a: Vec<f64> = cpu.step(&[part.clone()]).unwrap().remove(0).into_iter().map(f64::from).collect();
+        let b: Vec<f64> = gpu.step(&[part]).unwrap().remove(0).into_iter().map(f64::from).collect();
+        assert_eq!(cpu.counters(), gpu.counters());
+        if n == 0 {
+            assert_close("FP8 CUDA vs CPU at the prompt", &b, &a, 0.15, 0.05);
+        }
+        worst = worst.max(max_gap(&a, &b));
+        let (ta, tb) = (common::argmax(&a), common::argmax(&b));
+        same += usize::from(ta == tb);
+        next[0] = ta;
+        part = Part { slot: 0, computed: prompt.len() + n, tokens: &next };
+    }
+    println!("FP8 CUDA vs CPU backend: largest logit gap over 17 steps {worst:.3}, {same}/17 greedy tokens equal");
+    assert!(same >= 12, "{same}/17");
 }

@@ -168,3 +168,25 @@ fn inconsistent_index_is_an_error() {
     std::fs::write(dir.join("model.safetensors.index.json"), "{").unwrap();
     assert!(msg(Checkpoint::open(&dir)).contains("is not a valid index"));
 }
+
+/// The in-memory synthetic checkpoint of the full Nemotron-3 Nano config: every tensor the
+/// layout needs, at full shape, with one buffer per kind of tensor (experts and layers of a
+/// kind share values), so it is built without 63 GB of host memory.
+#[test]
+fn nano_sized_synthetic_checkpoint_in_memory() {
+    let json = include_str!("../assets/nano-30b-a3b.json");
+    let config = model::Config::from_json(json).unwrap();
+    let ck = model::synthetic::in_memory(&config, 3).unwrap();
+    let layout = model::layout::Layout::new(&config, &ck).unwrap();
+    assert_eq!(layout.layers.len(), 52);
+    assert_eq!(config.layer_counts(), (23, 23, 6, 0));
+    assert!(ck.total_bytes() > 60_000_000_000, "{} bytes", ck.total_bytes());
+    let e0 = ck.tensor("backbone.layers.1.mixer.experts.0.up_proj.weight").unwrap();
+    let e9 = ck.tensor("backbone.layers.3.mixer.experts.9.up_proj.weight").unwrap();
+    assert_eq!((e0.shape, e0.dtype), (&[1856usize, 2688][..], Dtype::Bf16));
+    assert_eq!(e0.bytes, e9.bytes, "one kind, one buffer");
+    assert_ne!(
+        e0.bytes,
+        &ck.tensor("backbone.layers.1.mixer.shared_experts.up_proj.weight").unwrap().bytes[..e0.bytes.len()]
+    );
+}

@@ -1,0 +1,118 @@
+//! `cargo bench --bench nano`: the whole model at Nemotron-3 Nano 30B-A3B sizes (52 layers,
+//! `model/assets/nano-30b-a3b.json`; random bf16 weights generated in-process by
+//! `model::synthetic::in_memory`, 63 GB on the device) on the CUDA backend.
+//! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
+//!   returns the last row's logits, so it includes the synchronization); median of 3.
+//! - decode: `batch` requests of 16 prompt tokens each, then steps of one token per request;
+//!   wall time per step (logits of every row copied back, as the engine needs them), median
+//!   of 20 after 3 warm-up steps.
+//!
+//! Beside each time: the bytes the step must read at least (every weight it uses once, the
+//! SSM state read and written, for decode at batch > 1 the experts that uniform routing is
+//! expected to touch: `E (1 - (1 - k/E)^batch)` per layer) and that floor at the copy
+//! bandwidth measured in the same run.
+
+use std::time::Instant;
+
+use model::Config;
+use model::cache::Part;
+use model::cuda::Cuda;
+use model::layout::Layout;
+use model::model::Model;
+use nemotron_rs::BenchGpu;
+
+/// Bytes of the weights a step reads, the SSM state traffic excluded: `(always, per expert)`
+/// where `always` covers every non-expert weight and the shared experts.
+fn weight_bytes(c: &Config) -> (f64, f64, usize) {
+    let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
+    let m = c.mamba.as_ref().expect("Nano has Mamba layers");
+    let e = c.moe.as_ref().expect("Nano has MoE layers");
+    let a = c.attention.as_ref().expect("Nano has attention layers");
+    let (nm, ne, na, _) = c.layer_counts();
+    let mamba = (m.in_proj_width() as f64 * h + h * m.inner() as f64 + (m.conv_dim() * m.conv_kernel) as f64) * 2.0;
+    let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + 2.0 * (a.kv_heads * a.head_dim) as f64 * h) * 2.0;
+    let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * 2.0);
+    let gate = e.experts as f64 * h * 2.0;
+    let always = nm as f64 * mamba + na as f64 * attn + ne as f64 * (shared + gate) + v * h * 2.0;
+    let expert = 2.0 * e.intermediate as f64 * h * 2.0;
+    (always, expert, ne)
+}
+
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn main() {
+    let Some(b) = BenchGpu::open() else { return };
+    let json = include_str!("../model/assets/nano-30b-a3b.json");
+    let config = Config::from_json(json).expect("the Nano config parses");
+    let t = Instant::now();
+    let ck = model::synthetic::in_memory(&config, 7).expect("synthetic weights");
+    let layout = Layout::new(&config, &ck).expect("a complete layout");
+    let generated = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let (slots, max_len) = (64, 4096 + 64);
+    let mut model = Model::load(Cuda::on(b.gpu.clone()), &config, &layout, slots, max_len).expect("loading the model");
+    println!(
+        "Nano 30B-A3B, random weights: {:.1} GB of tensors generated in {generated:.1} s, uploaded in {:.1} s",
+        ck.total_bytes() as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    let (always, expert, moe_layers) = weight_bytes(&config);
+    let m = config.mamba.as_ref().expect("Nano has Mamba layers");
+    let state = (config.layer_counts().0 * m.inner() * m.state_size * 4 * 2) as f64;
+    let e = config.moe.as_ref().expect("Nano has MoE layers");
+    let bw = b.copy_bytes_per_s;
+    let vocab = config.vocab_size as u32;
+    for len in [512usize, 4096] {
+        let prompt: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(7919) % vocab).collect();
+        let times: Vec<f64> = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                model.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).expect("prefill");
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        let s = median(times);
+        let touched = e.experts as f64 * (1.0 - (1.0 - e.top_k as f64 / e.experts as f64).powi(len as i32));
+        let floor = always + moe_layers as f64 * touched * expert + state / 2.0;
+        println!(
+            "prefill {len:>5} tokens: {:8.2} ms  {:9.0} tokens/s   bytes floor {:.2} GB = {:.2} ms at {:.0} GB/s",
+            s * 1e3,
+            len as f64 / s,
+            floor / 1e9,
+            floor / bw * 1e3,
+            bw / 1e9
+        );
+    }
+    for batch in [1usize, 8, 64] {
+        let prompts: Vec<Vec<u32>> =
+            (0..batch).map(|r| (0..16u32).map(|i| (i * 31 + r as u32 * 977) % vocab).collect()).collect();
+        let parts: Vec<Part> =
+            prompts.iter().enumerate().map(|(r, p)| Part { slot: r as i32, computed: 0, tokens: p }).collect();
+        model.step(&parts).expect("prompts");
+        let mut times = Vec::new();
+        for step in 0..23 {
+            let toks: Vec<[u32; 1]> = (0..batch).map(|r| [((step * 13 + r) % 1000) as u32]).collect();
+            let parts: Vec<Part> =
+                (0..batch).map(|r| Part { slot: r as i32, computed: 16 + step, tokens: &toks[r] }).collect();
+            let t = Instant::now();
+            model.step(&parts).expect("decode");
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let s = median(times);
+        let touched = e.experts as f64 * (1.0 - (1.0 - e.top_k as f64 / e.experts as f64).powi(batch as i32));
+        let floor = always + moe_layers as f64 * touched * expert + state * batch as f64;
+        println!(
+            "decode batch {batch:>3}: {:8.3} ms/step {:8.3} ms/token   bytes floor {:.2} GB = {:.3} ms at {:.0} GB/s",
+            s * 1e3,
+            s * 1e3 / batch as f64,
+            floor / 1e9,
+            floor / bw * 1e3,
+            bw / 1e9
+        );
+    }
+}

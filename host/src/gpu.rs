@@ -217,7 +217,7 @@ impl Gpu {
     ///
     /// # Safety
     /// Every element must be written (in stream order) before it is read.
-    pub(crate) unsafe fn uninit<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+    pub unsafe fn uninit<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: forwarded to the caller.
         unsafe { self.stream.alloc(len) }.during("allocating device memory")
     }

@@ -108,15 +108,20 @@ impl Dispatch {
         c.count("experts", MAX_EXPERTS as usize, experts)?;
         c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)?;
         c.count("rows", MAX_ROWS / MAX_TOP_K as usize, rows)?;
-        Ok(Dispatch {
-            offsets: gpu.zeros(experts + 1)?,
-            active: gpu.zeros(experts)?,
-            active_count: gpu.zeros(1)?,
-            token: gpu.zeros(rows * top_k)?,
-            slot: gpu.zeros(rows * top_k)?,
-            experts,
-            top_k,
-        })
+        let entries = rows * top_k;
+        // SAFETY: only `dispatch` fills these, and it writes every element a reader uses:
+        // all offsets, the count, active[..count], every token and slot.
+        unsafe {
+            Ok(Dispatch {
+                offsets: gpu.uninit(experts + 1)?,
+                active: gpu.uninit(experts)?,
+                active_count: gpu.uninit(1)?,
+                token: gpu.uninit(entries)?,
+                slot: gpu.uninit(entries)?,
+                experts,
+                top_k,
+            })
+        }
     }
 
     /// Grouped rows (`rows * top_k`).
@@ -183,7 +188,8 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
 /// `out[j] = f(x_j W_e^T)`, `x_j` row `token[j]` of `x` when `by_token` (the layer input), row
 /// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when
 /// `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small batches:
-/// each weight row is streamed once per four rows of its expert.
+/// each warp streams its weight rows once per [`kernels_gpu::moe::EXPERT_TOKENS`] rows of the
+/// expert (again from cache for the next).
 #[allow(clippy::too_many_arguments)]
 pub fn experts(
     gpu: &Gpu,
@@ -258,7 +264,8 @@ pub fn experts_mlp(
     (inter, hidden): (usize, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let mut h = gpu.zeros::<bf16>(d.entries() * inter)?;
+    // SAFETY: the up projection writes every row of every active expert: all entries.
+    let mut h = unsafe { gpu.uninit::<bf16>(d.entries() * inter) }?;
     experts(gpu, d, x, true, up, (inter, hidden), true, &mut h)?;
     experts(gpu, d, &h, false, down, (hidden, inter), false, out)
 }
@@ -282,8 +289,9 @@ pub fn experts_mlp_gemm(
     c.len("out", d.entries() * hidden, out.len())?;
     let offsets = gpu.download(&d.offsets)?;
     let most = offsets.windows(2).map(|o| (o[1] - o[0]) as usize).max().unwrap_or(0);
-    let mut xs = gpu.zeros::<bf16>(most.max(1) * hidden)?;
-    let mut h = gpu.zeros::<bf16>(most.max(1) * inter)?;
+    // SAFETY: each expert's rows are written (gather, up GEMM) before they are read.
+    let (mut xs, mut h) =
+        unsafe { (gpu.uninit::<bf16>(most.max(1) * hidden)?, gpu.uninit::<bf16>(most.max(1) * inter)?) };
     for e in 0..d.experts {
         let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);
         if lo == hi {

@@ -135,11 +135,11 @@ pub const EXPERT_BLOCK: u32 = 128;
 /// Weight rows each warp of the expert kernel computes together.
 pub const EXPERT_WARP_ROWS: u32 = 2;
 /// Chunks of each row a lane of the expert kernel loads at once (loads in flight).
-pub const EXPERT_UNROLL: usize = 2;
+pub const EXPERT_UNROLL: usize = 4;
 /// Weight rows per block of the expert kernel.
 pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
 /// Tokens the expert kernel multiplies with one pass over its weight rows.
-pub const EXPERT_TOKENS: usize = 4;
+pub const EXPERT_TOKENS: usize = 1;
 
 /// Dynamic shared memory of the selection kernel: per token, scores, selection scores and
 /// group scores.

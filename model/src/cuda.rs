@@ -191,7 +191,8 @@ impl Cuda {
         (up, down): &(CudaWeight, CudaWeight),
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        let mut h = self.gpu.zeros::<bf16>(n * up.n)?;
+        // SAFETY: the up projection writes all n * up.n values before they are read.
+        let mut h = unsafe { self.gpu.uninit::<bf16>(n * up.n) }?;
         self.linear_rows(x, n, up, &mut h.as_view_mut())?;
         host::act::relu2(&self.gpu, &mut h, n * up.n)?;
         self.linear_rows(&h.as_view(), n, down, out)
@@ -391,12 +392,15 @@ impl Backend for Cuda {
             renormalize: c.norm_topk_prob,
             scaling: c.routed_scaling_factor,
         };
-        let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
+        // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
+        // experts every grouped row, the shared expert every row of its output, each before
+        // the next operation reads it.
+        let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * c.top_k)?, g.uninit::<f32>(rows * c.top_k)?) };
         route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
         let mut d = Dispatch::new(g, c.experts, c.top_k, rows)?;
         dispatch(g, &idx, &mut d)?;
         let ex = &w.experts;
-        let mut grouped = g.zeros::<bf16>(d.entries() * hidden)?;
+        let mut grouped = unsafe { g.uninit::<bf16>(d.entries() * hidden) }?;
         match (&ex.up, &ex.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
                 experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
@@ -405,7 +409,7 @@ impl Backend for Cuda {
         }
         let shared = match &w.shared {
             Some(s) => {
-                let mut out = g.zeros::<bf16>(rows * hidden)?;
+                let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
                 self.mlp(&xv, rows, s, &mut out.as_view_mut())?;
                 Some(out)
             }

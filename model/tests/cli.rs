@@ -1,5 +1,5 @@
-//! The `generate` binary: the built-in model generates on the CPU, and a checkpoint without a
-//! tokenizer is a clear error.
+//! The `generate` binary: the built-in model generates (on the GPU when there is one, else on
+//! the CPU, saying which), and a checkpoint without a tokenizer is a clear error.
 
 use std::process::Command;
 
@@ -14,6 +14,10 @@ fn built_in_model_generates() {
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.starts_with("Hello"), "{stdout}");
     assert!(stderr.contains("prefill: 5 tokens in") && stderr.contains("ms/token"), "{stderr}");
+    let cpu_because = stderr.contains("no GPU (") && stderr.contains("backend: CPU reference");
+    assert!(cpu_because || stderr.contains("backend: CUDA ("), "{stderr}");
+    let out = generate(&["--prompt", "Hello", "--max-new-tokens", "2", "--backend", "cpu"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("backend: CPU reference"));
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-//! [--top-p P] [--seed S] [--backend cpu|cuda]`: generates text with a NemotronH checkpoint
-//! directory (config.json, safetensors, tokenizer.json), streaming the tokens, then prints
-//! prefill and decode speed. Without `--model` it runs the small built-in model (random
-//! weights: the text means nothing). The default backend is the CPU reference; `--backend
-//! cuda` uses the GPU (that path has not been run on a GPU yet).
+//! [--top-p P] [--seed S] [--backend auto|cpu|cuda]`: generates text with a NemotronH
+//! checkpoint directory (config.json, safetensors, tokenizer.json), streaming the tokens, then
+//! prints prefill and decode speed. Without `--model` it runs the small built-in model (random
+//! weights: the text means nothing). The default backend, `auto`, is the GPU when one can be
+//! opened and the CPU reference otherwise (it says which and why); `cuda` insists on the GPU.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
-const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend cpu|cuda]";
+const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend auto|cpu|cuda]";
 
 /// The built-in model's files, embedded in the binary.
 const BUILT_IN: [(&str, &[u8]); 3] = [
@@ -43,17 +43,30 @@ fn built_in() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// Which backend runs the model.
+#[derive(Clone, Copy, PartialEq)]
+enum Choice {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
 struct Args {
     model: Option<PathBuf>,
-    cuda: bool,
+    backend: Choice,
     prompt: String,
     max_new: usize,
     sampling: SamplingParams,
 }
 
 fn parse() -> Result<Args> {
-    let mut a =
-        Args { model: None, cuda: false, prompt: String::new(), max_new: 32, sampling: SamplingParams::greedy() };
+    let mut a = Args {
+        model: None,
+        backend: Choice::Auto,
+        prompt: String::new(),
+        max_new: 32,
+        sampling: SamplingParams::greedy(),
+    };
     let mut it = std::env::args().skip(1);
     let mut prompt = None;
     while let Some(flag) = it.next() {
@@ -67,10 +80,11 @@ fn parse() -> Result<Args> {
             "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
             "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
             "--backend" => {
-                a.cuda = match value()?.as_str() {
-                    "cpu" => false,
-                    "cuda" => true,
-                    other => bail!("unknown backend `{other}` (cpu, cuda)\n{USAGE}"),
+                a.backend = match value()?.as_str() {
+                    "auto" => Choice::Auto,
+                    "cpu" => Choice::Cpu,
+                    "cuda" => Choice::Cuda,
+                    other => bail!("unknown backend `{other}` (auto, cpu, cuda)\n{USAGE}"),
                 }
             }
             "--help" | "-h" => {
@@ -119,12 +133,20 @@ fn main() -> Result<()> {
         .get_ids()
         .to_vec();
     let max_len = prompt.len() + args.max_new;
-    if args.cuda {
-        eprintln!("  backend: CUDA");
-        run(Cuda::new(0)?, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
-    } else {
-        eprintln!("  backend: CPU reference");
-        run(Cpu, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+    let gpu = match args.backend {
+        Choice::Cpu => None,
+        Choice::Cuda => Some(Cuda::new(0)?),
+        Choice::Auto => Cuda::new(0).map_err(|e| eprintln!("  no GPU ({e}): using the CPU reference backend")).ok(),
+    };
+    match gpu {
+        Some(cuda) => {
+            eprintln!("  backend: CUDA ({})", cuda.gpu().name().unwrap_or_default());
+            run(cuda, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+        }
+        None => {
+            eprintln!("  backend: CPU reference");
+            run(Cpu, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+        }
     }
 }
 

@@ -57,7 +57,7 @@ fn active_experts(gpu: &host::Gpu, x: &host::CudaSlice<bf16>, batch: usize, w: &
     route(gpu, shape(), x, HIDDEN, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
     let mut d = Dispatch::new(gpu, EXPERTS, TOP_K, batch).unwrap();
     dispatch(gpu, &idx, &mut d).unwrap();
-    gpu.download(&d.active_count).unwrap()[0] as usize
+    gpu.download(d.active_count()).unwrap()[0] as usize
 }
 
 fn bench_layer(b: &BenchGpu, rng: &mut Rng, cuda: &Cuda, w: &MoeWeights<Cuda>, up: &host::CudaSlice<bf16>) {

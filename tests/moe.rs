@@ -276,16 +276,16 @@ mod gpu {
             let routes: Vec<Vec<(usize, f64)>> =
                 idx.chunks(k).map(|r| r.iter().map(|&x| (x as usize, 1.0)).collect()).collect();
             let want = cpu_dispatch(&routes, e);
-            let offsets: Vec<usize> = gpu.download(&d.offsets).unwrap().iter().map(|&o| o as usize).collect();
+            let offsets: Vec<usize> = gpu.download(d.offsets()).unwrap().iter().map(|&o| o as usize).collect();
             let label = format!("dispatch rows {rows} top-{k} of {e}");
             compared += assert_same(&format!("{label} offsets"), &offsets, &want.offsets);
             let active: Vec<u32> =
                 (0..e as u32).filter(|&x| want.offsets[x as usize + 1] > want.offsets[x as usize]).collect();
-            let count = gpu.download(&d.active_count).unwrap()[0] as usize;
-            compared += assert_same(&format!("{label} active"), &gpu.download(&d.active).unwrap()[..count], &active);
+            let count = gpu.download(d.active_count()).unwrap()[0] as usize;
+            compared += assert_same(&format!("{label} active"), &gpu.download(d.active()).unwrap()[..count], &active);
             // Each choice sits in its expert's range, at a row holding its token, and no two
             // choices share a row.
-            let (token, slot) = (gpu.download(&d.token).unwrap(), gpu.download(&d.slot).unwrap());
+            let (token, slot) = (gpu.download(d.token()).unwrap(), gpu.download(d.slot()).unwrap());
             let mut seen = vec![false; rows * k];
             for (i, (&x, &s)) in idx.iter().zip(&slot).enumerate() {
                 let s = s as usize;
@@ -316,7 +316,7 @@ mod gpu {
             let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-            let slot = gpu.download(&d.slot).unwrap();
+            let slot = gpu.download(d.slot()).unwrap();
             // The reference expert in f64 with the hidden activation rounded to bf16 as the
             // kernels store it.
             let (up64, down64) = (to_f64(&up), to_f64(&down));
@@ -411,7 +411,7 @@ mod gpu {
             let idx = random_choices(&mut rng, rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-            let slot = gpu.download(&d.slot).unwrap();
+            let slot = gpu.download(d.slot()).unwrap();
             let up_i = if up_static { Some(gpu.upload(&up_in).unwrap()) } else { None };
             let down_i = if up_static { None } else { Some(gpu.upload(&down_in).unwrap()) };
             let (uc, us, dc, ds) = (
@@ -472,5 +472,40 @@ mod gpu {
                 assert_close(&format!("{label} dense"), &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
         }
         println!("FP8 experts and dense: {compared} values compared");
+    }
+
+    /// Misuse the launchers cannot be trusted with: a dispatch never filled, x shorter than the
+    /// dispatch's tokens, more choices than the dispatch's exact prefix sums allow, and a
+    /// token whose activations are NaN (routing still picks valid, distinct experts).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_moe_misuse_is_refused() {
+        let gpu = gpu();
+        let (e, k, rows, hidden, inter) = (8, 2, 4, 64, 16);
+        let w = gpu.zeros::<bf16>(e * inter * hidden).unwrap();
+        let x = gpu.zeros::<bf16>(rows * hidden).unwrap();
+        let mut out = gpu.zeros::<bf16>(rows * k * inter).unwrap();
+        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+        let err = experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap_err();
+        assert!(err.to_string().contains("never dispatched"), "{err}");
+        dispatch(&gpu, &gpu.upload(&random_choices(&mut Rng::new(97), rows, k, e)).unwrap(), &mut d).unwrap();
+        let short = gpu.zeros::<bf16>((rows - 1) * hidden).unwrap();
+        let err =
+            experts(&gpu, &d, &short, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap_err();
+        assert!(err.to_string().contains("`x`"), "{err}");
+        experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap();
+        assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
+        let s = RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0 };
+        let mut xs = vec![bf16::ONE; rows * hidden];
+        xs[hidden..2 * hidden].fill(bf16::NAN);
+        let gate = gpu.upload(&vec![bf16::from_f32(0.01); e * hidden]).unwrap();
+        let (mut idx, mut wt) = (gpu.zeros::<i32>(rows * k).unwrap(), gpu.zeros::<f32>(rows * k).unwrap());
+        gpu_route(&gpu, s, &gpu.upload(&xs).unwrap(), hidden, &gate, &gpu.zeros(e).unwrap(), &mut idx, &mut wt)
+            .unwrap();
+        let idx = gpu.download(&idx).unwrap();
+        for r in idx.chunks(k) {
+            assert!(r.iter().all(|&i| (0..e as i32).contains(&i)) && r[0] != r[1], "{idx:?}");
+        }
+        println!("misuse: {} routing choices checked", idx.len());
     }
 }

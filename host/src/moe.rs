@@ -90,16 +90,22 @@ pub fn route(
 /// rows are `offsets[e]..offsets[e + 1]` of the grouped order, `token[j]` is the token of
 /// grouped row `j`, `slot[t * top_k + k]` the grouped row of token t's k-th choice, and
 /// `active[..active_count]` the experts with rows. Within an expert the order of its rows is
-/// unspecified (atomics); every consumer computes each row on its own.
+/// unspecified (atomics); every consumer computes each row on its own. The buffers are read
+/// only from outside, and the consumers refuse a `Dispatch` that [`dispatch`] has not filled,
+/// so the kernels can index with them unchecked.
 pub struct Dispatch {
-    pub offsets: CudaSlice<u32>,
-    pub active: CudaSlice<u32>,
-    pub active_count: CudaSlice<u32>,
-    pub token: CudaSlice<u32>,
-    pub slot: CudaSlice<i32>,
+    offsets: CudaSlice<u32>,
+    active: CudaSlice<u32>,
+    active_count: CudaSlice<u32>,
+    token: CudaSlice<u32>,
+    slot: CudaSlice<i32>,
     experts: usize,
     top_k: usize,
+    filled: bool,
 }
+
+/// Most routing choices one dispatch groups: the kernel's f32 prefix sums are exact below.
+const MAX_ENTRIES: usize = 1 << 24;
 
 impl Dispatch {
     /// Buffers for `rows` tokens choosing `top_k` of `experts` each.
@@ -107,10 +113,11 @@ impl Dispatch {
         let c = Check(Kernel::MoeDispatch.name());
         c.count("experts", MAX_EXPERTS as usize, experts)?;
         c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)?;
-        c.count("rows", MAX_ROWS / MAX_TOP_K as usize, rows)?;
+        c.count("rows", (MAX_ENTRIES - 1) / top_k, rows)?;
         let entries = rows * top_k;
-        // SAFETY: only `dispatch` fills these, and it writes every element a reader uses:
-        // all offsets, the count, active[..count], every token and slot.
+        // SAFETY: nothing reads these before `dispatch` fills them (`filled`), and it writes
+        // every element a reader uses: all offsets, the count, active[..count], every token
+        // and slot.
         unsafe {
             Ok(Dispatch {
                 offsets: gpu.uninit(experts + 1)?,
@@ -120,8 +127,25 @@ impl Dispatch {
                 slot: gpu.uninit(entries)?,
                 experts,
                 top_k,
+                filled: false,
             })
         }
+    }
+
+    /// The trivial dispatch of a dense layer: one expert, all `rows` rows in order (so
+    /// [`experts`] computes a linear layer).
+    pub fn dense(gpu: &Gpu, rows: usize) -> Result<Dispatch> {
+        Check(Kernel::MoeExpert.name()).count("rows", MAX_ENTRIES - 1, rows)?;
+        Ok(Dispatch {
+            offsets: gpu.upload(&[0, rows as u32])?,
+            active: gpu.upload(&[0u32])?,
+            active_count: gpu.upload(&[1u32])?,
+            token: gpu.upload(&(0..rows as u32).collect::<Vec<_>>())?,
+            slot: gpu.upload(&(0..rows as i32).collect::<Vec<_>>())?,
+            experts: 1,
+            top_k: 1,
+            filled: true,
+        })
     }
 
     /// Grouped rows (`rows * top_k`).
@@ -134,23 +158,39 @@ impl Dispatch {
         self.experts
     }
 
-    /// The trivial dispatch of a dense layer: one expert, all `rows` rows in order (so
-    /// [`experts`] computes a linear layer).
-    pub fn dense(gpu: &Gpu, rows: usize) -> Result<Dispatch> {
-        Check(Kernel::MoeExpert.name()).count("rows", MAX_ROWS, rows)?;
-        Ok(Dispatch {
-            offsets: gpu.upload(&[0, rows as u32])?,
-            active: gpu.upload(&[0u32])?,
-            active_count: gpu.upload(&[1u32])?,
-            token: gpu.zeros(rows)?,
-            slot: gpu.zeros(rows)?,
-            experts: 1,
-            top_k: 1,
-        })
+    /// `[experts + 1]` start of each expert's grouped rows; the last is `entries`.
+    pub fn offsets(&self) -> &CudaSlice<u32> {
+        &self.offsets
+    }
+
+    /// `[experts]` the experts with rows, ascending, in the first [`Dispatch::active_count`].
+    pub fn active(&self) -> &CudaSlice<u32> {
+        &self.active
+    }
+
+    /// `[1]` how many experts have rows.
+    pub fn active_count(&self) -> &CudaSlice<u32> {
+        &self.active_count
+    }
+
+    /// `[entries]` grouped row -> its token.
+    pub fn token(&self) -> &CudaSlice<u32> {
+        &self.token
+    }
+
+    /// `[entries]` choice `t * top_k + k` -> its grouped row.
+    pub fn slot(&self) -> &CudaSlice<i32> {
+        &self.slot
+    }
+
+    /// Fails unless [`dispatch`] filled this (`what`: the consumer).
+    fn check_filled(&self, what: &'static str) -> Result<()> {
+        Check(what).that("dispatch", self.filled, "one filled by `dispatch`", "one never dispatched")
     }
 }
 
-/// The weights of one projection of every expert, `[experts, n, k]`.
+/// The weights of one projection of every expert, `[experts, n, k]`. FP8 scales must be finite
+/// and > 0 (the model's layout checks a checkpoint's); others give garbage, not unsafety.
 #[derive(Clone, Copy)]
 pub enum ExpertWeights<'a> {
     Bf16(&'a CudaSlice<bf16>),
@@ -180,8 +220,10 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
         experts: d.experts as u32,
     };
     // SAFETY: the buffers have the extents Dispatch::new gave them for these counts (experts
-    // <= MAX_EXPERTS); out-of-range ids trap in the kernel.
-    unsafe { gpu.launch(k, (1, 1, 1), DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, p) }
+    // <= MAX_EXPERTS, entries < 2^24); out-of-range ids trap in the kernel.
+    unsafe { gpu.launch(k, (1, 1, 1), DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, p) }?;
+    d.filled = true;
+    Ok(())
 }
 
 /// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
@@ -206,6 +248,7 @@ pub fn experts(
         ExpertWeights::Fp8 { .. } => Kernel::MoeExpertFp8,
     };
     let c = Check(kern.name());
+    d.check_filled(kern.name())?;
     c.count("n", MAX_ELEMS, n)?;
     c.count("k", MAX_ELEMS, k)?;
     c.that("k", k.is_multiple_of(8), "a multiple of 8", k)?;
@@ -225,9 +268,9 @@ pub fn experts(
         }
     };
     c.len("out", d.entries() * n, out.len())?;
-    let x_rows = if by_token { x.len() / k } else { d.entries() };
+    // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
+    let x_rows = if by_token { d.entries() / d.top_k } else { d.entries() };
     c.len_at_least("x", x_rows * k, x.len())?;
-    c.that("x", x_rows > 0 && x.len().is_multiple_of(k), format!("whole rows of {k}"), x.len())?;
     let p = ExpertParams {
         x: gpu.addr(kern, "x", x)? as *const u16,
         x_row: if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { core::ptr::null() },
@@ -284,6 +327,8 @@ pub fn experts_mlp_gemm(
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     let c = Check("moe_experts_gemm");
+    d.check_filled("moe_experts_gemm")?;
+    c.len_at_least("x", d.entries() / d.top_k * hidden, x.len())?;
     c.len("up", d.experts * inter * hidden, up.len())?;
     c.len("down", d.experts * hidden * inter, down.len())?;
     c.len("out", d.entries() * hidden, out.len())?;

@@ -249,7 +249,9 @@ mod kernels {
             while i < e {
                 let s = 1.0 / (1.0 + exp_fast(-ld(p.logits, tok * e + i)));
                 st(score, i, s);
-                st(sel, i, s + ld(p.bias, i));
+                // NaN marks a taken entry below: a NaN score (from NaN inputs) ranks last.
+                let v = s + ld(p.bias, i);
+                st(sel, i, if v.is_nan() { f32::NEG_INFINITY } else { v });
                 i += 32;
             }
             sync_warp();
@@ -275,6 +277,9 @@ mod kernels {
                 // Keep the best topk_group groups (marked NaN), then mask the others' experts.
                 for _ in 0..p.topk_group {
                     let (_, g) = warp_pick(gscore, ng);
+                    if g == u32::MAX {
+                        trap();
+                    }
                     sync_warp();
                     if lane == 0 {
                         st(gscore, g as usize, f32::NAN);
@@ -294,6 +299,9 @@ mod kernels {
             let (mut total, mut mine) = (0.0f32, 0u32);
             for j in 0..k {
                 let (_, pick) = warp_pick(sel, e);
+                if pick == u32::MAX {
+                    trap();
+                }
                 total += ld(score, pick as usize);
                 if lane == j {
                     mine = pick;

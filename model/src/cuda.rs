@@ -416,7 +416,7 @@ impl Backend for Cuda {
             None => None,
         };
         let mut y = view_mut(y, rows * hidden)?;
-        Ok(combine(g, &grouped, shared.as_ref(), &d.slot, &wts, c.top_k, hidden, &mut y)?)
+        Ok(combine(g, &grouped, shared.as_ref(), d.slot(), &wts, c.top_k, hidden, &mut y)?)
     }
 
     fn attention(

@@ -19,6 +19,7 @@ use crate::layout::{Linear, Mlp};
 pub struct Cpu;
 
 /// A linear layer's weight `[n, k]`: bf16, or FP8 (W8A8).
+#[derive(Clone)]
 pub enum CpuWeight {
     Bf16 { w: Vec<bf16>, n: usize, k: usize },
     Fp8(Fp8Linear),

@@ -1,7 +1,9 @@
 //! The engine: requests in, tokens out. Each step feeds waiting prompts (as prefill
 //! sequences) and running requests (one token each, as decode rows) to the model in one
 //! batch, samples each request's next token, and frees the slots of finished requests. A bad
-//! request is refused when it is added, so it never disturbs the others.
+//! request is refused when it is added, so it never disturbs the others. A step that fails
+//! anyway (out of device memory for a large batch, say) ends the requests that were in it,
+//! with [`Error::StepFailed`] naming them, and the engine serves the rest at the next step.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -142,7 +144,16 @@ impl<B: Backend> Engine<B> {
                 Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending }
             })
             .collect();
-        let logits = self.model.step(&parts)?;
+        let logits = match self.model.step(&parts) {
+            Ok(logits) => logits,
+            Err(source) => {
+                // The step may have updated some of these requests' states before it failed.
+                for id in &ids {
+                    self.cancel(*id)?;
+                }
+                return Err(Error::StepFailed { requests: ids, source: Box::new(source) });
+            }
+        };
         let mut events = Vec::new();
         for (id, logits) in ids.iter().zip(logits) {
             let r = self.requests.get_mut(id).expect("ids come from the map");

@@ -10,6 +10,7 @@ use crate::layout::Linear;
 use crate::weights::Dtype;
 
 /// An FP8 linear layer `[n, k]`, its weights decoded (without the scale).
+#[derive(Clone)]
 pub struct Fp8Linear {
     w: Vec<f64>,
     pub n: usize,

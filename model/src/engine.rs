@@ -4,6 +4,8 @@
 //! request is refused when it is added, so it never disturbs the others. A step that fails
 //! anyway (out of device memory for a large batch, say) ends the requests that were in it,
 //! with [`Error::StepFailed`] naming them, and the engine serves the rest at the next step.
+//! [`Engine::set_max_step_tokens`] bounds the tokens of one step (and so its activation
+//! memory): prompts are then fed in chunks over several steps, oldest request first.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -62,6 +64,7 @@ pub struct Engine<B: Backend> {
     requests: BTreeMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     next_id: RequestId,
+    max_step_tokens: usize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -76,7 +79,19 @@ impl<B: Backend> Engine<B> {
             requests: BTreeMap::new(),
             waiting: VecDeque::new(),
             next_id: 0,
+            max_step_tokens: usize::MAX,
         }
+    }
+
+    /// Feeds at most `n` tokens to the model per step (unbounded by default): running
+    /// requests take their tokens oldest first, a prompt that does not fit is fed in chunks
+    /// over several steps, and a request left without room waits a step.
+    pub fn set_max_step_tokens(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::Unsupported("max_step_tokens must be at least 1".into()));
+        }
+        self.max_step_tokens = n;
+        Ok(())
     }
 
     /// Adds a request; it starts at a following step, once a slot is free.
@@ -123,8 +138,9 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Runs one model step over every running request and as many waiting ones as there are
-    /// free slots; returns one token per request that took part.
+    /// Runs one model step over the running requests and as many waiting ones as there are
+    /// free slots (within the step's token bound); returns one token per request whose
+    /// pending tokens were all fed.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         while let Some(&id) = self.waiting.front() {
             let Ok(slot) = self.pool.alloc() else { break };
@@ -133,15 +149,25 @@ impl<B: Backend> Engine<B> {
                 r.slot = Some(slot);
             }
         }
-        let ids: Vec<RequestId> = self.requests.iter().filter(|(_, r)| r.slot.is_some()).map(|(&id, _)| id).collect();
-        if ids.is_empty() {
+        // Oldest first, each running request takes what is left of the step's token bound.
+        let mut room = self.max_step_tokens;
+        let mut fed: Vec<(RequestId, usize)> = Vec::new();
+        for (&id, r) in &self.requests {
+            if r.slot.is_some() && room > 0 {
+                let n = r.pending.len().min(room);
+                room -= n;
+                fed.push((id, n));
+            }
+        }
+        if fed.is_empty() {
             return Ok(Vec::new());
         }
-        let parts: Vec<Part> = ids
+        let ids: Vec<RequestId> = fed.iter().map(|&(id, _)| id).collect();
+        let parts: Vec<Part> = fed
             .iter()
-            .map(|id| {
-                let r = &self.requests[id];
-                Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending }
+            .map(|&(id, n)| {
+                let r = &self.requests[&id];
+                Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending[..n] }
             })
             .collect();
         let logits = match self.model.step(&parts) {
@@ -155,9 +181,13 @@ impl<B: Backend> Engine<B> {
             }
         };
         let mut events = Vec::new();
-        for (id, logits) in ids.iter().zip(logits) {
-            let r = self.requests.get_mut(id).expect("ids come from the map");
-            r.computed += r.pending.len();
+        for (&(id, n), logits) in fed.iter().zip(logits) {
+            let r = self.requests.get_mut(&id).expect("ids come from the map");
+            r.computed += n;
+            r.pending.drain(..n);
+            if !r.pending.is_empty() {
+                continue;
+            }
             let token = r.sampler.sample(&logits)?;
             r.generated += 1;
             r.pending = vec![token];
@@ -168,7 +198,7 @@ impl<B: Backend> Engine<B> {
             } else {
                 None
             };
-            events.push(Event { id: *id, token, finished });
+            events.push(Event { id, token, finished });
         }
         for e in events.iter().filter(|e| e.finished.is_some()) {
             self.cancel(e.id)?;

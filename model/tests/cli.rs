@@ -16,8 +16,12 @@ fn built_in_model_generates() {
     assert!(stderr.contains("prefill: 5 tokens in") && stderr.contains("ms/token"), "{stderr}");
     let cpu_because = stderr.contains("no GPU (") && stderr.contains("backend: CPU reference");
     assert!(cpu_because || stderr.contains("backend: CUDA ("), "{stderr}");
-    let out = generate(&["--prompt", "Hello", "--max-new-tokens", "2", "--backend", "cpu"]);
+    let out = generate(&["--prompt", "Hello", "--max-new-tokens", "2", "--backend", "cpu", "--max-step-tokens", "2"]);
+    let chunked = String::from_utf8_lossy(&out.stdout);
     assert!(String::from_utf8_lossy(&out.stderr).contains("backend: CPU reference"));
+    // The prompt fed two tokens at a time gives the same greedy text as fed at once.
+    let whole = generate(&["--prompt", "Hello", "--max-new-tokens", "2", "--backend", "cpu"]);
+    assert_eq!(chunked, String::from_utf8_lossy(&whole.stdout));
 }
 
 #[test]

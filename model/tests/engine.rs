@@ -1,12 +1,14 @@
 //! The engine on the CPU backend and the transformers fixture: requests served concurrently
 //! and in turn give the tokens transformers gives, stop tokens end them, bad requests are
-//! refused without disturbing the others, and a failing step ends only its own requests.
+//! refused without disturbing the others, a failing step ends only its own requests, and a
+//! bound on a step's tokens feeds prompts in chunks.
 
 mod common;
 
 use std::collections::BTreeMap;
 
 use common::{cases, open};
+use model::backend::Backend;
 use model::cpu::Cpu;
 use model::engine::{Engine, Event, Finish, RequestId, RequestParams};
 use model::layout::Layout;
@@ -24,7 +26,7 @@ fn greedy(n: usize, stop: Vec<u32>) -> RequestParams {
 }
 
 /// Runs until every request ends; returns each request's tokens and how it finished.
-fn run(e: &mut Engine<Cpu>) -> BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> {
+fn run<B: Backend>(e: &mut Engine<B>) -> BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> {
     let mut out: BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> = BTreeMap::new();
     let mut steps = 0;
     while e.has_work() {
@@ -286,4 +288,22 @@ fn a_failing_step_ends_its_requests_and_the_engine_goes_on() {
         out.extend(e.step().unwrap().into_iter().map(|ev| (ev.id, ev.token)));
     }
     assert_eq!(out, c.greedy.iter().map(|&t| (id, t)).collect::<Vec<_>>());
+}
+
+/// At most 5 tokens per step: the prompts (up to 40 tokens) go in over several steps, every
+/// step fits (the backend refuses to embed more than 5 tokens at once), and the three
+/// requests on two slots still get transformers' greedy tokens.
+#[test]
+fn a_step_token_bound_feeds_prompts_in_chunks() {
+    let (config, ck) = open();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let mut e = Engine::new(Model::load(Flaky { limit: 5 }, &config, &layout, 2, 64).unwrap());
+    assert!(e.set_max_step_tokens(0).unwrap_err().to_string().contains("at least 1"));
+    e.set_max_step_tokens(5).unwrap();
+    let cases = cases();
+    let ids: Vec<RequestId> = cases.iter().map(|c| e.add(&c.prompt, greedy(8, vec![])).unwrap()).collect();
+    let out = run(&mut e);
+    for (c, id) in cases.iter().zip(&ids) {
+        assert_eq!(out[id], (c.greedy.clone(), Some(Finish::Length)), "request {id}");
+    }
 }

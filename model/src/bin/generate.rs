@@ -1,5 +1,5 @@
 //! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-//! [--top-p P] [--seed S] [--backend auto|cpu|cuda]`: generates text with a NemotronH
+//! [--top-p P] [--seed S] [--backend auto|cpu|cuda] [--max-step-tokens N]`: generates text with a NemotronH
 //! checkpoint directory (config.json, safetensors, tokenizer.json), streaming the tokens, then
 //! prints prefill and decode speed. Without `--model` it runs the small built-in model (random
 //! weights: the text means nothing). The default backend, `auto`, is the GPU when one can be
@@ -21,7 +21,7 @@ use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
-const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend auto|cpu|cuda]";
+const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend auto|cpu|cuda] [--max-step-tokens N]";
 
 /// The built-in model's files, embedded in the binary.
 const BUILT_IN: [(&str, &[u8]); 3] = [
@@ -54,6 +54,8 @@ enum Choice {
 struct Args {
     model: Option<PathBuf>,
     backend: Choice,
+    /// The engine's bound on tokens per step (prompts fed in chunks); none by default.
+    max_step_tokens: Option<usize>,
     prompt: String,
     max_new: usize,
     sampling: SamplingParams,
@@ -63,6 +65,7 @@ fn parse() -> Result<Args> {
     let mut a = Args {
         model: None,
         backend: Choice::Auto,
+        max_step_tokens: None,
         prompt: String::new(),
         max_new: 32,
         sampling: SamplingParams::greedy(),
@@ -79,6 +82,7 @@ fn parse() -> Result<Args> {
             "--top-k" => a.sampling.top_k = Some(value()?.parse().context("--top-k")?),
             "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
             "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
+            "--max-step-tokens" => a.max_step_tokens = Some(value()?.parse().context("--max-step-tokens")?),
             "--backend" => {
                 a.backend = match value()?.as_str() {
                     "auto" => Choice::Auto,
@@ -171,6 +175,9 @@ fn run<B: Backend>(
     })?;
     eprintln!("  loaded in {:.2} s; prompt: {} tokens", t0.elapsed().as_secs_f64(), prompt.len());
     let mut engine = Engine::new(model);
+    if let Some(n) = args.max_step_tokens {
+        engine.set_max_step_tokens(n)?;
+    }
     engine.add(
         prompt,
         RequestParams { max_new_tokens: args.max_new, sampling: args.sampling, stop_tokens: eos_ids(dir) },

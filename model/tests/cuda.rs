@@ -236,3 +236,34 @@ fn cuda_moe_layer_at_nano_sizes() {
     }
     println!("MoE layer at Nano sizes: {compared} values compared, largest gap {worst:.3e}");
 }
+
+/// The engine on the CUDA backend with at most 7 tokens per step: every prompt of the
+/// transformers fixture goes in over several steps (chunks after the first are prefills from
+/// the slot's state: conv forward and chunked scan with initial states), three requests on two
+/// slots, and each still gets transformers' greedy tokens.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_engine_with_chunked_prompts_gives_transformers_tokens() {
+    use model::engine::{Engine, RequestParams};
+    use model::sampling::SamplingParams;
+    let (config, ck) = common::open();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let mut e = Engine::new(Model::load(Cuda::new(0).unwrap(), &config, &layout, 2, 64).unwrap());
+    e.set_max_step_tokens(7).unwrap();
+    let cases = common::cases();
+    let params = |n| RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![] };
+    let ids: Vec<_> = cases.iter().map(|c| e.add(&c.prompt, params(c.greedy.len())).unwrap()).collect();
+    let mut out: std::collections::BTreeMap<_, Vec<u32>> = Default::default();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            out.entry(ev.id).or_default().push(ev.token);
+        }
+    }
+    let mut matched = 0;
+    for (c, id) in cases.iter().zip(&ids) {
+        matched += out[id].iter().zip(&c.greedy).filter(|(a, b)| a == b).count();
+    }
+    let total: usize = cases.iter().map(|c| c.greedy.len()).sum();
+    println!("CUDA engine, 7 tokens per step: {matched}/{total} greedy tokens as transformers");
+    assert_eq!(matched, total);
+}

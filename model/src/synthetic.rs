@@ -110,6 +110,12 @@ fn values(name: &str, shape: &[usize], seed: &mut u64) -> Vec<bf16> {
     out
 }
 
+/// [`values`] as the little-endian bytes a checkpoint holds (native order is little endian on
+/// every supported host).
+fn value_bytes(name: &str, shape: &[usize], seed: &mut u64) -> Vec<u8> {
+    bytemuck::cast_slice(&values(name, shape, seed)).to_vec()
+}
+
 /// A random bf16 checkpoint of `config` in memory, for speed measurements at full size: one
 /// random buffer per kind of tensor, shared by every layer and expert that has that kind
 /// (same name up to layer and expert numbers, same shape), so even a 30B-parameter model
@@ -123,8 +129,7 @@ pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
     for (name, shape) in tensor_shapes(config) {
         let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
         let file = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
-            // Native byte order is the checkpoints' little endian on every supported host.
-            buffers.push(bytemuck::cast_slice(&values(&name, &shape, &mut seed)).to_vec());
+            buffers.push(value_bytes(&name, &shape, &mut seed));
             buffers.len() - 1
         });
         tensors.push((name, Dtype::Bf16, shape, file));
@@ -144,7 +149,7 @@ pub fn write_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> 
     let data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = tensor_shapes(&config)
         .into_iter()
         .map(|(name, shape)| {
-            let bytes = values(&name, &shape, &mut seed).iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes = value_bytes(&name, &shape, &mut seed);
             (name, (shape, bytes))
         })
         .collect();

@@ -11,79 +11,88 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
-use host::moe::{Dispatch, ExpertWeights, RouteShape, dispatch, experts_mlp, experts_mlp_gemm, route};
+use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
+use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
 use model::config::MoeConfig;
 use model::cuda::Cuda;
 use model::layout::{Linear, Mlp};
-use model::weights::{Dtype, Tensor};
 use nemotron_rs::{BenchGpu, Rng};
 
-const HIDDEN: usize = 2688;
-const INTER: usize = 1856;
-const SHARED: usize = 3712;
-const EXPERTS: usize = 128;
-const TOP_K: usize = 6;
-
-fn shape() -> RouteShape {
-    RouteShape { experts: EXPERTS, top_k: TOP_K, n_group: 1, topk_group: 1, renormalize: true, scaling: 2.5 }
+/// The MoE sizes of Nemotron-3 Nano, from model/assets/nano-30b-a3b.json.
+struct Nano {
+    hidden: usize,
+    c: MoeConfig,
 }
 
-fn bench_route(b: &BenchGpu, rng: &mut Rng, gate: &host::CudaSlice<bf16>, bias: &host::CudaSlice<f32>) {
+impl Nano {
+    fn new() -> Nano {
+        let config = Config::from_json(include_str!("../model/assets/nano-30b-a3b.json")).expect("the Nano config");
+        Nano { hidden: config.hidden_size, c: config.moe.expect("Nano has MoE layers") }
+    }
+
+    /// Hidden size, experts, top-k, expert and shared-expert intermediate sizes.
+    fn sizes(&self) -> (usize, usize, usize, usize, usize) {
+        let c = &self.c;
+        (self.hidden, c.experts, c.top_k, c.intermediate, c.shared_intermediate.expect("Nano has a shared expert"))
+    }
+}
+
+fn bench_route(b: &BenchGpu, nano: &Nano, rng: &mut Rng, gate: &host::CudaSlice<bf16>, bias: &host::CudaSlice<f32>) {
     let gpu = &b.gpu;
+    let ((hidden, n_exp, top_k, _, _), shape) = (nano.sizes(), nano.c.route_shape());
     for batch in [1usize, 8, 64, 256, 1024, 4096] {
         let name = format!("route/b{batch}");
         if !BenchGpu::selected(&name) {
             continue;
         }
-        let bytes = batch * HIDDEN * 2 + EXPERTS * HIDDEN * 2 + batch * TOP_K * 8;
-        let sets = BenchGpu::cold_sets(batch * HIDDEN * 2);
-        let xs: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(batch * HIDDEN, -1.0, 1.0)).unwrap()).collect();
-        let (mut idx, mut w) = (gpu.zeros::<i32>(batch * TOP_K).unwrap(), gpu.zeros::<f32>(batch * TOP_K).unwrap());
-        let timed = b.capture(sets, |i| route(gpu, shape(), &xs[i], HIDDEN, gate, bias, &mut idx, &mut w));
+        let bytes = batch * hidden * 2 + n_exp * hidden * 2 + batch * top_k * 8;
+        let sets = BenchGpu::cold_sets(batch * hidden * 2);
+        let xs: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap()).collect();
+        let (mut idx, mut w) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
+        let timed = b.capture(sets, |i| route(gpu, shape, &xs[i], hidden, gate, bias, &mut idx, &mut w));
         timed.report(&format!("moe/{name}"), bytes);
     }
 }
 
-/// Zero bf16 weights `[n, k]` as bytes (the times do not depend on the values).
-fn linear<'a>(shape: &'a [usize], bytes: &'a [u8]) -> Linear<'a> {
-    let weight = Tensor { name: "w", path: std::path::Path::new("memory"), dtype: Dtype::Bf16, shape, bytes };
-    Linear { weight, bias: None, fp8: None }
-}
-
 /// Experts that `batch` tokens of `x` route to.
-fn active_experts(gpu: &host::Gpu, x: &host::CudaSlice<bf16>, batch: usize, w: &MoeWeights<Cuda>) -> usize {
-    let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * TOP_K).unwrap(), gpu.zeros::<f32>(batch * TOP_K).unwrap());
-    route(gpu, shape(), x, HIDDEN, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
-    let mut d = Dispatch::new(gpu, EXPERTS, TOP_K, batch).unwrap();
+fn active_experts(
+    gpu: &host::Gpu,
+    nano: &Nano,
+    x: &host::CudaSlice<bf16>,
+    batch: usize,
+    w: &MoeWeights<Cuda>,
+) -> usize {
+    let (hidden, n_exp, top_k, _, _) = nano.sizes();
+    let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
+    route(gpu, nano.c.route_shape(), x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+    let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
     dispatch(gpu, &idx, &mut d).unwrap();
     gpu.download(d.active_count()).unwrap()[0] as usize
 }
 
-fn bench_layer(b: &BenchGpu, rng: &mut Rng, cuda: &Cuda, w: &MoeWeights<Cuda>, up: &host::CudaSlice<bf16>) {
+fn bench_layer(
+    b: &BenchGpu,
+    nano: &Nano,
+    rng: &mut Rng,
+    cuda: &Cuda,
+    w: &MoeWeights<Cuda>,
+    up: &host::CudaSlice<bf16>,
+) {
     let gpu = &b.gpu;
-    let c = MoeConfig {
-        experts: EXPERTS,
-        top_k: TOP_K,
-        intermediate: INTER,
-        shared_intermediate: Some(SHARED),
-        n_group: 1,
-        topk_group: 1,
-        norm_topk_prob: true,
-        routed_scaling_factor: 2.5,
-    };
+    let (c, (hidden, n_exp, top_k, inter, shared_inter)) = (&nano.c, nano.sizes());
     for batch in [1usize, 8, 64] {
         let name = format!("layer/b{batch}");
         if !BenchGpu::selected(&name) {
             continue;
         }
-        let x = cuda.upload(&rng.bf16s(batch * HIDDEN, -1.0, 1.0)).unwrap();
-        let active = active_experts(gpu, &x, batch, w);
-        let weights = 2 * (active * 2 * INTER * HIDDEN + 2 * SHARED * HIDDEN + EXPERTS * HIDDEN);
-        let bytes = weights + 2 * 2 * batch * HIDDEN;
-        let mut y = cuda.zeros(batch * HIDDEN).unwrap();
+        let x = cuda.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap();
+        let active = active_experts(gpu, nano, &x, batch, w);
+        let weights = 2 * (active * 2 * inter * hidden + 2 * shared_inter * hidden + n_exp * hidden);
+        let bytes = weights + 2 * 2 * batch * hidden;
+        let mut y = cuda.zeros(batch * hidden).unwrap();
         let timed = b.capture(1, |_| {
-            cuda.moe(&c, In::rows(&x, HIDDEN), batch, w, Out { buf: &mut y, offset: 0 }).map_err(|e| match e {
+            cuda.moe(c, In::rows(&x, hidden), batch, w, Out { buf: &mut y, offset: 0 }).map_err(|e| match e {
                 model::Error::Host(e) => e,
                 e => panic!("{e}"),
             })
@@ -96,18 +105,18 @@ fn bench_layer(b: &BenchGpu, rng: &mut Rng, cuda: &Cuda, w: &MoeWeights<Cuda>, u
         if !BenchGpu::selected(&name) {
             continue;
         }
-        let x = gpu.upload(&rng.bf16s(batch * HIDDEN, -1.0, 1.0)).unwrap();
-        let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * TOP_K).unwrap(), gpu.zeros::<f32>(batch * TOP_K).unwrap());
-        route(gpu, shape(), &x, HIDDEN, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
-        let mut d = Dispatch::new(gpu, EXPERTS, TOP_K, batch).unwrap();
+        let x = gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap();
+        let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
+        route(gpu, c.route_shape(), &x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+        let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
         dispatch(gpu, &idx, &mut d).unwrap();
-        let mut out = gpu.zeros::<bf16>(batch * TOP_K * HIDDEN).unwrap();
+        let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();
         for gemm in [false, true] {
             let mut t: Vec<f32> = (0..12)
                 .map(|_| {
                     gpu.time_ms(|| {
                         if gemm {
-                            experts_mlp_gemm(gpu, &d, &x, up, up, (INTER, HIDDEN), &mut out)
+                            experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out)
                         } else {
                             experts_mlp(
                                 gpu,
@@ -115,7 +124,7 @@ fn bench_layer(b: &BenchGpu, rng: &mut Rng, cuda: &Cuda, w: &MoeWeights<Cuda>, u
                                 &x,
                                 ExpertWeights::Bf16(up),
                                 ExpertWeights::Bf16(up),
-                                (INTER, HIDDEN),
+                                (inter, hidden),
                                 &mut out,
                             )
                         }
@@ -140,25 +149,30 @@ fn benches(_: &mut Criterion) {
     let Some(b) = BenchGpu::open() else { return };
     let mut rng = Rng::new(17);
     let cuda = Cuda::on(b.gpu.clone());
-    let gate = rng.bf16s(EXPERTS * HIDDEN, -0.05, 0.05);
-    let bias: Vec<f32> = (0..EXPERTS).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
-    bench_route(&b, &mut rng, &b.gpu.upload(&gate).unwrap(), &b.gpu.upload(&bias).unwrap());
-    let zeros = vec![0u8; 2 * SHARED * HIDDEN];
-    let (up_s, down_s, su_s, sd_s) = ([INTER, HIDDEN], [HIDDEN, INTER], [SHARED, HIDDEN], [HIDDEN, SHARED]);
-    let experts: Vec<Mlp> = (0..EXPERTS)
+    let nano = Nano::new();
+    let (hidden, n_exp, _, inter, shared_inter) = nano.sizes();
+    let gate = rng.bf16s(n_exp * hidden, -0.05, 0.05);
+    let bias: Vec<f32> = (0..n_exp).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
+    bench_route(&b, &nano, &mut rng, &b.gpu.upload(&gate).unwrap(), &b.gpu.upload(&bias).unwrap());
+    let zeros = vec![0u8; 2 * shared_inter * hidden];
+    let (up_s, down_s, su_s, sd_s) = ([inter, hidden], [hidden, inter], [shared_inter, hidden], [hidden, shared_inter]);
+    let experts: Vec<Mlp> = (0..n_exp)
         .map(|_| Mlp {
-            up: linear(&up_s, &zeros[..2 * INTER * HIDDEN]),
-            down: linear(&down_s, &zeros[..2 * INTER * HIDDEN]),
+            up: Linear::bf16("up", &up_s, &zeros[..2 * inter * hidden]),
+            down: Linear::bf16("down", &down_s, &zeros[..2 * inter * hidden]),
         })
         .collect();
     let w = MoeWeights {
         gate: cuda.upload(&gate).unwrap(),
         score_bias: cuda.upload32(&bias).unwrap(),
         experts: cuda.experts(&experts).unwrap(),
-        shared: Some((cuda.weight(&linear(&su_s, &zeros)).unwrap(), cuda.weight(&linear(&sd_s, &zeros)).unwrap())),
+        shared: Some((
+            cuda.weight(&Linear::bf16("shared up", &su_s, &zeros)).unwrap(),
+            cuda.weight(&Linear::bf16("shared down", &sd_s, &zeros)).unwrap(),
+        )),
     };
-    let up = b.gpu.zeros::<bf16>(EXPERTS * INTER * HIDDEN).unwrap();
-    bench_layer(&b, &mut rng, &cuda, &w, &up);
+    let up = b.gpu.zeros::<bf16>(n_exp * inter * hidden).unwrap();
+    bench_layer(&b, &nano, &mut rng, &cuda, &w, &up);
 }
 
 criterion_group!(moe, benches);

@@ -78,6 +78,20 @@ pub struct MoeConfig {
     pub routed_scaling_factor: f32,
 }
 
+impl MoeConfig {
+    /// The routing settings, as the routing kernel takes them.
+    pub fn route_shape(&self) -> host::moe::RouteShape {
+        host::moe::RouteShape {
+            experts: self.experts,
+            top_k: self.top_k,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            renormalize: self.norm_topk_prob,
+            scaling: self.routed_scaling_factor,
+        }
+    }
+}
+
 /// The attention layer's sizes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionConfig {

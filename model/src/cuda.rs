@@ -9,8 +9,9 @@
 //! checkpoint's `input_scale` (or per token without one) before the product: right at any
 //! batch, fast at small ones (prefill of FP8 checkpoints does not use tensor cores yet).
 //!
-//! Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step metadata (slots, sequences, the scan plan) is
-//! uploaded per operation, which a later version will hoist to once per step.
+//! Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step
+//! metadata (slots, sequences, the scan plan) is uploaded per operation, which a later version
+//! will hoist to once per step.
 
 use std::sync::Arc;
 
@@ -18,9 +19,7 @@ use half::bf16;
 use host::attn::{AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::moe::{
-    Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_gemm, route,
-};
+use host::moe::{Dispatch, ExpertWeights, combine, dispatch, experts, experts_mlp, experts_mlp_gemm, route};
 use host::norm::{NormShape, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
@@ -384,14 +383,7 @@ impl Backend for Cuda {
             return Err(unsupported("strided MoE inputs"));
         }
         let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
-        let shape = RouteShape {
-            experts: c.experts,
-            top_k: c.top_k,
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            renormalize: c.norm_topk_prob,
-            scaling: c.routed_scaling_factor,
-        };
+        let shape = c.route_shape();
         // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
         // experts every grouped row, the shared expert every row of its output, each before
         // the next operation reads it.

@@ -16,6 +16,15 @@ pub struct Linear<'a> {
     pub fp8: Option<Fp8Scales>,
 }
 
+impl<'a> Linear<'a> {
+    /// A bf16 weight `[n, k]` held in memory as little-endian bytes, without bias (tests and
+    /// benches build layers this way).
+    pub fn bf16(name: &'a str, shape: &'a [usize; 2], bytes: &'a [u8]) -> Linear<'a> {
+        let weight = Tensor { name, path: std::path::Path::new("memory"), dtype: Dtype::Bf16, shape, bytes };
+        Linear { weight, bias: None, fp8: None }
+    }
+}
+
 /// Scales of an FP8 linear layer: `W ~= codes * weight_scale`; activations are quantized
 /// with `input_scale` when the checkpoint gives one (else dynamically).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -8,7 +8,6 @@ use half::bf16;
 use model::backend::{Backend, In, MoeWeights, Out};
 use model::cache::Part;
 use model::config::Config;
-use model::config::MoeConfig;
 use model::cpu::Cpu;
 use model::cuda::Cuda;
 use model::layout::Layout;
@@ -16,7 +15,6 @@ use model::layout::{Linear, Mlp};
 use model::model::Model;
 use model::synthetic::write_checkpoint;
 use model::weights::Checkpoint;
-use model::weights::{Dtype, Tensor};
 use nemotron_rs::{Rng, assert_close, to_f64};
 
 /// Mamba layers at NemotronH's head geometry (64-wide heads, state 128, 4 heads per group
@@ -164,11 +162,6 @@ fn weight_bytes(rng: &mut Rng, n: usize, k: usize) -> Vec<u8> {
     rng.bf16s(n * k, -a, a).iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn linear<'a>(name: &'a str, shape: &'a [usize], bytes: &'a [u8]) -> Linear<'a> {
-    let weight = Tensor { name, path: std::path::Path::new("memory"), dtype: Dtype::Bf16, shape, bytes };
-    Linear { weight, bias: None, fp8: None }
-}
-
 /// A MoE layer's weights uploaded to a backend.
 fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], shared: &Mlp) -> MoeWeights<B> {
     MoeWeights {
@@ -186,28 +179,22 @@ fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_moe_layer_at_nano_sizes() {
-    let (hidden, inter, shared_inter, n_exp, top_k) = (2688, 1856, 3712, 128, 6);
-    let c = MoeConfig {
-        experts: n_exp,
-        top_k,
-        intermediate: inter,
-        shared_intermediate: Some(shared_inter),
-        n_group: 1,
-        topk_group: 1,
-        norm_topk_prob: true,
-        routed_scaling_factor: 2.5,
-    };
+    let nano = Config::from_json(include_str!("../assets/nano-30b-a3b.json")).unwrap();
+    let c = nano.moe.unwrap();
+    let (hidden, inter, n_exp) = (nano.hidden_size, c.intermediate, c.experts);
+    let shared_inter = c.shared_intermediate.unwrap();
     let mut rng = Rng::new(95);
     let (up_shape, down_shape) = ([inter, hidden], [hidden, inter]);
     let bytes: Vec<(Vec<u8>, Vec<u8>)> =
         (0..n_exp).map(|_| (weight_bytes(&mut rng, inter, hidden), weight_bytes(&mut rng, hidden, inter))).collect();
     let experts: Vec<Mlp> = bytes
         .iter()
-        .map(|(u, d)| Mlp { up: linear("up", &up_shape, u), down: linear("down", &down_shape, d) })
+        .map(|(u, d)| Mlp { up: Linear::bf16("up", &up_shape, u), down: Linear::bf16("down", &down_shape, d) })
         .collect();
     let (su_shape, sd_shape) = ([shared_inter, hidden], [hidden, shared_inter]);
     let (su, sd) = (weight_bytes(&mut rng, shared_inter, hidden), weight_bytes(&mut rng, hidden, shared_inter));
-    let shared = Mlp { up: linear("shared up", &su_shape, &su), down: linear("shared down", &sd_shape, &sd) };
+    let shared =
+        Mlp { up: Linear::bf16("shared up", &su_shape, &su), down: Linear::bf16("shared down", &sd_shape, &sd) };
     let gate = rng.bf16s(n_exp * hidden, -0.05, 0.05);
     let bias: Vec<f32> = (0..n_exp).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
     let cuda = Cuda::new(0).unwrap();

@@ -7,6 +7,11 @@
 //!   wall time per step (logits of every row copied back, as the engine needs them), median
 //!   of 20 after 3 warm-up steps.
 //!
+//! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, ...) runs only the cases whose
+//! name contains the filter; `--no-graphs` launches decode steps one operation at a time
+//! instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one decode
+//! step of each batch (`ncu --profile-from-start off`).
+//!
 //! Beside each time: the bytes the step must read at least (every weight it uses once, the
 //! SSM state read and written, for decode at batch > 1 the experts that uniform routing is
 //! expected to touch: `E (1 - (1 - k/E)^batch)` per layer) and that floor at the copy
@@ -44,6 +49,10 @@ fn median(mut t: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |f: &str| args.iter().any(|a| a == f);
+    let filter = args.iter().filter(|a| !a.starts_with("--")).cloned().collect::<Vec<_>>().join(" ");
+    let wanted = |case: &str| case.contains(&filter);
     let Some(b) = BenchGpu::open() else { return };
     let json = include_str!("../model/assets/nano-30b-a3b.json");
     let config = Config::from_json(json).expect("the Nano config parses");
@@ -53,7 +62,8 @@ fn main() {
     let generated = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let (slots, max_len) = (64, 4096 + 64);
-    let mut model = Model::load(Cuda::on(b.gpu.clone()), &config, &layout, slots, max_len).expect("loading the model");
+    let cuda = Cuda::on(b.gpu.clone()).with_graphs(!flag("--no-graphs"));
+    let mut model = Model::load(cuda, &config, &layout, slots, max_len).expect("loading the model");
     println!(
         "Nano 30B-A3B, random weights: {:.1} GB of tensors generated in {generated:.1} s, uploaded in {:.1} s",
         ck.total_bytes() as f64 / 1e9,
@@ -65,7 +75,7 @@ fn main() {
     let e = config.moe.as_ref().expect("Nano has MoE layers");
     let bw = b.copy_bytes_per_s;
     let vocab = config.vocab_size as u32;
-    for len in [512usize, 4096] {
+    for len in [512usize, 4096].into_iter().filter(|l| wanted(&format!("prefill {l}"))) {
         let prompt: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(7919) % vocab).collect();
         let times: Vec<f64> = (0..3)
             .map(|_| {
@@ -86,7 +96,7 @@ fn main() {
             bw / 1e9
         );
     }
-    for batch in [1usize, 8, 64] {
+    for batch in [1usize, 8, 64].into_iter().filter(|b| wanted(&format!("decode batch {b}"))) {
         let prompts: Vec<Vec<u32>> =
             (0..batch).map(|r| (0..16u32).map(|i| (i * 31 + r as u32 * 977) % vocab).collect()).collect();
         let parts: Vec<Part> =
@@ -98,7 +108,11 @@ fn main() {
             let parts: Vec<Part> =
                 (0..batch).map(|r| Part { slot: r as i32, computed: 16 + step, tokens: &toks[r] }).collect();
             let t = Instant::now();
-            model.step(&parts).expect("decode");
+            if step == 5 && flag("--profile") {
+                b.gpu.profile(|| model.step(&parts)).expect("profiler").expect("decode");
+            } else {
+                model.step(&parts).expect("decode");
+            }
             if step >= 3 {
                 times.push(t.elapsed().as_secs_f64());
             }

@@ -3,7 +3,7 @@
 //! rows continuing a cached prefix, fresh sequences and decode rows in one call.
 
 use half::bf16;
-use host::attn::{AttnShape, attention};
+use host::attn::{AttnRows, AttnShape, attention};
 use host::cpu::attn::attend;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -30,7 +30,11 @@ fn gpu_attention_matches_reference() {
         let (dq, dk, dv) = (gpu.upload(&q).unwrap(), gpu.upload(&k).unwrap(), gpu.upload(&v).unwrap());
         let (mut dkc, mut dvc) = (gpu.upload(&kc).unwrap(), gpu.upload(&vc).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
-        attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &slots, &pos, &mut out).unwrap();
+        // Rows written over in place (as a replayed graph reads them) before the launch.
+        let stale: Vec<u32> = pos.iter().map(|&p| (p + 1) % s.max_len as u32).collect();
+        let mut arows = AttnRows::new(&gpu, &slots, &stale, slots_n, s.max_len).unwrap();
+        arows.set(&gpu, &slots, &pos).unwrap();
+        attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &arows, &mut out).unwrap();
         // Reference: write the new rows, then attend over positions 0..=pos.
         for r in 0..rows {
             let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
@@ -49,19 +53,16 @@ fn gpu_attention_matches_reference() {
         compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-3, 1.0 / 256.0 + 1e-3);
         compared += assert_same(&format!("{label} k cache"), &gpu.download(&dkc).unwrap(), &kc);
         compared += assert_same(&format!("{label} v cache"), &gpu.download(&dvc).unwrap(), &vc);
-        let err = attention(
-            &gpu,
-            s,
-            &dq,
-            &dk,
-            &dv,
-            &mut dkc,
-            &mut dvc,
-            &[0, 0],
-            &[3, 3],
-            &mut gpu.zeros::<bf16>(2 * qw).unwrap(),
+        fn err<T>(r: host::Result<T>) -> String {
+            r.err().map(|e| e.to_string()).unwrap_or_default()
+        }
+        assert!(
+            err(AttnRows::new(&gpu, &[0, 0], &[3, 3], slots_n, s.max_len)).contains("one row per slot and position")
         );
-        assert!(err.unwrap_err().to_string().contains("one row per slot and position"));
+        assert!(err(arows.set(&gpu, &[0], &[3])).contains("`slots`"));
+        let other = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len + 1).unwrap();
+        let mut out2 = gpu.zeros::<bf16>(rows * qw).unwrap();
+        assert!(err(attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
     }
     println!("attention: {compared} values compared");
 }

@@ -131,7 +131,7 @@ mod gpu {
     use host::cpu::moe::{Routing, route};
     use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::moe::{
-        Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_gemm,
+        Dispatch, ExpertWeights, RouteShape, combine, dense, dispatch, experts, experts_mlp, experts_mlp_gemm,
         route as gpu_route,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
@@ -455,7 +455,6 @@ mod gpu {
             // The dense path: one expert, every row in order.
             let rows = 5;
             let xd = rng.bf16s(rows * hidden, -1.0, 1.0);
-            let dense = Dispatch::dense(&gpu, rows).unwrap();
             let in0 = up_i.as_ref().map(|_| gpu.upload(&up_in[..1]).unwrap());
             let w0 = ExpertWeights::Fp8 {
                 codes: &gpu.upload(&up_c[..inter * hidden]).unwrap(),
@@ -463,7 +462,7 @@ mod gpu {
                 in_scale: in0.as_ref(),
             };
             let mut y = gpu.upload(&vec![POISON_BF16; rows * inter]).unwrap();
-            experts(&gpu, &dense, &gpu.upload(&xd).unwrap(), false, w0, (inter, hidden), false, &mut y).unwrap();
+            dense(&gpu, &gpu.upload(&xd).unwrap(), rows, w0, (inter, hidden), false, &mut y).unwrap();
             let want: Vec<f64> = xd
                 .chunks(hidden)
                 .flat_map(|r| w8a8(&to_f64(r), &up_v[..inter * hidden], up_s[0], up_static.then_some(up_in[0])))

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use host::cpu::{norm as cpu, quant as cpu_quant};
-use host::norm::{NormShape, gated_norm, gated_norm_fp8, rms_norm};
+use host::norm::{NormShape, add_rms_norm, gated_norm, gated_norm_fp8, rms_norm};
 use host::quant::quant_token;
 use nemotron_rs::{POISON_BF16, POISON_FP8, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -99,6 +99,29 @@ fn gpu_rms_norm_matches_reference() {
         }
     }
     println!("rms_norm: {compared} elements compared");
+}
+
+/// The residual add fused with the norm: h becomes bf16(h + add) (bit-exact), y the norm of
+/// that sum.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_add_rms_norm_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(2);
+    let mut compared = 0;
+    for &(rows, width) in PLAIN_CASES {
+        let (h, add) = (activations(&mut rng, rows, width), activations(&mut rng, rows, width));
+        let w = rng.bf16s(width, -2.0, 2.0);
+        let (mut dh, dadd, dw) = (gpu.upload(&h).unwrap(), gpu.upload(&add).unwrap(), gpu.upload(&w).unwrap());
+        let mut dy = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+        add_rms_norm(&gpu, NormShape::new(rows, width, 1, EPS), &mut dh, &dadd, &dw, &mut dy).unwrap();
+        let sum: Vec<bf16> = h.iter().zip(&add).map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32())).collect();
+        compared += assert_same(&format!("add {rows}x{width}"), &gpu.download(&dh).unwrap(), &sum);
+        let want = cpu::rms_norm(&sum, &w, width, EPS as f64);
+        let got = to_f64(&gpu.download(&dy).unwrap());
+        compared += assert_close(&format!("add+rms {rows}x{width}"), &got, &want, ATOL, RTOL);
+    }
+    println!("add_rms_norm: {compared} elements compared");
 }
 
 #[test]

@@ -21,8 +21,65 @@ pub struct AttnShape {
     pub max_len: usize,
 }
 
-/// Writes each row's `k`, `v` into the caches at (`slots[r]`, `pos[r]`), then attends each
-/// row's query over its slot's keys `0..=pos[r]`; `out [rows, heads * head_dim]`.
+/// Each row's cache slot and position, checked on the host (slots in range, positions below
+/// the cache length, no slot and position twice, so the cache writes do not collide) and
+/// uploaded.
+pub struct AttnRows {
+    slot: CudaSlice<i32>,
+    pos: CudaSlice<u32>,
+    num_slots: usize,
+    max_len: usize,
+}
+
+impl AttnRows {
+    /// Checks and uploads `slots` and `pos` (one per row) for a cache of `num_slots` slots of
+    /// `max_len` positions.
+    pub fn new(gpu: &Gpu, slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<AttnRows> {
+        check_rows(slots, pos, num_slots, max_len)?;
+        Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len })
+    }
+
+    /// Checks `slots` and `pos` (as many rows as before) and writes them over these in place,
+    /// so work recorded reading these buffers (a CUDA graph) reads the new rows.
+    pub fn set(&mut self, gpu: &Gpu, slots: &[i32], pos: &[u32]) -> Result<()> {
+        Check(Kernel::Attn.name()).len("slots", self.slot.len(), slots.len())?;
+        check_rows(slots, pos, self.num_slots, self.max_len)?;
+        gpu.upload_into(slots, &mut self.slot)?;
+        gpu.upload_into(pos, &mut self.pos)
+    }
+
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.slot.len()
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.slot.is_empty()
+    }
+}
+
+fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<()> {
+    let c = Check(Kernel::Attn.name());
+    c.count("rows", MAX_ROWS, slots.len())?;
+    c.len("pos", slots.len(), pos.len())?;
+    c.count("max_len", i32::MAX as usize, max_len)?;
+    let mut seen = HashSet::new();
+    for (r, (&sl, &p)) in slots.iter().zip(pos).enumerate() {
+        c.that(
+            "slots",
+            sl >= 0 && (sl as usize) < num_slots,
+            format!("slots in 0..{num_slots}"),
+            format!("{sl} at row {r}"),
+        )?;
+        c.that("pos", (p as usize) < max_len, format!("positions below {max_len}"), format!("{p} at row {r}"))?;
+        c.that("pos", seen.insert((sl, p)), "one row per slot and position", format!("row {r} repeats ({sl}, {p})"))?;
+    }
+    Ok(())
+}
+
+/// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
+/// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
@@ -32,68 +89,47 @@ pub fn attention(
     v: &impl DevicePtr<bf16>,
     k_cache: &mut CudaSlice<bf16>,
     v_cache: &mut CudaSlice<bf16>,
-    slots: &[i32],
-    pos: &[u32],
+    rows: &AttnRows,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kn = Kernel::Attn;
     let c = Check(kn.name());
-    let rows = slots.len();
-    c.count("rows", MAX_ROWS, rows)?;
-    c.len("pos", rows, pos.len())?;
+    let n = rows.len();
     c.count("heads", 65535, s.heads)?;
     c.count("kv_heads", s.heads, s.kv_heads)?;
     c.that("kv_heads", s.heads.is_multiple_of(s.kv_heads), format!("a divisor of heads {}", s.heads), s.kv_heads)?;
     c.count("head_dim", 1024, s.head_dim)?;
-    c.count("max_len", i32::MAX as usize, s.max_len)?;
+    c.that("rows", rows.max_len == s.max_len, format!("rows checked against max_len {}", s.max_len), rows.max_len)?;
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    c.len_at_least("q", rows * qw, q.len())?;
-    c.len_at_least("k", rows * kw, k.len())?;
-    c.len_at_least("v", rows * kw, v.len())?;
-    c.len("out", rows * qw, out.len())?;
+    c.len_at_least("q", n * qw, q.len())?;
+    c.len_at_least("k", n * kw, k.len())?;
+    c.len_at_least("v", n * kw, v.len())?;
+    c.len("out", n * qw, out.len())?;
     let per_slot = s.max_len * kw;
-    c.that(
-        "k_cache",
-        k_cache.len().is_multiple_of(per_slot),
-        format!("whole slots of {per_slot} elements"),
-        k_cache.len(),
-    )?;
+    c.len("k_cache", rows.num_slots * per_slot, k_cache.len())?;
     c.len("v_cache", k_cache.len(), v_cache.len())?;
-    let num_slots = k_cache.len() / per_slot;
-    let mut seen = HashSet::new();
-    for (r, (&sl, &p)) in slots.iter().zip(pos).enumerate() {
-        c.that(
-            "slots",
-            sl >= 0 && (sl as usize) < num_slots,
-            format!("slots in 0..{num_slots}"),
-            format!("{sl} at row {r}"),
-        )?;
-        c.that("pos", (p as usize) < s.max_len, format!("positions below {}", s.max_len), format!("{p} at row {r}"))?;
-        c.that("pos", seen.insert((sl, p)), "one row per slot and position", format!("row {r} repeats ({sl}, {p})"))?;
-    }
-    let (dslots, dpos) = (gpu.upload(slots)?, gpu.upload(pos)?);
     let p = AttnParams {
         q: gpu.addr(kn, "q", q)? as *const u16,
         k: gpu.addr(kn, "k", k)? as *const u16,
         v: gpu.addr(kn, "v", v)? as *const u16,
         k_cache: gpu.addr_mut(kn, "k_cache", k_cache)? as *mut u16,
         v_cache: gpu.addr_mut(kn, "v_cache", v_cache)? as *mut u16,
-        slot: gpu.addr(kn, "slots", &dslots)? as *const i32,
-        pos: gpu.addr(kn, "pos", &dpos)? as *const u32,
+        slot: gpu.addr(kn, "slots", &rows.slot)? as *const i32,
+        pos: gpu.addr(kn, "pos", &rows.pos)? as *const u32,
         out: gpu.addr_mut(kn, "out", out)? as *mut u16,
-        rows: rows as u32,
+        rows: n as u32,
         heads: s.heads as u32,
         kv_heads: s.kv_heads as u32,
         head_dim: s.head_dim as u32,
         max_len: s.max_len as u32,
         scale: 1.0 / (s.head_dim as f32).sqrt(),
     };
-    // SAFETY: every extent above is checked; slots and positions are in range and distinct,
-    // so cache writes do not collide; the caches and out are `&mut` (distinct from the
-    // inputs); the attention launch runs after the cache write on the stream; the metadata
-    // buffers outlive this call's queued work (freed in stream order).
+    // SAFETY: every extent above is checked; the rows' slots and positions are in range of
+    // these caches and distinct (AttnRows), so cache writes do not collide; the caches and out
+    // are `&mut` (distinct from the inputs); the attention launch runs after the cache write
+    // on the stream.
     unsafe {
-        gpu.launch(Kernel::AttnCacheWrite, (rows as u32, 1, 1), ATTN_BLOCK, 0, p)?;
-        gpu.launch(kn, (rows as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p)
+        gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
+        gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p)
     }
 }

@@ -75,6 +75,18 @@ impl Slots {
         Ok(Slots { dev: gpu.upload(slots)?, host: slots.to_vec(), num_slots })
     }
 
+    /// Validates `slots` (as many as before) and writes them over these in place, so work
+    /// recorded reading this buffer (a CUDA graph) reads the new slots.
+    pub fn set(&mut self, gpu: &Gpu, slots: &[i32]) -> Result<()> {
+        if slots.len() != self.host.len() {
+            return Err(Error::Batch(format!("{} decode rows given for {} in place", slots.len(), self.host.len())));
+        }
+        check_slots("decode row", slots, self.num_slots)?;
+        gpu.upload_into(slots, &mut self.dev)?;
+        self.host.copy_from_slice(slots);
+        Ok(())
+    }
+
     /// Rows (the batch size).
     pub fn len(&self) -> usize {
         self.host.len()

@@ -2,12 +2,13 @@
 //! single place kernels are launched from.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::cublaslt::CudaBlasLT;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DeviceSlice, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DeviceSlice, DriverError, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use kernels_gpu::{Kernel, KernelParams};
@@ -73,14 +74,6 @@ impl Arch {
     }
 }
 
-/// Passes a [`KernelParams`] struct by value as a kernel's single `.param` block.
-#[repr(transparent)]
-struct ParamBlock<P>(P);
-
-// SAFETY: `P: KernelParams` is #[repr(C)] + Copy with only plain fields, and ParamBlock is
-// transparent, so its bytes are exactly the `.param` block of the entry it is passed to.
-unsafe impl<P: KernelParams> DeviceRepr for ParamBlock<P> {}
-
 /// One CUDA device with the module of its arch loaded, and the stream every launch goes to.
 ///
 /// All work is ordered on that one stream; cudarc's per-allocation event tracking is disabled
@@ -98,6 +91,9 @@ pub struct Gpu {
     /// Most dynamic shared memory a block of each function may use (the device's opt-in
     /// limit less the function's static shared memory, enabled at load).
     max_smem: Vec<u32>,
+    /// Whether [`Gpu::capture`] is recording: host copies are refused then (a graph would
+    /// replay a copy from host memory that is gone, or hold stale data).
+    capturing: AtomicBool,
     _module: Arc<CudaModule>,
 }
 
@@ -152,6 +148,7 @@ impl Gpu {
             max_threads,
             max_smem,
             blas: std::sync::OnceLock::new(),
+            capturing: AtomicBool::new(false),
             _module: module,
         })
     }
@@ -185,8 +182,17 @@ impl Gpu {
         &self.stream
     }
 
+    /// Fails while a capture records (`what`: the host copy refused).
+    fn not_capturing(&self, what: &'static str) -> Result<()> {
+        if self.capturing.load(Ordering::Relaxed) {
+            return Err(Error::InCapture(what));
+        }
+        Ok(())
+    }
+
     /// Copies `data` to a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.not_capturing("a copy to the device")?;
         self.stream.clone_htod(data).during("copying to the device")
     }
 
@@ -200,11 +206,13 @@ impl Gpu {
                 got: format!("{} elements", dst.len()),
             });
         }
+        self.not_capturing("a copy to the device")?;
         self.stream.memcpy_htod(data, dst).during("copying to the device")
     }
 
     /// Copies a device buffer back (waits for the stream).
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, buf: &S) -> Result<Vec<T>> {
+        self.not_capturing("a copy from the device")?;
         self.stream.clone_dtoh(buf).during("copying from the device")
     }
 
@@ -224,7 +232,20 @@ impl Gpu {
 
     /// Waits until all queued work is done; reports errors of earlier launches.
     pub fn synchronize(&self) -> Result<()> {
+        self.not_capturing("a synchronization")?;
         self.stream.synchronize().during("waiting for the stream")
+    }
+
+    /// Runs `f` with the CUDA profiler on: the range a profiler started with collection off
+    /// (`ncu --profile-from-start off`) records.
+    pub fn profile<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        self.ctx.bind_to_thread().during("binding the context")?;
+        // SAFETY: plain driver calls without arguments, on a bound context.
+        unsafe { sys::cuProfilerStart() }.result().during("starting the profiler")?;
+        let out = f();
+        // SAFETY: as above.
+        unsafe { sys::cuProfilerStop() }.result().during("stopping the profiler")?;
+        Ok(out)
     }
 
     /// GPU time in milliseconds of the work `f` queues, between two CUDA events on the stream.
@@ -239,15 +260,19 @@ impl Gpu {
 
     /// Records the work `f` queues into a CUDA graph instead of running it; replay it with
     /// [`Graph::replay`]. The buffers the work uses must outlive the graph and stay in place.
-    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+    pub fn capture<E: From<Error>>(&self, f: impl FnOnce() -> Result<(), E>) -> Result<Graph, E> {
         // cuBLASLt's handle allocates its workspace when first used: create it before the
         // capture, or the graph would hold that allocation and refuse a second launch. Where
         // cuBLASLt is missing the capture goes on; a GEMM inside it reports that.
         let _ = self.blas();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        self.stream.begin_capture(mode).during("starting a graph capture")?;
-        let queued = f();
+        if self.capturing.swap(true, Ordering::Relaxed) {
+            return Err(Error::InCapture("a capture").into());
+        }
+        let begun = self.stream.begin_capture(mode).during("starting a graph capture");
+        let queued = begun.map_err(E::from).and_then(|()| f());
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).during("ending a graph capture");
+        self.capturing.store(false, Ordering::Relaxed);
         queued?;
         let graph = graph?.ok_or(Error::Driver {
             during: "ending a graph capture (nothing was captured)",
@@ -330,13 +355,36 @@ impl Gpu {
             format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),
             format!("one needing {block}"),
         )?;
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-        let block = ParamBlock(params);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&block);
-        // SAFETY: forwarded from this function's contract.
-        unsafe { b.launch(cfg) }.during("launching a kernel")?;
-        Ok(())
+        // Programmatic stream serialization: the kernel may start launching while the one
+        // before it finishes; every kernel's first statement waits for its predecessor
+        // (`grid_dependency_wait` in kernels-gpu), so the order is that of a plain stream.
+        let mut pdl = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut pdl,
+            numAttrs: 1,
+        };
+        let mut params = params;
+        let mut args = [(&mut params as *mut P).cast::<std::ffi::c_void>()];
+        self.ctx.bind_to_thread().during("binding the context")?;
+        // SAFETY: the config, attribute and argument array live across the call; the one
+        // argument is the kernel's parameter block (`P: KernelParams`: #[repr(C)], plain
+        // fields, exactly the entry's `.param` bytes);
+        // the rest is forwarded from this function's contract.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .during("launching a kernel")
     }
 }
 

@@ -132,22 +132,6 @@ impl Dispatch {
         }
     }
 
-    /// The trivial dispatch of a dense layer: one expert, all `rows` rows in order (so
-    /// [`experts`] computes a linear layer).
-    pub fn dense(gpu: &Gpu, rows: usize) -> Result<Dispatch> {
-        Check(Kernel::MoeExpert.name()).count("rows", MAX_ENTRIES - 1, rows)?;
-        Ok(Dispatch {
-            offsets: gpu.upload(&[0, rows as u32])?,
-            active: gpu.upload(&[0u32])?,
-            active_count: gpu.upload(&[1u32])?,
-            token: gpu.upload(&(0..rows as u32).collect::<Vec<_>>())?,
-            slot: gpu.upload(&(0..rows as i32).collect::<Vec<_>>())?,
-            experts: 1,
-            top_k: 1,
-            filled: true,
-        })
-    }
-
     /// Grouped rows (`rows * top_k`).
     pub fn entries(&self) -> usize {
         self.slot.len()
@@ -226,6 +210,14 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
     Ok(())
 }
 
+/// The rows an expert launch computes: the grouped rows of a dispatch, or all rows of a dense
+/// layer (one expert).
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Routed { d: &'a Dispatch, by_token: bool },
+    Dense(usize),
+}
+
 /// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
 /// `out[j] = f(x_j W_e^T)`, `x_j` row `token[j]` of `x` when `by_token` (the layer input), row
 /// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when
@@ -239,6 +231,34 @@ pub fn experts(
     x: &impl DevicePtr<bf16>,
     by_token: bool,
     w: ExpertWeights,
+    nk: (usize, usize),
+    relu2: bool,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    project(gpu, Rows::Routed { d, by_token }, x, w, nk, relu2, out)
+}
+
+/// A linear layer through the expert kernel: `out = f(x W^T)` for `rows` rows of `x`, `w [n,
+/// k]` one expert's weights, `f` as for [`experts`]: a bandwidth-bound GEMV for small batches,
+/// and the FP8 path of dense layers (W8A8 as for experts).
+pub fn dense(
+    gpu: &Gpu,
+    x: &impl DevicePtr<bf16>,
+    rows: usize,
+    w: ExpertWeights,
+    nk: (usize, usize),
+    relu2: bool,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    project(gpu, Rows::Dense(rows), x, w, nk, relu2, out)
+}
+
+/// [`experts`] and [`dense`].
+fn project(
+    gpu: &Gpu,
+    rows: Rows,
+    x: &impl DevicePtr<bf16>,
+    w: ExpertWeights,
     (n, k): (usize, usize),
     relu2: bool,
     out: &mut impl DevicePtrMut<bf16>,
@@ -248,48 +268,67 @@ pub fn experts(
         ExpertWeights::Fp8 { .. } => Kernel::MoeExpertFp8,
     };
     let c = Check(kern.name());
-    d.check_filled(kern.name())?;
+    let (experts, entries, x_rows) = match rows {
+        Rows::Routed { d, by_token } => {
+            d.check_filled(kern.name())?;
+            // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
+            (d.experts, d.entries(), if by_token { d.entries() / d.top_k } else { d.entries() })
+        }
+        Rows::Dense(r) => {
+            c.count("rows", MAX_ENTRIES - 1, r)?;
+            (1, r, r)
+        }
+    };
     c.count("n", MAX_ELEMS, n)?;
     c.count("k", MAX_ELEMS, k)?;
     c.that("k", k.is_multiple_of(8), "a multiple of 8", k)?;
     let (w_addr, w_scale, in_scale) = match w {
         ExpertWeights::Bf16(w) => {
-            c.len("w", d.experts * n * k, w.len())?;
+            c.len("w", experts * n * k, w.len())?;
             (gpu.addr(kern, "w", w)?, 0, 0)
         }
         ExpertWeights::Fp8 { codes, w_scale, in_scale } => {
-            c.len("w", d.experts * n * k, codes.len())?;
-            c.len("w_scale", d.experts, w_scale.len())?;
+            c.len("w", experts * n * k, codes.len())?;
+            c.len("w_scale", experts, w_scale.len())?;
             if let Some(s) = in_scale {
-                c.len("in_scale", d.experts, s.len())?;
+                c.len("in_scale", experts, s.len())?;
             }
             let in_addr = in_scale.map_or(Ok(0), |s| gpu.addr(kern, "in_scale", s))?;
             (gpu.addr(kern, "w", codes)?, gpu.addr(kern, "w_scale", w_scale)?, in_addr)
         }
     };
-    c.len("out", d.entries() * n, out.len())?;
-    // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
-    let x_rows = if by_token { d.entries() / d.top_k } else { d.entries() };
+    c.len("out", entries * n, out.len())?;
     c.len_at_least("x", x_rows * k, x.len())?;
+    let null = core::ptr::null();
+    let (x_row, offsets, active, active_count, slots) = match rows {
+        Rows::Routed { d, by_token } => (
+            if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { null },
+            gpu.addr(kern, "offsets", &d.offsets)? as *const u32,
+            gpu.addr(kern, "active", &d.active)? as *const u32,
+            gpu.addr(kern, "active_count", &d.active_count)? as *const u32,
+            d.experts.min(d.entries()) as u32,
+        ),
+        Rows::Dense(_) => (null, null, null, null, 1),
+    };
     let p = ExpertParams {
         x: gpu.addr(kern, "x", x)? as *const u16,
-        x_row: if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { core::ptr::null() },
+        x_row,
         w: w_addr as *const u8,
         w_scale: w_scale as *const f32,
         in_scale: in_scale as *const f32,
-        offsets: gpu.addr(kern, "offsets", &d.offsets)? as *const u32,
-        active: gpu.addr(kern, "active", &d.active)? as *const u32,
-        active_count: gpu.addr(kern, "active_count", &d.active_count)? as *const u32,
+        offsets,
+        active,
+        active_count,
         out: gpu.addr_mut(kern, "out", out)? as *mut u16,
+        rows: entries as u32,
         n: n as u32,
         k: k as u32,
         relu2: u32::from(relu2),
     };
-    let slots = d.experts.min(d.entries()) as u32;
-    // SAFETY: the dispatch buffers come from [`dispatch`] or [`Dispatch::dense`] (offsets
-    // within entries, token ids below rows: the tokens are the rows of x when by_token, x has
-    // entries rows otherwise); w holds experts * n * k weights and the scales one per expert;
-    // out holds entries * n; k is a multiple of 8.
+    // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
+    // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
+    // a dense launch reads rows 0..entries of x and one expert's weights; w holds experts *
+    // n * k weights and the scales one per expert; out holds entries * n; k is a multiple of 8.
     unsafe { gpu.launch(kern, ((n as u32).div_ceil(EXPERT_BLOCK_ROWS), slots, 1), EXPERT_BLOCK, 0, p) }
 }
 
@@ -400,5 +439,6 @@ pub fn combine(
         y_rows: (y.len() / hidden) as u32,
     };
     // SAFETY: extents checked above; a slot outside y traps; out is `&mut`.
-    unsafe { gpu.launch(k, (rows as u32, 1, 1), kernels_gpu::EW_BLOCK, 0, p) }
+    let blocks = (hidden as u32).div_ceil(kernels_gpu::EW_BLOCK);
+    unsafe { gpu.launch(k, (rows as u32, blocks, 1), kernels_gpu::EW_BLOCK, 0, p) }
 }

@@ -86,8 +86,28 @@ pub fn rms_norm(
     let k = Kernel::NormRms;
     Check(k.name()).that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
     shape.check(k, x.len(), None, w.len(), &[("y", shape.width, y.len())])?;
+    let x = gpu.addr(k, "x", x)? as *mut u16;
+    // SAFETY: `check` proved x covers rows * x_stride elements; with no add, x is only read.
+    unsafe { launch_rms(gpu, shape, x, core::ptr::null(), w, y) }
+}
+
+/// Launches `norm_rms_bf16` on checked rows.
+///
+/// # Safety
+/// `x` covers the shape's rows (written back only with `add`, then as the launch's own
+/// rows), `add` is null or holds `rows * width`, neither aliases `y`; `shape` passed `check`.
+unsafe fn launch_rms(
+    gpu: &Gpu,
+    shape: NormShape,
+    x: *mut u16,
+    add: *const u16,
+    w: &impl DevicePtr<bf16>,
+    y: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::NormRms;
     let p = RmsNormParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
+        x,
+        add,
         w: gpu.addr(k, "w", w)? as *const u16,
         y: gpu.addr_mut(k, "y", y)? as *mut u16,
         rows: shape.rows as u32,
@@ -95,10 +115,31 @@ pub fn rms_norm(
         x_stride: shape.x_stride as u32,
         eps: shape.eps,
     };
-    // SAFETY: `check` proved x covers rows * x_stride, w = width and y = rows * width
-    // elements, rows and width in the kernel's index range; y is `&mut`, so it aliases no
-    // input; grid/block/smem as norm_rms_bf16 documents.
+    // SAFETY: the caller's contract; w = width and y = rows * width elements (check), y is
+    // `&mut`, so it aliases no input; grid/block/smem as norm_rms_bf16 documents.
     unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), row_block(p.width), smem_bytes(p.width, 1), p) }
+}
+
+/// The residual add fused with the next RMSNorm: `h = bf16(h + add)`, then `y = rms_norm(h)`
+/// (contiguous rows: `shape.x_stride == width`, `shape.groups == 1`).
+pub fn add_rms_norm(
+    gpu: &Gpu,
+    shape: NormShape,
+    h: &mut impl DevicePtrMut<bf16>,
+    add: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    y: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::NormRms;
+    let c = Check(k.name());
+    c.that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
+    c.that("h", shape.x_stride == shape.width, "contiguous rows", format!("stride {}", shape.x_stride))?;
+    shape.check(k, h.len(), None, w.len(), &[("y", shape.width, y.len())])?;
+    c.len_at_least("add", shape.rows * shape.width, add.len())?;
+    let (h, add) = (gpu.addr_mut(k, "h", h)? as *mut u16, gpu.addr(k, "add", add)? as *const u16);
+    // SAFETY: h (contiguous, checked) is `&mut`, so distinct from add and y; each block
+    // writes back only its own row of h, each thread its own chunks.
+    unsafe { launch_rms(gpu, shape, h, add, w, y) }
 }
 
 /// Gated group RMSNorm (SPEC.md section 5): `u = x * silu(z)`, normalized per group.

@@ -51,6 +51,7 @@ mod kernels {
     /// writes its own chunks of h.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn act_add_bf16(p: AddParams) {
+        grid_dependency_wait();
         let n = p.n as usize;
         // SAFETY: h and x hold n elements (checked by the launcher); chunks are disjoint.
         for_each_chunk(p.n, |c0| unsafe {
@@ -66,6 +67,7 @@ mod kernels {
     /// relu^2, [`Relu2Params`]. Any grid, block [`EW_BLOCK`].
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn act_relu2_bf16(p: Relu2Params) {
+        grid_dependency_wait();
         let n = p.n as usize;
         // SAFETY: x holds n elements (checked by the launcher); chunks are disjoint.
         for_each_chunk(p.n, |c0| unsafe {
@@ -78,6 +80,7 @@ mod kernels {
     /// `idx[r]` of the table into row r of out.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn act_gather_bf16(p: GatherParams) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let w = p.width as usize;
         // SAFETY: the table holds table_rows * width and out rows * width (checked by the

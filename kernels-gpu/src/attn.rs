@@ -51,6 +51,7 @@ mod kernels {
     /// of k and v to position `pos[r]` of slot `slot[r]` of the caches.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_cache_write_bf16(p: AttnParams) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let kw = (p.kv_heads * p.head_dim) as usize;
         // SAFETY: launch contract checked by host/src/attn.rs (slots and positions in range,
@@ -72,6 +73,7 @@ mod kernels {
     /// one thread per output channel sums the weighted values.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_bf16(p: AttnParams) {
+        grid_dependency_wait();
         let (r, h) = (block_x() as usize, block_y() as usize);
         let t = thread_x() as usize;
         let (d, blk) = (p.head_dim as usize, ATTN_BLOCK as usize);

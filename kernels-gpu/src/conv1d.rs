@@ -98,6 +98,7 @@ mod kernels {
     /// slot and x[row, c], writes y[row, c], then the state shifted left with x appended.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn conv1d_update_bf16(p: ConvUpdateParams) {
+        grid_dependency_wait();
         let c = (block_x() * CONV_BLOCK + thread_x()) as usize;
         let row = block_y() as usize;
         let k = p.k as usize;
@@ -177,6 +178,7 @@ mod kernels {
     /// x, or the prefix before the sequence's first token), writes y[t, c]. Reads states only.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn conv1d_fwd_bf16(p: ConvFwdParams) {
+        grid_dependency_wait();
         let c = (block_y() * CONV_BLOCK + thread_x()) as usize;
         let t = block_x() as usize;
         let k = p.k as usize;
@@ -208,6 +210,7 @@ mod kernels {
     /// first, then written to the slot.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn conv1d_fwd_state_bf16(p: ConvFwdParams) {
+        grid_dependency_wait();
         let c = (block_x() * CONV_BLOCK + thread_x()) as usize;
         let s = block_y() as usize;
         let km1 = p.k as usize - 1;

@@ -17,6 +17,18 @@ unsafe extern "C" {
 // declaration is the only form ptxas accepts for it.
 core::arch::global_asm!(".extern .shared .align 16 .b8 dyn_smem[];");
 
+/// The first statement of every kernel (programmatic dependent launch, sm_90+): lets the
+/// stream's next kernel start launching its blocks now, then waits until the kernel before
+/// this one has completed and its memory is visible. Kernels are launched with programmatic
+/// stream serialization allowed (host/src/gpu.rs), so without this wait one could read its
+/// inputs before they are written; with it, work is ordered as on a plain stream while the
+/// next launch overlaps this kernel's tail.
+#[inline(always)]
+pub fn grid_dependency_wait() {
+    // SAFETY: no operands; the implicit memory clobber keeps every access after the wait.
+    unsafe { asm!("griddepcontrol.launch_dependents;", "griddepcontrol.wait;", options(nostack)) }
+}
+
 /// Stops the kernel (used by the panic handler; bounds-check failures end here).
 #[inline(always)]
 pub fn trap() -> ! {

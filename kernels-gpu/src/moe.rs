@@ -106,11 +106,15 @@ pub struct ExpertParams {
     pub w_scale: *const f32,
     /// FP8: `[experts]` static input scales, or null for per-token scales.
     pub in_scale: *const f32,
+    /// The dispatch's offsets, active list and count; all null for a dense launch (one
+    /// expert, rows `0..rows`).
     pub offsets: *const u32,
     pub active: *const u32,
     pub active_count: *const u32,
     /// `[entries, n]` bf16, written.
     pub out: *mut u16,
+    /// Rows of a dense launch (unused otherwise).
+    pub rows: u32,
     pub n: u32,
     pub k: u32,
     /// 1: `relu(bf16(.))^2`, as the experts' hidden activation.
@@ -174,6 +178,7 @@ mod kernels {
     /// over hidden (16-byte loads, f32 sums), reduced across the block in warp order.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_router_logits_bf16(p: RouteParams) {
+        grid_dependency_wait();
         const T: usize = LOGITS_TOKENS as usize;
         let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
         let t0 = block_y() as usize * T;
@@ -231,6 +236,7 @@ mod kernels {
     /// warp-wide argmax (lowest index on ties).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_route_select(p: RouteParams) {
+        grid_dependency_wait();
         let e = p.experts as usize;
         let (lane, warp) = (lane_id() as usize, warp_id() as usize);
         let tok = block_x() as usize * SELECT_TOKENS as usize + warp;
@@ -329,6 +335,7 @@ mod kernels {
     /// consumer computes each row on its own, so results do not.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_dispatch(p: DispatchParams) {
+        grid_dependency_wait();
         use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
         let (n, e) = (p.entries as usize, p.experts as usize);
         let tid = thread_x() as usize;
@@ -464,18 +471,20 @@ mod kernels {
         // entries * n. Each output element is written by lane 0 of the one warp owning its
         // weight row.
         unsafe {
+            let dense = p.offsets.is_null();
             let a = block_y();
-            if a >= ld(p.active_count, 0) {
+            if !dense && a >= ld(p.active_count, 0) {
                 return;
             }
-            let e = ld(p.active, a as usize) as usize;
+            let e = if dense { 0 } else { ld(p.active, a as usize) as usize };
             let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
             if row0 >= n {
                 return;
             }
             let w = p.w.wrapping_add((e * n + row0) * k * elem);
             let rows = (n - row0).min(R);
-            let (lo, hi) = (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize);
+            let (lo, hi) =
+                if dense { (0, p.rows as usize) } else { (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize) };
             let w_scale = if fp8 { ld(p.w_scale, e) } else { 1.0 };
             let mut j0 = lo;
             while j0 < hi {
@@ -562,12 +571,14 @@ mod kernels {
     }
 
     /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / EXPERT_BLOCK_ROWS),
-    /// slots)` with `slots >= active_count` (blocks past it return), block [`EXPERT_BLOCK`].
+    /// slots)` with `slots >= active_count` (blocks past it return; 1 for a dense launch),
+    /// block [`EXPERT_BLOCK`].
     /// Block `(b, a)` takes expert `active[a]`; each warp streams [`EXPERT_WARP_ROWS`] weight
     /// rows once per [`EXPERT_TOKENS`] of the expert's rows (lanes over k, [`EXPERT_UNROLL`]
     /// loads per row in flight, f32 sums).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
+        grid_dependency_wait();
         // SAFETY: forwarded launch contract.
         unsafe { expert_rows::<[u32; 4]>(&p, false) }
     }
@@ -576,31 +587,34 @@ mod kernels {
     /// input chunk quantized to e4m3 with its token's scale before the product.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
+        grid_dependency_wait();
         // SAFETY: forwarded launch contract.
         unsafe { expert_rows::<u64>(&p, true) }
     }
 
-    /// Combining, [`CombineParams`]. Grid `(rows)`, block [`EW_BLOCK`]: block t, one thread
-    /// per channel (coalesced), sums the shared output and the weighted expert rows in order k.
+    /// Combining, [`CombineParams`]. Grid `(rows, ceil(hidden / EW_BLOCK))`, block
+    /// [`EW_BLOCK`]: block (t, b) sums channel `b * EW_BLOCK + thread` of token t (coalesced):
+    /// the shared output and the weighted expert rows in order k.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_combine_bf16(p: CombineParams) {
+        grid_dependency_wait();
         let t = block_x() as usize;
         let (h, k) = (p.hidden as usize, p.top_k as usize);
+        let c = (block_y() * EW_BLOCK + thread_x()) as usize;
+        if c >= h {
+            return;
+        }
         // SAFETY: launch contract checked by host/src/moe.rs; a slot outside y traps.
         unsafe {
-            let mut c = thread_x() as usize;
-            while c < h {
-                let mut acc = if p.shared.is_null() { 0.0 } else { bf16_to_f32(ld(p.shared, t * h + c)) };
-                for j in t * k..(t + 1) * k {
-                    let s = ld(p.slot, j);
-                    if s < 0 || s as u32 >= p.y_rows {
-                        trap();
-                    }
-                    acc += ld(p.weight, j) * bf16_to_f32(ld(p.y, s as usize * h + c));
+            let mut acc = if p.shared.is_null() { 0.0 } else { bf16_to_f32(ld(p.shared, t * h + c)) };
+            for j in t * k..(t + 1) * k {
+                let s = ld(p.slot, j);
+                if s < 0 || s as u32 >= p.y_rows {
+                    trap();
                 }
-                st(p.out, t * h + c, f32_to_bf16(acc));
-                c += EW_BLOCK as usize;
+                acc += ld(p.weight, j) * bf16_to_f32(ld(p.y, s as usize * h + c));
             }
+            st(p.out, t * h + c, f32_to_bf16(acc));
         }
     }
 }

@@ -13,12 +13,15 @@
 
 use crate::KernelParams;
 
-/// Plain RMSNorm: `y[r, c] = w[c] * x[r, c] * rsqrt(mean_c(x[r, :]^2) + eps)`.
+/// Plain RMSNorm: `y[r, c] = w[c] * x[r, c] * rsqrt(mean_c(x[r, :]^2) + eps)`; with `add`,
+/// of the residual sum: `x = bf16(x + add)` written back to `x` first (contiguous rows).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RmsNormParams {
-    /// `[rows, x_stride]` bf16, read.
-    pub x: *const u16,
+    /// `[rows, x_stride]` bf16, read (and written with `add`).
+    pub x: *mut u16,
+    /// `[rows, width]` bf16 added to x first, or null.
+    pub add: *const u16,
     /// `[width]` bf16, read.
     pub w: *const u16,
     /// `[rows, width]` bf16, written.
@@ -101,6 +104,8 @@ mod kernels {
         x: *const u16,
         /// Null for plain RMSNorm.
         z: *const u16,
+        /// Added to x (rounded to bf16, written back to x) before the norm; or null.
+        add: *const u16,
         w: *const u16,
         width: u32,
         groups: u32,
@@ -131,6 +136,12 @@ mod kernels {
                     if k < n {
                         let c0 = (k * VEC) as usize;
                         *uj = load8_bf16(self.x, c0, width);
+                        if !self.add.is_null() {
+                            let a = load8_bf16(self.add, c0, width);
+                            let sum = f32x8_to_bf16(core::array::from_fn(|i| uj[i] + a[i]));
+                            *uj = sum.map(bf16_to_f32);
+                            store8_bf16(self.x as *mut u16, c0, width, *uj);
+                        }
                         if !self.z.is_null() {
                             let z = load8_bf16(self.z, c0, width);
                             for i in 0..8 {
@@ -193,13 +204,16 @@ mod kernels {
     }
 
     /// Plain RMSNorm, [`RmsNormParams`]. Grid `(rows)`, block `row_block(width)`, dynamic
-    /// shared memory `smem_bytes(width, 1)`. Block r reads row r of x and all of w, writes row r of y.
+    /// shared memory `smem_bytes(width, 1)`. Block r reads row r of x (and of add, then writes
+    /// row r of x) and all of w, writes row r of y.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_rms_bf16(p: RmsNormParams) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
             z: core::ptr::null(),
+            add: if p.add.is_null() { p.add } else { p.add.wrapping_add(r * p.width as usize) },
             w: p.w,
             width: p.width,
             groups: 1,
@@ -213,10 +227,12 @@ mod kernels {
     /// all of w, writes row r of y.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_bf16(p: GatedNormParams) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
             z: p.z.wrapping_add(r * p.z_stride as usize),
+            add: core::ptr::null(),
             w: p.w,
             width: p.width,
             groups: p.groups,
@@ -230,10 +246,12 @@ mod kernels {
     /// normalized row rounded to bf16, its max |.|, then codes `e4m3(y / s)`; thread 0 writes `s`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_fp8_bf16(p: GatedNormFp8Params) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
             z: p.z.wrapping_add(r * p.z_stride as usize),
+            add: core::ptr::null(),
             w: p.w,
             width: p.width,
             groups: p.groups,

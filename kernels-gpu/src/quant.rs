@@ -108,6 +108,7 @@ mod kernels {
     /// (thread t: chunks t, t + B, ...), reduces max |x|, writes row r of q and `scales[r]`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_token_fp8_bf16(p: QuantTokenParams) {
+        grid_dependency_wait();
         let r = block_x() as usize;
         let (width, n) = (p.width as usize, chunks(p.width));
         let (x, q) = (p.x.wrapping_add(r * width), p.q.wrapping_add(r * width));
@@ -141,6 +142,7 @@ mod kernels {
     /// `red.global.max.u32` on the bits of `*amax` (f32 >= 0 order like their bits).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_amax_bf16(p: QuantAmaxParams) {
+        grid_dependency_wait();
         let mut amax = 0.0f32;
         // SAFETY: chunks stay below n, the length the launcher checked.
         for_each_chunk(p.n, |c0| {
@@ -160,6 +162,7 @@ mod kernels {
     /// thread reads `*amax`, derives the scale, and writes the codes of its chunks.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_tensor_fp8_bf16(p: QuantTensorParams) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by host/src/quant.rs.
         unsafe {
             let s = (ld(p.amax, 0) / E4M3_MAX).max(MIN_SCALE);
@@ -175,6 +178,7 @@ mod kernels {
     /// Static-scale quantization, [`QuantStaticParams`]. Any grid, block [`crate::EW_BLOCK`].
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_static_fp8_bf16(p: QuantStaticParams) {
+        grid_dependency_wait();
         let (n, s) = (p.n as usize, p.scale);
         let r = 1.0 / s;
         // SAFETY: chunks stay below n, the length the launcher checked.

@@ -142,6 +142,7 @@ mod kernels {
     /// shared memory 16 bytes. Thread i: delta and the inclusive cumsum of delta * A at row i.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_cumsum_f32(p: SsdParams) {
+        grid_dependency_wait();
         let (c, h, i) = (block_x() as usize, block_y() as usize, thread_x() as usize);
         // SAFETY: launch contract checked by host/src/ssd.rs; thread i alone writes entry i.
         unsafe {
@@ -173,6 +174,7 @@ mod kernels {
     /// `t + SSD_BLOCK * r` of the head_dim x state_size state.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_chunk_state_f32(p: SsdParams) {
+        grid_dependency_wait();
         let (c, h, t) = (block_x() as usize, block_y() as usize, thread_x() as usize);
         let (hd, n) = (p.head_dim as usize, p.state_size as usize);
         let g = h / (p.heads / p.groups) as usize;
@@ -278,6 +280,7 @@ mod kernels {
     /// State passing with an f32 state cache, [`SsdPassParams`]`<f32>`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_state_pass_f32(q: SsdPassParams<f32>) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher.
         unsafe { state_pass(&q) }
     }
@@ -285,6 +288,7 @@ mod kernels {
     /// State passing with a bf16 state cache, [`SsdPassParams`]`<u16>`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_state_pass_bf16(q: SsdPassParams<u16>) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher.
         unsafe { state_pass(&q) }
     }
@@ -297,6 +301,7 @@ mod kernels {
     /// the tile's weights `(C_i . B_j) exp(a_i - a_j) delta_j`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_scan_bf16(p: SsdParams) {
+        grid_dependency_wait();
         let (c, h, tile) = (block_x() as usize, block_y() as usize, block_z() as usize);
         let t = thread_x() as usize;
         let (hd, n) = (p.head_dim as usize, p.state_size as usize);

@@ -136,6 +136,7 @@ mod kernels {
     /// Selective state update with an f32 state cache, [`SsmUpdateParams`]`<f32>`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssm_update_f32(p: SsmUpdateParams<f32>) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher.
         unsafe { update(&p) }
     }
@@ -143,6 +144,7 @@ mod kernels {
     /// Selective state update with a bf16 state cache, [`SsmUpdateParams`]`<u16>`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssm_update_bf16(p: SsmUpdateParams<u16>) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher.
         unsafe { update(&p) }
     }

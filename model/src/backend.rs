@@ -7,6 +7,11 @@
 //! row 0 and the row stride, so slices of wider rows need no copy) and writes contiguous rows
 //! at an offset of an output buffer ([`Out`]), so decode rows and prefill rows of one step can
 //! go through different kernels into one buffer.
+//!
+//! What indexes a step's rows (tokens, cache slots, positions) is given once per step
+//! ([`StepRows`], readied by [`Backend::rows`]); the operations read it from there, so a
+//! backend uploads it once, and a recorded step ([`Backend::record`]) replays with new rows
+//! written over the old in place ([`Backend::set_rows`]).
 
 use half::bf16;
 
@@ -54,6 +59,24 @@ pub struct PrefillSeqs {
     pub initial: Vec<bool>,
 }
 
+/// The rows of one step, in the order of its activations: the decode rows (one token each),
+/// then the prefill sequences' tokens, sequence after sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRows {
+    /// The token of each row.
+    pub tokens: Vec<u32>,
+    /// The cache slot of each decode row.
+    pub decode_slots: Vec<i32>,
+    /// The prefill sequences (no lengths: none).
+    pub prefill: PrefillSeqs,
+    /// The cache slot of each row, decode and prefill (attention).
+    pub slots: Vec<i32>,
+    /// The position of each row's token in its sequence (attention).
+    pub positions: Vec<u32>,
+    /// The rows whose logits the step returns.
+    pub last: Vec<u32>,
+}
+
 /// A MoE layer's uploaded weights.
 pub struct MoeWeights<B: Backend> {
     /// Router `[experts, hidden]`.
@@ -76,18 +99,42 @@ pub trait Backend: Sized {
     type Weight;
     /// A MoE layer's routed experts, ready for [`Backend::moe`].
     type Experts;
+    /// A step's [`StepRows`] as the operations read them.
+    type Rows;
+    /// A recorded step (see [`Backend::record`]).
+    type Graph;
 
     fn upload(&self, v: &[bf16]) -> Result<Self::Buf>;
     fn upload32(&self, v: &[f32]) -> Result<Self::Buf32>;
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     fn zeros32(&self, n: usize) -> Result<Self::Buf32>;
+    /// A buffer of `n` elements whose values are unspecified until written: for activations
+    /// a step writes entirely before it reads them.
+    fn scratch(&self, n: usize) -> Result<Self::Buf>;
     fn download(&self, b: &Self::Buf) -> Result<Vec<bf16>>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
     /// Uploads the routed experts of a MoE layer (all of one shape).
     fn experts(&self, list: &[Mlp]) -> Result<Self::Experts>;
 
-    /// Rows `tokens[i]` of `table [vocab, width]` into `out`.
-    fn embed(&self, table: &Self::Buf, width: usize, tokens: &[u32], out: Out<Self::Buf>) -> Result<()>;
+    /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
+    /// tokens (slots in range and distinct, positions below `max_len`: checked here).
+    fn rows(&self, rows: &StepRows, slots: usize, max_len: usize) -> Result<Self::Rows>;
+    /// Writes `rows` over `into` in place (the same numbers of decode rows and prefill
+    /// sequences as when `into` was made), so a recorded step reads the new rows.
+    fn set_rows(&self, into: &mut Self::Rows, rows: &StepRows) -> Result<()>;
+    /// Runs the operations `f` queues, for a step of `decode` decode rows and no prefill, or
+    /// records them to replay: `Some(graph)` when recorded (nothing ran yet: replay it),
+    /// `None` when `f` ran (a backend that does not record, or a step it will not record).
+    /// What `f` reads and writes besides its own temporaries must stay in place while the
+    /// graph lives; the rows it reads are replaced through [`Backend::set_rows`].
+    fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>>;
+    /// Runs a recorded step again.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
+
+    /// Rows `rows.tokens` of `table [vocab, width]` into `out`.
+    fn embed(&self, table: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;
+    /// Rows `rows.last` of `x` (rows of `width`) into `out`.
+    fn last_rows(&self, x: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;
     /// RMSNorm of `rows` rows of `width`.
     fn rms_norm(
         &self,
@@ -113,12 +160,31 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// `y = x W^T` for `rows` contiguous rows of `x`.
     fn linear(&self, x: In<Self::Buf>, rows: usize, w: &Self::Weight, y: Out<Self::Buf>) -> Result<()>;
-    /// `h += x`, elementwise over `n` values.
-    fn add(&self, h: &mut Self::Buf, x: &Self::Buf, n: usize) -> Result<()>;
-    /// `x = relu(x)^2`, elementwise over `n` values.
-    fn relu2(&self, x: &mut Self::Buf, n: usize) -> Result<()>;
+    /// The residual add and the next RMSNorm: `h = bf16(h + x)` over `rows` contiguous rows
+    /// of `width`, then `y` the RMSNorm of those rows of h.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<Self::Buf>,
+    ) -> Result<()>;
+    /// A dense MLP over `rows` contiguous rows: `down(relu(up x)^2)`, the hidden activation
+    /// rounded to bf16 before and after the square.
+    fn mlp(
+        &self,
+        x: In<Self::Buf>,
+        rows: usize,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        y: Out<Self::Buf>,
+    ) -> Result<()>;
 
-    /// Conv update for decode rows, in place at their slots' states.
+    /// Conv update for the decode rows, in place at their slots' states.
     #[allow(clippy::too_many_arguments)]
     fn conv_decode(
         &self,
@@ -127,10 +193,10 @@ pub trait Backend: Sized {
         w: &Self::Buf,
         bias: Option<&Self::Buf>,
         state: &mut Self::Buf,
-        slots: &[i32],
+        rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
-    /// Conv forward for prefill sequences (final inputs written to their slots).
+    /// Conv forward for the prefill sequences (final inputs written to their slots).
     #[allow(clippy::too_many_arguments)]
     fn conv_prefill(
         &self,
@@ -139,10 +205,10 @@ pub trait Backend: Sized {
         w: &Self::Buf,
         bias: Option<&Self::Buf>,
         state: &mut Self::Buf,
-        seqs: &PrefillSeqs,
+        rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
-    /// Selective state update for decode rows; `xbc` rows hold x, B, C; `dt` rows the heads' dt.
+    /// Selective state update for the decode rows; `xbc` rows hold x, B, C; `dt` rows the heads' dt.
     #[allow(clippy::too_many_arguments)]
     fn ssm_decode(
         &self,
@@ -151,10 +217,10 @@ pub trait Backend: Sized {
         dt: In<Self::Buf>,
         heads: (&Self::Buf32, &Self::Buf32, &Self::Buf32),
         state: &mut Self::Buf32,
-        slots: &[i32],
+        rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
-    /// Chunked scan for prefill sequences (final states written to their slots).
+    /// Chunked scan for the prefill sequences (final states written to their slots).
     #[allow(clippy::too_many_arguments)]
     fn ssm_prefill(
         &self,
@@ -163,15 +229,14 @@ pub trait Backend: Sized {
         dt: In<Self::Buf>,
         heads: (&Self::Buf32, &Self::Buf32, &Self::Buf32),
         state: &mut Self::Buf32,
-        seqs: &PrefillSeqs,
+        rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
-    /// Causal attention: appends each row's k and v to its sequence's cache (`[slots,
-    /// max_len, kv_heads * head_dim]`) after the `past[i]` tokens already there, and attends
-    /// over the cache. Rows are grouped by sequence: `lens[i]` rows of sequence i, slot
-    /// `slots[i]`.
+    /// Causal attention: writes each row's k and v into its slot's cache (`[slots, max_len,
+    /// kv_heads * head_dim]`) at its position, then attends each row over its slot's
+    /// positions up to its own.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -181,7 +246,7 @@ pub trait Backend: Sized {
         v: In<Self::Buf>,
         cache: (&mut Self::Buf, &mut Self::Buf),
         max_len: usize,
-        seqs: (&[usize], &[i32], &[usize]),
+        rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
 }

@@ -8,15 +8,33 @@ use host::cpu::moe::{Routing, route};
 use host::cpu::ssm::SsmRef;
 use host::cpu::{attn, gemm, norm};
 
-use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
+use crate::backend::{Backend, In, MoeWeights, Out, StepRows};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
 use crate::layout::{Linear, Mlp};
 
-/// The CPU backend (stateless: buffers are `Vec`s).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+/// The CPU backend (buffers are `Vec`s). It runs steps of any size unless made with
+/// [`Cpu::limited`].
+#[derive(Clone, Copy, Debug)]
+pub struct Cpu {
+    max_rows: usize,
+}
+
+impl Default for Cpu {
+    fn default() -> Cpu {
+        Cpu { max_rows: usize::MAX }
+    }
+}
+
+impl Cpu {
+    /// A CPU backend that refuses steps of more than `max_rows` rows with
+    /// [`Error::Capacity`], as a GPU backend out of memory for a large batch does: a stand-in
+    /// for testing how callers recover.
+    pub fn limited(max_rows: usize) -> Cpu {
+        Cpu { max_rows }
+    }
+}
 
 /// A linear layer's weight `[n, k]`: bf16, or FP8 (W8A8).
 #[derive(Clone)]
@@ -47,6 +65,13 @@ impl CpuWeight {
 /// `rows` rows of `width` from `x`, as f64.
 fn gather(x: &In<Vec<bf16>>, rows: usize, width: usize) -> Vec<f64> {
     (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..width].iter().map(|v| v.to_f64())).collect()
+}
+
+/// A dense MLP (or expert) on one row: bf16 up projection, relu^2 in bf16, down (unrounded).
+fn mlp_row((up, down): (&CpuWeight, &CpuWeight), xr: &[bf16]) -> Vec<f64> {
+    let h: Vec<bf16> =
+        up.apply(xr, 1).into_iter().map(|v| bf16::from_f32(bf16::from_f64(v).to_f32().max(0.0).powi(2))).collect();
+    down.apply(&h, 1)
 }
 
 /// Writes `v` rounded to bf16 at the output.
@@ -111,6 +136,8 @@ impl Backend for Cpu {
     type Buf32 = Vec<f32>;
     type Weight = CpuWeight;
     type Experts = Vec<(CpuWeight, CpuWeight)>;
+    type Rows = StepRows;
+    type Graph = ();
 
     fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
         Ok(v.to_vec())
@@ -123,6 +150,9 @@ impl Backend for Cpu {
     }
     fn zeros32(&self, n: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; n])
+    }
+    fn scratch(&self, n: usize) -> Result<Vec<bf16>> {
+        self.zeros(n)
     }
     fn download(&self, b: &Vec<bf16>) -> Result<Vec<bf16>> {
         Ok(b.clone())
@@ -145,13 +175,44 @@ impl Backend for Cpu {
         list.iter().map(|m| crate::model::mlp(self, m)).collect()
     }
 
-    fn embed(&self, table: &Vec<bf16>, width: usize, tokens: &[u32], out: Out<Vec<bf16>>) -> Result<()> {
+    fn rows(&self, rows: &StepRows, _slots: usize, _max_len: usize) -> Result<StepRows> {
+        if rows.tokens.len() > self.max_rows {
+            return Err(Error::Capacity(format!(
+                "a step of {} tokens does not fit (this backend takes {})",
+                rows.tokens.len(),
+                self.max_rows
+            )));
+        }
+        Ok(rows.clone())
+    }
+
+    fn set_rows(&self, into: &mut StepRows, rows: &StepRows) -> Result<()> {
+        *into = self.rows(rows, 0, 0)?;
+        Ok(())
+    }
+
+    fn record(&self, _decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<()>> {
+        f().map(|()| None)
+    }
+
+    fn replay(&self, _graph: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn embed(&self, table: &Vec<bf16>, width: usize, rows: &StepRows, out: Out<Vec<bf16>>) -> Result<()> {
         let vocab = table.len() / width;
-        for (i, &t) in tokens.iter().enumerate() {
+        for (i, &t) in rows.tokens.iter().enumerate() {
             if t as usize >= vocab {
                 return Err(Error::Unsupported(format!("token id {t} is outside the vocabulary of {vocab}")));
             }
             out.buf[out.offset + i * width..][..width].copy_from_slice(&table[t as usize * width..][..width]);
+        }
+        Ok(())
+    }
+
+    fn last_rows(&self, x: &Vec<bf16>, width: usize, rows: &StepRows, out: Out<Vec<bf16>>) -> Result<()> {
+        for (i, &r) in rows.last.iter().enumerate() {
+            out.buf[out.offset + i * width..][..width].copy_from_slice(&x[r as usize * width..][..width]);
         }
         Ok(())
     }
@@ -192,13 +253,25 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn add(&self, h: &mut Vec<bf16>, x: &Vec<bf16>, n: usize) -> Result<()> {
+    fn add_rms_norm(
+        &self,
+        h: &mut Vec<bf16>,
+        x: &Vec<bf16>,
+        w: &Vec<bf16>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let n = rows * width;
         h[..n].iter_mut().zip(&x[..n]).for_each(|(a, b)| *a = bf16::from_f32(a.to_f32() + b.to_f32()));
-        Ok(())
+        self.rms_norm(In::rows(h, width), w, rows, width, eps, y)
     }
 
-    fn relu2(&self, x: &mut Vec<bf16>, n: usize) -> Result<()> {
-        x[..n].iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32().max(0.0).powi(2)));
+    fn mlp(&self, x: In<Vec<bf16>>, rows: usize, up: &CpuWeight, down: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
+        let k = up.k();
+        let out = (0..rows).flat_map(|r| mlp_row((up, down), &x.buf[x.offset + r * x.stride..][..k]));
+        put(y, out);
         Ok(())
     }
 
@@ -209,12 +282,12 @@ impl Backend for Cpu {
         w: &Vec<bf16>,
         bias: Option<&Vec<bf16>>,
         state: &mut Vec<bf16>,
-        slots: &[i32],
+        rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         let cd = c.conv_dim();
         let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
-        let rows = conv.update(&x.buf[x.offset..], x.stride, state, slots);
+        let rows = conv.update(&x.buf[x.offset..], x.stride, state, &rows.decode_slots);
         put_rows(y, rows, cd);
         Ok(())
     }
@@ -226,11 +299,12 @@ impl Backend for Cpu {
         w: &Vec<bf16>,
         bias: Option<&Vec<bf16>>,
         state: &mut Vec<bf16>,
-        seqs: &PrefillSeqs,
+        rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         let cd = c.conv_dim();
         let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
+        let seqs = &rows.prefill;
         let rows = conv.forward(&x.buf[x.offset..], x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
         put_rows(y, rows, cd);
         Ok(())
@@ -243,12 +317,12 @@ impl Backend for Cpu {
         dt: In<Vec<bf16>>,
         heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
         state: &mut Vec<f32>,
-        slots: &[i32],
+        rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         let r = ssm_ref(c, heads);
         let (inner, sl) = (c.inner(), c.inner() * c.state_size);
-        for (row, &slot) in slots.iter().enumerate() {
+        for (row, &slot) in rows.decode_slots.iter().enumerate() {
             let mut carry = None;
             let out = ssm_token(c, &r, &xbc, &dt, row, state, slot, &mut carry);
             store_state(state, slot, sl, &carry.unwrap_or_default());
@@ -264,10 +338,11 @@ impl Backend for Cpu {
         dt: In<Vec<bf16>>,
         heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
         state: &mut Vec<f32>,
-        seqs: &PrefillSeqs,
+        rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         // The sequential recurrence the chunked scan equals, token by token.
+        let seqs = &rows.prefill;
         let r = ssm_ref(c, heads);
         let (inner, sl) = (c.inner(), c.inner() * c.state_size);
         let mut row = 0;
@@ -294,21 +369,13 @@ impl Backend for Cpu {
             scaling: f64::from(c.routed_scaling_factor),
         };
         let bias: Vec<f64> = w.score_bias.iter().map(|&v| f64::from(v)).collect();
-        // An expert as the model's dense MLP runs: bf16 up projection, relu^2 in bf16, down.
-        let run = |(up, down): &(CpuWeight, CpuWeight), xr: &[bf16]| -> Vec<f64> {
-            let h: Vec<bf16> = up
-                .apply(xr, 1)
-                .into_iter()
-                .map(|v| bf16::from_f32(bf16::from_f64(v).to_f32().max(0.0).powi(2)))
-                .collect();
-            down.apply(&h, 1)
-        };
         for r in 0..rows {
             let xr: Vec<bf16> = x.buf[x.offset + r * x.stride..][..hidden].to_vec();
             let logits = gemm::linear(&xr, &w.gate, 1, c.experts, hidden);
-            let mut out = w.shared.as_ref().map_or_else(|| vec![0.0; hidden], |s| run(s, &xr));
+            let mut out = w.shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| mlp_row((u, d), &xr));
             for (e, wt) in route(&logits, &bias, &routing) {
-                let o = run(&w.experts[e], &xr);
+                let (u, d) = &w.experts[e];
+                let o = mlp_row((u, d), &xr);
                 out.iter_mut().zip(o).for_each(|(a, b)| *a += wt * b);
             }
             put(Out { buf: &mut *y.buf, offset: y.offset + r * hidden }, out);
@@ -324,38 +391,27 @@ impl Backend for Cpu {
         v: In<Vec<bf16>>,
         cache: (&mut Vec<bf16>, &mut Vec<bf16>),
         max_len: usize,
-        seqs: (&[usize], &[i32], &[usize]),
+        rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let (lens, slots, past) = seqs;
-        let mut row = 0;
-        for s in 0..lens.len() {
-            if past[s] + lens[s] > max_len {
-                return Err(Error::Capacity(format!(
-                    "sequence of {} tokens exceeds the KV cache's {max_len}",
-                    past[s] + lens[s]
-                )));
-            }
-            let base = slots[s] as usize * max_len * kw;
-            for t in 0..lens[s] {
-                let pos = past[s] + t;
-                cache.0[base + pos * kw..][..kw].copy_from_slice(&k.buf[k.offset + (row + t) * k.stride..][..kw]);
-                cache.1[base + pos * kw..][..kw].copy_from_slice(&v.buf[v.offset + (row + t) * v.stride..][..kw]);
-            }
-            let rows_of = |c: &Vec<bf16>, n: usize| -> Vec<Vec<f64>> {
-                (0..n).map(|p| c[base + p * kw..][..kw].iter().map(|x| x.to_f64()).collect()).collect()
+        let at = |r: usize| (rows.slots[r] as usize * max_len + rows.positions[r] as usize) * kw;
+        for r in 0..rows.slots.len() {
+            cache.0[at(r)..][..kw].copy_from_slice(&k.buf[k.offset + r * k.stride..][..kw]);
+            cache.1[at(r)..][..kw].copy_from_slice(&v.buf[v.offset + r * v.stride..][..kw]);
+        }
+        for r in 0..rows.slots.len() {
+            let base = rows.slots[r] as usize * max_len * kw;
+            let upto = |c: &Vec<bf16>| -> Vec<Vec<f64>> {
+                (0..=rows.positions[r] as usize)
+                    .map(|p| c[base + p * kw..][..kw].iter().map(|x| x.to_f64()).collect())
+                    .collect()
             };
-            for t in 0..lens[s] {
-                let n = past[s] + t + 1;
-                let (keys, values) = (rows_of(cache.0, n), rows_of(cache.1, n));
-                let qr: Vec<f64> = q.buf[q.offset + (row + t) * q.stride..][..qw].iter().map(|x| x.to_f64()).collect();
-                put(
-                    Out { buf: &mut *y.buf, offset: y.offset + (row + t) * qw },
-                    attn::attend(&qr, &keys, &values, c.heads, c.kv_heads, c.head_dim),
-                );
-            }
-            row += lens[s];
+            let qr: Vec<f64> = q.buf[q.offset + r * q.stride..][..qw].iter().map(|x| x.to_f64()).collect();
+            put(
+                Out { buf: &mut *y.buf, offset: y.offset + r * qw },
+                attn::attend(&qr, &upto(cache.0), &upto(cache.1), c.heads, c.kv_heads, c.head_dim),
+            );
         }
         Ok(())
     }

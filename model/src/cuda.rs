@@ -9,23 +9,28 @@
 //! checkpoint's `input_scale` (or per token without one) before the product: right at any
 //! batch, fast at small ones (prefill of FP8 checkpoints does not use tensor cores yet).
 //!
-//! Attention assumes q, k, v rows are contiguous (they are: the model computes them). Step
-//! metadata (slots, sequences, the scan plan) is uploaded per operation, which a later version
-//! will hoist to once per step.
+//! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
+//! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
+//! them (no operation synchronizes then), are recorded into a CUDA graph once per row count
+//! and replayed after that, with the new rows copied over the recorded ones; the graph's
+//! temporaries are its own (stream-ordered allocations inside the capture). The prefill
+//! scan's plan is still built per layer.
+//!
+//! Attention assumes q, k, v rows are contiguous (they are: the model computes them).
 
 use std::sync::Arc;
 
 use half::bf16;
-use host::attn::{AttnShape, attention};
+use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::moe::{Dispatch, ExpertWeights, combine, dispatch, experts, experts_mlp, experts_mlp_gemm, route};
-use host::norm::{NormShape, gated_norm, rms_norm};
+use host::moe::{Dispatch, ExpertWeights, combine, dense, dispatch, experts_mlp, experts_mlp_gemm, route};
+use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
+use host::{CudaSlice, CudaView, CudaViewMut, Gpu, Graph};
 
-use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
+use crate::backend::{Backend, In, MoeWeights, Out, StepRows};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
@@ -34,6 +39,7 @@ use crate::weights::Dtype;
 /// The CUDA backend on one GPU.
 pub struct Cuda {
     gpu: Arc<Gpu>,
+    graphs: bool,
 }
 
 impl Cuda {
@@ -44,7 +50,13 @@ impl Cuda {
 
     /// The backend on an opened device, shared with other users of its stream.
     pub fn on(gpu: Arc<Gpu>) -> Cuda {
-        Cuda { gpu }
+        Cuda { gpu, graphs: true }
+    }
+
+    /// Whether decode steps are recorded into CUDA graphs (the default) or every step's
+    /// operations are launched one by one.
+    pub fn with_graphs(self, graphs: bool) -> Cuda {
+        Cuda { graphs, ..self }
     }
 
     /// The device.
@@ -140,6 +152,32 @@ pub struct CudaExperts {
 /// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
+/// Most rows of a bf16 linear layer that go through the expert kernel's dense path rather
+/// than cuBLASLt (`cargo bench --bench gemv` compares the two: the kernel streams the
+/// weights once per row, so only a single row is no slower).
+pub const GEMV_MAX_ROWS: usize = 1;
+
+/// A step's rows on the device, checked (see [`Backend::rows`]).
+pub struct CudaRows {
+    tokens: CudaSlice<u32>,
+    decode: Option<Slots>,
+    prefill: Option<Prefill>,
+    attn: AttnRows,
+    last: CudaSlice<u32>,
+}
+
+impl CudaRows {
+    fn decode(&self) -> Result<&Slots> {
+        self.decode
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported("a decode operation in a step without decode rows".into()))
+    }
+
+    fn prefill(&self) -> Result<&Prefill> {
+        self.prefill.as_ref().ok_or_else(|| Error::Unsupported("a prefill operation in a step without prefill".into()))
+    }
+}
+
 /// The rows an [`In`] reads, from row 0 to the end of its buffer.
 fn view<'a>(x: &In<'a, CudaSlice<bf16>>) -> CudaView<'a, bf16> {
     x.buf.slice(x.offset..)
@@ -173,28 +211,42 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 }
 
 impl Cuda {
-    /// `y = x W^T` for `rows` contiguous rows of `x`.
-    fn linear_rows(&self, x: &CudaView<bf16>, rows: usize, w: &CudaWeight, y: &mut CudaViewMut<bf16>) -> Result<()> {
+    /// `y = f(x W^T)` for `rows` contiguous rows of `x`, `f` relu^2 (in bf16) when `relu2`:
+    /// bf16 weights through cuBLASLt above [`GEMV_MAX_ROWS`] rows, the expert kernel's dense
+    /// path (a bandwidth-bound GEMV) otherwise; FP8 weights always through the latter.
+    fn linear_rows(
+        &self,
+        x: &CudaView<bf16>,
+        rows: usize,
+        w: &CudaWeight,
+        relu2: bool,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
         let g = &self.gpu;
         match &w.w {
-            Weights::Bf16(b) => Ok(host::gemm::linear(g, rows, x, &b.as_view(), w.n, w.k, y)?),
-            fp8 => Ok(experts(g, &Dispatch::dense(g, rows)?, x, false, fp8.view(), (w.n, w.k), false, y)?),
+            Weights::Bf16(b) if rows > GEMV_MAX_ROWS => {
+                host::gemm::linear(g, rows, x, &b.as_view(), w.n, w.k, y)?;
+                if relu2 {
+                    host::act::relu2(g, y, rows * w.n)?;
+                }
+                Ok(())
+            }
+            weights => Ok(dense(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
         }
     }
 
     /// `down(relu(up x)^2)` over `n` rows of `x`, into `out`.
-    fn mlp(
+    fn mlp_rows(
         &self,
         x: &CudaView<bf16>,
         n: usize,
-        (up, down): &(CudaWeight, CudaWeight),
+        (up, down): (&CudaWeight, &CudaWeight),
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         // SAFETY: the up projection writes all n * up.n values before they are read.
         let mut h = unsafe { self.gpu.uninit::<bf16>(n * up.n) }?;
-        self.linear_rows(x, n, up, &mut h.as_view_mut())?;
-        host::act::relu2(&self.gpu, &mut h, n * up.n)?;
-        self.linear_rows(&h.as_view(), n, down, out)
+        self.linear_rows(x, n, up, true, &mut h.as_view_mut())?;
+        self.linear_rows(&h.as_view(), n, down, false, out)
     }
 }
 
@@ -207,6 +259,8 @@ impl Backend for Cuda {
     type Buf32 = CudaSlice<f32>;
     type Weight = CudaWeight;
     type Experts = CudaExperts;
+    type Rows = CudaRows;
+    type Graph = Graph;
 
     fn upload(&self, v: &[bf16]) -> Result<CudaSlice<bf16>> {
         Ok(self.gpu.upload(v)?)
@@ -219,6 +273,12 @@ impl Backend for Cuda {
     }
     fn zeros32(&self, n: usize) -> Result<CudaSlice<f32>> {
         Ok(self.gpu.zeros(n.max(1))?)
+    }
+    fn scratch(&self, n: usize) -> Result<CudaSlice<bf16>> {
+        // SAFETY: unwritten device memory holds arbitrary bf16 values, not undefined
+        // behaviour: no kernel indexes memory with activation values (routing ranks NaN last
+        // and traps on an empty pick). The model writes these buffers before reading them.
+        Ok(unsafe { self.gpu.uninit(n.max(1)) }?)
     }
     fn download(&self, b: &CudaSlice<bf16>) -> Result<Vec<bf16>> {
         Ok(self.gpu.download(b)?)
@@ -239,9 +299,55 @@ impl Backend for Cuda {
         Ok(CudaExperts { up, down, inter })
     }
 
-    fn embed(&self, table: &CudaSlice<bf16>, width: usize, tokens: &[u32], out: Out<CudaSlice<bf16>>) -> Result<()> {
-        let mut y = view_mut(out, tokens.len() * width)?;
-        Ok(host::act::gather(&self.gpu, table, width, tokens, &mut y)?)
+    fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
+        let g = &self.gpu;
+        let p = &r.prefill;
+        Ok(CudaRows {
+            tokens: g.upload(&r.tokens)?,
+            decode: (!r.decode_slots.is_empty()).then(|| Slots::new(g, &r.decode_slots, slots)).transpose()?,
+            prefill: (!p.lens.is_empty()).then(|| Prefill::new(g, &p.lens, &p.slots, &p.initial, slots)).transpose()?,
+            attn: AttnRows::new(g, &r.slots, &r.positions, slots, max_len)?,
+            last: g.upload(&r.last)?,
+        })
+    }
+
+    fn set_rows(&self, into: &mut CudaRows, r: &StepRows) -> Result<()> {
+        let g = &self.gpu;
+        let same = into.tokens.len() == r.tokens.len()
+            && into.last.len() == r.last.len()
+            && into.decode.as_ref().map_or(0, Slots::len) == r.decode_slots.len()
+            && into.prefill.is_none()
+            && r.prefill.lens.is_empty();
+        if !same {
+            return Err(Error::Unsupported("rows written in place must be decode rows only, as many as before".into()));
+        }
+        g.upload_into(&r.tokens, &mut into.tokens)?;
+        if let Some(d) = &mut into.decode {
+            d.set(g, &r.decode_slots)?;
+        }
+        into.attn.set(g, &r.slots, &r.positions)?;
+        Ok(g.upload_into(&r.last, &mut into.last)?)
+    }
+
+    fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Graph>> {
+        if !self.graphs || decode > EXPERT_KERNEL_MAX_ROWS {
+            return f().map(|()| None);
+        }
+        self.gpu.capture(f).map(Some)
+    }
+
+    fn replay(&self, graph: &Graph) -> Result<()> {
+        Ok(graph.replay()?)
+    }
+
+    fn embed(&self, table: &CudaSlice<bf16>, width: usize, rows: &CudaRows, out: Out<CudaSlice<bf16>>) -> Result<()> {
+        let mut y = view_mut(out, rows.tokens.len() * width)?;
+        Ok(host::act::gather_by(&self.gpu, table, width, &rows.tokens, &mut y)?)
+    }
+
+    fn last_rows(&self, x: &CudaSlice<bf16>, width: usize, rows: &CudaRows, out: Out<CudaSlice<bf16>>) -> Result<()> {
+        let mut y = view_mut(out, rows.last.len() * width)?;
+        Ok(host::act::gather_by(&self.gpu, x, width, &rows.last, &mut y)?)
     }
 
     fn rms_norm(
@@ -280,15 +386,39 @@ impl Backend for Cuda {
         }
         let xv = x.buf.slice(x.offset..x.offset + rows * w.k);
         let mut y = view_mut(y, rows * w.n)?;
-        self.linear_rows(&xv, rows, w, &mut y)
+        self.linear_rows(&xv, rows, w, false, &mut y)
     }
 
-    fn add(&self, h: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>, n: usize) -> Result<()> {
-        Ok(host::act::add(&self.gpu, h, x, n)?)
+    fn add_rms_norm(
+        &self,
+        h: &mut CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<CudaSlice<bf16>>,
+    ) -> Result<()> {
+        let n = rows * width;
+        let mut y = view_mut(y, n)?;
+        let shape = NormShape::new(rows, width, 1, eps);
+        Ok(add_rms_norm(&self.gpu, shape, &mut h.slice_mut(..n), &x.slice(..n), w, &mut y)?)
     }
 
-    fn relu2(&self, x: &mut CudaSlice<bf16>, n: usize) -> Result<()> {
-        Ok(host::act::relu2(&self.gpu, x, n)?)
+    fn mlp(
+        &self,
+        x: In<CudaSlice<bf16>>,
+        rows: usize,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        y: Out<CudaSlice<bf16>>,
+    ) -> Result<()> {
+        if x.stride != up.k {
+            return Err(unsupported("strided MLP inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * up.k);
+        let mut y = view_mut(y, rows * down.n)?;
+        self.mlp_rows(&xv, rows, (up, down), &mut y)
     }
 
     fn conv_decode(
@@ -298,11 +428,11 @@ impl Backend for Cuda {
         w: &CudaSlice<bf16>,
         bias: Option<&CudaSlice<bf16>>,
         state: &mut CudaSlice<bf16>,
-        slots: &[i32],
+        rows: &CudaRows,
         y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
-        let slots = Slots::new(&self.gpu, slots, state.len() / (cd * (k - 1)))?;
+        let slots = rows.decode()?;
         let mut y = view_mut(y, slots.len() * cd)?;
         Ok(conv_update(
             &self.gpu,
@@ -311,7 +441,7 @@ impl Backend for Cuda {
             w,
             bias,
             state,
-            &slots,
+            slots,
             &mut y,
         )?)
     }
@@ -323,13 +453,13 @@ impl Backend for Cuda {
         w: &CudaSlice<bf16>,
         bias: Option<&CudaSlice<bf16>>,
         state: &mut CudaSlice<bf16>,
-        seqs: &PrefillSeqs,
+        rows: &CudaRows,
         y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
-        let p = Prefill::new(&self.gpu, &seqs.lens, &seqs.slots, &seqs.initial, state.len() / (cd * (k - 1)))?;
+        let p = rows.prefill()?;
         let mut y = view_mut(y, p.tokens() * cd)?;
-        Ok(conv_fwd(&self.gpu, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias, state, &p, &mut y)?)
+        Ok(conv_fwd(&self.gpu, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias, state, p, &mut y)?)
     }
 
     fn ssm_decode(
@@ -339,15 +469,15 @@ impl Backend for Cuda {
         dt: In<CudaSlice<bf16>>,
         heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
         state: &mut CudaSlice<f32>,
-        slots: &[i32],
+        rows: &CudaRows,
         y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
         let shape = ssm_shape(c);
-        let slots = Slots::new(&self.gpu, slots, state.len() / shape.slot_len())?;
+        let slots = rows.decode()?;
         let inputs = ssm_inputs(c, &xbc, &dt);
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, slots.len() * c.inner())?;
-        Ok(ssm_update(&self.gpu, shape, inputs, None, h, state, &slots, None, &mut y)?)
+        Ok(ssm_update(&self.gpu, shape, inputs, None, h, state, slots, None, &mut y)?)
     }
 
     fn ssm_prefill(
@@ -357,16 +487,16 @@ impl Backend for Cuda {
         dt: In<CudaSlice<bf16>>,
         heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
         state: &mut CudaSlice<f32>,
-        seqs: &PrefillSeqs,
+        rows: &CudaRows,
         y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
         let shape = ssm_shape(c);
-        let p = Prefill::new(&self.gpu, &seqs.lens, &seqs.slots, &seqs.initial, state.len() / shape.slot_len())?;
-        let mut plan = SsdPlan::new(&self.gpu, &p, c.heads, c.head_dim, c.state_size)?;
+        let p = rows.prefill()?;
+        let mut plan = SsdPlan::new(&self.gpu, p, c.heads, c.head_dim, c.state_size)?;
         let inputs = ssm_inputs(c, &xbc, &dt);
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, p.tokens() * c.inner())?;
-        Ok(ssd_scan(&self.gpu, shape, inputs, h, state, &p, &mut plan, &mut y)?)
+        Ok(ssd_scan(&self.gpu, shape, inputs, h, state, p, &mut plan, &mut y)?)
     }
 
     fn moe(
@@ -402,7 +532,7 @@ impl Backend for Cuda {
         let shared = match &w.shared {
             Some(s) => {
                 let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
-                self.mlp(&xv, rows, s, &mut out.as_view_mut())?;
+                self.mlp_rows(&xv, rows, (&s.0, &s.1), &mut out.as_view_mut())?;
                 Some(out)
             }
             None => None,
@@ -419,26 +549,12 @@ impl Backend for Cuda {
         v: In<CudaSlice<bf16>>,
         cache: (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
         max_len: usize,
-        seqs: (&[usize], &[i32], &[usize]),
+        rows: &CudaRows,
         y: Out<CudaSlice<bf16>>,
     ) -> Result<()> {
-        let (lens, slots, past) = seqs;
-        let mut row_slots = Vec::new();
-        let mut row_pos = Vec::new();
-        for s in 0..lens.len() {
-            if past[s] + lens[s] > max_len {
-                return Err(Error::Capacity(format!(
-                    "sequence of {} tokens exceeds the KV cache's {max_len}",
-                    past[s] + lens[s]
-                )));
-            }
-            row_slots.extend(std::iter::repeat_n(slots[s], lens[s]));
-            row_pos.extend((past[s]..past[s] + lens[s]).map(|p| p as u32));
-        }
         let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len };
-        let rows = row_slots.len();
-        let mut y = view_mut(y, rows * c.heads * c.head_dim)?;
+        let mut y = view_mut(y, rows.attn.len() * c.heads * c.head_dim)?;
         let (q, k, v) = (view(&q), view(&k), view(&v));
-        Ok(attention(&self.gpu, shape, &q, &k, &v, cache.0, cache.1, &row_slots, &row_pos, &mut y)?)
+        Ok(attention(&self.gpu, shape, &q, &k, &v, cache.0, cache.1, &rows.attn, &mut y)?)
     }
 }

@@ -1,10 +1,14 @@
 //! NemotronH on a [`Backend`]: the weights uploaded once, the state cache (conv, SSM and KV
 //! state per slot), and the step that runs a batch mixing decode rows and prefill sequences.
 //! This is the model's one code path; backends differ only in how they run each operation.
+//!
+//! A step of decode rows only is recorded by the backend where it can ([`Backend::record`]),
+//! once per number of rows, and replayed for later steps of as many rows with their rows
+//! written in place; the logits land in a buffer kept with the recording.
 
-use half::bf16;
+use std::collections::HashMap;
 
-use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
+use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs, StepRows};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -46,19 +50,35 @@ pub struct StepCounters {
     pub moe_calls: usize,
 }
 
-/// A loaded model with its state cache.
-pub struct Model<B: Backend> {
-    backend: B,
-    config: Config,
+/// The weights on the backend.
+struct Weights<B: Backend> {
     embeddings: B::Buf,
     layers: Vec<(B::Buf, MixW<B>)>,
     norm_f: B::Buf,
     lm_head: B::Weight,
+}
+
+/// A recorded decode step: its rows (written over for each replay), the logits buffer it
+/// writes, and what it ran.
+struct Recorded<B: Backend> {
+    graph: B::Graph,
+    rows: B::Rows,
+    logits: B::Buf,
+    counters: StepCounters,
+}
+
+/// A loaded model with its state cache.
+pub struct Model<B: Backend> {
+    backend: B,
+    config: Config,
+    weights: Weights<B>,
     cache: Vec<LayerCache<B>>,
     /// Tokens each slot's state has seen.
     past: Vec<usize>,
     max_len: usize,
     counters: StepCounters,
+    /// Recorded decode steps by their number of rows.
+    recorded: HashMap<usize, Recorded<B>>,
 }
 
 fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
@@ -148,16 +168,20 @@ impl<B: Backend> Model<B> {
             cache.push(lc);
             progress(layers.len(), total);
         }
-        Ok(Model {
+        let weights = Weights {
             embeddings: bf16s(b, &layout.embeddings)?,
             norm_f: bf16s(b, &layout.norm_f)?,
             lm_head: b.weight(&layout.lm_head)?,
             layers,
+        };
+        Ok(Model {
+            weights,
             cache,
             past: vec![0; slots],
             max_len,
             config: config.clone(),
             counters: StepCounters::default(),
+            recorded: HashMap::new(),
             backend,
         })
     }
@@ -171,6 +195,56 @@ impl<B: Backend> Model<B> {
     /// logits after each part's last token, in the order of `parts`.
     pub fn step(&mut self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
         let plan = StepPlan::new(parts)?;
+        let rows = self.step_rows(parts, &plan)?;
+        let vocab = self.config.vocab_size;
+        let nd = plan.decode_tokens.len();
+        let (slots, max_len) = (self.past.len(), self.max_len);
+        let Model { backend: b, config, weights, cache, recorded, counters, .. } = self;
+        let b = &*b;
+        let seqs = &plan.prefill_lens;
+        let logits = if let Some(r) = recorded.get_mut(&nd).filter(|_| seqs.is_empty()) {
+            b.set_rows(&mut r.rows, &rows)?;
+            b.replay(&r.graph)?;
+            *counters = r.counters;
+            b.download(&r.logits)?
+        } else {
+            let step_rows = b.rows(&rows, slots, max_len)?;
+            let mut logits = b.scratch(rows.last.len() * vocab)?;
+            let mut run = || forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits);
+            if !seqs.is_empty() {
+                *counters = run()?;
+                b.download(&logits)?
+            } else {
+                let mut ran = StepCounters::default();
+                let graph = b.record(nd, &mut || run().map(|c| ran = c))?;
+                *counters = ran;
+                match graph {
+                    Some(graph) => {
+                        b.replay(&graph)?;
+                        let out = b.download(&logits)?;
+                        recorded.insert(nd, Recorded { graph, rows: step_rows, logits, counters: ran });
+                        out
+                    }
+                    None => b.download(&logits)?,
+                }
+            }
+        };
+
+        for &s in &plan.decode_slots {
+            self.past[s as usize] += 1;
+        }
+        for ((&s, &l), &i) in plan.prefill_slots.iter().zip(&plan.prefill_lens).zip(&plan.prefill_initial) {
+            self.past[s as usize] = if i { self.past[s as usize] } else { 0 } + l;
+        }
+        let mut by_part = vec![Vec::new(); parts.len()];
+        for (j, &part) in plan.order.iter().enumerate() {
+            by_part[part] = logits[j * vocab..(j + 1) * vocab].iter().map(|v| v.to_f32()).collect();
+        }
+        Ok(by_part)
+    }
+
+    /// Checks `parts` against the cache and the vocabulary; the step's rows.
+    fn step_rows(&self, parts: &[Part], plan: &StepPlan) -> Result<StepRows> {
         let slots = self.past.len();
         let mut seen = vec![false; slots];
         for (i, p) in parts.iter().enumerate() {
@@ -180,175 +254,52 @@ impl<B: Backend> Model<B> {
                     p.slot
                 )));
             }
-            if p.computed > 0 && p.computed != self.past[p.slot as usize] {
+            let past = self.past[p.slot as usize];
+            if p.computed > 0 && p.computed != past {
                 return Err(Error::Unsupported(format!(
-                    "part {i}: {} tokens computed, but slot {} holds the state of {}",
-                    p.computed, p.slot, self.past[p.slot as usize]
+                    "part {i}: {} tokens computed, but slot {} holds the state of {past}",
+                    p.computed, p.slot
                 )));
             }
-        }
-        let b = &self.backend;
-        let hidden = self.config.hidden_size;
-        let eps = self.config.norm_eps;
-        let nd = plan.decode_tokens.len();
-        let rows = plan.rows();
-        let seqs = PrefillSeqs {
-            lens: plan.prefill_lens.clone(),
-            slots: plan.prefill_slots.clone(),
-            initial: plan.prefill_initial.clone(),
-        };
-        // Attention groups: each decode row is a sequence of one; then the prefill sequences.
-        let att_lens: Vec<usize> = std::iter::repeat_n(1, nd).chain(seqs.lens.iter().copied()).collect();
-        let att_slots: Vec<i32> = plan.decode_slots.iter().chain(&seqs.slots).copied().collect();
-        let att_past: Vec<usize> = plan
-            .decode_slots
-            .iter()
-            .map(|&s| self.past[s as usize])
-            .chain(seqs.slots.iter().zip(&seqs.initial).map(|(&s, &i)| if i { self.past[s as usize] } else { 0 }))
-            .collect();
-        let mut counters = StepCounters::default();
-
-        let tokens: Vec<u32> = plan.decode_tokens.iter().chain(&plan.prefill_tokens).copied().collect();
-        let mut h = b.zeros(rows * hidden)?;
-        b.embed(&self.embeddings, hidden, &tokens, Out { buf: &mut h, offset: 0 })?;
-        let mut x = b.zeros(rows * hidden)?;
-        let mut out = b.zeros(rows * hidden)?;
-        for (((norm, mix), lc), kind) in self.layers.iter().zip(&mut self.cache).zip(&self.config.layers) {
-            b.rms_norm(In::rows(&h, hidden), norm, rows, hidden, eps, Out { buf: &mut x, offset: 0 })?;
-            match (mix, lc) {
-                (MixW::Mamba(m), LayerCache::Mamba { conv, ssm }) => {
-                    let c = self.config.mamba.as_ref().expect("mamba layers come with mamba settings");
-                    let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
-                    let mut zx = b.zeros(rows * wd)?;
-                    b.linear(In::rows(&x, hidden), rows, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
-                    let zxr = In::rows(&zx, wd);
-                    let mut xbc = b.zeros(rows * cd)?;
-                    let heads = (&m.dt_bias, &m.a, &m.d);
-                    let mut y = b.zeros(rows * inner)?;
-                    if nd > 0 {
-                        b.conv_decode(
-                            c,
-                            zxr.at(0, inner),
-                            &m.conv_w,
-                            m.conv_b.as_ref(),
-                            conv,
-                            &plan.decode_slots,
-                            Out { buf: &mut xbc, offset: 0 },
-                        )?;
-                        let xbcr = In::rows(&xbc, cd);
-                        b.ssm_decode(
-                            c,
-                            xbcr,
-                            zxr.at(0, inner + cd),
-                            heads,
-                            ssm,
-                            &plan.decode_slots,
-                            Out { buf: &mut y, offset: 0 },
-                        )?;
-                        counters.conv_updates += 1;
-                        counters.state_updates += 1;
-                    }
-                    if !seqs.lens.is_empty() {
-                        b.conv_prefill(
-                            c,
-                            zxr.at(nd, inner),
-                            &m.conv_w,
-                            m.conv_b.as_ref(),
-                            conv,
-                            &seqs,
-                            Out { buf: &mut xbc, offset: nd * cd },
-                        )?;
-                        let xbcr = In::rows(&xbc, cd).at(nd, 0);
-                        b.ssm_prefill(
-                            c,
-                            xbcr,
-                            zxr.at(nd, inner + cd),
-                            heads,
-                            ssm,
-                            &seqs,
-                            Out { buf: &mut y, offset: nd * inner },
-                        )?;
-                        counters.conv_forwards += 1;
-                        counters.chunk_scans += 1;
-                    }
-                    let mut yn = b.zeros(rows * inner)?;
-                    b.gated_norm(
-                        In::rows(&y, inner),
-                        zxr,
-                        &m.norm,
-                        rows,
-                        inner,
-                        c.groups,
-                        eps,
-                        Out { buf: &mut yn, offset: 0 },
-                    )?;
-                    b.linear(In::rows(&yn, inner), rows, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
-                }
-                (MixW::Moe(w), _) => {
-                    let c = self.config.moe.as_ref().expect("moe layers come with moe settings");
-                    b.moe(c, In::rows(&x, hidden), rows, w, Out { buf: &mut out, offset: 0 })?;
-                    counters.moe_calls += 1;
-                }
-                (MixW::Attention { q, k, v, o }, LayerCache::Attention { k: kc, v: vc }) => {
-                    let c = self.config.attention.as_ref().expect("attention layers come with attention settings");
-                    let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                    let (mut qb, mut kb, mut vb) = (b.zeros(rows * qw)?, b.zeros(rows * kw)?, b.zeros(rows * kw)?);
-                    let xr = In::rows(&x, hidden);
-                    b.linear(xr, rows, q, Out { buf: &mut qb, offset: 0 })?;
-                    b.linear(xr, rows, k, Out { buf: &mut kb, offset: 0 })?;
-                    b.linear(xr, rows, v, Out { buf: &mut vb, offset: 0 })?;
-                    let mut att = b.zeros(rows * qw)?;
-                    b.attention(
-                        c,
-                        In::rows(&qb, qw),
-                        In::rows(&kb, kw),
-                        In::rows(&vb, kw),
-                        (kc, vc),
-                        self.max_len,
-                        (&att_lens, &att_slots, &att_past),
-                        Out { buf: &mut att, offset: 0 },
-                    )?;
-                    b.linear(In::rows(&att, qw), rows, o, Out { buf: &mut out, offset: 0 })?;
-                    counters.attention_calls += 1;
-                }
-                (MixW::Mlp { up, down }, _) => {
-                    let inter = self.config.mlp_intermediate.expect("mlp layers come with intermediate_size");
-                    let mut u = b.zeros(rows * inter)?;
-                    b.linear(In::rows(&x, hidden), rows, up, Out { buf: &mut u, offset: 0 })?;
-                    b.relu2(&mut u, rows * inter)?;
-                    b.linear(In::rows(&u, inter), rows, down, Out { buf: &mut out, offset: 0 })?;
-                }
-                _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
+            if p.computed + p.tokens.len() > self.max_len {
+                return Err(Error::Capacity(format!(
+                    "part {i}: a sequence of {} tokens exceeds the KV cache's {}",
+                    p.computed + p.tokens.len(),
+                    self.max_len
+                )));
             }
-            b.add(&mut h, &out, rows * hidden)?;
+            let vocab = self.config.vocab_size;
+            if let Some(t) = p.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::Unsupported(format!("part {i}: token id {t} is outside the vocabulary of {vocab}")));
+            }
         }
-        b.rms_norm(In::rows(&h, hidden), &self.norm_f, rows, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+        let nd = plan.decode_tokens.len();
+        // Attention: each decode row continues its slot; each prefill sequence starts at its
+        // slot's past when it continues it, else at 0.
+        let mut positions: Vec<u32> = plan.decode_slots.iter().map(|&s| self.past[s as usize] as u32).collect();
+        let mut row_slots = plan.decode_slots.clone();
         // The last row of each part: decode rows, then each prefill sequence's end.
         let mut last: Vec<u32> = (0..nd as u32).collect();
         let mut end = nd;
-        for &l in &seqs.lens {
+        for ((&s, &l), &i) in plan.prefill_slots.iter().zip(&plan.prefill_lens).zip(&plan.prefill_initial) {
+            let p0 = if i { self.past[s as usize] } else { 0 };
+            positions.extend((p0..p0 + l).map(|p| p as u32));
+            row_slots.extend(std::iter::repeat_n(s, l));
             end += l;
             last.push(end as u32 - 1);
         }
-        let mut sel = b.zeros(last.len() * hidden)?;
-        b.embed(&x, hidden, &last, Out { buf: &mut sel, offset: 0 })?;
-        let vocab = self.config.vocab_size;
-        let mut logits = b.zeros(last.len() * vocab)?;
-        b.linear(In::rows(&sel, hidden), last.len(), &self.lm_head, Out { buf: &mut logits, offset: 0 })?;
-        let logits: Vec<bf16> = b.download(&logits)?;
-
-        for (&s, n) in plan.decode_slots.iter().zip(std::iter::repeat(1)) {
-            self.past[s as usize] += n;
-        }
-        for ((&s, &l), &i) in seqs.slots.iter().zip(&seqs.lens).zip(&seqs.initial) {
-            self.past[s as usize] = if i { self.past[s as usize] } else { 0 } + l;
-        }
-        self.counters = counters;
-        let mut by_part = vec![Vec::new(); parts.len()];
-        for (j, &part) in plan.order.iter().enumerate() {
-            by_part[part] = logits[j * vocab..(j + 1) * vocab].iter().map(|v| v.to_f32()).collect();
-        }
-        Ok(by_part)
+        Ok(StepRows {
+            tokens: plan.decode_tokens.iter().chain(&plan.prefill_tokens).copied().collect(),
+            decode_slots: plan.decode_slots.clone(),
+            prefill: PrefillSeqs {
+                lens: plan.prefill_lens.clone(),
+                slots: plan.prefill_slots.clone(),
+                initial: plan.prefill_initial.clone(),
+            },
+            slots: row_slots,
+            positions,
+            last,
+        })
     }
 
     /// Forgets a slot's state (its next part must start with `computed == 0`).
@@ -377,4 +328,100 @@ impl<B: Backend> Model<B> {
     pub fn vocab(&self) -> usize {
         self.config.vocab_size
     }
+}
+
+/// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,
+/// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of the rows `rows.last` names go to `logits`.
+#[allow(clippy::too_many_arguments)]
+fn forward<B: Backend>(
+    b: &B,
+    config: &Config,
+    w: &Weights<B>,
+    (cache, max_len): (&mut [LayerCache<B>], usize),
+    nd: usize,
+    seqs: &[usize],
+    rows: &B::Rows,
+    logits: &mut B::Buf,
+) -> Result<StepCounters> {
+    let hidden = config.hidden_size;
+    let eps = config.norm_eps;
+    let n = nd + seqs.iter().sum::<usize>();
+    let prefill = !seqs.is_empty();
+    let mut counters = StepCounters::default();
+    let mut h = b.scratch(n * hidden)?;
+    b.embed(&w.embeddings, hidden, rows, Out { buf: &mut h, offset: 0 })?;
+    let mut x = b.scratch(n * hidden)?;
+    let mut out = b.scratch(n * hidden)?;
+    if let Some((norm, _)) = w.layers.first() {
+        b.rms_norm(In::rows(&h, hidden), norm, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+    }
+    for (i, (((_, mix), lc), kind)) in w.layers.iter().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
+        match (mix, lc) {
+            (MixW::Mamba(m), LayerCache::Mamba { conv, ssm }) => {
+                let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
+                let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
+                let mut zx = b.scratch(n * wd)?;
+                b.linear(In::rows(&x, hidden), n, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
+                let zxr = In::rows(&zx, wd);
+                let mut xbc = b.scratch(n * cd)?;
+                let heads = (&m.dt_bias, &m.a, &m.d);
+                let mut y = b.scratch(n * inner)?;
+                if nd > 0 {
+                    let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
+                    b.conv_decode(c, zxr.at(0, inner), cw, cb, conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(0, inner + cd));
+                    b.ssm_decode(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: 0 })?;
+                    counters.conv_updates += 1;
+                    counters.state_updates += 1;
+                }
+                if prefill {
+                    let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
+                    let xo = Out { buf: &mut xbc, offset: nd * cd };
+                    b.conv_prefill(c, zxr.at(nd, inner), cw, cb, conv, rows, xo)?;
+                    let (xbcr, dt) = (In::rows(&xbc, cd).at(nd, 0), zxr.at(nd, inner + cd));
+                    b.ssm_prefill(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: nd * inner })?;
+                    counters.conv_forwards += 1;
+                    counters.chunk_scans += 1;
+                }
+                let mut yn = b.scratch(n * inner)?;
+                let yo = Out { buf: &mut yn, offset: 0 };
+                b.gated_norm(In::rows(&y, inner), zxr, &m.norm, n, inner, c.groups, eps, yo)?;
+                b.linear(In::rows(&yn, inner), n, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
+            }
+            (MixW::Moe(mw), _) => {
+                let c = config.moe.as_ref().expect("moe layers come with moe settings");
+                b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
+                counters.moe_calls += 1;
+            }
+            (MixW::Attention { q, k, v, o }, LayerCache::Attention { k: kc, v: vc }) => {
+                let c = config.attention.as_ref().expect("attention layers come with attention settings");
+                let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                let (mut qb, mut kb, mut vb) = (b.scratch(n * qw)?, b.scratch(n * kw)?, b.scratch(n * kw)?);
+                let xr = In::rows(&x, hidden);
+                b.linear(xr, n, q, Out { buf: &mut qb, offset: 0 })?;
+                b.linear(xr, n, k, Out { buf: &mut kb, offset: 0 })?;
+                b.linear(xr, n, v, Out { buf: &mut vb, offset: 0 })?;
+                let mut att = b.scratch(n * qw)?;
+                let (qr, kr, vr) = (In::rows(&qb, qw), In::rows(&kb, kw), In::rows(&vb, kw));
+                b.attention(c, qr, kr, vr, (kc, vc), max_len, rows, Out { buf: &mut att, offset: 0 })?;
+                b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
+                counters.attention_calls += 1;
+            }
+            (MixW::Mlp { up, down }, _) => {
+                b.mlp(In::rows(&x, hidden), n, up, down, Out { buf: &mut out, offset: 0 })?;
+            }
+            _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
+        }
+        // The residual, and the next layer's norm (the final norm after the last layer).
+        let next = w.layers.get(i + 1).map_or(&w.norm_f, |(norm, _)| norm);
+        b.add_rms_norm(&mut h, &out, next, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+    }
+    if w.layers.is_empty() {
+        b.rms_norm(In::rows(&h, hidden), &w.norm_f, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+    }
+    let picked = nd + seqs.len();
+    let mut sel = b.scratch(picked * hidden)?;
+    b.last_rows(&x, hidden, rows, Out { buf: &mut sel, offset: 0 })?;
+    b.linear(In::rows(&sel, hidden), picked, &w.lm_head, Out { buf: logits, offset: 0 })?;
+    Ok(counters)
 }

@@ -32,6 +32,13 @@ fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
 }
 
+/// The [`HYBRID`] model with random weights of `seed`, written to a temporary directory.
+fn hybrid(tag: &str, seed: u64) -> (Config, Checkpoint) {
+    let dir = std::env::temp_dir().join(format!("nemotron-{tag}-{}", std::process::id()));
+    write_checkpoint(&dir, HYBRID, seed).unwrap();
+    (Config::from_dir(&dir).unwrap(), Checkpoint::open(&dir).unwrap())
+}
+
 /// The largest |a - b|.
 fn max_gap(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).fold(0.0, f64::max)
@@ -40,12 +47,9 @@ fn max_gap(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_backend_matches_cpu_backend() {
-    let dir = std::env::temp_dir().join(format!("nemotron-cuda-{}", std::process::id()));
-    write_checkpoint(&dir, HYBRID, 9).unwrap();
-    let config = Config::from_dir(&dir).unwrap();
-    let ck = Checkpoint::open(&dir).unwrap();
+    let (config, ck) = hybrid("cuda", 9);
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut cpu = Model::load(Cpu, &config, &layout, 4, 256).unwrap();
+    let mut cpu = Model::load(Cpu::default(), &config, &layout, 4, 256).unwrap();
     let mut gpu = Model::load(Cuda::new(0).unwrap(), &config, &layout, 4, 256).unwrap();
     let prompts: Vec<Vec<u32>> =
         [5usize, 130, 1].iter().map(|&n| (0..n).map(|i| ((i * 37 + n) % 512) as u32).collect()).collect();
@@ -74,6 +78,41 @@ fn cuda_backend_matches_cpu_backend() {
     println!("CUDA vs CPU backend: {compared} logits compared, largest gap {worst:.3e}");
 }
 
+/// Recorded decode steps (CUDA graphs) replayed with new rows give exactly what launching
+/// every operation gives: every layer kind, steps of 3, 2 and 1 rows (three graphs), each
+/// replayed with other tokens, slots and positions.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_graph_replays_equal_direct_launches() {
+    let (config, ck) = hybrid("graphs", 12);
+    let layout = Layout::new(&config, &ck).unwrap();
+    let gpu = std::sync::Arc::new(host::Gpu::new(0).unwrap());
+    let mut direct = Model::load(Cuda::on(gpu.clone()).with_graphs(false), &config, &layout, 4, 64).unwrap();
+    let mut graphs = Model::load(Cuda::on(gpu), &config, &layout, 4, 64).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|s| (0..3 + 2 * s).map(|i| (i * 31 + s * 7) % 512).collect()).collect();
+    let parts: Vec<Part> =
+        prompts.iter().enumerate().map(|(s, p)| Part { slot: s as i32, computed: 0, tokens: p }).collect();
+    assert_eq!(direct.step(&parts).unwrap(), graphs.step(&parts).unwrap());
+    let mut len: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let mut compared = 0;
+    // The slots decoding at each step: each row count recorded once, then replayed.
+    let steps: [&[usize]; 8] = [&[0, 1, 2], &[1, 3], &[2], &[3, 0, 1], &[0, 2], &[1], &[2, 3, 0], &[3]];
+    for (step, live) in steps.iter().enumerate() {
+        let toks: Vec<[u32; 1]> = live.iter().map(|&s| [((step * 17 + s * 5) % 512) as u32]).collect();
+        let parts: Vec<Part> =
+            live.iter().zip(&toks).map(|(&s, t)| Part { slot: s as i32, computed: len[s], tokens: t }).collect();
+        let (a, b) = (direct.step(&parts).unwrap(), graphs.step(&parts).unwrap());
+        assert_eq!(direct.counters(), graphs.counters());
+        assert_eq!(a, b, "step {step}: slots {live:?}");
+        compared += b.iter().map(Vec::len).sum::<usize>();
+        for &s in *live {
+            len[s] += 1;
+        }
+    }
+    assert_eq!(compared, 16 * 512);
+    println!("CUDA graph replays vs direct launches: {compared} logits compared, all equal");
+}
+
 /// The transformers fixture (M, E, *, - layers) on the GPU: the greedy tokens transformers
 /// gives, and logits within bf16 noise of the CPU backend.
 #[test]
@@ -81,7 +120,7 @@ fn cuda_backend_matches_cpu_backend() {
 fn cuda_backend_on_the_transformers_fixture() {
     let (config, ck) = common::open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut cpu = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
+    let mut cpu = Model::load(Cpu::default(), &config, &layout, 4, 64).unwrap();
     let mut gpu = Model::load(Cuda::new(0).unwrap(), &config, &layout, 4, 64).unwrap();
     let (mut compared, mut matched, mut total, mut worst) = (0, 0, 0, 0.0f64);
     for (i, case) in common::cases().iter().enumerate() {
@@ -129,7 +168,7 @@ fn cuda_backend_long_prompts_and_many_decode_steps() {
     let ck = Checkpoint::open(&dir).unwrap();
     let layout = Layout::new(&config, &ck).unwrap();
     let max_len = 900;
-    let mut cpu = Model::load(Cpu, &config, &layout, 2, max_len).unwrap();
+    let mut cpu = Model::load(Cpu::default(), &config, &layout, 2, max_len).unwrap();
     let mut gpu = Model::load(Cuda::new(0).unwrap(), &config, &layout, 2, max_len).unwrap();
     let prompts: Vec<Vec<u32>> =
         [300usize, 700].iter().map(|&n| (0..n).map(|i| ((i * 13 + n) % 512) as u32).collect()).collect();
@@ -198,8 +237,10 @@ fn cuda_moe_layer_at_nano_sizes() {
     let gate = rng.bf16s(n_exp * hidden, -0.05, 0.05);
     let bias: Vec<f32> = (0..n_exp).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
     let cuda = Cuda::new(0).unwrap();
-    let (wc, wg) =
-        (moe_weights(&Cpu, &gate, &bias, &experts, &shared), moe_weights(&cuda, &gate, &bias, &experts, &shared));
+    let (wc, wg) = (
+        moe_weights(&Cpu::default(), &gate, &bias, &experts, &shared),
+        moe_weights(&cuda, &gate, &bias, &experts, &shared),
+    );
     drop(bytes);
     let mut compared = 0;
     let mut worst = 0.0f64;
@@ -213,7 +254,7 @@ fn cuda_moe_layer_at_nano_sizes() {
             if rows <= 64 { (0..rows).collect() } else { (0..64).map(|i| i * rows / 64 + i % 7).collect() };
         let xs: Vec<bf16> = checked.iter().flat_map(|&r| x[r * hidden..][..hidden].to_vec()).collect();
         let mut want = vec![bf16::NAN; checked.len() * hidden];
-        Cpu.moe(&c, In::rows(&xs, hidden), checked.len(), &wc, Out { buf: &mut want, offset: 0 }).unwrap();
+        Cpu::default().moe(&c, In::rows(&xs, hidden), checked.len(), &wc, Out { buf: &mut want, offset: 0 }).unwrap();
         let got: Vec<bf16> = checked.iter().flat_map(|&r| got[r * hidden..][..hidden].to_vec()).collect();
         let (g, w) = (to_f64(&got), to_f64(&want));
         worst = worst.max(g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max));

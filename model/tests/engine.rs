@@ -18,7 +18,7 @@ use model::sampling::SamplingParams;
 fn engine(slots: usize) -> Engine<Cpu> {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    Engine::new(Model::load(Cpu, &config, &layout, slots, 64).unwrap())
+    Engine::new(Model::load(Cpu::default(), &config, &layout, slots, 64).unwrap())
 }
 
 fn greedy(n: usize, stop: Vec<u32>) -> RequestParams {
@@ -91,180 +91,6 @@ fn bad_requests_are_refused_and_others_go_on() {
     assert_eq!(out[&good].0.len(), 3, "4 tokens in all, one produced before the cancel");
 }
 
-/// The CPU backend, except that embedding more than `limit` tokens at once fails, as a step
-/// too large for the device's memory would. (Every other operation delegates: the trait's
-/// signatures, written out once more.)
-struct Flaky {
-    limit: usize,
-}
-
-mod flaky {
-    use half::bf16;
-    use model::backend::{Backend, In, MoeWeights, Out, PrefillSeqs};
-    use model::config::{AttentionConfig, MambaConfig, MoeConfig};
-    use model::cpu::{Cpu, CpuWeight};
-    use model::layout::{Linear, Mlp};
-    use model::{Error, Result};
-
-    type Heads<'a> = (&'a Vec<f32>, &'a Vec<f32>, &'a Vec<f32>);
-
-    /// The same weights, as the CPU backend's.
-    fn moe(w: &MoeWeights<super::Flaky>) -> MoeWeights<Cpu> {
-        let copy = |w: &(CpuWeight, CpuWeight)| w.clone();
-        MoeWeights {
-            gate: w.gate.clone(),
-            score_bias: w.score_bias.clone(),
-            experts: w.experts.iter().map(copy).collect(),
-            shared: w.shared.as_ref().map(copy),
-        }
-    }
-
-    impl Backend for super::Flaky {
-        type Buf = Vec<bf16>;
-        type Buf32 = Vec<f32>;
-        type Weight = CpuWeight;
-        type Experts = Vec<(CpuWeight, CpuWeight)>;
-
-        fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
-            Cpu.upload(v)
-        }
-        fn upload32(&self, v: &[f32]) -> Result<Vec<f32>> {
-            Cpu.upload32(v)
-        }
-        fn zeros(&self, n: usize) -> Result<Vec<bf16>> {
-            Cpu.zeros(n)
-        }
-        fn zeros32(&self, n: usize) -> Result<Vec<f32>> {
-            Cpu.zeros32(n)
-        }
-        fn download(&self, b: &Vec<bf16>) -> Result<Vec<bf16>> {
-            Cpu.download(b)
-        }
-        fn weight(&self, l: &Linear) -> Result<CpuWeight> {
-            Cpu.weight(l)
-        }
-        fn experts(&self, list: &[Mlp]) -> Result<Self::Experts> {
-            Cpu.experts(list)
-        }
-        fn embed(&self, table: &Vec<bf16>, width: usize, tokens: &[u32], out: Out<Vec<bf16>>) -> Result<()> {
-            if tokens.len() > self.limit {
-                return Err(Error::Capacity(format!("{} tokens do not fit (simulated)", tokens.len())));
-            }
-            Cpu.embed(table, width, tokens, out)
-        }
-        fn rms_norm(
-            &self,
-            x: In<Vec<bf16>>,
-            w: &Vec<bf16>,
-            r: usize,
-            c: usize,
-            eps: f32,
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.rms_norm(x, w, r, c, eps, y)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn gated_norm(
-            &self,
-            x: In<Vec<bf16>>,
-            z: In<Vec<bf16>>,
-            w: &Vec<bf16>,
-            r: usize,
-            c: usize,
-            g: usize,
-            eps: f32,
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.gated_norm(x, z, w, r, c, g, eps, y)
-        }
-        fn linear(&self, x: In<Vec<bf16>>, rows: usize, w: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
-            Cpu.linear(x, rows, w, y)
-        }
-        fn add(&self, h: &mut Vec<bf16>, x: &Vec<bf16>, n: usize) -> Result<()> {
-            Cpu.add(h, x, n)
-        }
-        fn relu2(&self, x: &mut Vec<bf16>, n: usize) -> Result<()> {
-            Cpu.relu2(x, n)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn conv_decode(
-            &self,
-            c: &MambaConfig,
-            x: In<Vec<bf16>>,
-            w: &Vec<bf16>,
-            b: Option<&Vec<bf16>>,
-            st: &mut Vec<bf16>,
-            slots: &[i32],
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.conv_decode(c, x, w, b, st, slots, y)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn conv_prefill(
-            &self,
-            c: &MambaConfig,
-            x: In<Vec<bf16>>,
-            w: &Vec<bf16>,
-            b: Option<&Vec<bf16>>,
-            st: &mut Vec<bf16>,
-            seqs: &PrefillSeqs,
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.conv_prefill(c, x, w, b, st, seqs, y)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn ssm_decode(
-            &self,
-            c: &MambaConfig,
-            xbc: In<Vec<bf16>>,
-            dt: In<Vec<bf16>>,
-            heads: Heads,
-            st: &mut Vec<f32>,
-            slots: &[i32],
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.ssm_decode(c, xbc, dt, heads, st, slots, y)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn ssm_prefill(
-            &self,
-            c: &MambaConfig,
-            xbc: In<Vec<bf16>>,
-            dt: In<Vec<bf16>>,
-            heads: Heads,
-            st: &mut Vec<f32>,
-            seqs: &PrefillSeqs,
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.ssm_prefill(c, xbc, dt, heads, st, seqs, y)
-        }
-        fn moe(
-            &self,
-            c: &MoeConfig,
-            x: In<Vec<bf16>>,
-            rows: usize,
-            w: &MoeWeights<Self>,
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.moe(c, x, rows, &moe(w), y)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn attention(
-            &self,
-            c: &AttentionConfig,
-            q: In<Vec<bf16>>,
-            k: In<Vec<bf16>>,
-            v: In<Vec<bf16>>,
-            cache: (&mut Vec<bf16>, &mut Vec<bf16>),
-            max_len: usize,
-            seqs: (&[usize], &[i32], &[usize]),
-            y: Out<Vec<bf16>>,
-        ) -> Result<()> {
-            Cpu.attention(c, q, k, v, cache, max_len, seqs, y)
-        }
-    }
-}
-
 /// A step too large to run (here: a 40-token prompt beside a decode row, when at most 16
 /// tokens fit) ends the requests in it with an error naming them; the engine then serves a
 /// later request as if nothing had happened (transformers' greedy tokens).
@@ -272,13 +98,13 @@ mod flaky {
 fn a_failing_step_ends_its_requests_and_the_engine_goes_on() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut e = Engine::new(Model::load(Flaky { limit: 16 }, &config, &layout, 2, 64).unwrap());
+    let mut e = Engine::new(Model::load(Cpu::limited(16), &config, &layout, 2, 64).unwrap());
     let running = e.add(&[3, 4, 5], greedy(8, vec![])).unwrap();
     assert_eq!(e.step().unwrap().len(), 1);
     let big = e.add(&[7; 40], greedy(2, vec![])).unwrap();
     let err = e.step().unwrap_err();
     assert!(matches!(&err, model::Error::StepFailed { requests, .. } if *requests == vec![running, big]), "{err}");
-    assert!(err.to_string().contains("41 tokens do not fit"), "{err}");
+    assert!(err.to_string().contains("a step of 41 tokens does not fit"), "{err}");
     assert!(!e.has_work() && e.cancel(running).is_err() && e.cancel(big).is_err());
     let cases = cases();
     let c = &cases[0];
@@ -291,13 +117,13 @@ fn a_failing_step_ends_its_requests_and_the_engine_goes_on() {
 }
 
 /// At most 5 tokens per step: the prompts (up to 40 tokens) go in over several steps, every
-/// step fits (the backend refuses to embed more than 5 tokens at once), and the three
+/// step fits (the backend refuses steps of more than 5 tokens), and the three
 /// requests on two slots still get transformers' greedy tokens.
 #[test]
 fn a_step_token_bound_feeds_prompts_in_chunks() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut e = Engine::new(Model::load(Flaky { limit: 5 }, &config, &layout, 2, 64).unwrap());
+    let mut e = Engine::new(Model::load(Cpu::limited(5), &config, &layout, 2, 64).unwrap());
     assert!(e.set_max_step_tokens(0).unwrap_err().to_string().contains("at least 1"));
     e.set_max_step_tokens(5).unwrap();
     let cases = cases();

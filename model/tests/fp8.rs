@@ -59,7 +59,7 @@ fn prompt_logits(dir: &Path, prompt: &[u32]) -> (Vec<f64>, Vec<f64>) {
     let config = Config::from_dir(dir).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut model = Model::load(Cpu, &config, &layout, 1, 64).unwrap();
+    let mut model = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
     let cpu = model.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
     let reference = Reference::new(&config, &layout).unwrap();
     let mut st = reference.new_state();
@@ -110,7 +110,7 @@ fn cuda_fp8_matches_cpu_fp8() {
     let config = Config::from_dir(&dir).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut cpu = Model::load(Cpu, &config, &layout, 1, 64).unwrap();
+    let mut cpu = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
     let mut gpu = Model::load(model::cuda::Cuda::new(0).unwrap(), &config, &layout, 1, 64).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
     let mut part = Part { slot: 0, computed: 0, tokens: &prompt };

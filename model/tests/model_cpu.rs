@@ -26,7 +26,7 @@ fn cpu_backend_matches_transformers_and_reference() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let reference = Reference::new(&config, &layout).unwrap();
-    let mut model = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
+    let mut model = Model::load(Cpu::default(), &config, &layout, 4, 64).unwrap();
     let (mut compared, mut matched, mut total) = (0, 0, 0);
     for (i, case) in cases().iter().enumerate() {
         let slot = i as i32;
@@ -56,8 +56,8 @@ fn batched_steps_equal_single_ones() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let cases = cases();
-    let mut single = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
-    let mut batched = Model::load(Cpu, &config, &layout, 4, 64).unwrap();
+    let mut single = Model::load(Cpu::default(), &config, &layout, 4, 64).unwrap();
+    let mut batched = Model::load(Cpu::default(), &config, &layout, 4, 64).unwrap();
     // Slots in a different order in the batch.
     let slot = |i: usize| 3 - i as i32;
     let parts: Vec<Part> =
@@ -96,7 +96,7 @@ fn split_prefill_and_fresh_one_token_requests() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let prompt = &cases()[2].prompt;
-    let mut a = Model::load(Cpu, &config, &layout, 2, 64).unwrap();
+    let mut a = Model::load(Cpu::default(), &config, &layout, 2, 64).unwrap();
     let whole = a.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
     a.step(&[Part { slot: 1, computed: 0, tokens: &prompt[..17] }]).unwrap();
     let split = a.step(&[Part { slot: 1, computed: 17, tokens: &prompt[17..] }]).unwrap().remove(0);
@@ -116,7 +116,8 @@ fn loading_reports_progress_per_layer() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
     let mut seen = Vec::new();
-    Model::load_with_progress(Cpu, &config, &layout, 1, 8, &mut |done, total| seen.push((done, total))).unwrap();
+    Model::load_with_progress(Cpu::default(), &config, &layout, 1, 8, &mut |done, total| seen.push((done, total)))
+        .unwrap();
     assert_eq!(seen, (1..=6).map(|i| (i, 6)).collect::<Vec<_>>());
 }
 
@@ -124,7 +125,7 @@ fn loading_reports_progress_per_layer() {
 fn bad_steps_are_errors() {
     let (config, ck) = open();
     let layout = Layout::new(&config, &ck).unwrap();
-    let mut m = Model::load(Cpu, &config, &layout, 2, 8).unwrap();
+    let mut m = Model::load(Cpu::default(), &config, &layout, 2, 8).unwrap();
     let err = |m: &mut Model<Cpu>, parts: &[Part]| m.step(parts).unwrap_err().to_string();
     assert!(err(&mut m, &[Part { slot: 2, computed: 0, tokens: &[1] }]).contains("slot 2 is out of range"));
     assert!(

@@ -149,7 +149,7 @@ fn main() -> Result<()> {
         }
         None => {
             eprintln!("  backend: CPU reference");
-            run(Cpu, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+            run(Cpu::default(), &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
         }
     }
 }

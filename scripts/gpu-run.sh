@@ -21,5 +21,5 @@ for tool in memcheck racecheck; do
   done
 done
 if [ "$1" = bench ]; then
-  for b in ${BENCHES:-norm quant conv1d ssm ssd moe nano}; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
+  for b in ${BENCHES:-norm quant conv1d ssm ssd moe gemv nano}; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
 fi

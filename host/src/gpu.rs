@@ -260,6 +260,8 @@ impl Gpu {
 
     /// Records the work `f` queues into a CUDA graph instead of running it; replay it with
     /// [`Graph::replay`]. The buffers the work uses must outlive the graph and stay in place.
+    /// While it records, this `Gpu` belongs to `f`: host copies and synchronizations are
+    /// refused, and launches from other threads would join the graph.
     pub fn capture<E: From<Error>>(&self, f: impl FnOnce() -> Result<(), E>) -> Result<Graph, E> {
         // cuBLASLt's handle allocates its workspace when first used: create it before the
         // capture, or the graph would hold that allocation and refuse a second launch. Where
@@ -269,10 +271,26 @@ impl Gpu {
         if self.capturing.swap(true, Ordering::Relaxed) {
             return Err(Error::InCapture("a capture").into());
         }
+        // Ends the capture and clears the flag however `f` leaves, a panic included.
+        struct Recording<'a>(&'a Gpu);
+        impl Recording<'_> {
+            fn end(&self) -> Result<Option<CudaGraph>> {
+                let graph = self.0.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                self.0.capturing.store(false, Ordering::Relaxed);
+                graph.during("ending a graph capture")
+            }
+        }
+        impl Drop for Recording<'_> {
+            fn drop(&mut self) {
+                if self.0.capturing.load(Ordering::Relaxed) {
+                    let _ = self.end();
+                }
+            }
+        }
+        let recording = Recording(self);
         let begun = self.stream.begin_capture(mode).during("starting a graph capture");
         let queued = begun.map_err(E::from).and_then(|()| f());
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).during("ending a graph capture");
-        self.capturing.store(false, Ordering::Relaxed);
+        let graph = recording.end();
         queued?;
         let graph = graph?.ok_or(Error::Driver {
             during: "ending a graph capture (nothing was captured)",

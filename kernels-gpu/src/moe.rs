@@ -466,7 +466,8 @@ mod kernels {
         let elem = if fp8 { 1 } else { 2 };
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
-        // the dispatch kernel over the same entries, k a multiple of 8, w holds experts * n * k
+        // the dispatch kernel over the same entries (all null for a dense launch: expert 0,
+        // rows 0..p.rows of x and out, one block row), k a multiple of 8, w holds experts * n * k
         // weights (and the scales experts values), x_row entries index rows of x, out holds
         // entries * n. Each output element is written by lane 0 of the one warp owning its
         // weight row.
@@ -573,7 +574,8 @@ mod kernels {
     /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / EXPERT_BLOCK_ROWS),
     /// slots)` with `slots >= active_count` (blocks past it return; 1 for a dense launch),
     /// block [`EXPERT_BLOCK`].
-    /// Block `(b, a)` takes expert `active[a]`; each warp streams [`EXPERT_WARP_ROWS`] weight
+    /// Block `(b, a)` takes expert `active[a]` (a dense launch: expert 0, rows `0..rows`, x
+    /// row j for row j); each warp streams [`EXPERT_WARP_ROWS`] weight
     /// rows once per [`EXPERT_TOKENS`] of the expert's rows (lanes over k, [`EXPERT_UNROLL`]
     /// loads per row in flight, f32 sums).
     #[unsafe(no_mangle)]

@@ -67,7 +67,7 @@ pub struct StepRows {
     pub tokens: Vec<u32>,
     /// The cache slot of each decode row.
     pub decode_slots: Vec<i32>,
-    /// The prefill sequences (no lengths: none).
+    /// The prefill sequences (empty `lens` when the step has no prefill).
     pub prefill: PrefillSeqs,
     /// The cache slot of each row, decode and prefill (attention).
     pub slots: Vec<i32>,
@@ -117,7 +117,8 @@ pub trait Backend: Sized {
     fn experts(&self, list: &[Mlp]) -> Result<Self::Experts>;
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
-    /// tokens (slots in range and distinct, positions below `max_len`: checked here).
+    /// tokens. The model has checked them (slots in range and distinct, positions below
+    /// `max_len`); a backend that indexes device memory with them checks them again.
     fn rows(&self, rows: &StepRows, slots: usize, max_len: usize) -> Result<Self::Rows>;
     /// Writes `rows` over `into` in place (the same numbers of decode rows and prefill
     /// sequences as when `into` was made), so a recorded step reads the new rows.

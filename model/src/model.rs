@@ -192,7 +192,10 @@ impl<B: Backend> Model<B> {
     }
 
     /// Runs one step over `parts` (requests' new tokens, each at its slot) and returns the
-    /// logits after each part's last token, in the order of `parts`.
+    /// logits after each part's last token, in the order of `parts`. After an error the
+    /// states of the step's slots are unspecified (the device may have advanced some of
+    /// them): release those slots ([`Model::release`]) before using them again, as the
+    /// engine does by ending the step's requests.
     pub fn step(&mut self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
         let plan = StepPlan::new(parts)?;
         let rows = self.step_rows(parts, &plan)?;
@@ -216,9 +219,7 @@ impl<B: Backend> Model<B> {
                 b.download(&logits)?
             } else {
                 let mut ran = StepCounters::default();
-                let graph = b.record(nd, &mut || run().map(|c| ran = c))?;
-                *counters = ran;
-                match graph {
+                let out = match b.record(nd, &mut || run().map(|c| ran = c))? {
                     Some(graph) => {
                         b.replay(&graph)?;
                         let out = b.download(&logits)?;
@@ -226,7 +227,9 @@ impl<B: Backend> Model<B> {
                         out
                     }
                     None => b.download(&logits)?,
-                }
+                };
+                *counters = ran;
+                out
             }
         };
 
@@ -331,7 +334,8 @@ impl<B: Backend> Model<B> {
 }
 
 /// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,
-/// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of the rows `rows.last` names go to `logits`.
+/// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of
+/// the rows `rows.last` names go to `logits`.
 #[allow(clippy::too_many_arguments)]
 fn forward<B: Backend>(
     b: &B,

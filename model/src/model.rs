@@ -208,15 +208,18 @@ impl<B: Backend> Model<B> {
         let logits = if let Some(r) = recorded.get_mut(&nd).filter(|_| seqs.is_empty()) {
             b.set_rows(&mut r.rows, &rows)?;
             b.replay(&r.graph)?;
+            let out = b.download(&r.logits)?;
             *counters = r.counters;
-            b.download(&r.logits)?
+            out
         } else {
             let step_rows = b.rows(&rows, slots, max_len)?;
             let mut logits = b.scratch(rows.last.len() * vocab)?;
             let mut run = || forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits);
             if !seqs.is_empty() {
-                *counters = run()?;
-                b.download(&logits)?
+                let ran = run()?;
+                let out = b.download(&logits)?;
+                *counters = ran;
+                out
             } else {
                 let mut ran = StepCounters::default();
                 let out = match b.record(nd, &mut || run().map(|c| ran = c))? {

@@ -23,6 +23,12 @@ pub struct RouteShape {
     pub scaling: f32,
 }
 
+/// Experts within the kernels' limit, and top-k choices of at most as many of them.
+fn check_choices(c: Check, experts: usize, top_k: usize) -> Result<()> {
+    c.count("experts", MAX_EXPERTS as usize, experts)?;
+    c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)
+}
+
 /// Routes `rows` tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows, top_k]`.
 #[allow(clippy::too_many_arguments)]
 pub fn route(
@@ -37,8 +43,7 @@ pub fn route(
 ) -> Result<()> {
     let k = Kernel::MoeRouterLogits;
     let c = Check(k.name());
-    c.count("experts", MAX_EXPERTS as usize, s.experts)?;
-    c.count("top_k", (MAX_TOP_K as usize).min(s.experts), s.top_k)?;
+    check_choices(c, s.experts, s.top_k)?;
     c.count("n_group", s.experts, s.n_group)?;
     c.that("n_group", s.experts.is_multiple_of(s.n_group), format!("a divisor of experts {}", s.experts), s.n_group)?;
     c.count("topk_group", s.n_group, s.topk_group)?;
@@ -111,8 +116,7 @@ impl Dispatch {
     /// Buffers for `rows` tokens choosing `top_k` of `experts` each.
     pub fn new(gpu: &Gpu, experts: usize, top_k: usize, rows: usize) -> Result<Dispatch> {
         let c = Check(Kernel::MoeDispatch.name());
-        c.count("experts", MAX_EXPERTS as usize, experts)?;
-        c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)?;
+        check_choices(c, experts, top_k)?;
         c.count("rows", (MAX_ENTRIES - 1) / top_k, rows)?;
         let entries = rows * top_k;
         // SAFETY: nothing reads these before `dispatch` fills them (`filled`), and it writes

@@ -2,7 +2,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::act::{AddParams, GatherParams, Relu2Params};
+use kernels_gpu::act::{GatherParams, Relu2Params};
 use kernels_gpu::{EW_BLOCK, Kernel, chunks};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
@@ -12,18 +12,6 @@ use crate::gpu::Gpu;
 /// Blocks of a grid-stride launch over `n` elements (four chunks per thread, at most 2048).
 fn grid(n: usize) -> u32 {
     chunks(n as u32).div_ceil(EW_BLOCK * 4).clamp(1, 2048)
-}
-
-/// `h = bf16(h + x)` over the first `n` elements.
-pub fn add(gpu: &Gpu, h: &mut impl DevicePtrMut<bf16>, x: &impl DevicePtr<bf16>, n: usize) -> Result<()> {
-    let k = Kernel::ActAdd;
-    let c = Check(k.name());
-    c.count("n", MAX_ELEMS, n)?;
-    c.len_at_least("h", n, h.len())?;
-    c.len_at_least("x", n, x.len())?;
-    let p = AddParams { x: gpu.addr(k, "x", x)? as *const u16, h: gpu.addr_mut(k, "h", h)? as *mut u16, n: n as u32 };
-    // SAFETY: h and x hold at least n elements; h is `&mut`, so it does not alias x.
-    unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
 }
 
 /// `x = bf16(relu(x)^2)` over the first `n` elements.

@@ -1,17 +1,8 @@
-//! Small element-wise and row operations the model needs between the big kernels: the
-//! residual add, relu^2, and gathering rows by index (embedding lookup, picking the rows the
-//! LM head reads). bf16 in and out, f32 math, chunks of [`crate::VEC`] elements per thread.
+//! Small element-wise and row operations the model needs between the big kernels: relu^2
+//! (after a cuBLASLt up projection), and gathering rows by index (embedding lookup, picking
+//! the rows the LM head reads). The residual add is fused into the next RMSNorm (norm.rs). bf16 in and out, f32 math, chunks of [`crate::VEC`] elements per thread.
 
 use crate::KernelParams;
-
-/// `h = bf16(h + x)` over `n` elements.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AddParams {
-    pub h: *mut u16,
-    pub x: *const u16,
-    pub n: u32,
-}
 
 /// `x = bf16(relu(x)^2)` over `n` elements.
 #[repr(C)]
@@ -35,8 +26,6 @@ pub struct GatherParams {
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
-unsafe impl KernelParams for AddParams {}
-// SAFETY: as above.
 unsafe impl KernelParams for Relu2Params {}
 // SAFETY: as above.
 unsafe impl KernelParams for GatherParams {}
@@ -46,23 +35,6 @@ mod kernels {
     use super::*;
     use crate::device::*;
     use crate::{EW_BLOCK, VEC, chunks};
-
-    /// Residual add, [`AddParams`]. Any grid, block [`EW_BLOCK`]; each thread reads and
-    /// writes its own chunks of h.
-    #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn act_add_bf16(p: AddParams) {
-        grid_dependency_wait();
-        let n = p.n as usize;
-        // SAFETY: h and x hold n elements (checked by the launcher); chunks are disjoint.
-        for_each_chunk(p.n, |c0| unsafe {
-            let (h, x) = (load8_bf16(p.h, c0, n), load8_bf16(p.x, c0, n));
-            let mut s = [0.0f32; 8];
-            for i in 0..8 {
-                s[i] = h[i] + x[i];
-            }
-            store8_bf16(p.h, c0, n, s);
-        });
-    }
 
     /// relu^2, [`Relu2Params`]. Any grid, block [`EW_BLOCK`].
     #[unsafe(no_mangle)]

@@ -112,8 +112,6 @@ kernels! {
     SsdStatePassBf16 = "ssd_state_pass_bf16",
     /// [`ssd::SsdParams`]: chunk scan outputs.
     SsdScan = "ssd_scan_bf16",
-    /// [`act::AddParams`]: residual add.
-    ActAdd = "act_add_bf16",
     /// [`act::Relu2Params`]: relu^2 in place.
     ActRelu2 = "act_relu2_bf16",
     /// [`act::GatherParams`]: rows gathered by index.

@@ -44,10 +44,12 @@ pub const fn chunks(width: u32) -> u32 {
 }
 
 /// Threads per block of the row kernels (norm, per-token quant) for rows of `width`
-/// (<= [`MAX_ROW_WIDTH`]): whole warps, enough that each thread holds at most
-/// [`CHUNKS_PER_THREAD`] chunks. One block handles one row.
+/// (<= [`MAX_ROW_WIDTH`]): whole warps, a chunk each up to [`MAX_BLOCK`] threads (a thread's
+/// chunks are loaded one after another: a single row's latency grows with them), then up to
+/// [`CHUNKS_PER_THREAD`] each. One block handles one row.
 pub const fn row_block(width: u32) -> u32 {
-    let threads = chunks(width).div_ceil(CHUNKS_PER_THREAD).div_ceil(32) * 32;
+    let c = chunks(width);
+    let threads = (if c < MAX_BLOCK { c } else { MAX_BLOCK }).div_ceil(32) * 32;
     if threads < 32 { 32 } else { threads }
 }
 

@@ -69,8 +69,9 @@ mod kernels {
 
     /// Attention, [`AttnParams`], after the cache write. Grid `(rows, heads)`, block
     /// [`ATTN_BLOCK`], dynamic shared memory `smem_bytes(head_dim, max_len)`. Block (r, h):
-    /// scores of keys `0..=pos[r]` (one thread per key), softmax with block reductions, then
-    /// one thread per output channel sums the weighted values.
+    /// scores of keys `0..=pos[r]` (one warp per key, lanes over the head's channels, 16-byte
+    /// loads of the key row), softmax with block reductions, then one thread per output
+    /// channel sums the weighted values.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_bf16(p: AttnParams) {
         grid_dependency_wait();
@@ -94,17 +95,29 @@ mod kernels {
             let n = ld(p.pos, r) as usize + 1;
             let base = ld(p.slot, r) as usize * p.max_len as usize * kw + kvh * d;
             let mut m = f32::NEG_INFINITY;
-            let mut j = t;
+            let (lane, warps) = (lane_id() as usize, (ATTN_BLOCK / 32) as usize);
+            let mut j = warp_id() as usize;
             while j < n {
                 let mut s = 0.0f32;
-                for i in 0..d {
-                    s += ld(qs, i) * bf16_to_f32(ld(p.k_cache, base + j * kw + i));
+                let mut c = lane * 8;
+                while c < d {
+                    let kv = load8_bf16(p.k_cache.wrapping_add(base + j * kw), c, d);
+                    for (i, k) in kv.iter().enumerate() {
+                        if c + i < d {
+                            s += ld(qs, c + i) * k;
+                        }
+                    }
+                    c += 256;
                 }
-                s *= p.scale;
-                st(scores, j, s);
+                // Every lane holds the warp's sum.
+                let s = warp_sum(s) * p.scale;
+                if lane == 0 {
+                    st(scores, j, s);
+                }
                 m = m.max(s);
-                j += blk;
+                j += warps;
             }
+            // The barrier in the block reduction orders the scores before they are read.
             let m = block_max(m, scratch);
             let mut total = 0.0f32;
             let mut j = t;

@@ -1,6 +1,6 @@
 //! `cargo bench --bench gemv`: linear layers at decode batch sizes, Nemotron-3 Nano shapes,
 //! through the expert kernel's dense path (`host::moe::dense`) and through cuBLASLt
-//! (`host::gemm::linear`): where the CUDA backend's `GEMV_MAX_ROWS` goes. Method as in
+//! (`host::gemm::linear`): which the CUDA backend takes for bf16 linear layers. Method as in
 //! benches/norm.rs (CUDA graph replays timed with events; cold: weights rotated through more
 //! than the L2); bytes: the weight, x and y once.
 

@@ -125,6 +125,7 @@ fn bench_layer(
                                 ExpertWeights::Bf16(up),
                                 ExpertWeights::Bf16(up),
                                 (inter, hidden),
+                                0,
                                 &mut out,
                             )
                         }
@@ -162,14 +163,11 @@ fn benches(_: &mut Criterion) {
             down: Linear::bf16("down", &down_s, &zeros[..2 * inter * hidden]),
         })
         .collect();
+    let shared = Mlp { up: Linear::bf16("shared up", &su_s, &zeros), down: Linear::bf16("shared down", &sd_s, &zeros) };
     let w = MoeWeights {
         gate: cuda.upload(&gate).unwrap(),
         score_bias: cuda.upload32(&bias).unwrap(),
-        experts: cuda.experts(&experts).unwrap(),
-        shared: Some((
-            cuda.weight(&Linear::bf16("shared up", &su_s, &zeros)).unwrap(),
-            cuda.weight(&Linear::bf16("shared down", &sd_s, &zeros)).unwrap(),
-        )),
+        experts: cuda.experts(&experts, Some(&shared)).unwrap(),
     };
     let up = b.gpu.zeros::<bf16>(n_exp * inter * hidden).unwrap();
     bench_layer(&b, &nano, &mut rng, &cuda, &w, &up);

@@ -149,26 +149,59 @@ mod gpu {
         let gpu = gpu();
         let mut rng = Rng::new(91);
         let mut compared = 0;
-        // NemotronH (128 experts, top-6, one group), grouped (8 groups keep 4), a bias that
-        // changes the selection, and identical router rows (ties: lowest index).
+        // NemotronH (128 experts, top-6, one group, the shared expert appended as two pieces),
+        // grouped (8 groups keep 4), a bias that changes the selection, and identical router
+        // rows (ties: lowest index; one appended piece).
         let cases = [
             (
-                RouteShape { experts: 128, top_k: 6, n_group: 1, topk_group: 1, renormalize: true, scaling: 2.5 },
+                RouteShape {
+                    experts: 128,
+                    top_k: 6,
+                    n_group: 1,
+                    topk_group: 1,
+                    renormalize: true,
+                    scaling: 2.5,
+                    shared: 2,
+                },
                 0.0,
                 false,
             ),
             (
-                RouteShape { experts: 64, top_k: 4, n_group: 8, topk_group: 4, renormalize: true, scaling: 1.0 },
+                RouteShape {
+                    experts: 64,
+                    top_k: 4,
+                    n_group: 8,
+                    topk_group: 4,
+                    renormalize: true,
+                    scaling: 1.0,
+                    shared: 0,
+                },
                 0.0,
                 false,
             ),
             (
-                RouteShape { experts: 128, top_k: 6, n_group: 1, topk_group: 1, renormalize: false, scaling: 1.0 },
+                RouteShape {
+                    experts: 128,
+                    top_k: 6,
+                    n_group: 1,
+                    topk_group: 1,
+                    renormalize: false,
+                    scaling: 1.0,
+                    shared: 0,
+                },
                 0.3,
                 false,
             ),
             (
-                RouteShape { experts: 16, top_k: 3, n_group: 1, topk_group: 1, renormalize: true, scaling: 1.0 },
+                RouteShape {
+                    experts: 16,
+                    top_k: 3,
+                    n_group: 1,
+                    topk_group: 1,
+                    renormalize: true,
+                    scaling: 1.0,
+                    shared: 1,
+                },
                 0.0,
                 true,
             ),
@@ -184,8 +217,8 @@ mod gpu {
             let bias: Vec<f32> = (0..s.experts).map(|_| (rng.uniform(-1.0, 1.0) * bias_scale) as f32).collect();
             let (dx, dg, db) = (gpu.upload(&x).unwrap(), gpu.upload(&gate).unwrap(), gpu.upload(&bias).unwrap());
             let (mut idx, mut w) = (
-                gpu.upload(&vec![-1i32; rows * s.top_k]).unwrap(),
-                gpu.upload(&vec![f32::NAN; rows * s.top_k]).unwrap(),
+                gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
+                gpu.upload(&vec![f32::NAN; rows * s.choices()]).unwrap(),
             );
             gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
             let r = Routing {
@@ -196,8 +229,12 @@ mod gpu {
                 scaling: f64::from(s.scaling),
             };
             let bias64: Vec<f64> = bias.iter().map(|&b| f64::from(b)).collect();
-            let want: Vec<(usize, f64)> =
-                logits(&x, &gate, hidden).iter().flat_map(|l| route(l, &bias64, &r)).collect();
+            // Each row: the top-k, then the appended pieces with weight 1.
+            let appended = (s.experts..s.experts + s.shared).map(|e| (e, 1.0));
+            let want: Vec<(usize, f64)> = logits(&x, &gate, hidden)
+                .iter()
+                .flat_map(|l| route(l, &bias64, &r).into_iter().chain(appended.clone()))
+                .collect();
             let label = format!("route {s:?}");
             let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
             compared +=
@@ -211,7 +248,7 @@ mod gpu {
                 1e-5,
             );
             if ties {
-                assert!(got_idx.chunks(s.top_k).all(|c| c == [0, 1, 2]), "ties go to the lowest index");
+                assert!(got_idx.chunks(s.choices()).all(|c| c == [0, 1, 2, 16]), "ties go to the lowest index");
             }
         }
         println!("routing: {compared} values compared");
@@ -305,10 +342,17 @@ mod gpu {
         let mut rng = Rng::new(94);
         let mut compared = 0;
         // NemotronH's expert sizes with 16 experts (each expert then gets more rows), and an
-        // odd shape (k not a multiple of the 256-wide lane stride, n not of the block's rows).
-        for (hidden, inter, e, k, rows) in
-            [(2688, 1856, 16, 6, 1), (2688, 1856, 16, 6, 7), (2688, 1856, 16, 6, 64), (136, 40, 5, 2, 33)]
-        {
+        // odd shape (k not a multiple of the 256-wide lane stride, n not of the block's rows);
+        // with the last two experts a shared expert's pieces (down projections as column
+        // blocks of one matrix; the expert kernel only) at one row and at the odd shape.
+        for (hidden, inter, e, k, rows, pieces) in [
+            (2688, 1856, 16, 6, 1, 0),
+            (2688, 1856, 16, 6, 1, 2),
+            (2688, 1856, 16, 6, 7, 0),
+            (2688, 1856, 16, 6, 64, 0),
+            (136, 40, 5, 2, 33, 0),
+            (136, 40, 5, 2, 33, 2),
+        ] {
             let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
             let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
@@ -320,12 +364,20 @@ mod gpu {
             // The reference expert in f64 with the hidden activation rounded to bf16 as the
             // kernels store it.
             let (up64, down64) = (to_f64(&up), to_f64(&down));
+            // Expert ex's down projection `[hidden, inter]`.
+            let p0 = e - pieces;
+            let down_of = |ex: usize| -> Vec<f64> {
+                if ex < p0 {
+                    return down64[ex * hidden * inter..][..hidden * inter].to_vec();
+                }
+                let wide = &down64[p0 * hidden * inter..];
+                (0..hidden).flat_map(|r| wide[(r * pieces + ex - p0) * inter..][..inter].to_vec()).collect()
+            };
             let mut want = vec![0.0; rows * k * hidden];
             for (i, &ex) in idx.iter().enumerate() {
                 let ex = ex as usize;
                 let xr = to_f64(&x[i / k * hidden..][..hidden]);
-                let (u, dn) =
-                    (&up64[ex * inter * hidden..][..inter * hidden], &down64[ex * hidden * inter..][..hidden * inter]);
+                let (u, dn) = (&up64[ex * inter * hidden..][..inter * hidden], down_of(ex));
                 let h: Vec<f64> = u
                     .chunks(hidden)
                     .map(|row| {
@@ -336,7 +388,9 @@ mod gpu {
                 let y: Vec<f64> = dn.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect();
                 want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
             }
-            for gemm in [false, true] {
+            // cuBLASLt per expert takes no pieces.
+            let paths: &[bool] = if pieces == 0 { &[false, true] } else { &[false] };
+            for &gemm in paths {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
                 if gemm {
                     experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
@@ -348,12 +402,13 @@ mod gpu {
                         ExpertWeights::Bf16(&dup),
                         ExpertWeights::Bf16(&ddown),
                         (inter, hidden),
+                        pieces,
                         &mut out,
                     )
                     .unwrap();
                 }
                 let label = format!(
-                    "experts {} hidden {hidden} inter {inter} rows {rows}",
+                    "experts {} hidden {hidden} inter {inter} rows {rows} pieces {pieces}",
                     if gemm { "cuBLASLt" } else { "kernel" }
                 );
                 // bf16 output (2^-8 relative) over f32 sums of bf16 products.
@@ -423,7 +478,7 @@ mod gpu {
             let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
             let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
             let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-            experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), up, down, (inter, hidden), &mut out).unwrap();
+            experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), up, down, (inter, hidden), 0, &mut out).unwrap();
             let mut want = vec![0.0; rows * k * hidden];
             for (i, &ex) in idx.iter().enumerate() {
                 let ex = ex as usize;
@@ -474,8 +529,9 @@ mod gpu {
     }
 
     /// Misuse the launchers cannot be trusted with: a dispatch never filled, x shorter than the
-    /// dispatch's tokens, more choices than the dispatch's exact prefix sums allow, and a
-    /// token whose activations are NaN (routing still picks valid, distinct experts).
+    /// dispatch's tokens, more pieces than experts, more choices than the dispatch's exact
+    /// prefix sums allow, and a token whose activations are NaN (routing still picks valid,
+    /// distinct experts).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_moe_misuse_is_refused() {
@@ -485,16 +541,21 @@ mod gpu {
         let x = gpu.zeros::<bf16>(rows * hidden).unwrap();
         let mut out = gpu.zeros::<bf16>(rows * k * inter).unwrap();
         let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
-        let err = experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap_err();
+        let err =
+            experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("never dispatched"), "{err}");
         dispatch(&gpu, &gpu.upload(&random_choices(&mut Rng::new(97), rows, k, e)).unwrap(), &mut d).unwrap();
         let short = gpu.zeros::<bf16>((rows - 1) * hidden).unwrap();
         let err =
-            experts(&gpu, &d, &short, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap_err();
+            experts(&gpu, &d, &short, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("`x`"), "{err}");
-        experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, &mut out).unwrap();
+        let err =
+            experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, e + 1, &mut out).unwrap_err();
+        assert!(err.to_string().contains("`pieces`"), "{err}");
+        experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap();
         assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
-        let s = RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0 };
+        let s =
+            RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };
         let mut xs = vec![bf16::ONE; rows * hidden];
         xs[hidden..2 * hidden].fill(bf16::NAN);
         let gate = gpu.upload(&vec![bf16::from_f32(0.01); e * hidden]).unwrap();

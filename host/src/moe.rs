@@ -21,6 +21,16 @@ pub struct RouteShape {
     pub topk_group: usize,
     pub renormalize: bool,
     pub scaling: f32,
+    /// Choices appended to each token's top-k: experts `experts..experts + shared`, weight 1
+    /// (the shared expert as pieces of the routed experts' shape; 0: none).
+    pub shared: usize,
+}
+
+impl RouteShape {
+    /// Choices per token: the top-k and the appended ones.
+    pub fn choices(&self) -> usize {
+        self.top_k + self.shared
+    }
 }
 
 /// Experts within the kernels' limit, and top-k choices of at most as many of them.
@@ -29,7 +39,9 @@ fn check_choices(c: Check, experts: usize, top_k: usize) -> Result<()> {
     c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)
 }
 
-/// Routes `rows` tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows, top_k]`.
+/// Routes `rows` tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows,
+/// s.choices()]`, each row its top-k (highest selection score first), then the appended
+/// choices.
 #[allow(clippy::too_many_arguments)]
 pub fn route(
     gpu: &Gpu,
@@ -44,6 +56,7 @@ pub fn route(
     let k = Kernel::MoeRouterLogits;
     let c = Check(k.name());
     check_choices(c, s.experts, s.top_k)?;
+    check_choices(c, s.experts + s.shared, s.choices())?;
     c.count("n_group", s.experts, s.n_group)?;
     c.that("n_group", s.experts.is_multiple_of(s.n_group), format!("a divisor of experts {}", s.experts), s.n_group)?;
     c.count("topk_group", s.n_group, s.topk_group)?;
@@ -60,8 +73,8 @@ pub fn route(
     c.count("rows", MAX_ROWS, rows)?;
     c.len("gate", s.experts * hidden, gate.len())?;
     c.len("bias", s.experts, bias.len())?;
-    c.len("idx", rows * s.top_k, idx.len())?;
-    c.len("weight", rows * s.top_k, weight.len())?;
+    c.len("idx", rows * s.choices(), idx.len())?;
+    c.len("weight", rows * s.choices(), weight.len())?;
     // SAFETY: the logits kernel writes every element before the selection kernel reads it.
     let mut logits = unsafe { gpu.uninit::<f32>(rows * s.experts) }?;
     let p = RouteParams {
@@ -79,6 +92,7 @@ pub fn route(
         topk_group: s.topk_group as u32,
         renormalize: u32::from(s.renormalize),
         scaling: s.scaling,
+        shared: s.shared as u32,
     };
     let tiles = (rows as u32).div_ceil(LOGITS_TOKENS);
     // SAFETY: all extents checked above (logits allocated for rows * experts); the group
@@ -218,16 +232,18 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
 /// layer (one expert).
 #[derive(Clone, Copy)]
 enum Rows<'a> {
-    Routed { d: &'a Dispatch, by_token: bool },
+    Routed { d: &'a Dispatch, by_token: bool, pieces: usize },
     Dense(usize),
 }
 
 /// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
 /// `out[j] = f(x_j W_e^T)`, `x_j` row `token[j]` of `x` when `by_token` (the layer input), row
-/// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when
-/// `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small batches:
-/// each warp streams its weight rows once per [`kernels_gpu::moe::EXPERT_TOKENS`] rows of the
-/// expert (again from cache for the next).
+/// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`, except that the last `pieces`
+/// experts may be the column blocks of one `[n, pieces * k]` matrix in their place (a shared
+/// expert's down projection cut into pieces; see [`experts_mlp`]); `f` is `relu(bf16(.))^2`
+/// when `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small
+/// batches: each warp streams its weight rows once per [`kernels_gpu::moe::EXPERT_TOKENS`]
+/// rows of the expert (again from cache for the next).
 #[allow(clippy::too_many_arguments)]
 pub fn experts(
     gpu: &Gpu,
@@ -237,9 +253,10 @@ pub fn experts(
     w: ExpertWeights,
     nk: (usize, usize),
     relu2: bool,
+    pieces: usize,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    project(gpu, Rows::Routed { d, by_token }, x, w, nk, relu2, out)
+    project(gpu, Rows::Routed { d, by_token, pieces }, x, w, nk, relu2, out)
 }
 
 /// A linear layer through the expert kernel: `out = f(x W^T)` for `rows` rows of `x`, `w [n,
@@ -273,8 +290,9 @@ fn project(
     };
     let c = Check(kern.name());
     let (experts, entries, x_rows) = match rows {
-        Rows::Routed { d, by_token } => {
+        Rows::Routed { d, by_token, pieces } => {
             d.check_filled(kern.name())?;
+            c.that("pieces", pieces <= d.experts, format!("at most the {} experts", d.experts), pieces)?;
             // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
             (d.experts, d.entries(), if by_token { d.entries() / d.top_k } else { d.entries() })
         }
@@ -304,15 +322,16 @@ fn project(
     c.len("out", entries * n, out.len())?;
     c.len_at_least("x", x_rows * k, x.len())?;
     let null = core::ptr::null();
-    let (x_row, offsets, active, active_count, slots) = match rows {
-        Rows::Routed { d, by_token } => (
+    let (x_row, offsets, active, active_count, slots, pieces) = match rows {
+        Rows::Routed { d, by_token, pieces } => (
             if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { null },
             gpu.addr(kern, "offsets", &d.offsets)? as *const u32,
             gpu.addr(kern, "active", &d.active)? as *const u32,
             gpu.addr(kern, "active_count", &d.active_count)? as *const u32,
             d.experts.min(d.entries()) as u32,
+            pieces,
         ),
-        Rows::Dense(_) => (null, null, null, null, 1),
+        Rows::Dense(_) => (null, null, null, null, 1, 0),
     };
     let p = ExpertParams {
         x: gpu.addr(kern, "x", x)? as *const u16,
@@ -328,6 +347,8 @@ fn project(
         n: n as u32,
         k: k as u32,
         relu2: u32::from(relu2),
+        piece0: (experts - pieces) as u32,
+        pieces: pieces as u32,
     };
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
@@ -338,8 +359,12 @@ fn project(
 
 /// The routed experts' MLPs `down_e(relu(up_e x)^2)` for every grouped row of `d`, into
 /// `out [entries, hidden]` in grouped order: `up [experts, inter, hidden]`, `down [experts,
-/// hidden, inter]`, `x [rows, hidden]` the layer input. Two launches of [`experts`], no
-/// synchronization (a CUDA graph can hold them): the path for small batches.
+/// hidden, inter]`, `x [rows, hidden]` the layer input. The last `pieces` experts may be a
+/// shared expert of intermediate size `pieces * inter` cut into pieces (each token choosing
+/// all of them, with weight 1): their up projections are its up projection's rows in order,
+/// their down projections the column blocks of its `[hidden, pieces * inter]` down projection
+/// in their place. Two launches of [`experts`], no synchronization (a CUDA graph can hold
+/// them): the path for small batches.
 #[allow(clippy::too_many_arguments)]
 pub fn experts_mlp(
     gpu: &Gpu,
@@ -348,12 +373,13 @@ pub fn experts_mlp(
     up: ExpertWeights,
     down: ExpertWeights,
     (inter, hidden): (usize, usize),
+    pieces: usize,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every row of every active expert: all entries.
     let mut h = unsafe { gpu.uninit::<bf16>(d.entries() * inter) }?;
-    experts(gpu, d, x, true, up, (inter, hidden), true, &mut h)?;
-    experts(gpu, d, &h, false, down, (hidden, inter), false, out)
+    experts(gpu, d, x, true, up, (inter, hidden), true, 0, &mut h)?;
+    experts(gpu, d, &h, false, down, (hidden, inter), false, pieces, out)
 }
 
 /// As [`experts_mlp`], through cuBLASLt: per expert with rows, its tokens gathered, then two

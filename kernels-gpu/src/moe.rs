@@ -29,9 +29,10 @@ pub struct RouteParams {
     pub logits: *mut f32,
     /// `[experts]` f32 selection bias.
     pub bias: *const f32,
-    /// `[rows, top_k]` chosen experts, highest selection score first.
+    /// `[rows, top_k + shared]` chosen experts, highest selection score first, then the
+    /// appended ones.
     pub idx: *mut i32,
-    /// `[rows, top_k]` their weights.
+    /// `[rows, top_k + shared]` their weights.
     pub weight: *mut f32,
     pub rows: u32,
     pub hidden: u32,
@@ -42,6 +43,10 @@ pub struct RouteParams {
     /// 1: divide the weights by their sum.
     pub renormalize: u32,
     pub scaling: f32,
+    /// Choices appended to each token's `top_k` (rows of `idx` and `weight` hold `top_k +
+    /// shared`): experts `experts..experts + shared` with weight 1, the shared expert cut into
+    /// pieces of the routed experts' shape.
+    pub shared: u32,
 }
 
 /// Combining of `rows` tokens.
@@ -119,6 +124,11 @@ pub struct ExpertParams {
     pub k: u32,
     /// 1: `relu(bf16(.))^2`, as the experts' hidden activation.
     pub relu2: u32,
+    /// Experts `piece0..piece0 + pieces` are the column blocks of one `[n, pieces * k]`
+    /// matrix stored where expert `piece0` would start (a shared expert's down projection cut
+    /// into pieces): row r of piece j at `(piece0 * n + r * pieces) * k + j * k`. 0: none.
+    pub piece0: u32,
+    pub pieces: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -229,7 +239,8 @@ mod kernels {
         }
     }
 
-    /// Selection, [`RouteParams`] (after [`moe_router_logits_bf16`]). Grid
+    /// Selection, [`RouteParams`] (after [`moe_router_logits_bf16`]); also writes the appended
+    /// choices. Grid
     /// `(ceil(rows / SELECT_TOKENS))`, block `32 * SELECT_TOKENS`, dynamic shared memory
     /// [`SELECT_SMEM_BYTES`]: warp t selects for token t of the block: scores and selection
     /// scores by lanes over experts, group scores by one lane per group, groups and experts by
@@ -244,8 +255,9 @@ mod kernels {
             return;
         }
         let me = MAX_EXPERTS as usize;
-        // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, top_k <=
-        // MAX_TOP_K and <= the experts of the kept groups, groups dividing experts); shared
+        // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, top_k +
+        // shared <= MAX_TOP_K, top_k <= the experts of the kept groups, groups dividing
+        // experts, idx and weight rows of top_k + shared); shared
         // memory as SELECT_SMEM_BYTES: warp w's scores at smem[3 me w..], selection scores
         // after them, group scores after those; each warp touches only its own.
         unsafe {
@@ -318,12 +330,15 @@ mod kernels {
                 }
                 sync_warp();
             }
+            let out = tok * (k + p.shared as usize) + lane;
             if lane < k {
-                let out = tok * k + lane;
                 let s = ld(score, mine as usize);
                 let w = if p.renormalize != 0 { s / total } else { s };
                 st(p.idx, out, mine as i32);
                 st(p.weight, out, w * p.scaling);
+            } else if lane < k + p.shared as usize {
+                st(p.idx, out, (e + lane - k) as i32);
+                st(p.weight, out, 1.0);
             }
         }
     }
@@ -468,9 +483,9 @@ mod kernels {
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
         // the dispatch kernel over the same entries (all null for a dense launch: expert 0,
         // rows 0..p.rows of x and out, one block row), k a multiple of 8, w holds experts * n * k
-        // weights (and the scales experts values), x_row entries index rows of x, out holds
-        // entries * n. Each output element is written by lane 0 of the one warp owning its
-        // weight row.
+        // weights (and the scales experts values; the pieces, when any, among them), x_row
+        // entries index rows of x, out holds entries * n. Each output element is written by
+        // lane 0 of the one warp owning its weight row.
         unsafe {
             let dense = p.offsets.is_null();
             let a = block_y();
@@ -482,7 +497,14 @@ mod kernels {
             if row0 >= n {
                 return;
             }
-            let w = p.w.wrapping_add((e * n + row0) * k * elem);
+            // This warp's first weight row, and the elements from one row to the next.
+            let (piece0, pieces) = (p.piece0 as usize, p.pieces as usize);
+            let (at, stride) = if e >= piece0 && e < piece0 + pieces {
+                ((piece0 * n + row0 * pieces) * k + (e - piece0) * k, pieces * k)
+            } else {
+                ((e * n + row0) * k, k)
+            };
+            let w = p.w.wrapping_add(at * elem);
             let rows = (n - row0).min(R);
             let (lo, hi) =
                 if dense { (0, p.rows as usize) } else { (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize) };
@@ -521,7 +543,7 @@ mod kernels {
                     for (r, wv) in wv.iter_mut().enumerate() {
                         if r < rows {
                             for (u, v) in wv.iter_mut().enumerate() {
-                                *v = W::load(w.wrapping_add(r * k * elem), c + u * 256, k);
+                                *v = W::load(w.wrapping_add(r * stride * elem), c + u * 256, k);
                             }
                         }
                     }

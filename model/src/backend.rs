@@ -83,9 +83,8 @@ pub struct MoeWeights<B: Backend> {
     pub gate: B::Buf,
     /// `[experts]` selection bias (zeros when the checkpoint has none).
     pub score_bias: B::Buf32,
-    /// The routed experts.
+    /// The routed experts and the shared expert.
     pub experts: B::Experts,
-    pub shared: Option<(B::Weight, B::Weight)>,
 }
 
 /// A backend: buffers, uploads, and the model's operations. All operations are queued in
@@ -97,7 +96,7 @@ pub trait Backend: Sized {
     type Buf32;
     /// A linear layer's weight, ready for [`Backend::linear`].
     type Weight;
-    /// A MoE layer's routed experts, ready for [`Backend::moe`].
+    /// A MoE layer's routed experts and shared expert, ready for [`Backend::moe`].
     type Experts;
     /// A step's [`StepRows`] as the operations read them.
     type Rows;
@@ -113,8 +112,8 @@ pub trait Backend: Sized {
     fn scratch(&self, n: usize) -> Result<Self::Buf>;
     fn download(&self, b: &Self::Buf) -> Result<Vec<bf16>>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
-    /// Uploads the routed experts of a MoE layer (all of one shape).
-    fn experts(&self, list: &[Mlp]) -> Result<Self::Experts>;
+    /// Uploads the routed experts of a MoE layer (all of one shape) and its shared expert.
+    fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<Self::Experts>;
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
     /// tokens. The model has checked them (slots in range and distinct, positions below

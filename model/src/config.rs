@@ -88,6 +88,7 @@ impl MoeConfig {
             topk_group: self.topk_group,
             renormalize: self.norm_topk_prob,
             scaling: self.routed_scaling_factor,
+            shared: 0,
         }
     }
 }

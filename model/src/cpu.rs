@@ -131,11 +131,18 @@ fn store_state(state: &mut [f32], slot: i32, sl: usize, s: &[f64]) {
     }
 }
 
+/// A MoE layer's experts on the CPU backend: each routed expert's and the shared expert's
+/// (up, down).
+pub struct CpuExperts {
+    routed: Vec<(CpuWeight, CpuWeight)>,
+    shared: Option<(CpuWeight, CpuWeight)>,
+}
+
 impl Backend for Cpu {
     type Buf = Vec<bf16>;
     type Buf32 = Vec<f32>;
     type Weight = CpuWeight;
-    type Experts = Vec<(CpuWeight, CpuWeight)>;
+    type Experts = CpuExperts;
     type Rows = StepRows;
     type Graph = ();
 
@@ -171,8 +178,9 @@ impl Backend for Cpu {
         Ok(CpuWeight::Bf16 { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
     }
 
-    fn experts(&self, list: &[Mlp]) -> Result<Self::Experts> {
-        list.iter().map(|m| crate::model::mlp(self, m)).collect()
+    fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CpuExperts> {
+        let mlp = |m| crate::model::mlp(self, m);
+        Ok(CpuExperts { routed: list.iter().map(mlp).collect::<Result<_>>()?, shared: shared.map(mlp).transpose()? })
     }
 
     fn rows(&self, rows: &StepRows, _slots: usize, _max_len: usize) -> Result<StepRows> {
@@ -372,9 +380,10 @@ impl Backend for Cpu {
         for r in 0..rows {
             let xr: Vec<bf16> = x.buf[x.offset + r * x.stride..][..hidden].to_vec();
             let logits = gemm::linear(&xr, &w.gate, 1, c.experts, hidden);
-            let mut out = w.shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| mlp_row((u, d), &xr));
+            let ex = &w.experts;
+            let mut out = ex.shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| mlp_row((u, d), &xr));
             for (e, wt) in route(&logits, &bias, &routing) {
-                let (u, d) = &w.experts[e];
+                let (u, d) = &ex.routed[e];
                 let o = mlp_row((u, d), &xr);
                 out.iter_mut().zip(o).for_each(|(a, b)| *a += wt * b);
             }

@@ -94,20 +94,12 @@ impl Weights {
     }
 
     /// Uploads `list` (all of `shape`, all bf16 or all FP8 with or without input scales)
-    /// into one buffer.
-    fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2]) -> Result<Weights> {
+    /// into one buffer, with room for `spare` more bf16 matrices (zeros) after them.
+    fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2], spare: usize) -> Result<Weights> {
         let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
         let size = shape[0] * shape[1];
         for l in list {
-            if l.weight.shape != shape {
-                return Err(Error::Unsupported(format!(
-                    "`{}` has shape {:?}; its siblings' is {shape:?}",
-                    l.weight.name, l.weight.shape
-                )));
-            }
-            if l.bias.is_some() {
-                return Err(unsupported("biased linear layers"));
-            }
+            check_linear(l, shape, "its siblings'")?;
             if l.fp8.is_some() != first.fp8.is_some()
                 || l.fp8.map(|f| f.input_scale.is_some()) != first.fp8.map(|f| f.input_scale.is_some())
             {
@@ -118,11 +110,14 @@ impl Weights {
             }
         }
         if first.fp8.is_none() {
-            let mut w = gpu.zeros::<bf16>(list.len() * size)?;
+            let mut w = gpu.zeros::<bf16>((list.len() + spare) * size)?;
             for (i, l) in list.iter().enumerate() {
                 gpu.upload_into(&l.weight.to_bf16()?, &mut w.slice_mut(i * size..(i + 1) * size))?;
             }
             return Ok(Weights::Bf16(w));
+        }
+        if spare > 0 {
+            return Err(unsupported("FP8 matrices beside bf16 ones"));
         }
         let mut codes = gpu.zeros::<u8>(list.len() * size)?;
         for (i, l) in list.iter().enumerate() {
@@ -141,21 +136,38 @@ impl Weights {
     }
 }
 
-/// A MoE layer's routed experts on the device, each kind in one buffer: `up [experts, inter,
-/// hidden]`, `down [experts, hidden, inter]`.
+/// A MoE layer's experts on the device, each kind in one buffer: `up [experts, inter,
+/// hidden]`, `down [experts, hidden, inter]` (the routed experts, then the shared expert's
+/// pieces).
 pub struct CudaExperts {
     up: Weights,
     down: Weights,
     inter: usize,
+    shared: Shared,
+}
+
+/// How the CUDA backend runs a MoE layer's shared expert.
+enum Shared {
+    None,
+    /// Cut into this many pieces of the routed experts' shape, stored after them: up rows
+    /// `j * inter..` and down columns `j * inter..` are piece j's; the up projection as one
+    /// `[pieces * inter, hidden]` matrix, the down projection as one `[hidden, pieces * inter]`
+    /// matrix, zero past the shared intermediate size (bf16 layers). At one row the routing
+    /// appends the pieces to the token's choices with weight 1, so they run in the routed
+    /// experts' launches and the combine sums them; more rows run the two matrices through
+    /// cuBLASLt.
+    Pieces(usize),
+    /// Its own MLP (FP8 layers).
+    Mlp(Box<(CudaWeight, CudaWeight)>),
 }
 
 /// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
-/// Most rows of a bf16 linear layer that go through the expert kernel's dense path rather
-/// than cuBLASLt (`cargo bench --bench gemv` compares the two: the kernel streams the
-/// weights once per row, so only a single row is no slower).
-pub const GEMV_MAX_ROWS: usize = 1;
+/// Most rows of a MoE layer whose shared expert runs as pieces inside the routed experts'
+/// launches (see [`Shared::Pieces`]) rather than as two cuBLASLt GEMMs: the expert kernel
+/// streams the weights once per row, so only a single row gains.
+pub const SHARED_PIECES_MAX_ROWS: usize = 1;
 
 /// A step's rows on the device, checked (see [`Backend::rows`]).
 pub struct CudaRows {
@@ -212,8 +224,9 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 
 impl Cuda {
     /// `y = f(x W^T)` for `rows` contiguous rows of `x`, `f` relu^2 (in bf16) when `relu2`:
-    /// bf16 weights through cuBLASLt above [`GEMV_MAX_ROWS`] rows, the expert kernel's dense
-    /// path (a bandwidth-bound GEMV) otherwise; FP8 weights always through the latter.
+    /// bf16 weights through cuBLASLt at every batch (at one row too: `cargo bench --bench
+    /// gemv` has it no slower than the expert kernel's dense path), FP8 weights through the
+    /// latter.
     fn linear_rows(
         &self,
         x: &CudaView<bf16>,
@@ -224,15 +237,27 @@ impl Cuda {
     ) -> Result<()> {
         let g = &self.gpu;
         match &w.w {
-            Weights::Bf16(b) if rows > GEMV_MAX_ROWS => {
-                host::gemm::linear(g, rows, x, &b.as_view(), w.n, w.k, y)?;
-                if relu2 {
-                    host::act::relu2(g, y, rows * w.n)?;
-                }
-                Ok(())
-            }
+            Weights::Bf16(b) => self.gemm_rows(x, rows, &b.as_view(), (w.n, w.k), relu2, y),
             weights => Ok(dense(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
         }
+    }
+
+    /// `y = f(x w^T)` over `rows` rows of `x` through cuBLASLt, `w [n, k]`, `f` as for
+    /// [`Cuda::linear_rows`].
+    fn gemm_rows(
+        &self,
+        x: &CudaView<bf16>,
+        rows: usize,
+        w: &CudaView<bf16>,
+        (n, k): (usize, usize),
+        relu2: bool,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        host::gemm::linear(&self.gpu, rows, x, w, n, k, y)?;
+        if relu2 {
+            host::act::relu2(&self.gpu, y, rows * n)?;
+        }
+        Ok(())
     }
 
     /// `down(relu(up x)^2)` over `n` rows of `x`, into `out`.
@@ -248,6 +273,45 @@ impl Cuda {
         self.linear_rows(x, n, up, true, &mut h.as_view_mut())?;
         self.linear_rows(&h.as_view(), n, down, false, out)
     }
+}
+
+/// Writes the shared expert `s` as pieces of the routed experts' shape after the `routed`
+/// experts of `up [.., inter, hidden]` and `down [.., hidden, inter]` (see [`Shared::Pieces`]).
+fn put_pieces(
+    gpu: &Gpu,
+    s: &Mlp,
+    routed: usize,
+    (inter, hidden): (usize, usize),
+    (up, down): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+) -> Result<()> {
+    let si = s.up.weight.shape[0];
+    for (l, shape) in [(&s.up, [si, hidden]), (&s.down, [hidden, si])] {
+        check_linear(l, shape, "the shared expert's")?;
+    }
+    let at = routed * inter * hidden;
+    let padded = si.next_multiple_of(inter);
+    // Up: the shared up's rows in order; down: its rows, each padded to `padded` columns.
+    gpu.upload_into(&s.up.weight.to_bf16()?, &mut up.slice_mut(at..at + si * hidden))?;
+    let d = s.down.weight.to_bf16()?;
+    let mut wide = vec![bf16::ZERO; hidden * padded];
+    for (to, from) in wide.chunks_mut(padded).zip(d.chunks(si)) {
+        to[..si].copy_from_slice(from);
+    }
+    Ok(gpu.upload_into(&wide, &mut down.slice_mut(at..at + hidden * padded))?)
+}
+
+/// Fails unless `l` has `shape` (`whose`: whose shape that is, for the message) and no bias.
+fn check_linear(l: &Linear, shape: [usize; 2], whose: &str) -> Result<()> {
+    if l.weight.shape != shape {
+        return Err(Error::Unsupported(format!(
+            "`{}` has shape {:?}; {whose} is {shape:?}",
+            l.weight.name, l.weight.shape
+        )));
+    }
+    if l.bias.is_some() {
+        return Err(unsupported("biased linear layers"));
+    }
+    Ok(())
 }
 
 fn unsupported(what: &str) -> Error {
@@ -286,17 +350,30 @@ impl Backend for Cuda {
 
     fn weight(&self, l: &Linear) -> Result<CudaWeight> {
         let (n, k) = (l.weight.shape[0], l.weight.shape[1]);
-        Ok(CudaWeight { w: Weights::upload(&self.gpu, &[l], [n, k])?, n, k })
+        Ok(CudaWeight { w: Weights::upload(&self.gpu, &[l], [n, k], 0)?, n, k })
     }
 
-    fn experts(&self, list: &[Mlp]) -> Result<CudaExperts> {
+    fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
         let first = list.first().ok_or_else(|| Error::Unsupported("a MoE layer without experts".into()))?;
         let (inter, hidden) = (first.up.weight.shape[0], first.up.weight.shape[1]);
+        let bf16 = |m: &Mlp| m.up.fp8.is_none() && m.down.fp8.is_none();
+        let pieces = match shared {
+            Some(s) if bf16(s) && list.iter().all(bf16) => s.up.weight.shape[0].div_ceil(inter),
+            _ => 0,
+        };
         let ups: Vec<&Linear> = list.iter().map(|m| &m.up).collect();
         let downs: Vec<&Linear> = list.iter().map(|m| &m.down).collect();
-        let up = Weights::upload(&self.gpu, &ups, [inter, hidden])?;
-        let down = Weights::upload(&self.gpu, &downs, [hidden, inter])?;
-        Ok(CudaExperts { up, down, inter })
+        let mut up = Weights::upload(&self.gpu, &ups, [inter, hidden], pieces)?;
+        let mut down = Weights::upload(&self.gpu, &downs, [hidden, inter], pieces)?;
+        let shared = match (shared, &mut up, &mut down) {
+            (None, ..) => Shared::None,
+            (Some(s), Weights::Bf16(up), Weights::Bf16(down)) if pieces > 0 => {
+                put_pieces(&self.gpu, s, list.len(), (inter, hidden), (up, down))?;
+                Shared::Pieces(pieces)
+            }
+            (Some(s), ..) => Shared::Mlp(Box::new((self.weight(&s.up)?, self.weight(&s.down)?))),
+        };
+        Ok(CudaExperts { up, down, inter, shared })
     }
 
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
@@ -513,32 +590,54 @@ impl Backend for Cuda {
             return Err(unsupported("strided MoE inputs"));
         }
         let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
-        let shape = c.route_shape();
+        let ex = &w.experts;
+        let pieces = match ex.shared {
+            Shared::Pieces(n) => n,
+            _ => 0,
+        };
+        let mut shape = c.route_shape();
+        // One row: the shared expert's pieces run in the routed experts' launches (the expert
+        // kernel streams weights once per row: more rows go through cuBLASLt below).
+        if rows <= SHARED_PIECES_MAX_ROWS {
+            shape.shared = pieces;
+        }
+        let choices = shape.choices();
         // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
         // experts every grouped row, the shared expert every row of its output, each before
         // the next operation reads it.
-        let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * c.top_k)?, g.uninit::<f32>(rows * c.top_k)?) };
+        let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * choices)?, g.uninit::<f32>(rows * choices)?) };
         route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
-        let mut d = Dispatch::new(g, c.experts, c.top_k, rows)?;
+        let mut d = Dispatch::new(g, c.experts + pieces, choices, rows)?;
         dispatch(g, &idx, &mut d)?;
-        let ex = &w.experts;
         let mut grouped = unsafe { g.uninit::<bf16>(d.entries() * hidden) }?;
         match (&ex.up, &ex.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
                 experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
             }
-            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), &mut grouped)?,
+            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), pieces, &mut grouped)?,
         }
-        let shared = match &w.shared {
-            Some(s) => {
+        let shared = match (&ex.shared, &ex.up, &ex.down) {
+            (Shared::Mlp(mlp), ..) => {
                 let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
-                self.mlp_rows(&xv, rows, (&s.0, &s.1), &mut out.as_view_mut())?;
+                self.mlp_rows(&xv, rows, (&mlp.0, &mlp.1), &mut out.as_view_mut())?;
                 Some(out)
             }
-            None => None,
+            (Shared::Pieces(n), Weights::Bf16(up), Weights::Bf16(down)) if shape.shared == 0 => {
+                // The pieces together are the shared expert's up and down projections, padded
+                // with zeros to n * inter.
+                let (si, at) = (n * ex.inter, c.experts * ex.inter * hidden);
+                let (up, down) = (up.slice(at..at + si * hidden), down.slice(at..at + si * hidden));
+                let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
+                // SAFETY: the up projection writes all rows * si values before they are read.
+                let mut h = unsafe { g.uninit::<bf16>(rows * si) }?;
+                self.gemm_rows(&xv, rows, &up, (si, hidden), true, &mut h.as_view_mut())?;
+                self.gemm_rows(&h.as_view(), rows, &down, (hidden, si), false, &mut out.as_view_mut())?;
+                Some(out)
+            }
+            _ => None,
         };
         let mut y = view_mut(y, rows * hidden)?;
-        Ok(combine(g, &grouped, shared.as_ref(), d.slot(), &wts, c.top_k, hidden, &mut y)?)
+        Ok(combine(g, &grouped, shared.as_ref(), d.slot(), &wts, choices, hidden, &mut y)?)
     }
 
     fn attention(

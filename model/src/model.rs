@@ -140,8 +140,7 @@ impl<B: Backend> Model<B> {
                     let w = MoeWeights {
                         gate: bf16s(b, &m.gate)?,
                         score_bias: b.upload32(&bias)?,
-                        experts: b.experts(&m.experts)?,
-                        shared: m.shared.as_ref().map(|s| mlp(b, s)).transpose()?,
+                        experts: b.experts(&m.experts, m.shared.as_ref())?,
                     };
                     (MixW::Moe(w), LayerCache::Stateless)
                 }

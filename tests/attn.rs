@@ -63,6 +63,9 @@ fn gpu_attention_matches_reference() {
         let other = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len + 1).unwrap();
         let mut out2 = gpu.zeros::<bf16>(rows * qw).unwrap();
         assert!(err(attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
+        // Heads wider than the kernel's 256 channels.
+        let wide = AttnShape { head_dim: 264, ..s };
+        assert!(err(attention(&gpu, wide, &dq, &dk, &dv, &mut dkc, &mut dvc, &arows, &mut out2)).contains("head_dim"));
     }
     println!("attention: {compared} values compared");
 }

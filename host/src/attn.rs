@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
-use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, smem_bytes};
+use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
 
 use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
@@ -98,7 +98,7 @@ pub fn attention(
     c.count("heads", 65535, s.heads)?;
     c.count("kv_heads", s.heads, s.kv_heads)?;
     c.that("kv_heads", s.heads.is_multiple_of(s.kv_heads), format!("a divisor of heads {}", s.heads), s.kv_heads)?;
-    c.count("head_dim", 1024, s.head_dim)?;
+    c.count("head_dim", MAX_HEAD_DIM as usize, s.head_dim)?;
     c.that("rows", rows.max_len == s.max_len, format!("rows checked against max_len {}", s.max_len), rows.max_len)?;
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
     c.len_at_least("q", n * qw, q.len())?;

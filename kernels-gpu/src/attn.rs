@@ -37,9 +37,13 @@ pub struct AttnParams {
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
 unsafe impl KernelParams for AttnParams {}
 
-/// Dynamic shared memory of `attn_bf16`: the query head, a score per key, reduction scratch.
+/// Largest head the attention kernel takes (a lane holds 8 of its channels).
+pub const MAX_HEAD_DIM: u32 = 256;
+
+/// Dynamic shared memory of `attn_bf16`: the query head, a score per key, reduction scratch,
+/// and each warp's partial output head.
 pub const fn smem_bytes(head_dim: u32, max_len: u32) -> u32 {
-    (head_dim + max_len + ATTN_BLOCK / 32) * 4
+    (head_dim + max_len + ATTN_BLOCK / 32 + ATTN_BLOCK / 32 * head_dim) * 4
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -70,8 +74,9 @@ mod kernels {
     /// Attention, [`AttnParams`], after the cache write. Grid `(rows, heads)`, block
     /// [`ATTN_BLOCK`], dynamic shared memory `smem_bytes(head_dim, max_len)`. Block (r, h):
     /// scores of keys `0..=pos[r]` (one warp per key, lanes over the head's channels, 16-byte
-    /// loads of the key row), softmax with block reductions, then one thread per output
-    /// channel sums the weighted values.
+    /// loads of the key row), softmax with block reductions, then each warp sums the weighted
+    /// value rows of its keys (lanes over channels) and one thread per output channel adds
+    /// the warps' sums in order.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_bf16(p: AttnParams) {
         grid_dependency_wait();
@@ -80,8 +85,8 @@ mod kernels {
         let (d, blk) = (p.head_dim as usize, ATTN_BLOCK as usize);
         let (qw, kw) = (p.heads as usize * d, p.kv_heads as usize * d);
         let kvh = h / (p.heads / p.kv_heads) as usize;
-        // SAFETY: launch contract checked by host/src/attn.rs; shared memory holds head_dim +
-        // max_len + warps floats; barriers separate writes and reads of it.
+        // SAFETY: launch contract checked by host/src/attn.rs (head_dim <= MAX_HEAD_DIM);
+        // shared memory as smem_bytes; barriers separate writes and reads of it.
         unsafe {
             let smem = dyn_smem_f32();
             let (qs, scores) = (smem, smem.wrapping_add(d));
@@ -128,11 +133,31 @@ mod kernels {
                 j += blk;
             }
             let total = block_sum(total, scratch);
+            // d <= MAX_HEAD_DIM: lane l holds channels 8l..8l + 8.
+            let (c, w) = (lane * 8, warp_id() as usize);
+            let mut acc = [0.0f32; 8];
+            if c < d {
+                let mut j = w;
+                while j < n {
+                    let (e, v) = (ld(scores, j), load8_bf16(p.v_cache.wrapping_add(base + j * kw), c, d));
+                    for i in 0..8 {
+                        acc[i] += e * v[i];
+                    }
+                    j += warps;
+                }
+            }
+            let partial = scratch.wrapping_add(warps);
+            for (i, &a) in acc.iter().enumerate() {
+                if c + i < d {
+                    st(partial, w * d + c + i, a);
+                }
+            }
+            sync_threads();
             let mut i = t;
             while i < d {
                 let mut acc = 0.0f32;
-                for j in 0..n {
-                    acc += ld(scores, j) * bf16_to_f32(ld(p.v_cache, base + j * kw + i));
+                for w in 0..warps {
+                    acc += ld(partial, w * d + i);
                 }
                 st(p.out, r * qw + h * d + i, f32_to_bf16(acc / total));
                 i += blk;

@@ -19,3 +19,29 @@ fn device_zero_opens_or_says_why() {
         Err(e) => panic!("device 0 present but unusable: {e}"),
     }
 }
+
+/// Graph capture: host copies and a nested capture are refused while recording (the capture
+/// returns that error), and a capture whose work panics still ends, so the device takes copies
+/// and records and replays graphs again.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_capture_refuses_host_copies_and_ends_after_a_panic() {
+    let gpu = nemotron_rs::gpu();
+    let mut rng = nemotron_rs::Rng::new(11);
+    let values: Vec<f32> = (0..4099).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+    let src = gpu.upload(&values).unwrap();
+    let err = gpu.capture(|| gpu.download(&src).map(|_| ())).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::InCapture(_)), "{err}");
+    let err = gpu.capture(|| gpu.capture(|| Ok::<(), Error>(())).map(|_| ())).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::InCapture(_)), "{err}");
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        gpu.capture(|| -> host::Result<()> { panic!("work that panics while it is recorded") })
+    }));
+    assert!(unwound.is_err(), "the panic reaches the caller");
+    let mut dst = gpu.zeros::<f32>(values.len()).unwrap();
+    let graph = gpu.capture(|| gpu.copy(&src, &mut dst)).unwrap();
+    assert_eq!(gpu.download(&dst).unwrap(), vec![0.0; values.len()], "recorded, not run");
+    graph.replay().unwrap();
+    let n = nemotron_rs::assert_same("replayed copy", &gpu.download(&dst).unwrap(), &values);
+    println!("capture: {n} values compared after a refused copy, a refused nested capture and a panic");
+}

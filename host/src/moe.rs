@@ -5,8 +5,10 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::moe::{
     CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS, ExpertParams,
-    LOGITS_BLOCK, LOGITS_TOKENS, MAX_EXPERTS, MAX_TOP_K, RouteParams, SELECT_SMEM_BYTES, SELECT_TOKENS,
+    LOGITS_BLOCK, LOGITS_TOKENS, RouteParams, SELECT_SMEM_BYTES, SELECT_TOKENS,
 };
+/// The kernels' limits: experts a dispatch groups, choices per token.
+pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
@@ -382,8 +384,8 @@ pub fn experts_mlp(
     experts(gpu, d, &h, false, down, (hidden, inter), false, pieces, out)
 }
 
-/// As [`experts_mlp`], through cuBLASLt: per expert with rows, its tokens gathered, then two
-/// GEMMs. Reads the offsets back (a synchronization): the path for large batches, where tensor
+/// As [`experts_mlp`] without pieces (every down projection `[hidden, inter]` in its own
+/// place), through cuBLASLt: per expert with rows, its tokens gathered, then two GEMMs. Reads the offsets back (a synchronization): the path for large batches, where tensor
 /// cores pay.
 #[allow(clippy::too_many_arguments)]
 pub fn experts_mlp_gemm(

@@ -24,7 +24,9 @@ use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::moe::{Dispatch, ExpertWeights, combine, dense, dispatch, experts_mlp, experts_mlp_gemm, route};
+use host::moe::{
+    Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dispatch, experts_mlp, experts_mlp_gemm, route,
+};
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
@@ -152,10 +154,11 @@ enum Shared {
     /// Cut into this many pieces of the routed experts' shape, stored after them: up rows
     /// `j * inter..` and down columns `j * inter..` are piece j's; the up projection as one
     /// `[pieces * inter, hidden]` matrix, the down projection as one `[hidden, pieces * inter]`
-    /// matrix, zero past the shared intermediate size (bf16 layers). At one row the routing
-    /// appends the pieces to the token's choices with weight 1, so they run in the routed
-    /// experts' launches and the combine sums them; more rows run the two matrices through
-    /// cuBLASLt.
+    /// matrix, zero past the shared intermediate size (bf16 layers, when the routed experts
+    /// and the pieces are at most `MAX_EXPERTS`). At one row the routing appends the pieces to
+    /// the token's choices with weight 1 (when top-k and pieces are at most `MAX_TOP_K`), so
+    /// they run in the routed experts' launches and the combine sums them; otherwise the two
+    /// matrices go through cuBLASLt.
     Pieces(usize),
     /// Its own MLP (FP8 layers).
     Mlp(Box<(CudaWeight, CudaWeight)>),
@@ -275,6 +278,21 @@ impl Cuda {
     }
 }
 
+/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
+/// wide is cut into beside `routed` experts; 0 (its own MLP) where a dispatch could not count
+/// them among the experts.
+fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {
+    let pieces = shared.div_ceil(inter);
+    if routed + pieces <= MAX_EXPERTS as usize { pieces } else { 0 }
+}
+
+/// The pieces the routing appends to each token's top-k in a step of `rows` rows: all of them
+/// at one row (they then run in the routed experts' launches; the expert kernel streams weights
+/// once per row, so more rows take cuBLASLt) when the choices fit the routing, else none.
+fn appended_pieces(rows: usize, top_k: usize, pieces: usize) -> usize {
+    if rows <= SHARED_PIECES_MAX_ROWS && top_k + pieces <= MAX_TOP_K as usize { pieces } else { 0 }
+}
+
 /// Writes the shared expert `s` as pieces of the routed experts' shape after the `routed`
 /// experts of `up [.., inter, hidden]` and `down [.., hidden, inter]` (see [`Shared::Pieces`]).
 fn put_pieces(
@@ -358,7 +376,7 @@ impl Backend for Cuda {
         let (inter, hidden) = (first.up.weight.shape[0], first.up.weight.shape[1]);
         let bf16 = |m: &Mlp| m.up.fp8.is_none() && m.down.fp8.is_none();
         let pieces = match shared {
-            Some(s) if bf16(s) && list.iter().all(bf16) => s.up.weight.shape[0].div_ceil(inter),
+            Some(s) if bf16(s) && list.iter().all(bf16) => shared_pieces(list.len(), inter, s.up.weight.shape[0]),
             _ => 0,
         };
         let ups: Vec<&Linear> = list.iter().map(|m| &m.up).collect();
@@ -596,11 +614,7 @@ impl Backend for Cuda {
             _ => 0,
         };
         let mut shape = c.route_shape();
-        // One row: the shared expert's pieces run in the routed experts' launches (the expert
-        // kernel streams weights once per row: more rows go through cuBLASLt below).
-        if rows <= SHARED_PIECES_MAX_ROWS {
-            shape.shared = pieces;
-        }
+        shape.shared = appended_pieces(rows, c.top_k, pieces);
         let choices = shape.choices();
         // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
         // experts every grouped row, the shared expert every row of its output, each before
@@ -655,5 +669,26 @@ impl Backend for Cuda {
         let mut y = view_mut(y, rows.attn.len() * c.heads * c.head_dim)?;
         let (q, k, v) = (view(&q), view(&k), view(&v));
         Ok(attention(&self.gpu, shape, &q, &k, &v, cache.0, cache.1, &rows.attn, &mut y)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{appended_pieces, shared_pieces};
+
+    #[test]
+    fn shared_expert_pieces_only_where_the_kernels_take_them() {
+        // Nano: 128 experts of 1856, a shared expert of 3712; one wider; at the dispatch's
+        // limit of 256 experts and past it.
+        assert_eq!(shared_pieces(128, 1856, 3712), 2);
+        assert_eq!(shared_pieces(128, 1856, 3713), 3);
+        assert_eq!(shared_pieces(254, 32, 64), 2);
+        assert_eq!(shared_pieces(255, 32, 64), 0);
+        // Appended at one row only, and only when top-k and pieces fit the routing's 16.
+        assert_eq!(appended_pieces(1, 6, 2), 2);
+        assert_eq!(appended_pieces(2, 6, 2), 0);
+        assert_eq!(appended_pieces(1, 14, 2), 2);
+        assert_eq!(appended_pieces(1, 15, 3), 0);
+        assert_eq!(appended_pieces(1, 6, 0), 0);
     }
 }

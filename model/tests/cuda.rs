@@ -214,16 +214,21 @@ fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], 
 /// Nemotron-3 Nano sizes on the CUDA backend against the CPU backend, at batch 1, 7 and 64 (the
 /// expert kernel) and 1024 (cuBLASLt per expert; 64 of its rows checked, rows being
 /// independent). The shared expert (3712) runs as two pieces of the routed experts' shape
-/// (1856); a small layer checks a shared expert that is no multiple of it (160 = 96 + 64 and
-/// zeros).
+/// (1856); small layers check a shared expert that is no multiple of it (160 = 96 + 64 and
+/// zeros), pieces that would not fit the routing's choices (top-15 + 3 pieces: cuBLASLt at one
+/// row too) and experts that would not fit a dispatch (255 + 2 pieces: its own MLP).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_moe_layer_at_nano_sizes() {
     let nano = Config::from_json(include_str!("../assets/nano-30b-a3b.json")).unwrap();
     let c = nano.moe.unwrap();
     let mut compared = check_moe_layer(&c, nano.hidden_size, &[1, 7, 64, 1024]);
-    let small = MoeConfig { experts: 16, top_k: 4, intermediate: 96, shared_intermediate: Some(160), ..c };
+    let small = MoeConfig { experts: 16, top_k: 4, intermediate: 96, shared_intermediate: Some(160), ..c.clone() };
     compared += check_moe_layer(&small, 256, &[1, 7, 100]);
+    let wide_top_k = MoeConfig { experts: 32, top_k: 15, intermediate: 32, shared_intermediate: Some(96), ..c.clone() };
+    compared += check_moe_layer(&wide_top_k, 256, &[1, 3]);
+    let many = MoeConfig { experts: 255, top_k: 6, intermediate: 32, shared_intermediate: Some(64), ..c };
+    compared += check_moe_layer(&many, 256, &[1, 3]);
     println!("MoE layers: {compared} values compared");
 }
 

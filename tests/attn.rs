@@ -1,6 +1,7 @@
 //! Causal attention over the KV cache on the GPU against the CPU reference (`#[ignore]`d):
-//! NemotronH's geometry (32 query heads, 2 kv heads, head_dim 128) and an odd one; prefill
-//! rows continuing a cached prefix, fresh sequences and decode rows in one call.
+//! NemotronH's geometry (32 query heads, 2 kv heads, head_dim 128), an odd one and the widest
+//! head the kernel takes (256); prefill rows continuing a cached prefix, fresh sequences and
+//! decode rows in one call.
 
 use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
@@ -16,6 +17,7 @@ fn gpu_attention_matches_reference() {
     for s in [
         AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 256 },
         AttnShape { heads: 6, kv_heads: 3, head_dim: 5, max_len: 40 },
+        AttnShape { heads: 4, kv_heads: 2, head_dim: 256, max_len: 64 },
     ] {
         let (qw, kw, slots_n) = (s.heads * s.head_dim, s.kv_heads * s.head_dim, 4);
         // (slot, first position, rows): a prefill continuing 5 cached tokens, a fresh one, decodes.

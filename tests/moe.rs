@@ -131,8 +131,8 @@ mod gpu {
     use host::cpu::moe::{Routing, route};
     use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::moe::{
-        Dispatch, ExpertWeights, RouteShape, combine, dense, dispatch, experts, experts_mlp, experts_mlp_gemm,
-        route as gpu_route,
+        Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dispatch, experts, experts_mlp,
+        experts_mlp_choices, experts_mlp_gemm, route as gpu_route,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -206,8 +206,10 @@ mod gpu {
                 true,
             ),
         ];
-        for (s, bias_scale, ties) in cases {
-            let (rows, hidden) = (64, 2688);
+        // One token, a partial tile of tokens and whole tiles (the kernel selects per tile of
+        // LOGITS_TOKENS); each call after the first also finds the arrival counters reset.
+        for ((s, bias_scale, ties), rows) in cases.into_iter().flat_map(|c| [1, 13, 64].map(|r| (c, r))) {
+            let hidden = 2688;
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
             let mut gate = rng.bf16s(s.experts * hidden, -0.05, 0.05);
             if ties {
@@ -414,6 +416,36 @@ mod gpu {
                 // bf16 output (2^-8 relative) over f32 sums of bf16 products.
                 compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 128.0);
             }
+            // Per choice, the combining fused (a shared output added where there are no
+            // pieces): bit for bit the kernel path then `combine`, and close to the f64 sum of
+            // the kernel path's expert outputs (checked against the reference above).
+            let wt: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
+            let shared = (pieces == 0).then(|| rng.bf16s(rows * hidden, -1.0, 1.0));
+            let (dw, didx) = (gpu.upload(&wt).unwrap(), gpu.upload(&idx).unwrap());
+            let dsh = shared.as_ref().map(|s| gpu.upload(s).unwrap());
+            let mut grouped = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+            let (up_w, down_w) = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
+            experts_mlp(&gpu, &d, &dx, up_w, down_w, (inter, hidden), pieces, &mut grouped).unwrap();
+            let mut unfused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+            combine(&gpu, &grouped, dsh.as_ref(), d.slot(), &dw, k, hidden, &mut unfused).unwrap();
+            let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+            let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
+            experts_mlp_choices(&gpu, ch, &dx, &dup, &ddown, (inter, hidden), pieces, dsh.as_ref(), &mut fused)
+                .unwrap();
+            let label =
+                format!("experts per choice, combined: hidden {hidden} inter {inter} rows {rows} pieces {pieces}");
+            let (fused, grouped) = (gpu.download(&fused).unwrap(), gpu.download(&grouped).unwrap());
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            compared += assert_same(&label, &bits(&fused), &bits(&gpu.download(&unfused).unwrap()));
+            let combined: Vec<f64> = (0..rows * hidden)
+                .map(|i| {
+                    let (t, c) = (i / hidden, i % hidden);
+                    let own = (0..k)
+                        .map(|j| f64::from(wt[t * k + j]) * grouped[slot[t * k + j] as usize * hidden + c].to_f64());
+                    shared.as_ref().map_or(0.0, |s| s[i].to_f64()) + own.sum::<f64>()
+                })
+                .collect();
+            compared += assert_close(&label, &to_f64(&fused), &combined, 1e-5, 1.0 / 256.0 + 1e-5);
         }
         println!("experts: {compared} values compared");
     }
@@ -530,8 +562,8 @@ mod gpu {
 
     /// Misuse the launchers cannot be trusted with: a dispatch never filled, x shorter than the
     /// dispatch's tokens, more pieces than experts, more choices than the dispatch's exact
-    /// prefix sums allow, and a token whose activations are NaN (routing still picks valid,
-    /// distinct experts).
+    /// prefix sums allow, per-choice buffers of the wrong size, and a token whose activations
+    /// are NaN (routing still picks valid, distinct experts).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_moe_misuse_is_refused() {
@@ -554,6 +586,23 @@ mod gpu {
         assert!(err.to_string().contains("`pieces`"), "{err}");
         experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap();
         assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
+        // Per choice: weights not one per choice, a short down projection, no choices per
+        // token.
+        let (cidx, cw) = (gpu.zeros::<i32>(rows * k).unwrap(), gpu.zeros::<f32>(rows * k).unwrap());
+        let mut y = gpu.zeros::<bf16>(rows * hidden).unwrap();
+        let ch = Choices { idx: &cidx, weight: &cw, per: k, experts: e };
+        let short = gpu.zeros::<f32>(rows * k - 1).unwrap();
+        let err =
+            experts_mlp_choices(&gpu, Choices { weight: &short, ..ch }, &x, &w, &w, (inter, hidden), 0, None, &mut y)
+                .unwrap_err();
+        assert!(err.to_string().contains("`weight`"), "{err}");
+        let down = gpu.zeros::<bf16>(e * hidden * inter - 1).unwrap();
+        let err = experts_mlp_choices(&gpu, ch, &x, &w, &down, (inter, hidden), 0, None, &mut y).unwrap_err();
+        assert!(err.to_string().contains("`down`"), "{err}");
+        let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, &w, &w, (inter, hidden), 0, None, &mut y)
+            .unwrap_err();
+        assert!(err.to_string().contains("`top_k`"), "{err}");
+        experts_mlp_choices(&gpu, ch, &x, &w, &w, (inter, hidden), 0, None, &mut y).unwrap();
         let s =
             RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };
         let mut xs = vec![bf16::ONE; rows * hidden];

@@ -94,8 +94,14 @@ pub struct Gpu {
     /// Whether [`Gpu::capture`] is recording: host copies are refused then (a graph would
     /// replay a copy from host memory that is gone, or hold stale data).
     capturing: AtomicBool,
+    /// Arrival counters of kernels that finish with their last block (zero between kernels;
+    /// see [`Gpu::counters`]).
+    counters: CudaSlice<u32>,
     _module: Arc<CudaModule>,
 }
+
+/// Arrival counters [`Gpu::counters`] holds: one per block row of a grid (at most 65535).
+pub(crate) const COUNTERS: usize = 65535;
 
 impl Gpu {
     /// Opens device `ordinal`, picks its arch and loads the embedded PTX.
@@ -140,6 +146,7 @@ impl Gpu {
             max_smem.push(dynamic as u32);
         }
         let stream = ctx.new_stream().during("creating a stream")?;
+        let counters = stream.alloc_zeros(COUNTERS).during("allocating device memory")?;
         Ok(Gpu {
             ctx,
             stream,
@@ -149,8 +156,16 @@ impl Gpu {
             max_smem,
             blas: std::sync::OnceLock::new(),
             capturing: AtomicBool::new(false),
+            counters,
             _module: module,
         })
+    }
+
+    /// The device address of [`COUNTERS`] zeroed u32 for a kernel whose blocks count their
+    /// arrivals: it must leave them zero. Kernels run one after another on the one stream, so
+    /// they can all use the same ones.
+    pub(crate) fn counters(&self) -> u64 {
+        self.counters.device_ptr(&self.stream).0
     }
 
     /// The arch whose PTX was loaded.

@@ -4,8 +4,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::moe::{
-    CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS, ExpertParams,
-    LOGITS_BLOCK, LOGITS_TOKENS, RouteParams, SELECT_SMEM_BYTES, SELECT_TOKENS,
+    COMBINE_ROWS, CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS,
+    ExpertCombineParams, ExpertParams, LOGITS_BLOCK, LOGITS_TOKENS, ROUTE_SMEM_BYTES, RouteParams,
 };
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
@@ -55,7 +55,7 @@ pub fn route(
     idx: &mut CudaSlice<i32>,
     weight: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let k = Kernel::MoeRouterLogits;
+    let k = Kernel::MoeRoute;
     let c = Check(k.name());
     check_choices(c, s.experts, s.top_k)?;
     check_choices(c, s.experts + s.shared, s.choices())?;
@@ -77,12 +77,15 @@ pub fn route(
     c.len("bias", s.experts, bias.len())?;
     c.len("idx", rows * s.choices(), idx.len())?;
     c.len("weight", rows * s.choices(), weight.len())?;
-    // SAFETY: the logits kernel writes every element before the selection kernel reads it.
+    let tiles = rows.div_ceil(LOGITS_TOKENS as usize);
+    c.count("rows", crate::gpu::COUNTERS * LOGITS_TOKENS as usize, rows)?;
+    // SAFETY: every logit is written before the selection (by the tile's last block) reads it.
     let mut logits = unsafe { gpu.uninit::<f32>(rows * s.experts) }?;
     let p = RouteParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         gate: gpu.addr(k, "gate", gate)? as *const u16,
         logits: gpu.addr_mut(k, "logits", &mut logits)? as *mut f32,
+        counters: gpu.counters() as *mut u32,
         bias: gpu.addr(k, "bias", bias)? as *const f32,
         idx: gpu.addr_mut(k, "idx", idx)? as *mut i32,
         weight: gpu.addr_mut(k, "weight", weight)? as *mut f32,
@@ -96,15 +99,9 @@ pub fn route(
         scaling: s.scaling,
         shared: s.shared as u32,
     };
-    let tiles = (rows as u32).div_ceil(LOGITS_TOKENS);
-    // SAFETY: all extents checked above (logits allocated for rows * experts); the group
-    // settings can always fill top_k; outputs are `&mut`; the selection kernel runs after the
-    // logits kernel on the one stream.
-    unsafe {
-        gpu.launch(k, (s.experts as u32, tiles, 1), LOGITS_BLOCK, 0, p)?;
-        let blocks = (rows as u32).div_ceil(SELECT_TOKENS);
-        gpu.launch(Kernel::MoeRouteSelect, (blocks, 1, 1), 32 * SELECT_TOKENS, SELECT_SMEM_BYTES, p)
-    }
+    // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
+    // counter per tile); the group settings can always fill top_k; outputs are `&mut`.
+    unsafe { gpu.launch(k, (s.experts as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
 }
 
 /// Routing choices grouped by expert, on the device (written by [`dispatch`]): expert `e`'s
@@ -230,11 +227,40 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
     Ok(())
 }
 
-/// The rows an expert launch computes: the grouped rows of a dispatch, or all rows of a dense
-/// layer (one expert).
+/// Routing choices as [`route`] writes them: `idx` and `weight` `[rows, per]`, each id below
+/// `experts` (a larger one traps the kernels that use it).
+#[derive(Clone, Copy)]
+pub struct Choices<'a> {
+    pub idx: &'a CudaSlice<i32>,
+    pub weight: &'a CudaSlice<f32>,
+    /// Choices per token.
+    pub per: usize,
+    pub experts: usize,
+}
+
+impl Choices<'_> {
+    /// Checks the shape for `what`; the tokens.
+    fn rows(&self, what: &'static str) -> Result<usize> {
+        let c = Check(what);
+        check_choices(c, self.experts, self.per)?;
+        let rows = self.idx.len() / self.per;
+        c.that(
+            "idx",
+            self.idx.len() == rows * self.per && rows > 0,
+            format!("whole rows of {}", self.per),
+            self.idx.len(),
+        )?;
+        c.len("weight", self.idx.len(), self.weight.len())?;
+        Ok(rows)
+    }
+}
+
+/// The rows an expert launch computes: the grouped rows of a dispatch, each routing choice
+/// (no dispatch), or all rows of a dense layer (one expert).
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     Routed { d: &'a Dispatch, by_token: bool, pieces: usize },
+    Choices(Choices<'a>),
     Dense(usize),
 }
 
@@ -286,11 +312,14 @@ fn project(
     relu2: bool,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    let choices = matches!(rows, Rows::Choices(_));
     let kern = match w {
+        ExpertWeights::Bf16(_) if choices => Kernel::MoeExpertChoices,
         ExpertWeights::Bf16(_) => Kernel::MoeExpert,
         ExpertWeights::Fp8 { .. } => Kernel::MoeExpertFp8,
     };
     let c = Check(kern.name());
+    c.that("w", !choices || kern == Kernel::MoeExpertChoices, "bf16 weights (per-choice launches)", "FP8 weights")?;
     let (experts, entries, x_rows) = match rows {
         Rows::Routed { d, by_token, pieces } => {
             d.check_filled(kern.name())?;
@@ -298,6 +327,7 @@ fn project(
             // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
             (d.experts, d.entries(), if by_token { d.entries() / d.top_k } else { d.entries() })
         }
+        Rows::Choices(ch) => (ch.experts, ch.idx.len(), ch.rows(kern.name())?),
         Rows::Dense(r) => {
             c.count("rows", MAX_ENTRIES - 1, r)?;
             (1, r, r)
@@ -324,6 +354,10 @@ fn project(
     c.len("out", entries * n, out.len())?;
     c.len_at_least("x", x_rows * k, x.len())?;
     let null = core::ptr::null();
+    let (idx, per) = match rows {
+        Rows::Choices(ch) => (gpu.addr(kern, "idx", ch.idx)? as *const i32, ch.per),
+        _ => (core::ptr::null(), 1),
+    };
     let (x_row, offsets, active, active_count, slots, pieces) = match rows {
         Rows::Routed { d, by_token, pieces } => (
             if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { null },
@@ -333,6 +367,7 @@ fn project(
             d.experts.min(d.entries()) as u32,
             pieces,
         ),
+        Rows::Choices(_) => (null, null, null, null, entries as u32, 0),
         Rows::Dense(_) => (null, null, null, null, 1, 0),
     };
     let p = ExpertParams {
@@ -351,9 +386,13 @@ fn project(
         relu2: u32::from(relu2),
         piece0: (experts - pieces) as u32,
         pieces: pieces as u32,
+        idx,
+        per: per as u32,
+        experts: experts as u32,
     };
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
+    // choices read row a / per of x (entries / per rows) and trap on an id not below experts;
     // a dense launch reads rows 0..entries of x and one expert's weights; w holds experts *
     // n * k weights and the scales one per expert; out holds entries * n; k is a multiple of 8.
     unsafe { gpu.launch(kern, ((n as u32).div_ceil(EXPERT_BLOCK_ROWS), slots, 1), EXPERT_BLOCK, 0, p) }
@@ -382,6 +421,58 @@ pub fn experts_mlp(
     let mut h = unsafe { gpu.uninit::<bf16>(d.entries() * inter) }?;
     experts(gpu, d, x, true, up, (inter, hidden), true, 0, &mut h)?;
     experts(gpu, d, &h, false, down, (hidden, inter), false, pieces, out)
+}
+
+/// The MLPs of each token's chosen experts, combined, without a dispatch: `out[t] =
+/// shared[t] + sum_j weight[t, j] * down_e(relu(up_e x_t)^2)`, `e = idx[t, j]`, each expert
+/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit). bf16 weights as for
+/// [`experts_mlp`] (the last `pieces` experts may be a shared expert's pieces), `x [rows,
+/// hidden]`, `out [rows, hidden]`. Every choice streams its expert's weights on its own: the
+/// path for a token or a few, where a dispatch and a combine cost more than repeated experts.
+/// Two launches, no synchronization.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_mlp_choices(
+    gpu: &Gpu,
+    ch: Choices,
+    x: &impl DevicePtr<bf16>,
+    up: &CudaSlice<bf16>,
+    down: &CudaSlice<bf16>,
+    (inter, hidden): (usize, usize),
+    pieces: usize,
+    shared: Option<&CudaSlice<bf16>>,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let k = Kernel::MoeExpertCombine;
+    let c = Check(k.name());
+    let rows = ch.rows(k.name())?;
+    c.that("pieces", pieces <= ch.experts, format!("at most the {} experts", ch.experts), pieces)?;
+    c.len("down", ch.experts * hidden * inter, down.len())?;
+    c.len("out", rows * hidden, out.len())?;
+    if let Some(s) = shared {
+        c.len("shared", rows * hidden, s.len())?;
+    }
+    // SAFETY: the up projection writes every choice's row before the down projection reads it.
+    let mut h = unsafe { gpu.uninit::<bf16>(ch.idx.len() * inter) }?;
+    project(gpu, Rows::Choices(ch), x, ExpertWeights::Bf16(up), (inter, hidden), true, &mut h)?;
+    let p = ExpertCombineParams {
+        x: gpu.addr(k, "h", &h)? as *const u16,
+        w: gpu.addr(k, "down", down)? as *const u8,
+        idx: gpu.addr(k, "idx", ch.idx)? as *const i32,
+        weight: gpu.addr(k, "weight", ch.weight)? as *const f32,
+        shared: shared.map_or(Ok(0), |s| gpu.addr(k, "shared", s))? as *const u16,
+        out: gpu.addr_mut(k, "out", out)? as *mut u16,
+        n: hidden as u32,
+        k: inter as u32,
+        per: ch.per as u32,
+        experts: ch.experts as u32,
+        piece0: (ch.experts - pieces) as u32,
+        pieces: pieces as u32,
+    };
+    let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
+    // SAFETY: h holds rows * per rows of inter (checked by project: inter a multiple of 8 and
+    // within limits), down experts * hidden * inter, idx and weight rows * per (per <=
+    // MAX_TOP_K: a warp each), shared and out rows * hidden; ids not below experts trap.
+    unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }
 
 /// As [`experts_mlp`] without pieces (every down projection `[hidden, inter]` in its own

@@ -85,6 +85,40 @@ pub fn sync_threads() {
     unsafe { nvptx::_syncthreads() }
 }
 
+/// Whether this block is the last of `blocks` to get here (every thread gets the answer), by
+/// the counter `*count` in global memory: zero on entry, zero again when the last block
+/// leaves (it resets it). Everything the block's threads wrote before the call is visible to
+/// the last block's threads after it (gpu-scope fences on both sides). A barrier inside: call
+/// it in uniform flow, with `flag` one word of shared memory.
+///
+/// # Safety
+/// `count` must point at a u32 in global memory that only the blocks of this grid update.
+#[inline(always)]
+pub unsafe fn last_block(count: *mut u32, blocks: u32, flag: *mut u32) -> bool {
+    use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
+    // SAFETY: no operands; orders this thread's earlier writes before the arrival below.
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+    sync_threads();
+    if thread_x() == 0 {
+        // SAFETY: count is a live global u32 (caller); flag a shared word.
+        unsafe {
+            let last = AtomicU32::from_ptr(count).fetch_add(1, Relaxed) == blocks - 1;
+            if last {
+                *count = 0;
+            }
+            *flag = u32::from(last);
+        }
+    }
+    sync_threads();
+    // SAFETY: flag was written before the barrier.
+    let last = unsafe { *flag } != 0;
+    if last {
+        // SAFETY: no operands; the other blocks' writes are visible after it.
+        unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+    }
+    last
+}
+
 /// Start of the block's dynamic shared memory, as f32 words.
 #[inline(always)]
 pub fn dyn_smem_f32() -> *mut f32 {

@@ -122,16 +122,19 @@ kernels! {
     AttnCacheWrite = "attn_cache_write_bf16",
     /// [`attn::AttnParams`]: causal attention over the cache.
     Attn = "attn_bf16",
-    /// [`moe::RouteParams`]: router logits in f32.
-    MoeRouterLogits = "moe_router_logits_bf16",
-    /// [`moe::RouteParams`]: sigmoid, bias, group-limited top-k, weights.
-    MoeRouteSelect = "moe_route_select",
+    /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
+    /// weights.
+    MoeRoute = "moe_route_bf16",
     /// [`moe::DispatchParams`]: routing choices grouped by expert.
     MoeDispatch = "moe_dispatch",
     /// [`moe::ExpertParams`]: one projection of every expert with rows (small batches).
     MoeExpert = "moe_expert_bf16",
     /// [`moe::ExpertParams`]: as `MoeExpert`, e4m3 weights (W8A8).
     MoeExpertFp8 = "moe_expert_fp8",
+    /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
+    MoeExpertChoices = "moe_expert_choices_bf16",
+    /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
+    MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
     MoeCombine = "moe_combine_bf16",
 }

@@ -6,18 +6,17 @@
 
 use crate::KernelParams;
 
-/// Threads per block of the router-logits kernel.
-pub const LOGITS_BLOCK: u32 = 256;
-/// Tokens per block of the router-logits kernel (the router row read once for all of them).
+/// Tokens per block of the routing kernel (the router row read once for all of them).
 pub const LOGITS_TOKENS: u32 = 8;
-/// Tokens per block of the selection kernel (one warp each).
-pub const SELECT_TOKENS: u32 = 4;
+/// Threads per block of the routing kernel: a warp per token of the block for the selection.
+pub const LOGITS_BLOCK: u32 = 32 * LOGITS_TOKENS;
 /// Most experts the routing kernel handles.
 pub const MAX_EXPERTS: u32 = 256;
 /// Most experts per token.
 pub const MAX_TOP_K: u32 = 16;
 
-/// Routing of `rows` tokens, in two kernels: router logits, then selection.
+/// Routing of `rows` tokens in one kernel: router logits, then selection by the last block of
+/// each tile of tokens.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RouteParams {
@@ -25,8 +24,10 @@ pub struct RouteParams {
     pub x: *const u16,
     /// Router `[experts, hidden]` bf16.
     pub gate: *const u16,
-    /// `[rows, experts]` f32 router logits: written by the first kernel, read by the second.
+    /// `[rows, experts]` f32 router logits: written by every block, read by the last of a tile.
     pub logits: *mut f32,
+    /// `[ceil(rows / LOGITS_TOKENS)]` arrival counters, zero on entry (and left zero).
+    pub counters: *mut u32,
     /// `[experts]` f32 selection bias.
     pub bias: *const f32,
     /// `[rows, top_k + shared]` chosen experts, highest selection score first, then the
@@ -129,6 +130,39 @@ pub struct ExpertParams {
     /// into pieces): row r of piece j at `(piece0 * n + r * pieces) * k + j * k`. 0: none.
     pub piece0: u32,
     pub pieces: u32,
+    /// Per choice ([`moe_expert_choices_bf16`] only; offsets, active, active_count and x_row
+    /// null): `[entries]` the expert of each choice, tokens' choices in order, `per` per token;
+    /// choice a (expert `idx[a]`, below `experts`, else the kernel traps) takes row `a / per`
+    /// of x into row a of out.
+    pub idx: *const i32,
+    pub per: u32,
+    pub experts: u32,
+}
+
+/// The down projection of each of `rows` tokens' `per` choices, combined: `out[t] =
+/// shared[t] + sum_j weight[t, j] * bf16(x[t * per + j] W_{idx[t, j]}^T)` (the order of j;
+/// pieces as in [`ExpertParams`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertCombineParams {
+    /// `[rows * per, k]` bf16 hidden rows, in choice order.
+    pub x: *const u16,
+    /// `[experts, n, k]` bf16 weights.
+    pub w: *const u8,
+    /// `[rows, per]` chosen experts; each below `experts`, else the kernel traps.
+    pub idx: *const i32,
+    /// `[rows, per]` their weights.
+    pub weight: *const f32,
+    /// `[rows, n]` bf16 shared expert output, or null.
+    pub shared: *const u16,
+    /// `[rows, n]` bf16, written.
+    pub out: *mut u16,
+    pub n: u32,
+    pub k: u32,
+    pub per: u32,
+    pub experts: u32,
+    pub piece0: u32,
+    pub pieces: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -139,6 +173,8 @@ unsafe impl KernelParams for CombineParams {}
 unsafe impl KernelParams for DispatchParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for ExpertParams {}
+// SAFETY: as above.
+unsafe impl KernelParams for ExpertCombineParams {}
 
 /// Threads of the dispatch kernel (one block).
 pub const DISPATCH_BLOCK: u32 = 1024;
@@ -154,10 +190,12 @@ pub const EXPERT_UNROLL: usize = 4;
 pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
 /// Tokens the expert kernel multiplies with one pass over its weight rows.
 pub const EXPERT_TOKENS: usize = 1;
+/// Output rows per block of the expert-combine kernel (each warp streams them for its choice).
+pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;
 
-/// Dynamic shared memory of the selection kernel: per token, scores, selection scores and
-/// group scores.
-pub const SELECT_SMEM_BYTES: u32 = SELECT_TOKENS * 3 * MAX_EXPERTS * 4;
+/// Dynamic shared memory of the routing kernel: per token of a block, scores, selection scores
+/// and group scores.
+pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 3 * MAX_EXPERTS * 4;
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
@@ -183,25 +221,28 @@ mod kernels {
         warp_argmax(best, at)
     }
 
-    /// Router logits, [`RouteParams`]. Grid `(experts, ceil(rows / LOGITS_TOKENS))`, block
-    /// [`LOGITS_BLOCK`]: block `(e, b)` forms `logits[t, e]` for the block's tokens, threads
-    /// over hidden (16-byte loads, f32 sums), reduced across the block in warp order.
+    /// Routing, [`RouteParams`]. Grid `(experts, ceil(rows / LOGITS_TOKENS))`, block
+    /// [`LOGITS_BLOCK`], dynamic shared memory [`ROUTE_SMEM_BYTES`]: block `(e, b)` forms
+    /// `logits[t, e]` for the tokens of tile b, threads over hidden (16-byte loads, f32 sums),
+    /// reduced across the block in warp order; the tile's last block to finish (counted in
+    /// `counters[b]`) then selects for them, warp w for token w of the tile (see [`select`]).
     #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn moe_router_logits_bf16(p: RouteParams) {
+    pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
         grid_dependency_wait();
         const T: usize = LOGITS_TOKENS as usize;
         let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
         let t0 = block_y() as usize * T;
         let toks = (p.rows as usize - t0).min(T);
         // SAFETY: launch contract checked by host/src/moe.rs (x holds rows * hidden, gate
-        // experts * hidden, logits rows * experts; hidden a multiple of 8); shared memory: the
-        // static per-warp partial sums below.
+        // experts * hidden, logits rows * experts, counters a zero per tile; hidden a multiple
+        // of 8); shared memory: the static per-warp partial sums and the last-block flag below,
+        // the dynamic selection buffers.
         unsafe {
             let partial: *mut f32;
             core::arch::asm!(
                 "{{ .shared .align 4 .b8 route_partial[{n}]; cvta.shared.u64 {p}, route_partial; }}",
                 p = out(reg64) partial,
-                n = const (LOGITS_BLOCK / 32 * LOGITS_TOKENS * 4),
+                n = const (LOGITS_BLOCK / 32 * LOGITS_TOKENS * 4 + 4),
                 options(nostack),
             );
             let x = p.x.wrapping_add(t0 * h);
@@ -236,32 +277,29 @@ mod kernels {
                 }
                 st(p.logits, (t0 + t) * e + ex, logit);
             }
+            let flag = partial.wrapping_add((LOGITS_BLOCK / 32 * LOGITS_TOKENS) as usize) as *mut u32;
+            if last_block(p.counters.wrapping_add(block_y() as usize), p.experts, flag) && warp < toks {
+                select(&p, t0 + warp, dyn_smem_f32().wrapping_add(3 * MAX_EXPERTS as usize * warp));
+            }
         }
     }
 
-    /// Selection, [`RouteParams`] (after [`moe_router_logits_bf16`]); also writes the appended
-    /// choices. Grid
-    /// `(ceil(rows / SELECT_TOKENS))`, block `32 * SELECT_TOKENS`, dynamic shared memory
-    /// [`SELECT_SMEM_BYTES`]: warp t selects for token t of the block: scores and selection
-    /// scores by lanes over experts, group scores by one lane per group, groups and experts by
-    /// warp-wide argmax (lowest index on ties).
-    #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn moe_route_select(p: RouteParams) {
-        grid_dependency_wait();
+    /// Selection for token `tok` of [`RouteParams`] by one warp, after its logits are visible;
+    /// also writes the appended choices. `smem`: `3 * MAX_EXPERTS` floats of shared memory of
+    /// this warp's own (scores and selection scores by lanes over experts, group scores by one
+    /// lane per group); groups and experts by warp-wide argmax (lowest index on ties).
+    ///
+    /// # Safety
+    /// Launch contract of [`moe_route_bf16`]; `tok < rows`.
+    #[inline(always)]
+    unsafe fn select(p: &RouteParams, tok: usize, smem: *mut f32) {
         let e = p.experts as usize;
-        let (lane, warp) = (lane_id() as usize, warp_id() as usize);
-        let tok = block_x() as usize * SELECT_TOKENS as usize + warp;
-        if tok >= p.rows as usize {
-            return;
-        }
+        let lane = lane_id() as usize;
         let me = MAX_EXPERTS as usize;
         // SAFETY: launch contract checked by host/src/moe.rs (experts <= MAX_EXPERTS, top_k +
         // shared <= MAX_TOP_K, top_k <= the experts of the kept groups, groups dividing
-        // experts, idx and weight rows of top_k + shared); shared
-        // memory as SELECT_SMEM_BYTES: warp w's scores at smem[3 me w..], selection scores
-        // after them, group scores after those; each warp touches only its own.
+        // experts, idx and weight rows of top_k + shared); smem as documented.
         unsafe {
-            let smem = dyn_smem_f32().wrapping_add(3 * me * warp);
             let (score, sel, gscore) = (smem, smem.wrapping_add(me), smem.wrapping_add(2 * me));
             let mut i = lane;
             while i < e {
@@ -470,44 +508,159 @@ mod kernels {
         }
     }
 
-    /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`
-    /// whether inputs are quantized (then `elem` is 1 byte per weight, else 2).
+    /// Where the weight rows `row0..` of expert `e` of an `[experts, n, k]` array start (in
+    /// elements) and the elements from one row to the next: experts `piece0..piece0 + pieces`
+    /// are the column blocks of one `[n, pieces * k]` matrix stored where expert `piece0`
+    /// would start (see [`ExpertParams::piece0`]).
     #[inline(always)]
-    unsafe fn expert_rows<W: Chunk>(p: &ExpertParams, fp8: bool) {
+    fn weight_rows(e: usize, row0: usize, (n, k): (usize, usize), (piece0, pieces): (usize, usize)) -> (usize, usize) {
+        if e >= piece0 && e < piece0 + pieces {
+            ((piece0 * n + row0 * pieces) * k + (e - piece0) * k, pieces * k)
+        } else {
+            ((e * n + row0) * k, k)
+        }
+    }
+
+    /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
+    /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
+    /// bf16 each): lanes over chunks of 8, [`EXPERT_UNROLL`] chunks of each row in flight, f32
+    /// sums; the warp's sum (in any fixed order) is the product. FP8 (`fp8`): each input chunk
+    /// is first quantized to e4m3 with its token's `(scale, 1 / scale)`.
+    ///
+    /// # Safety
+    /// The rows and inputs must be readable for `k` elements.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize>(
+        w: *const u8,
+        (stride, elem): (usize, usize),
+        rows: usize,
+        xs: &[*const u16; T],
+        toks: usize,
+        scale: &[(f32, f32); T],
+        k: usize,
+        fp8: bool,
+    ) -> [[f32; T]; R] {
+        const U: usize = EXPERT_UNROLL;
+        let mut acc = [[0.0f32; T]; R];
+        let mut c = lane_id() as usize * 8;
+        // SAFETY: loads stay within the rows' and inputs' k elements (caller).
+        unsafe {
+            while c < k {
+                let mut wv = [[W::ZERO; U]; R];
+                for (r, wv) in wv.iter_mut().enumerate() {
+                    if r < rows {
+                        for (u, v) in wv.iter_mut().enumerate() {
+                            *v = W::load(w.wrapping_add(r * stride * elem), c + u * 256, k);
+                        }
+                    }
+                }
+                for (t, &x) in xs.iter().enumerate() {
+                    if t < toks {
+                        for u in 0..U {
+                            let mut xv = load8_bf16(x, c + u * 256, k);
+                            if fp8 {
+                                let (s, inv) = scale[t];
+                                for i in 0..4 {
+                                    let q =
+                                        f32x2_to_e4m3(div_rn_by(xv[2 * i + 1], s, inv), div_rn_by(xv[2 * i], s, inv));
+                                    (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
+                                }
+                            }
+                            for (acc, wv) in acc.iter_mut().zip(&wv) {
+                                let wf = wv[u].values();
+                                for i in 0..8 {
+                                    acc[t] += wf[i] * xv[i];
+                                }
+                            }
+                        }
+                    }
+                }
+                c += 256 * U;
+            }
+        }
+        acc
+    }
+
+    /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`
+    /// whether inputs are quantized.
+    #[inline(always)]
+    unsafe fn expert_rows<W: Chunk>(p: ExpertParams, fp8: bool) {
+        let n = p.n as usize;
+        // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
+        // the dispatch kernel over the same entries, all null for a dense launch.
+        unsafe {
+            let a = block_y() as usize;
+            // The expert, its first row of out and how many. (A count, not the end: a plain
+            // load on both sides would make the compiler select between a pointer into the
+            // parameters and one into global memory, and keep the parameters on the stack.)
+            let (e, lo, count) = if p.offsets.is_null() {
+                (0, 0, p.rows as usize)
+            } else {
+                if a as u32 >= ld(p.active_count, 0) {
+                    return;
+                }
+                let e = ld(p.active, a) as usize;
+                let lo = ld(p.offsets, e) as usize;
+                (e, lo, ld(p.offsets, e + 1) as usize - lo)
+            };
+            let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+            if row0 < n {
+                warp_rows::<W>(p, e, row0, (lo, lo + count), usize::MAX, fp8);
+            }
+        }
+    }
+
+    /// Expert projection per routing choice, bf16 weights, [`ExpertParams`] with `idx` (the
+    /// other row fields null). Grid `(ceil(n / EXPERT_BLOCK_ROWS), entries)`, block
+    /// [`EXPERT_BLOCK`]: block `(b, a)` computes choice a, expert `idx[a]`, for row `a / per`
+    /// of x into row a of out, as [`moe_expert_bf16`] computes an expert's rows.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
+        grid_dependency_wait();
+        let a = block_y() as usize;
+        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+        // SAFETY: launch contract checked by host/src/moe.rs: idx holds entries ids (one out
+        // of range traps), x entries / per rows, w experts * n * k, out entries * n.
+        unsafe {
+            let e = ld(p.idx, a);
+            if e < 0 || e as u32 >= p.experts {
+                trap();
+            }
+            if row0 < p.n as usize {
+                warp_rows::<[u32; 4]>(p, e as usize, row0, (a, a + 1), a / p.per as usize, false);
+            }
+        }
+    }
+
+    /// One warp's share of an expert launch: weight rows `row0..` ([`EXPERT_WARP_ROWS`] at
+    /// most) of expert `e` for rows `lo..hi` of out, each of x row `x_at` (choices) or, where
+    /// that is `usize::MAX`, of `x_row[j]` (a dispatch) or row j itself (dense).
+    ///
+    /// # Safety
+    /// The launch contract of the calling kernel, `e` a valid expert, `row0 < n`.
+    #[inline(always)]
+    unsafe fn warp_rows<W: Chunk>(
+        p: ExpertParams,
+        e: usize,
+        row0: usize,
+        (lo, hi): (usize, usize),
+        x_at: usize,
+        fp8: bool,
+    ) {
         const R: usize = EXPERT_WARP_ROWS as usize;
         const T: usize = EXPERT_TOKENS;
-        const U: usize = EXPERT_UNROLL;
         let (n, k) = (p.n as usize, p.k as usize);
         let elem = if fp8 { 1 } else { 2 };
         let lane = lane_id() as usize;
-        // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
-        // the dispatch kernel over the same entries (all null for a dense launch: expert 0,
-        // rows 0..p.rows of x and out, one block row), k a multiple of 8, w holds experts * n * k
-        // weights (and the scales experts values; the pieces, when any, among them), x_row
-        // entries index rows of x, out holds entries * n. Each output element is written by
-        // lane 0 of the one warp owning its weight row.
+        // SAFETY: k a multiple of 8, w holds experts * n * k weights (and the scales experts
+        // values; the pieces, when any, among them), x_row entries index rows of x, out holds
+        // entries * n (caller). Each output element is written by lane 0 of the one warp
+        // owning its weight row.
         unsafe {
-            let dense = p.offsets.is_null();
-            let a = block_y();
-            if !dense && a >= ld(p.active_count, 0) {
-                return;
-            }
-            let e = if dense { 0 } else { ld(p.active, a as usize) as usize };
-            let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
-            if row0 >= n {
-                return;
-            }
-            // This warp's first weight row, and the elements from one row to the next.
-            let (piece0, pieces) = (p.piece0 as usize, p.pieces as usize);
-            let (at, stride) = if e >= piece0 && e < piece0 + pieces {
-                ((piece0 * n + row0 * pieces) * k + (e - piece0) * k, pieces * k)
-            } else {
-                ((e * n + row0) * k, k)
-            };
+            let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
             let w = p.w.wrapping_add(at * elem);
             let rows = (n - row0).min(R);
-            let (lo, hi) =
-                if dense { (0, p.rows as usize) } else { (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize) };
             let w_scale = if fp8 { ld(p.w_scale, e) } else { 1.0 };
             let mut j0 = lo;
             while j0 < hi {
@@ -518,7 +671,13 @@ mod kernels {
                 let mut scale = [(1.0f32, 1.0f32); T];
                 for (t, x) in xs.iter_mut().enumerate() {
                     if t < toks {
-                        let r = if p.x_row.is_null() { j0 + t } else { ld(p.x_row, j0 + t) as usize };
+                        let r = if x_at != usize::MAX {
+                            x_at
+                        } else if p.x_row.is_null() {
+                            j0 + t
+                        } else {
+                            ld(p.x_row, j0 + t) as usize
+                        };
                         *x = p.x.wrapping_add(r * k);
                         if fp8 {
                             let s = if p.in_scale.is_null() {
@@ -536,42 +695,7 @@ mod kernels {
                         }
                     }
                 }
-                let mut acc = [[0.0f32; T]; R];
-                let mut c = lane * 8;
-                while c < k {
-                    let mut wv = [[W::ZERO; U]; R];
-                    for (r, wv) in wv.iter_mut().enumerate() {
-                        if r < rows {
-                            for (u, v) in wv.iter_mut().enumerate() {
-                                *v = W::load(w.wrapping_add(r * stride * elem), c + u * 256, k);
-                            }
-                        }
-                    }
-                    for (t, &x) in xs.iter().enumerate() {
-                        if t < toks {
-                            for u in 0..U {
-                                let mut xv = load8_bf16(x, c + u * 256, k);
-                                if fp8 {
-                                    let (s, inv) = scale[t];
-                                    for i in 0..4 {
-                                        let q = f32x2_to_e4m3(
-                                            div_rn_by(xv[2 * i + 1], s, inv),
-                                            div_rn_by(xv[2 * i], s, inv),
-                                        );
-                                        (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
-                                    }
-                                }
-                                for (acc, wv) in acc.iter_mut().zip(&wv) {
-                                    let wf = wv[u].values();
-                                    for i in 0..8 {
-                                        acc[t] += wf[i] * xv[i];
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    c += 256 * U;
-                }
+                let acc = partial_dots::<W, R, T>(w, (stride, elem), rows, &xs, toks, &scale, k, fp8);
                 for (r, acc) in acc.iter().enumerate() {
                     for (t, &v) in acc.iter().enumerate() {
                         if r < rows && t < toks {
@@ -593,18 +717,71 @@ mod kernels {
         }
     }
 
+    /// Expert down projections and combining, bf16 weights, [`ExpertCombineParams`]. Grid
+    /// `(ceil(n / COMBINE_ROWS), rows)`, block `32 * per`: warp j streams the [`COMBINE_ROWS`]
+    /// weight rows of token `block_y`'s j-th chosen expert against the choice's hidden row (as
+    /// [`moe_expert_bf16`] does) and rounds each product to bf16; then one thread per output
+    /// row adds them with their weights to the f32 sum in the order j (the shared output
+    /// first): [`moe_expert_bf16`] then [`moe_combine_bf16`] in one launch, bit for bit.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_combine_bf16(p: ExpertCombineParams) {
+        grid_dependency_wait();
+        const R: usize = COMBINE_ROWS as usize;
+        let (n, k, per) = (p.n as usize, p.k as usize, p.per as usize);
+        let (t, j) = (block_y() as usize, warp_id() as usize);
+        let row0 = block_x() as usize * R;
+        let rows = (n - row0).min(R);
+        // SAFETY: launch contract checked by host/src/moe.rs: x holds rows * per rows of k, w
+        // experts * n * k (the pieces among them), idx and weight rows * per, shared (when not
+        // null) and out rows * n, per <= MAX_TOP_K; an expert id out of range traps. Shared
+        // memory: the products below, each written by lane 0 of its warp before the barrier.
+        // Each output element is written by the one thread owning its row.
+        unsafe {
+            let y: *mut f32;
+            core::arch::asm!(
+                "{{ .shared .align 4 .b8 combine_y[{n}]; cvta.shared.u64 {p}, combine_y; }}",
+                p = out(reg64) y,
+                n = const (MAX_TOP_K * COMBINE_ROWS * 4),
+                options(nostack),
+            );
+            let c = t * per + j;
+            let e = ld(p.idx, c);
+            if e < 0 || e as u32 >= p.experts {
+                trap();
+            }
+            let (at, stride) = weight_rows(e as usize, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
+            let x = [p.x.wrapping_add(c * k)];
+            let w = p.w.wrapping_add(at * 2);
+            let dots = partial_dots::<[u32; 4], R, 1>(w, (stride, 2), rows, &x, 1, &[(1.0, 1.0)], k, false);
+            for (r, d) in dots.iter().enumerate() {
+                let v = bf16_to_f32(f32_to_bf16(warp_sum(d[0])));
+                if lane_id() == 0 {
+                    st(y, j * R + r, v);
+                }
+            }
+            sync_threads();
+            let r = thread_x() as usize;
+            if r < rows {
+                let mut acc = if p.shared.is_null() { 0.0 } else { bf16_to_f32(ld(p.shared, t * n + row0 + r)) };
+                for j in 0..per {
+                    acc += ld(p.weight, t * per + j) * ld(y, j * R + r);
+                }
+                st(p.out, t * n + row0 + r, f32_to_bf16(acc));
+            }
+        }
+    }
+
     /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / EXPERT_BLOCK_ROWS),
     /// slots)` with `slots >= active_count` (blocks past it return; 1 for a dense launch),
     /// block [`EXPERT_BLOCK`].
     /// Block `(b, a)` takes expert `active[a]` (a dense launch: expert 0, rows `0..rows`, x
-    /// row j for row j); each warp streams [`EXPERT_WARP_ROWS`] weight
-    /// rows once per [`EXPERT_TOKENS`] of the expert's rows (lanes over k, [`EXPERT_UNROLL`]
-    /// loads per row in flight, f32 sums).
+    /// row j for row j); each warp streams [`EXPERT_WARP_ROWS`] weight rows once per
+    /// [`EXPERT_TOKENS`] of the expert's rows (see `partial_dots`).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
         grid_dependency_wait();
         // SAFETY: forwarded launch contract.
-        unsafe { expert_rows::<[u32; 4]>(&p, false) }
+        unsafe { expert_rows::<[u32; 4]>(p, false) }
     }
 
     /// Expert projection, e4m3 weights (W8A8), [`ExpertParams`]; as [`moe_expert_bf16`], each
@@ -613,7 +790,7 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
         grid_dependency_wait();
         // SAFETY: forwarded launch contract.
-        unsafe { expert_rows::<u64>(&p, true) }
+        unsafe { expert_rows::<u64>(p, true) }
     }
 
     /// Combining, [`CombineParams`]. Grid `(rows, ceil(hidden / EW_BLOCK))`, block

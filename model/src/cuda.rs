@@ -1,8 +1,10 @@
 //! The CUDA backend: each operation through the host crate's kernels and cuBLASLt.
 //!
-//! MoE layers route, dispatch and run their experts on the device: up to
-//! [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel (no synchronization), more through
-//! per-expert cuBLASLt GEMMs (one synchronization to read the expert offsets).
+//! MoE layers route and run their experts on the device: up to [`CHOICES_MAX_ROWS`] rows of
+//! bf16 experts per routing choice (no dispatch; down projections and combining in one
+//! launch), else dispatched: up to [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel
+//! (no synchronization), more through per-expert cuBLASLt GEMMs (one synchronization to read
+//! the expert offsets).
 //!
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
 //! the expert kernel (dense layers as one expert), which quantizes each input row with the
@@ -25,7 +27,8 @@ use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
 use host::moe::{
-    Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dispatch, experts_mlp, experts_mlp_gemm, route,
+    Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dispatch, experts_mlp,
+    experts_mlp_choices, experts_mlp_gemm, route,
 };
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
@@ -166,6 +169,10 @@ enum Shared {
 
 /// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
+
+/// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
+/// down projections and the combining in one launch ([`experts_mlp_choices`]).
+pub const CHOICES_MAX_ROWS: usize = 1;
 
 /// Most rows of a MoE layer whose shared expert runs as pieces inside the routed experts'
 /// launches (see [`Shared::Pieces`]) rather than as two cuBLASLt GEMMs: the expert kernel
@@ -621,15 +628,6 @@ impl Backend for Cuda {
         // the next operation reads it.
         let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * choices)?, g.uninit::<f32>(rows * choices)?) };
         route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
-        let mut d = Dispatch::new(g, c.experts + pieces, choices, rows)?;
-        dispatch(g, &idx, &mut d)?;
-        let mut grouped = unsafe { g.uninit::<bf16>(d.entries() * hidden) }?;
-        match (&ex.up, &ex.down) {
-            (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
-                experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
-            }
-            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), pieces, &mut grouped)?,
-        }
         let shared = match (&ex.shared, &ex.up, &ex.down) {
             (Shared::Mlp(mlp), ..) => {
                 let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
@@ -651,6 +649,22 @@ impl Backend for Cuda {
             _ => None,
         };
         let mut y = view_mut(y, rows * hidden)?;
+        let experts = c.experts + pieces;
+        if let (Weights::Bf16(up), Weights::Bf16(down)) = (&ex.up, &ex.down)
+            && rows <= CHOICES_MAX_ROWS
+        {
+            let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
+            return Ok(experts_mlp_choices(g, ch, &xv, up, down, (ex.inter, hidden), pieces, shared.as_ref(), &mut y)?);
+        }
+        let mut d = Dispatch::new(g, experts, choices, rows)?;
+        dispatch(g, &idx, &mut d)?;
+        let mut grouped = unsafe { g.uninit::<bf16>(d.entries() * hidden) }?;
+        match (&ex.up, &ex.down) {
+            (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
+                experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
+            }
+            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), pieces, &mut grouped)?,
+        }
         Ok(combine(g, &grouped, shared.as_ref(), d.slot(), &wts, choices, hidden, &mut y)?)
     }
 

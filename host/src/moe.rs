@@ -469,9 +469,10 @@ pub fn experts_mlp_choices(
         pieces: pieces as u32,
     };
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
-    // SAFETY: h holds rows * per rows of inter (checked by project: inter a multiple of 8 and
-    // within limits), down experts * hidden * inter, idx and weight rows * per (per <=
-    // MAX_TOP_K: a warp each), shared and out rows * hidden; ids not below experts trap.
+    // SAFETY: h holds rows * per rows of inter (allocated above, written by the up projection;
+    // the kernel reads a row's last partial chunk element by element), down experts * hidden
+    // * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
+    // * hidden; ids not below experts trap.
     unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }
 

@@ -415,6 +415,33 @@ pub unsafe fn load8_raw(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
     }
 }
 
+/// As [`load8_raw`] for data that stays unchanged while the kernel runs and that this thread
+/// reads once (weights streamed from memory): the whole aligned chunk through the read-only
+/// path, not kept in L1, with L2 fetching 256-byte blocks around it.
+///
+/// # Safety
+/// As [`load8_bf16`]; nothing writes `p[c0..c0 + 8]` while the kernel runs.
+#[inline(always)]
+pub unsafe fn load8_stream(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
+    let q = p.wrapping_add(c0);
+    if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: q[0..8] is within len and 16-byte aligned (checked), read-only (caller).
+        unsafe {
+            asm!(
+                "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{q}];",
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                q = in(reg64) q,
+                options(pure, readonly, nostack),
+            )
+        };
+        [a, b, c, d]
+    } else {
+        // SAFETY: forwarded.
+        unsafe { load8_raw(p, c0, len) }
+    }
+}
+
 /// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole
 /// and aligned).
 ///

@@ -465,8 +465,8 @@ mod kernels {
         const ZERO: Self = [0; 4];
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-            // SAFETY: forwarded (w holds k bf16).
-            unsafe { load8_raw(w as *const u16, c, k) }
+            // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
+            unsafe { load8_stream(w as *const u16, c, k) }
         }
         #[inline(always)]
         fn values(self) -> [f32; 8] {

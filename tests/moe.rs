@@ -131,7 +131,7 @@ mod gpu {
     use host::cpu::moe::{Routing, route};
     use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::moe::{
-        Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dispatch, experts, experts_mlp,
+        Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dense_split, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_gemm, route as gpu_route,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
@@ -448,6 +448,32 @@ mod gpu {
             compared += assert_close(&label, &to_f64(&fused), &combined, 1e-5, 1.0 / 256.0 + 1e-5);
         }
         println!("experts: {compared} values compared");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_dense_split_matches_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(96);
+        let mut compared = 0;
+        // Nano's out_proj and shared down projection at one row; rows of k not a multiple of
+        // the block's 1024-element stride, n not of its 4 rows, a few rows, k of one chunk.
+        for (n, k, rows) in [(2688, 4096, 1), (2688, 3712, 1), (7, 1032, 3), (5, 40, 2), (9, 8, 1)] {
+            let bound = (3.0 / k as f64).sqrt();
+            let (w, x) = (rng.bf16s(n * k, -bound, bound), rng.bf16s(rows * k, -1.0, 1.0));
+            let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+            dense_split(&gpu, &gpu.upload(&x).unwrap(), rows, &gpu.upload(&w).unwrap(), (n, k), &mut out).unwrap();
+            let want: Vec<f64> = (0..rows * n)
+                .map(|i| {
+                    let (j, r) = (i / n, i % n);
+                    (0..k).map(|c| x[j * k + c].to_f64() * w[r * k + c].to_f64()).sum()
+                })
+                .collect();
+            let label = format!("dense split {n} x {k}, rows {rows}");
+            // bf16 output (2^-8 relative) over f32 sums of bf16 products.
+            compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, 1.0 / 128.0);
+        }
+        println!("dense split: {compared} values compared");
     }
 
     /// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):

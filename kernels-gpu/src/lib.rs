@@ -133,6 +133,8 @@ kernels! {
     MoeExpertFp8 = "moe_expert_fp8",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
+    /// [`moe::ExpertParams`]: a bf16 linear layer, each weight row split along k over a block.
+    MoeDenseSplit = "moe_dense_split_bf16",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.

@@ -190,6 +190,12 @@ pub const EXPERT_UNROLL: usize = 4;
 pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
 /// Tokens the expert kernel multiplies with one pass over its weight rows.
 pub const EXPERT_TOKENS: usize = 1;
+/// Threads per block of the split-k dense kernel (together over each weight row).
+pub const SPLIT_BLOCK: u32 = 128;
+/// Weight rows per block of the split-k dense kernel.
+pub const SPLIT_ROWS: u32 = 4;
+/// Chunks of each weight row a thread of the split-k dense kernel loads at once.
+pub const SPLIT_UNROLL: usize = 2;
 /// Output rows per block of the expert-combine kernel (each warp streams them for its choice).
 pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;
 
@@ -523,15 +529,16 @@ mod kernels {
 
     /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
     /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
-    /// bf16 each): lanes over chunks of 8, [`EXPERT_UNROLL`] chunks of each row in flight, f32
-    /// sums; the warp's sum (in any fixed order) is the product. FP8 (`fp8`): each input chunk
+    /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
+    /// each row in flight, f32 sums; the sum over the threads (in any fixed order) is the
+    /// product. FP8 (`fp8`): each input chunk
     /// is first quantized to e4m3 with its token's `(scale, 1 / scale)`.
     ///
     /// # Safety
     /// The rows and inputs must be readable for `k` elements.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize>(
+    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize>(
         w: *const u8,
         (stride, elem): (usize, usize),
         rows: usize,
@@ -540,10 +547,11 @@ mod kernels {
         scale: &[(f32, f32); T],
         k: usize,
         fp8: bool,
+        (me, threads): (usize, usize),
     ) -> [[f32; T]; R] {
-        const U: usize = EXPERT_UNROLL;
+        let step = threads * 8;
         let mut acc = [[0.0f32; T]; R];
-        let mut c = lane_id() as usize * 8;
+        let mut c = me * 8;
         // SAFETY: loads stay within the rows' and inputs' k elements (caller).
         unsafe {
             while c < k {
@@ -551,14 +559,14 @@ mod kernels {
                 for (r, wv) in wv.iter_mut().enumerate() {
                     if r < rows {
                         for (u, v) in wv.iter_mut().enumerate() {
-                            *v = W::load(w.wrapping_add(r * stride * elem), c + u * 256, k);
+                            *v = W::load(w.wrapping_add(r * stride * elem), c + u * step, k);
                         }
                     }
                 }
                 for (t, &x) in xs.iter().enumerate() {
                     if t < toks {
                         for u in 0..U {
-                            let mut xv = load8_bf16(x, c + u * 256, k);
+                            let mut xv = load8_bf16(x, c + u * step, k);
                             if fp8 {
                                 let (s, inv) = scale[t];
                                 for i in 0..4 {
@@ -576,7 +584,7 @@ mod kernels {
                         }
                     }
                 }
-                c += 256 * U;
+                c += step * U;
             }
         }
         acc
@@ -695,7 +703,17 @@ mod kernels {
                         }
                     }
                 }
-                let acc = partial_dots::<W, R, T>(w, (stride, elem), rows, &xs, toks, &scale, k, fp8);
+                let acc = partial_dots::<W, R, T, EXPERT_UNROLL>(
+                    w,
+                    (stride, elem),
+                    rows,
+                    &xs,
+                    toks,
+                    &scale,
+                    k,
+                    fp8,
+                    (lane, 32),
+                );
                 for (r, acc) in acc.iter().enumerate() {
                     for (t, &v) in acc.iter().enumerate() {
                         if r < rows && t < toks {
@@ -713,6 +731,55 @@ mod kernels {
                     }
                 }
                 j0 += T;
+            }
+        }
+    }
+
+    /// A bf16 linear layer at one row per block row, the weight rows split along k: for long
+    /// rows, where one warp per row needs many round trips. [`ExpertParams`] of a dense launch
+    /// (offsets, active, active_count, x_row and idx null; pieces 0). Grid `(ceil(n /
+    /// SPLIT_ROWS), rows)`, block [`SPLIT_BLOCK`]: block `(b, j)` computes outputs `b
+    /// SPLIT_ROWS..` of row j, its threads over the chunks of k ([`SPLIT_UNROLL`] in flight per
+    /// weight row), each warp's sums through shared memory, added in warp order by one thread
+    /// per output.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_dense_split_bf16(p: ExpertParams) {
+        grid_dependency_wait();
+        const R: usize = SPLIT_ROWS as usize;
+        const WARPS: usize = (SPLIT_BLOCK / 32) as usize;
+        let (n, k) = (p.n as usize, p.k as usize);
+        let (j, row0) = (block_y() as usize, block_x() as usize * R);
+        let rows = (n - row0).min(R);
+        let (warp, me) = (warp_id() as usize, thread_x() as usize);
+        // SAFETY: launch contract checked by host/src/moe.rs: x holds rows * k, w n * k, out
+        // rows * n, k a multiple of 8. Shared memory: the per-warp sums, each written by lane 0
+        // of its warp before the barrier; each output written by the one thread owning it.
+        unsafe {
+            let part: *mut f32;
+            core::arch::asm!(
+                "{{ .shared .align 4 .b8 split_part[{n}]; cvta.shared.u64 {p}, split_part; }}",
+                p = out(reg64) part,
+                n = const (WARPS * R * 4),
+                options(nostack),
+            );
+            let x = [p.x.wrapping_add(j * k)];
+            let w = p.w.wrapping_add(row0 * k * 2);
+            let block = (me, SPLIT_BLOCK as usize);
+            let acc =
+                partial_dots::<[u32; 4], R, 1, SPLIT_UNROLL>(w, (k, 2), rows, &x, 1, &[(1.0, 1.0)], k, false, block);
+            for (r, a) in acc.iter().enumerate() {
+                let v = warp_sum(a[0]);
+                if lane_id() == 0 {
+                    st(part, warp * R + r, v);
+                }
+            }
+            sync_threads();
+            if me < rows {
+                let mut sum = 0.0f32;
+                for w in 0..WARPS {
+                    sum += ld(part, w * R + me);
+                }
+                st(p.out, j * n + row0 + me, f32_to_bf16(sum));
             }
         }
     }
@@ -752,7 +819,18 @@ mod kernels {
             let (at, stride) = weight_rows(e as usize, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
             let x = [p.x.wrapping_add(c * k)];
             let w = p.w.wrapping_add(at * 2);
-            let dots = partial_dots::<[u32; 4], R, 1>(w, (stride, 2), rows, &x, 1, &[(1.0, 1.0)], k, false);
+            let warp = (lane_id() as usize, 32);
+            let dots = partial_dots::<[u32; 4], R, 1, EXPERT_UNROLL>(
+                w,
+                (stride, 2),
+                rows,
+                &x,
+                1,
+                &[(1.0, 1.0)],
+                k,
+                false,
+                warp,
+            );
             for (r, d) in dots.iter().enumerate() {
                 let v = bf16_to_f32(f32_to_bf16(warp_sum(d[0])));
                 if lane_id() == 0 {

@@ -27,7 +27,7 @@ use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
 use host::moe::{
-    Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dispatch, experts_mlp,
+    Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dense_split, dispatch, experts_mlp,
     experts_mlp_choices, experts_mlp_gemm, route,
 };
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
@@ -170,6 +170,10 @@ enum Shared {
 /// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
+/// Shortest input of a bf16 linear layer that runs at one row through the split-k dense kernel
+/// ([`dense_split`]) rather than cuBLASLt (which splits such rows in a second launch).
+pub const SPLIT_MIN_K: usize = 3072;
+
 /// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
 /// down projections and the combining in one launch ([`experts_mlp_choices`]).
 pub const CHOICES_MAX_ROWS: usize = 1;
@@ -247,6 +251,9 @@ impl Cuda {
     ) -> Result<()> {
         let g = &self.gpu;
         match &w.w {
+            Weights::Bf16(b) if rows == 1 && w.k >= SPLIT_MIN_K && !relu2 => {
+                Ok(dense_split(g, x, rows, b, (w.n, w.k), y)?)
+            }
             Weights::Bf16(b) => self.gemm_rows(x, rows, &b.as_view(), (w.n, w.k), relu2, y),
             weights => Ok(dense(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
         }

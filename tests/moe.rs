@@ -613,7 +613,7 @@ mod gpu {
         experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap();
         assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
         // Per choice: weights not one per choice, a short down projection, no choices per
-        // token.
+        // token, an intermediate size not a multiple of 8, more choices than block rows.
         let (cidx, cw) = (gpu.zeros::<i32>(rows * k).unwrap(), gpu.zeros::<f32>(rows * k).unwrap());
         let mut y = gpu.zeros::<bf16>(rows * hidden).unwrap();
         let ch = Choices { idx: &cidx, weight: &cw, per: k, experts: e };
@@ -628,6 +628,14 @@ mod gpu {
         let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, &w, &w, (inter, hidden), 0, None, &mut y)
             .unwrap_err();
         assert!(err.to_string().contains("`top_k`"), "{err}");
+        let odd = gpu.zeros::<bf16>(e * (inter - 1) * hidden).unwrap();
+        let err = experts_mlp_choices(&gpu, ch, &x, &odd, &odd, (inter - 1, hidden), 0, None, &mut y).unwrap_err();
+        assert!(err.to_string().contains("`inter`"), "{err}");
+        let many = gpu.zeros::<i32>(65536).unwrap();
+        let (wmany, mut ymany) = (gpu.zeros::<f32>(65536).unwrap(), gpu.zeros::<bf16>(65536 / k * hidden).unwrap());
+        let big = Choices { idx: &many, weight: &wmany, per: k, experts: e };
+        let err = experts_mlp_choices(&gpu, big, &x, &w, &w, (inter, hidden), 0, None, &mut ymany).unwrap_err();
+        assert!(err.to_string().contains("`idx`"), "{err}");
         experts_mlp_choices(&gpu, ch, &x, &w, &w, (inter, hidden), 0, None, &mut y).unwrap();
         let s =
             RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };

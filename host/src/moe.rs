@@ -228,8 +228,8 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
     Ok(())
 }
 
-/// Routing choices as [`route`] writes them: `idx` and `weight` `[rows, per]`, each id below
-/// `experts` (a larger one traps the kernels that use it).
+/// Routing choices as [`route`] writes them: `idx` and `weight` `[rows, per]` (at most 65535
+/// choices), each id below `experts` (a larger one traps the kernels that use it).
 #[derive(Clone, Copy)]
 pub struct Choices<'a> {
     pub idx: &'a CudaSlice<i32>,
@@ -240,10 +240,11 @@ pub struct Choices<'a> {
 }
 
 impl Choices<'_> {
-    /// Checks the shape for `what`; the tokens.
+    /// Checks the shape for `what` (at most 65535 choices: a block row each); the tokens.
     fn rows(&self, what: &'static str) -> Result<usize> {
         let c = Check(what);
         check_choices(c, self.experts, self.per)?;
+        c.count("idx", 65535, self.idx.len())?;
         let rows = self.idx.len() / self.per;
         c.that(
             "idx",
@@ -475,6 +476,7 @@ pub fn experts_mlp_choices(
     let c = Check(k.name());
     let rows = ch.rows(k.name())?;
     c.that("pieces", pieces <= ch.experts, format!("at most the {} experts", ch.experts), pieces)?;
+    c.that("inter", inter.is_multiple_of(8), "a multiple of 8", inter)?;
     c.len("down", ch.experts * hidden * inter, down.len())?;
     c.len("out", rows * hidden, out.len())?;
     if let Some(s) = shared {
@@ -498,9 +500,8 @@ pub fn experts_mlp_choices(
         pieces: pieces as u32,
     };
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
-    // SAFETY: h holds rows * per rows of inter (allocated above, written by the up projection;
-    // the kernel reads a row's last partial chunk element by element), down experts * hidden
-    // * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
+    // SAFETY: h holds rows * per rows of inter (a multiple of 8; allocated above, written by
+    // the up projection), down experts * hidden * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
     // * hidden; ids not below experts trap.
     unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }

@@ -88,35 +88,34 @@ pub fn sync_threads() {
 /// Whether this block is the last of `blocks` to get here (every thread gets the answer), by
 /// the counter `*count` in global memory: zero on entry, zero again when the last block
 /// leaves (it resets it). Everything the block's threads wrote before the call is visible to
-/// the last block's threads after it (gpu-scope fences on both sides). A barrier inside: call
-/// it in uniform flow, with `flag` one word of shared memory.
+/// the last block's threads after it: a barrier, then one thread's release (a gpu-scope fence
+/// and the arrival) and, in the last block, its acquire (a fence) before a second barrier, the
+/// shape of a grid-wide barrier. Barriers inside: call it in uniform flow, with `flag` one word
+/// of shared memory.
 ///
 /// # Safety
 /// `count` must point at a u32 in global memory that only the blocks of this grid update.
 #[inline(always)]
 pub unsafe fn last_block(count: *mut u32, blocks: u32, flag: *mut u32) -> bool {
     use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
-    // SAFETY: no operands; orders this thread's earlier writes before the arrival below.
-    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
     sync_threads();
     if thread_x() == 0 {
-        // SAFETY: count is a live global u32 (caller); flag a shared word.
+        // SAFETY: count is a live global u32 (caller), flag a shared word; the fences have no
+        // operands.
         unsafe {
-            let last = AtomicU32::from_ptr(count).fetch_add(1, Relaxed) == blocks - 1;
+            asm!("fence.acq_rel.gpu;", options(nostack));
+            let counter = AtomicU32::from_ptr(count);
+            let last = counter.fetch_add(1, Relaxed) == blocks - 1;
             if last {
-                *count = 0;
+                counter.store(0, Relaxed);
+                asm!("fence.acq_rel.gpu;", options(nostack));
             }
             *flag = u32::from(last);
         }
     }
     sync_threads();
     // SAFETY: flag was written before the barrier.
-    let last = unsafe { *flag } != 0;
-    if last {
-        // SAFETY: no operands; the other blocks' writes are visible after it.
-        unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
-    }
-    last
+    unsafe { *flag != 0 }
 }
 
 /// Start of the block's dynamic shared memory, as f32 words.

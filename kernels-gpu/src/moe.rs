@@ -467,12 +467,31 @@ mod kernels {
         fn values(self) -> [f32; 8];
     }
 
+    /// Eight bf16 weights that the launch reads once (one row: each weight row streamed by
+    /// one warp or block), loaded past L1 (see [`load8_stream`]). Where rows share weights
+    /// (a dispatch's rows of one expert), `[u32; 4]` keeps them in L1.
+    #[derive(Clone, Copy)]
+    struct Streamed([u32; 4]);
+
+    impl Chunk for Streamed {
+        const ZERO: Self = Streamed([0; 4]);
+        #[inline(always)]
+        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
+            // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
+            Streamed(unsafe { load8_stream(w as *const u16, c, k) })
+        }
+        #[inline(always)]
+        fn values(self) -> [f32; 8] {
+            self.0.values()
+        }
+    }
+
     impl Chunk for [u32; 4] {
         const ZERO: Self = [0; 4];
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-            // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
-            unsafe { load8_stream(w as *const u16, c, k) }
+            // SAFETY: forwarded (w holds k bf16).
+            unsafe { load8_raw(w as *const u16, c, k) }
         }
         #[inline(always)]
         fn values(self) -> [f32; 8] {
@@ -636,7 +655,7 @@ mod kernels {
                 trap();
             }
             if row0 < p.n as usize {
-                warp_rows::<[u32; 4]>(p, e as usize, row0, (a, a + 1), a / p.per as usize, false);
+                warp_rows::<Streamed>(p, e as usize, row0, (a, a + 1), a / p.per as usize, false);
             }
         }
     }
@@ -766,7 +785,7 @@ mod kernels {
             let w = p.w.wrapping_add(row0 * k * 2);
             let block = (me, SPLIT_BLOCK as usize);
             let acc =
-                partial_dots::<[u32; 4], R, 1, SPLIT_UNROLL>(w, (k, 2), rows, &x, 1, &[(1.0, 1.0)], k, false, block);
+                partial_dots::<Streamed, R, 1, SPLIT_UNROLL>(w, (k, 2), rows, &x, 1, &[(1.0, 1.0)], k, false, block);
             for (r, a) in acc.iter().enumerate() {
                 let v = warp_sum(a[0]);
                 if lane_id() == 0 {
@@ -820,7 +839,7 @@ mod kernels {
             let x = [p.x.wrapping_add(c * k)];
             let w = p.w.wrapping_add(at * 2);
             let warp = (lane_id() as usize, 32);
-            let dots = partial_dots::<[u32; 4], R, 1, EXPERT_UNROLL>(
+            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL>(
                 w,
                 (stride, 2),
                 rows,

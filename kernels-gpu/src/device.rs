@@ -17,6 +17,24 @@ unsafe extern "C" {
 // declaration is the only form ptxas accepts for it.
 core::arch::global_asm!(".extern .shared .align 16 .b8 dyn_smem[];");
 
+/// A generic `*mut f32` to a static shared array of the block, `$bytes` bytes (4-byte aligned)
+/// named `$name` (unique in the module): a `.shared` declaration inside an asm block, the form
+/// of static shared memory the NVPTX backend takes. Expands to inline assembly: use it inside
+/// an `unsafe` block (the assembly only declares the array and takes its address).
+macro_rules! static_smem {
+    ($name:literal, $bytes:expr) => {{
+        let p: *mut f32;
+        core::arch::asm!(
+            concat!("{{ .shared .align 4 .b8 ", $name, "[{n}]; cvta.shared.u64 {p}, ", $name, "; }}"),
+            p = out(reg64) p,
+            n = const ($bytes),
+            options(nostack),
+        );
+        p
+    }};
+}
+pub(crate) use static_smem;
+
 /// The first statement of every kernel (programmatic dependent launch, sm_90+): lets the
 /// stream's next kernel start launching its blocks now, then waits until the kernel before
 /// this one has completed and its memory is visible. Kernels are launched with programmatic

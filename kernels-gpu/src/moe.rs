@@ -244,13 +244,7 @@ mod kernels {
         // of 8); shared memory: the static per-warp partial sums and the last-block flag below,
         // the dynamic selection buffers.
         unsafe {
-            let partial: *mut f32;
-            core::arch::asm!(
-                "{{ .shared .align 4 .b8 route_partial[{n}]; cvta.shared.u64 {p}, route_partial; }}",
-                p = out(reg64) partial,
-                n = const (LOGITS_BLOCK / 32 * LOGITS_TOKENS * 4 + 4),
-                options(nostack),
-            );
+            let partial = static_smem!("route_partial", LOGITS_BLOCK / 32 * LOGITS_TOKENS * 4 + 4);
             let x = p.x.wrapping_add(t0 * h);
             let w = p.gate.wrapping_add(ex * h);
             let mut acc = [0.0f32; T];
@@ -774,13 +768,7 @@ mod kernels {
         // rows * n, k a multiple of 8. Shared memory: the per-warp sums, each written by lane 0
         // of its warp before the barrier; each output written by the one thread owning it.
         unsafe {
-            let part: *mut f32;
-            core::arch::asm!(
-                "{{ .shared .align 4 .b8 split_part[{n}]; cvta.shared.u64 {p}, split_part; }}",
-                p = out(reg64) part,
-                n = const (WARPS * R * 4),
-                options(nostack),
-            );
+            let part = static_smem!("split_part", WARPS * R * 4);
             let x = [p.x.wrapping_add(j * k)];
             let w = p.w.wrapping_add(row0 * k * 2);
             let block = (me, SPLIT_BLOCK as usize);
@@ -823,13 +811,7 @@ mod kernels {
         // memory: the products below, each written by lane 0 of its warp before the barrier.
         // Each output element is written by the one thread owning its row.
         unsafe {
-            let y: *mut f32;
-            core::arch::asm!(
-                "{{ .shared .align 4 .b8 combine_y[{n}]; cvta.shared.u64 {p}, combine_y; }}",
-                p = out(reg64) y,
-                n = const (MAX_TOP_K * COMBINE_ROWS * 4),
-                options(nostack),
-            );
+            let y = static_smem!("combine_y", MAX_TOP_K * COMBINE_ROWS * 4);
             let c = t * per + j;
             let e = ld(p.idx, c);
             if e < 0 || e as u32 >= p.experts {

@@ -501,8 +501,8 @@ pub fn experts_mlp_choices(
     };
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
     // SAFETY: h holds rows * per rows of inter (a multiple of 8; allocated above, written by
-    // the up projection), down experts * hidden * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
-    // * hidden; ids not below experts trap.
+    // the up projection), down experts * hidden * inter, idx and weight rows * per (per <=
+    // MAX_TOP_K: a warp each), shared and out rows * hidden; ids not below experts trap.
     unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }
 

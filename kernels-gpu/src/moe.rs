@@ -544,8 +544,8 @@ mod kernels {
     /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
     /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
     /// each row in flight, f32 sums; the sum over the threads (in any fixed order) is the
-    /// product. FP8 (`fp8`): each input chunk
-    /// is first quantized to e4m3 with its token's `(scale, 1 / scale)`.
+    /// product. FP8 (`fp8`): each input chunk is first quantized to e4m3 with its token's
+    /// `(scale, 1 / scale)`.
     ///
     /// # Safety
     /// The rows and inputs must be readable for `k` elements.
@@ -751,7 +751,7 @@ mod kernels {
     /// A bf16 linear layer at one row per block row, the weight rows split along k: for long
     /// rows, where one warp per row needs many round trips. [`ExpertParams`] of a dense launch
     /// (offsets, active, active_count, x_row and idx null; pieces 0). Grid `(ceil(n /
-    /// SPLIT_ROWS), rows)`, block [`SPLIT_BLOCK`]: block `(b, j)` computes outputs `b
+    /// SPLIT_ROWS), rows)`, block [`SPLIT_BLOCK`]: block `(b, j)` computes outputs `b *
     /// SPLIT_ROWS..` of row j, its threads over the chunks of k ([`SPLIT_UNROLL`] in flight per
     /// weight row), each warp's sums through shared memory, added in warp order by one thread
     /// per output.

@@ -52,11 +52,6 @@ impl ConvShape {
     }
 }
 
-/// The device address of an optional input (null when absent).
-fn opt_addr(gpu: &Gpu, k: Kernel, arg: &'static str, b: Option<&CudaSlice<bf16>>) -> Result<*const u16> {
-    b.map_or(Ok(std::ptr::null()), |b| gpu.addr(k, arg, b).map(|a| a as *const u16))
-}
-
 /// Decode step (SPEC.md section 1): for each row, `y = silu(bias + w . [state[slot], x])`,
 /// then the slot's state shifted left with x appended. Pad rows are skipped entirely.
 /// `state` is the whole `[slots, dim, k - 1]` cache; `y` is `[batch, dim]`.
@@ -79,7 +74,7 @@ pub fn conv_update(
     let p = ConvUpdateParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         w: gpu.addr(k, "w", w)? as *const u16,
-        bias: opt_addr(gpu, k, "bias", bias)?,
+        bias: gpu.opt_addr(k, "bias", bias)? as *const u16,
         state: gpu.addr_mut(k, "state", state)? as *mut u16,
         cache_index: gpu.addr(k, "slots", &slots.dev)? as *const i32,
         y: gpu.addr_mut(k, "y", y)? as *mut u16,
@@ -116,7 +111,7 @@ pub fn conv_fwd(
     let p = ConvFwdParams {
         x: gpu.addr(kf, "x", x)? as *const u16,
         w: gpu.addr(kf, "w", w)? as *const u16,
-        bias: opt_addr(gpu, kf, "bias", bias)?,
+        bias: gpu.opt_addr(kf, "bias", bias)? as *const u16,
         state: gpu.addr_mut(kf, "state", state)? as *mut u16,
         cu_seqlens: gpu.addr(kf, "seqs", &seqs.cu_seqlens)? as *const i32,
         cache_index: gpu.addr(kf, "seqs", &seqs.slots)? as *const i32,

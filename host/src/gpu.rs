@@ -347,6 +347,16 @@ impl Gpu {
         Ok(buf.device_ptr(&self.stream).0)
     }
 
+    /// The device address of an optional input buffer of this Gpu; 0 (null) where absent.
+    pub(crate) fn opt_addr<T>(
+        &self,
+        kernel: Kernel,
+        arg: &'static str,
+        buf: Option<&impl DevicePtr<T>>,
+    ) -> Result<u64> {
+        buf.map_or(Ok(0), |b| self.addr(kernel, arg, b))
+    }
+
     /// The device address of an output buffer of this Gpu.
     pub(crate) fn addr_mut<T>(&self, kernel: Kernel, arg: &'static str, buf: &mut impl DevicePtrMut<T>) -> Result<u64> {
         self.check_owner(kernel.name(), arg, buf)?;

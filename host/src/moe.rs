@@ -374,7 +374,7 @@ fn project(
             if let Some(s) = in_scale {
                 c.len("in_scale", experts, s.len())?;
             }
-            let in_addr = in_scale.map_or(Ok(0), |s| gpu.addr(kern, "in_scale", s))?;
+            let in_addr = gpu.opt_addr(kern, "in_scale", in_scale)?;
             (gpu.addr(kern, "w", codes)?, gpu.addr(kern, "w_scale", w_scale)?, in_addr)
         }
     };
@@ -490,7 +490,7 @@ pub fn experts_mlp_choices(
         w: gpu.addr(k, "down", down)? as *const u8,
         idx: gpu.addr(k, "idx", ch.idx)? as *const i32,
         weight: gpu.addr(k, "weight", ch.weight)? as *const f32,
-        shared: shared.map_or(Ok(0), |s| gpu.addr(k, "shared", s))? as *const u16,
+        shared: gpu.opt_addr(k, "shared", shared)? as *const u16,
         out: gpu.addr_mut(k, "out", out)? as *mut u16,
         n: hidden as u32,
         k: inter as u32,
@@ -583,7 +583,7 @@ pub fn combine(
     }
     let p = CombineParams {
         y: gpu.addr(k, "y", y)? as *const u16,
-        shared: shared.map_or(Ok(0), |s| gpu.addr(k, "shared", s))? as *const u16,
+        shared: gpu.opt_addr(k, "shared", shared)? as *const u16,
         slot: gpu.addr(k, "slot", slot)? as *const i32,
         weight: gpu.addr(k, "weight", weight)? as *const f32,
         out: gpu.addr_mut(k, "out", out)? as *mut u16,

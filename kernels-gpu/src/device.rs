@@ -11,6 +11,15 @@ unsafe extern "C" {
     fn shfl_up_f32(mask: u32, v: f32, delta: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.fma.f32"]
+    fn fma_f32(a: f32, b: f32, c: f32) -> f32;
+}
+
+/// `a * b + c` rounded once (one `fma.rn.f32`; Rust does not contract a product and a sum).
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    // SAFETY: a pure arithmetic intrinsic.
+    unsafe { fma_f32(a, b, c) }
 }
 
 // The block's dynamic shared memory (sized by the launch). A module-level `.extern .shared`

@@ -591,7 +591,7 @@ mod kernels {
                             for (acc, wv) in acc.iter_mut().zip(&wv) {
                                 let wf = wv[u].values();
                                 for i in 0..8 {
-                                    acc[t] += wf[i] * xv[i];
+                                    acc[t] = fma(wf[i], xv[i], acc[t]);
                                 }
                             }
                         }

@@ -248,18 +248,24 @@ mod kernels {
             let x = p.x.wrapping_add(t0 * h);
             let w = p.gate.wrapping_add(ex * h);
             let mut acc = [0.0f32; T];
+            // Two chunks of the gate row per pass, both loads issued before either is used
+            // (hidden up to 4096 in one round trip); past hidden they read as zeros.
+            let step = LOGITS_BLOCK as usize * 8;
             let mut c = thread_x() as usize * 8;
             while c < h {
-                let wv = load8_bf16(w, c, h);
+                let wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
                 for (t, acc) in acc.iter_mut().enumerate() {
                     if t < toks {
-                        let xv = load8_bf16(x.wrapping_add(t * h), c, h);
-                        for i in 0..8 {
-                            *acc += wv[i] * xv[i];
+                        let xt = x.wrapping_add(t * h);
+                        for (u, wv) in wv.iter().enumerate() {
+                            let xv = load8_bf16(xt, c + u * step, h);
+                            for i in 0..8 {
+                                *acc += wv[i] * xv[i];
+                            }
                         }
                     }
                 }
-                c += LOGITS_BLOCK as usize * 8;
+                c += 2 * step;
             }
             let warp = warp_id() as usize;
             for (t, &v) in acc.iter().enumerate() {

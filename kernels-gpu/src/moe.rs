@@ -613,7 +613,6 @@ mod kernels {
     /// whether inputs are quantized.
     #[inline(always)]
     unsafe fn expert_rows<W: Chunk>(p: ExpertParams, fp8: bool) {
-        let n = p.n as usize;
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
         // the dispatch kernel over the same entries, all null for a dense launch.
         unsafe {
@@ -631,10 +630,7 @@ mod kernels {
                 let lo = ld(p.offsets, e) as usize;
                 (e, lo, ld(p.offsets, e + 1) as usize - lo)
             };
-            let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
-            if row0 < n {
-                warp_rows::<W>(p, e, row0, (lo, lo + count), usize::MAX, fp8);
-            }
+            warp_rows::<W>(p, e, (lo, lo + count), usize::MAX, fp8);
         }
     }
 
@@ -646,7 +642,6 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
         grid_dependency_wait();
         let a = block_y() as usize;
-        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
         // SAFETY: launch contract checked by host/src/moe.rs: idx holds entries ids (one out
         // of range traps), x entries / per rows, w experts * n * k, out entries * n.
         unsafe {
@@ -654,30 +649,27 @@ mod kernels {
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }
-            if row0 < p.n as usize {
-                warp_rows::<Streamed>(p, e as usize, row0, (a, a + 1), a / p.per as usize, false);
-            }
+            warp_rows::<Streamed>(p, e as usize, (a, a + 1), a / p.per as usize, false);
         }
     }
 
-    /// One warp's share of an expert launch: weight rows `row0..` ([`EXPERT_WARP_ROWS`] at
-    /// most) of expert `e` for rows `lo..hi` of out, each of x row `x_at` (choices) or, where
-    /// that is `usize::MAX`, of `x_row[j]` (a dispatch) or row j itself (dense).
+    /// One warp's share of an expert launch: the warp's weight rows `row0..`
+    /// ([`EXPERT_WARP_ROWS`] at most; block x's rows are the [`EXPERT_BLOCK_ROWS`] from
+    /// `block_x * EXPERT_BLOCK_ROWS`, none past n) of expert `e` for rows `lo..hi` of out, each
+    /// of x row `x_at` (choices) or, where that is `usize::MAX`, of `x_row[j]` (a dispatch) or
+    /// row j itself (dense).
     ///
     /// # Safety
-    /// The launch contract of the calling kernel, `e` a valid expert, `row0 < n`.
+    /// The launch contract of the calling kernel, `e` a valid expert.
     #[inline(always)]
-    unsafe fn warp_rows<W: Chunk>(
-        p: ExpertParams,
-        e: usize,
-        row0: usize,
-        (lo, hi): (usize, usize),
-        x_at: usize,
-        fp8: bool,
-    ) {
+    unsafe fn warp_rows<W: Chunk>(p: ExpertParams, e: usize, (lo, hi): (usize, usize), x_at: usize, fp8: bool) {
         const R: usize = EXPERT_WARP_ROWS as usize;
         const T: usize = EXPERT_TOKENS;
         let (n, k) = (p.n as usize, p.k as usize);
+        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+        if row0 >= n {
+            return;
+        }
         let elem = if fp8 { 1 } else { 2 };
         let lane = lane_id() as usize;
         // SAFETY: k a multiple of 8, w holds experts * n * k weights (and the scales experts

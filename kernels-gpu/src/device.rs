@@ -416,6 +416,16 @@ pub unsafe fn load8_bf16(p: *const u16, c0: usize, len: usize) -> [f32; 8] {
     v
 }
 
+/// The f32 values of a chunk as [`load8_raw`] returns it.
+#[inline(always)]
+pub fn raw8_values(raw: [u32; 4]) -> [f32; 8] {
+    let mut v = [0.0; 8];
+    for i in 0..4 {
+        (v[2 * i], v[2 * i + 1]) = (f32::from_bits(raw[i] << 16), f32::from_bits(raw[i] & 0xffff_0000));
+    }
+    v
+}
+
 /// Elements `c0..c0 + 8` of a bf16 array of `len` as raw pairs (element `2i` in the low half
 /// of word `i`), zero past `len`; converted where used, so a thread can keep many loads in
 /// flight in few registers.

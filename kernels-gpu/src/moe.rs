@@ -495,11 +495,7 @@ mod kernels {
         }
         #[inline(always)]
         fn values(self) -> [f32; 8] {
-            let mut v = [0.0; 8];
-            for i in 0..4 {
-                (v[2 * i], v[2 * i + 1]) = (f32::from_bits(self[i] << 16), f32::from_bits(self[i] & 0xffff_0000));
-            }
-            v
+            raw8_values(self)
         }
     }
 

@@ -10,7 +10,10 @@
 //! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, ...) runs only the cases whose
 //! name contains the filter; `--no-graphs` launches decode steps one operation at a time
 //! instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one decode
-//! step of each batch (`ncu --profile-from-start off`).
+//! step of each batch (`ncu --profile-from-start off`); `--timeline` prints one decode step's
+//! launches, each with when it started and when its wait on the kernel before returned (needs
+//! the PTX built with `NEMO_TIMELINE` set, e.g. `NEMO_TIMELINE=1 cargo bench --bench nano --
+//! "decode batch 1" --timeline`).
 //!
 //! Beside each time: the bytes the step must read at least (every weight it uses once, the
 //! SSM state read and written, for decode at batch > 1 the experts that uniform routing is
@@ -108,7 +111,13 @@ fn main() {
             let parts: Vec<Part> =
                 (0..batch).map(|r| Part { slot: r as i32, computed: 16 + step, tokens: &toks[r] }).collect();
             let t = Instant::now();
-            if step == 5 && flag("--profile") {
+            if step == 5 && flag("--timeline") {
+                b.gpu.timeline().expect("timeline");
+                model.step(&parts).expect("decode");
+                print_timeline(
+                    b.gpu.timeline().expect("timeline").expect("--timeline needs the PTX built with NEMO_TIMELINE"),
+                );
+            } else if step == 5 && flag("--profile") {
                 b.gpu.profile(|| model.step(&parts)).expect("profiler").expect("decode");
             } else {
                 model.step(&parts).expect("decode");
@@ -128,5 +137,37 @@ fn main() {
             floor / bw * 1e3,
             bw / 1e9
         );
+    }
+}
+
+/// One decode step's launches in order (`--timeline`, PTX built with `NEMO_TIMELINE`): when
+/// block 0 of each started, how long before its wait returned, and the span from its wait's
+/// return to the next launch's (its own time, plus any cuBLASLt kernel between them); then the
+/// spans summed by pair of neighbours.
+fn print_timeline(t: host::Timeline) {
+    let Some(first) = t.records.first() else { return };
+    println!("timeline: {} launches recorded, {} kernels captured", t.records.len(), t.kernels.len());
+    let mut totals: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+    for (i, r) in t.records.iter().enumerate() {
+        let name = t.kernels.get(i).copied().unwrap_or("?");
+        let after = t.kernels.get(i + 1).copied().unwrap_or("end");
+        let span = t.records.get(i + 1).map_or(0, |n| n.go_ns.saturating_sub(r.go_ns));
+        println!(
+            "{i:4} {name:28} -> {after:28} grid {:>6}x{:<4} block {:4} start {:9.3} us  early {:7.3} us  span {:7.3} us",
+            r.grid.0,
+            r.grid.1,
+            r.block,
+            (r.start_ns as f64 - first.go_ns as f64) / 1e3,
+            (r.go_ns - r.start_ns) as f64 / 1e3,
+            span as f64 / 1e3
+        );
+        let e = totals.entry(format!("{name} -> {after}")).or_default();
+        e.0 += 1;
+        e.1 += span;
+    }
+    let mut v: Vec<_> = totals.into_iter().collect();
+    v.sort_by_key(|(_, (_, t))| std::cmp::Reverse(*t));
+    for (k, (n, t)) in v {
+        println!("  {k:60} {n:4} x {:7.3} us = {:8.3} us", t as f64 / 1e3 / n as f64, t as f64 / 1e3);
     }
 }

@@ -14,6 +14,7 @@ fn main() {
     for path in ["kernels-gpu/src", "kernels-gpu/Cargo.toml", "Cargo.toml", "host/ptx_build.rs"] {
         println!("cargo:rerun-if-changed={}", workspace.join(path).display());
     }
+    println!("cargo:rerun-if-env-changed=NEMO_TIMELINE");
     let target_dir = workspace.join("target").join("ptx");
     for arch in ptx_build::ARCHES {
         let ptx = ptx_build::build_ptx(&workspace, &target_dir, arch).unwrap_or_else(|e| panic!("{e}"));

@@ -35,6 +35,7 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
         .args(["rustc", "-p", "kernels-gpu", "--lib", "--profile", "ptx"])
         .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
         .arg(&dir)
+        .args(if std::env::var_os("NEMO_TIMELINE").is_some() { &["--features", "timeline"][..] } else { &[] })
         .arg("--")
         .arg(format!("--emit=asm={}", out.display()));
     for var in CLEARED_ENV {

@@ -97,7 +97,28 @@ pub struct Gpu {
     /// Arrival counters of kernels that finish with their last block (zero between kernels;
     /// see [`Gpu::counters`]).
     counters: CudaSlice<u32>,
+    /// The kernels launched during the last capture, in order (see [`Gpu::timeline`]).
+    captured: std::sync::Mutex<Vec<&'static str>>,
     _module: Arc<CudaModule>,
+}
+
+/// What [`Gpu::timeline`] read: one record per launch, in the order their block 0 started.
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    /// Our kernels of the last capture, in launch order (the records' order, where the
+    /// records are of a replay of that capture).
+    pub kernels: Vec<&'static str>,
+    pub records: Vec<Launch>,
+}
+
+/// One launch of a [`Timeline`]: global timer nanoseconds when its block 0 started and when its
+/// wait on the kernel before returned (that kernel's end, give or take its memory flush).
+#[derive(Clone, Copy, Debug)]
+pub struct Launch {
+    pub start_ns: u64,
+    pub go_ns: u64,
+    pub grid: (u32, u32),
+    pub block: u32,
 }
 
 /// Arrival counters [`Gpu::counters`] holds: one per block row of a grid (at most 65535).
@@ -157,6 +178,7 @@ impl Gpu {
             blas: std::sync::OnceLock::new(),
             capturing: AtomicBool::new(false),
             counters,
+            captured: std::sync::Mutex::new(Vec::new()),
             _module: module,
         })
     }
@@ -265,6 +287,43 @@ impl Gpu {
         Ok(out)
     }
 
+    /// The launch records since the last call (then cleared), and the kernels of the last
+    /// capture in order: a decode step's timeline where the PTX was built with
+    /// `NEMO_TIMELINE` set (kernels-gpu's `timeline` feature: block 0 of every launch records
+    /// when it started and when its wait on the kernel before returned); `None` without it.
+    /// cuBLASLt's kernels record nothing: they fall between two records.
+    pub fn timeline(&self) -> Result<Option<Timeline>> {
+        self.ctx.bind_to_thread().during("binding the context")?;
+        let mut n = match self._module.get_global("TIMELINE_N", &self.stream) {
+            Err(DriverError(CUresult::CUDA_ERROR_NOT_FOUND)) => return Ok(None),
+            r => r.during("finding the timeline")?,
+        };
+        let mut count = [0u8; 4];
+        self.stream.memcpy_dtoh(&n, &mut count[..]).during("reading the timeline")?;
+        let mut t = self._module.get_global("TIMELINE", &self.stream).during("finding the timeline")?;
+        let len = (u32::from_le_bytes(count) as usize).min(t.len() / 32);
+        let mut raw = vec![0u64; 4 * len];
+        // SAFETY: the global is an array of u64 (4 per record).
+        let words = unsafe { t.transmute_mut::<u64>(t.len() / 8) }.ok_or(Error::Driver {
+            during: "reading the timeline",
+            source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        })?;
+        self.stream.memcpy_dtoh(&words.slice(..4 * len), &mut raw[..]).during("reading the timeline")?;
+        self.stream.memcpy_htod(&[0u8; 4], &mut n).during("resetting the timeline")?;
+        self.stream.synchronize().during("reading the timeline")?;
+        let records = raw
+            .chunks(4)
+            .map(|c| Launch {
+                start_ns: c[0],
+                go_ns: c[1],
+                grid: (c[2] as u32, (c[2] >> 32) as u32),
+                block: c[3] as u32,
+            })
+            .collect();
+        let kernels = self.captured.lock().map(|k| k.clone()).unwrap_or_default();
+        Ok(Some(Timeline { kernels, records }))
+    }
+
     /// GPU time in milliseconds of the work `f` queues, between two CUDA events on the stream.
     pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -303,6 +362,9 @@ impl Gpu {
                     let _ = self.end();
                 }
             }
+        }
+        if let Ok(mut k) = self.captured.lock() {
+            k.clear();
         }
         let recording = Recording(self);
         let begun = self.stream.begin_capture(mode).during("starting a graph capture");
@@ -378,6 +440,11 @@ impl Gpu {
         params: P,
     ) -> Result<()> {
         let f = &self.functions[kernel as usize];
+        if self.capturing.load(Ordering::Relaxed)
+            && let Ok(mut k) = self.captured.lock()
+        {
+            k.push(kernel.name());
+        }
         Check(kernel.name()).that(
             "shape",
             smem <= self.max_smem[kernel as usize],

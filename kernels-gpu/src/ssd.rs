@@ -168,6 +168,38 @@ mod kernels {
         }
     }
 
+    /// Fills `count` entries of shared memory, the block's threads over them: entry e goes to
+    /// `dst[at]` with `(at, value) = f(e)`.
+    ///
+    /// # Safety
+    /// Every `at` within `dst`; `f` reads only what the caller may read.
+    #[inline(always)]
+    unsafe fn stage(dst: *mut f32, count: usize, f: impl Fn(usize) -> (usize, f32)) {
+        let mut e = thread_x() as usize;
+        while e < count {
+            let (at, v) = f(e);
+            // SAFETY: at within dst (caller).
+            unsafe { st(dst, at, v) };
+            e += SSD_BLOCK as usize;
+        }
+    }
+
+    /// Element `i` of row `j` of a token slice `(start, len)` of a strided bf16 activation
+    /// `(base, stride, first column)`, as f32; zero past `len`.
+    ///
+    /// # Safety
+    /// Rows `start..start + len` readable at those columns.
+    #[inline(always)]
+    unsafe fn token(
+        (a, stride, col): (*const u16, usize, usize),
+        (start, len): (usize, usize),
+        j: usize,
+        i: usize,
+    ) -> f32 {
+        // SAFETY: j < len, so the row is one of the slice's (caller).
+        if j < len { bf16_to_f32(unsafe { ld(a, (start + j) * stride + col + i) }) } else { 0.0 }
+    }
+
     /// Chunk states, [`SsdParams`]. Grid `(nchunks, heads)`, block [`SSD_BLOCK`], dynamic
     /// shared memory `chunk_state_smem_bytes`. Tokens are staged SSD_J_TILE at a time
     /// (`x_j * exp(a_last - a_j) * delta_j` and `B_j`); thread t accumulates outputs
@@ -192,31 +224,14 @@ mod kernels {
             let mut acc = [0.0f32; OUT_STATE];
             let mut j0 = 0;
             while j0 < len {
-                let mut e = t;
-                while e < jt * hd {
-                    let (jj, pi) = (e / hd, e % hd);
-                    let j = j0 + jj;
-                    let v = if j < len {
-                        let w = exp_fast(a_last - ld(p.acum, off + j)) * ld(p.delta, off + j);
-                        bf16_to_f32(ld(p.x, (start + j) * p.x_stride as usize + h * hd + pi)) * w
-                    } else {
-                        0.0
-                    };
-                    st(xw, e, v);
-                    e += blk;
-                }
-                let mut e = t;
-                while e < jt * n {
-                    let (jj, ni) = (e / n, e % n);
-                    let j = j0 + jj;
-                    let v = if j < len {
-                        bf16_to_f32(ld(p.b, (start + j) * p.b_stride as usize + g * n + ni))
-                    } else {
-                        0.0
-                    };
-                    st(bt, e, v);
-                    e += blk;
-                }
+                let x = (p.x, p.x_stride as usize, h * hd);
+                stage(xw, jt * hd, |e| {
+                    let j = j0 + e / hd;
+                    let w = if j < len { exp_fast(a_last - ld(p.acum, off + j)) * ld(p.delta, off + j) } else { 0.0 };
+                    (e, token(x, (start, len), j, e % hd) * w)
+                });
+                let b = (p.b, p.b_stride as usize, g * n);
+                stage(bt, jt * n, |e| (e, token(b, (start, len), j0 + e / n, e % n)));
                 sync_threads();
                 // Outputs outer (their (p, n) found once, in 32-bit arithmetic), staged tokens
                 // inner with a runtime bound: no division in the inner loop.
@@ -323,23 +338,10 @@ mod kernels {
             let big_len = if hd > jt { hd * n } else { jt * n };
             let xs = big.wrapping_add(big_len);
             let cbw = xs.wrapping_add(jt * hd);
-            let mut e = t;
-            while e < it * n {
-                let (ii, ni) = (e / n, e % n);
-                let v = if ii < rows {
-                    bf16_to_f32(ld(p.c, (start + i0 + ii) * p.c_stride as usize + g * n + ni))
-                } else {
-                    0.0
-                };
-                st(cs, e, v);
-                e += blk;
-            }
+            let (x, b) = ((p.x, p.x_stride as usize, h * hd), (p.b, p.b_stride as usize, g * n));
+            stage(cs, it * n, |e| (e, token((p.c, p.c_stride as usize, g * n), (start + i0, rows), e / n, e % n)));
             let sbase = (c * p.heads as usize + h) * hd * n;
-            let mut e = t;
-            while e < hd * n {
-                st(big, (e % n) * hd + e / n, ld(p.states, sbase + e));
-                e += blk;
-            }
+            stage(big, hd * n, |e| ((e % n) * hd + e / n, ld(p.states, sbase + e)));
             sync_threads();
             let mut acc = [0.0f32; OUT_SCAN];
             for (r, a) in acc.iter_mut().enumerate() {
@@ -357,33 +359,10 @@ mod kernels {
             let mut j0 = 0;
             while j0 < i0 + rows {
                 sync_threads();
-                let mut e = t;
-                while e < jt * hd {
-                    let (jj, pi) = (e / hd, e % hd);
-                    let j = j0 + jj;
-                    let v = if j < len {
-                        bf16_to_f32(ld(p.x, (start + j) * p.x_stride as usize + h * hd + pi))
-                    } else {
-                        0.0
-                    };
-                    st(xs, e, v);
-                    e += blk;
-                }
-                let mut e = t;
-                while e < jt * n {
-                    let (jj, ni) = (e / n, e % n);
-                    let j = j0 + jj;
-                    let v = if j < len {
-                        bf16_to_f32(ld(p.b, (start + j) * p.b_stride as usize + g * n + ni))
-                    } else {
-                        0.0
-                    };
-                    st(big, ni * jt + jj, v);
-                    e += blk;
-                }
+                stage(xs, jt * hd, |e| (e, token(x, (start, len), j0 + e / hd, e % hd)));
+                stage(big, jt * n, |e| ((e % n) * jt + e / n, token(b, (start, len), j0 + e / n, e % n)));
                 sync_threads();
-                let mut e = t;
-                while e < it * jt {
+                stage(cbw, it * jt, |e| {
                     let (ii, jj) = (e / jt, e % jt);
                     let (i, j) = (i0 + ii, j0 + jj);
                     let mut w = 0.0f32;
@@ -394,9 +373,8 @@ mod kernels {
                         }
                         w = dot * exp_fast(ld(p.acum, off + i) - ld(p.acum, off + j)) * ld(p.delta, off + j);
                     }
-                    st(cbw, e, w);
-                    e += blk;
-                }
+                    (e, w)
+                });
                 sync_threads();
                 for (r, a) in acc.iter_mut().enumerate() {
                     let o = t + blk * r;

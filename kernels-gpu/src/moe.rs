@@ -545,9 +545,9 @@ mod kernels {
     /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
     /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
     /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
-    /// each row in flight, f32 sums; the sum over the threads (in any fixed order) is the
-    /// product. FP8 (`fp8`): each input chunk is first quantized to e4m3 with its token's
-    /// `(scale, 1 / scale)`.
+    /// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
+    /// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
+    /// quantized to e4m3 with its token's `(scale, 1 / scale)`.
     ///
     /// # Safety
     /// The rows and inputs must be readable for `k` elements.

@@ -293,6 +293,7 @@ impl Gpu {
     /// when it started and when its wait on the kernel before returned); `None` without it.
     /// cuBLASLt's kernels record nothing: they fall between two records.
     pub fn timeline(&self) -> Result<Option<Timeline>> {
+        self.not_capturing("reading the timeline")?;
         self.ctx.bind_to_thread().during("binding the context")?;
         let mut n = match self._module.get_global("TIMELINE_N", &self.stream) {
             Err(DriverError(CUresult::CUDA_ERROR_NOT_FOUND)) => return Ok(None),

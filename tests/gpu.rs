@@ -20,9 +20,9 @@ fn device_zero_opens_or_says_why() {
     }
 }
 
-/// Graph capture: host copies and a nested capture are refused while recording (the capture
-/// returns that error), and a capture whose work panics still ends, so the device takes copies
-/// and records and replays graphs again.
+/// Graph capture: host copies (the timeline's too) and a nested capture are refused while
+/// recording (the capture returns that error), and a capture whose work panics still ends, so
+/// the device takes copies and records and replays graphs again.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_capture_refuses_host_copies_and_ends_after_a_panic() {
@@ -34,6 +34,11 @@ fn gpu_capture_refuses_host_copies_and_ends_after_a_panic() {
     assert!(matches!(err, Error::InCapture(_)), "{err}");
     let err = gpu.capture(|| gpu.capture(|| Ok::<(), Error>(())).map(|_| ())).map(|_| ()).unwrap_err();
     assert!(matches!(err, Error::InCapture(_)), "{err}");
+    // Reading the timeline copies from the device too; outside a capture, a build without
+    // NEMO_TIMELINE has none.
+    let err = gpu.capture(|| gpu.timeline().map(|_| ())).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::InCapture(_)), "{err}");
+    assert!(gpu.timeline().unwrap().is_none(), "a timeline in a build without NEMO_TIMELINE");
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         gpu.capture(|| -> host::Result<()> { panic!("work that panics while it is recorded") })
     }));

@@ -127,9 +127,6 @@ mod kernels {
             let css = smem;
             let rstd = smem.wrapping_add(n as usize);
             let mut u = [[0.0f32; 8]; J];
-            // The weights of this thread's first chunk, raw, loaded with the row (they depend
-            // on no kernel), so that a row of a chunk per thread waits for no load at the end.
-            let mut w0 = [0u32; 4];
             // SAFETY: chunk k < n covers channels < width of rows the launcher checked; css
             // has n slots, rstd `groups`; each thread writes only its own css slots, warp w
             // only rstd of its groups, and the barriers order writes before reads.
@@ -138,9 +135,6 @@ mod kernels {
                     let k = chunk(j);
                     if k < n {
                         let c0 = (k * VEC) as usize;
-                        if j == 0 {
-                            w0 = load8_raw(self.w, c0, width);
-                        }
                         *uj = load8_bf16(self.x, c0, width);
                         if !self.add.is_null() {
                             let a = load8_bf16(self.add, c0, width);
@@ -180,7 +174,7 @@ mod kernels {
                     let k = chunk(j);
                     if k < n {
                         let c0 = (k * VEC) as usize;
-                        let w = if j == 0 { raw8_values(w0) } else { load8_bf16(self.w, c0, width) };
+                        let w = load8_bf16(self.w, c0, width);
                         let r = ld(rstd, c0 / gs as usize);
                         for i in 0..8 {
                             uj[i] = w[i] * (uj[i] * r);

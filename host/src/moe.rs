@@ -507,8 +507,8 @@ pub fn experts_mlp_choices(
 }
 
 /// As [`experts_mlp`] without pieces (every down projection `[hidden, inter]` in its own
-/// place), through cuBLASLt: per expert with rows, its tokens gathered, then two GEMMs. Reads the offsets back (a synchronization): the path for large batches, where tensor
-/// cores pay.
+/// place), through cuBLASLt: per expert with rows, its tokens gathered, then two GEMMs. Reads
+/// the offsets back (a synchronization): the path for large batches, where tensor cores pay.
 #[allow(clippy::too_many_arguments)]
 pub fn experts_mlp_gemm(
     gpu: &Gpu,

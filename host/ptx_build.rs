@@ -21,13 +21,16 @@ const CLEARED_ENV: [&str; 8] = [
     "CARGO_PROFILE_RELEASE_DEBUG",
 ];
 
-/// Builds the PTX of `arch` under `target_dir/<arch>` and returns its path, after checking
-/// that its `.target` line names `arch`.
+/// Builds the PTX of `arch` under `target_dir/<arch>` (`<arch>-timeline` with `NEMO_TIMELINE`
+/// set: kernels-gpu's `timeline` feature) and returns its path, after checking that its
+/// `.target` line names `arch`. Each build has its own directory: cargo finds a build of the
+/// other feature set fresh and would not rewrite the one `--emit` file.
 pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<PathBuf, String> {
     if !ARCHES.contains(&arch) {
         return Err(format!("unsupported arch `{arch}`; supported: {}", ARCHES.join(", ")));
     }
-    let dir = target_dir.join(arch);
+    let timeline = std::env::var_os("NEMO_TIMELINE").is_some();
+    let dir = target_dir.join(if timeline { format!("{arch}-timeline") } else { arch.to_string() });
     let out = dir.join("kernels.ptx");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
@@ -35,7 +38,7 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
         .args(["rustc", "-p", "kernels-gpu", "--lib", "--profile", "ptx"])
         .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
         .arg(&dir)
-        .args(if std::env::var_os("NEMO_TIMELINE").is_some() { &["--features", "timeline"][..] } else { &[] })
+        .args(if timeline { &["--features", "timeline"][..] } else { &[] })
         .arg("--")
         .arg(format!("--emit=asm={}", out.display()));
     for var in CLEARED_ENV {

@@ -29,6 +29,7 @@ fn gpu_attention_matches_reference() {
             (rng.bf16s(rows * qw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0));
         let mut kc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
         let mut vc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
+        let (kc0, vc0) = (kc.clone(), vc.clone());
         let (dq, dk, dv) = (gpu.upload(&q).unwrap(), gpu.upload(&k).unwrap(), gpu.upload(&v).unwrap());
         let (mut dkc, mut dvc) = (gpu.upload(&kc).unwrap(), gpu.upload(&vc).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
@@ -36,7 +37,7 @@ fn gpu_attention_matches_reference() {
         let stale: Vec<u32> = pos.iter().map(|&p| (p + 1) % s.max_len as u32).collect();
         let mut arows = AttnRows::new(&gpu, &slots, &stale, slots_n, s.max_len).unwrap();
         arows.set(&gpu, &slots, &pos).unwrap();
-        attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &arows, &mut out).unwrap();
+        attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
         // Reference: write the new rows, then attend over positions 0..=pos.
         for r in 0..rows {
             let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
@@ -55,6 +56,22 @@ fn gpu_attention_matches_reference() {
         compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-3, 1.0 / 256.0 + 1e-3);
         compared += assert_same(&format!("{label} k cache"), &gpu.download(&dkc).unwrap(), &kc);
         compared += assert_same(&format!("{label} v cache"), &gpu.download(&dvc).unwrap(), &vc);
+        // The same rows as column blocks of one buffer [rows, qw + 2 kw] (a fused q/k/v
+        // projection's output), over the caches as they were: the same output and caches, bit
+        // for bit.
+        let width = qw + 2 * kw;
+        let fused: Vec<bf16> = (0..rows)
+            .flat_map(|r| q[r * qw..][..qw].iter().chain(&k[r * kw..][..kw]).chain(&v[r * kw..][..kw]).copied())
+            .collect();
+        let df = gpu.upload(&fused).unwrap();
+        let (fq, fk, fv) = (df.slice(..), df.slice(qw..), df.slice(qw + kw..));
+        let (mut fkc, mut fvc) = (gpu.upload(&kc0).unwrap(), gpu.upload(&vc0).unwrap());
+        let mut fout = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
+        attention(&gpu, s, (&fq, width), (&fk, &fv, width), &mut fkc, &mut fvc, &arows, &mut fout).unwrap();
+        compared +=
+            assert_same(&format!("{label} strided"), &gpu.download(&fout).unwrap(), &gpu.download(&out).unwrap());
+        compared += assert_same(&format!("{label} strided k cache"), &gpu.download(&fkc).unwrap(), &kc);
+        compared += assert_same(&format!("{label} strided v cache"), &gpu.download(&fvc).unwrap(), &vc);
         fn err<T>(r: host::Result<T>) -> String {
             r.err().map(|e| e.to_string()).unwrap_or_default()
         }
@@ -64,10 +81,16 @@ fn gpu_attention_matches_reference() {
         assert!(err(arows.set(&gpu, &[0], &[3])).contains("`slots`"));
         let other = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len + 1).unwrap();
         let mut out2 = gpu.zeros::<bf16>(rows * qw).unwrap();
-        assert!(err(attention(&gpu, s, &dq, &dk, &dv, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
+        let (q1, kv1) = ((&dq, qw), (&dk, &dv, kw));
+        assert!(err(attention(&gpu, s, q1, kv1, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
         // Heads wider than the kernel's 256 channels.
         let wide = AttnShape { head_dim: 264, ..s };
-        assert!(err(attention(&gpu, wide, &dq, &dk, &dv, &mut dkc, &mut dvc, &arows, &mut out2)).contains("head_dim"));
+        assert!(err(attention(&gpu, wide, q1, kv1, &mut dkc, &mut dvc, &arows, &mut out2)).contains("head_dim"));
+        // Rows overlapping (a stride below the width); strided rows past the buffer's end.
+        let narrow = (&dk, &dv, kw - 1);
+        assert!(err(attention(&gpu, s, q1, narrow, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`kv_stride`"));
+        let (short, wider) = (df.slice(..(rows - 1) * width + qw - 1), (&fk, &fv, width));
+        assert!(err(attention(&gpu, s, (&short, width), wider, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`q`"));
     }
     println!("attention: {compared} values compared");
 }

@@ -8,7 +8,7 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
 
-use crate::check::{Check, MAX_ROWS};
+use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
 
@@ -79,14 +79,15 @@ fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> R
 }
 
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
-/// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`.
+/// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Row r's
+/// query starts at element `r * q_stride` of `q`, its key and value at `r * kv_stride` of `k`
+/// and `v` (the widths for contiguous rows; q, k and v may be column blocks of one buffer).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     s: AttnShape,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
+    (q, q_stride): (&impl DevicePtr<bf16>, usize),
+    (k, v, kv_stride): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>, usize),
     k_cache: &mut CudaSlice<bf16>,
     v_cache: &mut CudaSlice<bf16>,
     rows: &AttnRows,
@@ -101,9 +102,13 @@ pub fn attention(
     c.count("head_dim", MAX_HEAD_DIM as usize, s.head_dim)?;
     c.that("rows", rows.max_len == s.max_len, format!("rows checked against max_len {}", s.max_len), rows.max_len)?;
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    c.len_at_least("q", n * qw, q.len())?;
-    c.len_at_least("k", n * kw, k.len())?;
-    c.len_at_least("v", n * kw, v.len())?;
+    c.that("q_stride", (qw..=MAX_ELEMS).contains(&q_stride), format!("in {qw}..={MAX_ELEMS}"), q_stride)?;
+    c.that("kv_stride", (kw..=MAX_ELEMS).contains(&kv_stride), format!("in {kw}..={MAX_ELEMS}"), kv_stride)?;
+    // The last row ends at (n - 1) * stride + width.
+    let extent = |stride: usize, width: usize| n.saturating_sub(1) * stride + width;
+    c.len_at_least("q", extent(q_stride, qw), q.len())?;
+    c.len_at_least("k", extent(kv_stride, kw), k.len())?;
+    c.len_at_least("v", extent(kv_stride, kw), v.len())?;
     c.len("out", n * qw, out.len())?;
     let per_slot = s.max_len * kw;
     c.len("k_cache", rows.num_slots * per_slot, k_cache.len())?;
@@ -112,6 +117,8 @@ pub fn attention(
         q: gpu.addr(kn, "q", q)? as *const u16,
         k: gpu.addr(kn, "k", k)? as *const u16,
         v: gpu.addr(kn, "v", v)? as *const u16,
+        q_stride: q_stride as u32,
+        kv_stride: kv_stride as u32,
         k_cache: gpu.addr_mut(kn, "k_cache", k_cache)? as *mut u16,
         v_cache: gpu.addr_mut(kn, "v_cache", v_cache)? as *mut u16,
         slot: gpu.addr(kn, "slots", &rows.slot)? as *const i32,

@@ -16,9 +16,12 @@ pub const ATTN_BLOCK: u32 = 128;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams {
+    /// Row r's query at `q + r * q_stride`, its key and value at `k` and `v` `+ r * kv_stride`.
     pub q: *const u16,
     pub k: *const u16,
     pub v: *const u16,
+    pub q_stride: u32,
+    pub kv_stride: u32,
     pub k_cache: *mut u16,
     pub v_cache: *mut u16,
     /// `[rows]` slot of each row.
@@ -57,15 +60,15 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn attn_cache_write_bf16(p: AttnParams) {
         grid_dependency_wait();
         let r = block_x() as usize;
-        let kw = (p.kv_heads * p.head_dim) as usize;
+        let (kw, row) = ((p.kv_heads * p.head_dim) as usize, r * p.kv_stride as usize);
         // SAFETY: launch contract checked by host/src/attn.rs (slots and positions in range,
         // no two rows at the same slot and position).
         unsafe {
             let at = (ld(p.slot, r) as usize * p.max_len as usize + ld(p.pos, r) as usize) * kw;
             let mut c = thread_x() as usize;
             while c < kw {
-                st(p.k_cache, at + c, ld(p.k, r * kw + c));
-                st(p.v_cache, at + c, ld(p.v, r * kw + c));
+                st(p.k_cache, at + c, ld(p.k, row + c));
+                st(p.v_cache, at + c, ld(p.v, row + c));
                 c += ATTN_BLOCK as usize;
             }
         }
@@ -83,7 +86,7 @@ mod kernels {
         let (r, h) = (block_x() as usize, block_y() as usize);
         let t = thread_x() as usize;
         let (d, blk) = (p.head_dim as usize, ATTN_BLOCK as usize);
-        let (qw, kw) = (p.heads as usize * d, p.kv_heads as usize * d);
+        let kw = p.kv_heads as usize * d;
         let kvh = h / (p.heads / p.kv_heads) as usize;
         // SAFETY: launch contract checked by host/src/attn.rs (head_dim <= MAX_HEAD_DIM);
         // shared memory as smem_bytes; barriers separate writes and reads of it.
@@ -93,7 +96,7 @@ mod kernels {
             let scratch = scores.wrapping_add(p.max_len as usize);
             let mut i = t;
             while i < d {
-                st(qs, i, bf16_to_f32(ld(p.q, r * qw + h * d + i)));
+                st(qs, i, bf16_to_f32(ld(p.q, r * p.q_stride as usize + h * d + i)));
                 i += blk;
             }
             sync_threads();
@@ -159,7 +162,7 @@ mod kernels {
                 for w in 0..warps {
                     acc += ld(partial, w * d + i);
                 }
-                st(p.out, r * qw + h * d + i, f32_to_bf16(acc / total));
+                st(p.out, r * p.heads as usize * d + h * d + i, f32_to_bf16(acc / total));
                 i += blk;
             }
         }

@@ -688,8 +688,12 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len };
         let mut y = view_mut(y, rows.attn.len() * c.heads * c.head_dim)?;
+        if k.stride != v.stride {
+            return Err(unsupported("keys and values with different row strides"));
+        }
+        let (qs, kvs) = (q.stride, k.stride);
         let (q, k, v) = (view(&q), view(&k), view(&v));
-        Ok(attention(&self.gpu, shape, &q, &k, &v, cache.0, cache.1, &rows.attn, &mut y)?)
+        Ok(attention(&self.gpu, shape, (&q, qs), (&k, &v, kvs), cache.0, cache.1, &rows.attn, &mut y)?)
     }
 }
 

@@ -12,7 +12,8 @@ use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs, StepRows};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
-use crate::layout::{Layout, Mixer, Mlp};
+use crate::layout::{self, Layout, Linear, Mixer, Mlp};
+use crate::weights::Dtype;
 
 struct MambaW<B: Backend> {
     in_proj: B::Weight,
@@ -28,8 +29,29 @@ struct MambaW<B: Backend> {
 enum MixW<B: Backend> {
     Mamba(Box<MambaW<B>>),
     Moe(MoeWeights<B>),
-    Attention { q: B::Weight, k: B::Weight, v: B::Weight, o: B::Weight },
+    Attention { qkv: Qkv<B>, o: B::Weight },
     Mlp { up: B::Weight, down: B::Weight },
+}
+
+/// An attention layer's q, k and v projections: one weight of their rows in order where all
+/// three are bf16 without bias (one launch instead of three), else apart.
+enum Qkv<B: Backend> {
+    Fused(B::Weight),
+    Apart { q: B::Weight, k: B::Weight, v: B::Weight },
+}
+
+impl<B: Backend> Qkv<B> {
+    fn new(b: &B, a: &layout::Attention) -> Result<Qkv<B>> {
+        let plain = |l: &Linear| l.weight.dtype == Dtype::Bf16 && l.bias.is_none() && l.fp8.is_none();
+        let (q, k, v) = (&a.q, &a.k, &a.v);
+        let hidden = q.weight.shape[1];
+        if [q, k, v].iter().all(|l| plain(l) && l.weight.shape[1] == hidden) {
+            let bytes = [q, k, v].iter().flat_map(|l| l.weight.bytes.iter().copied()).collect::<Vec<u8>>();
+            let shape = [q.weight.shape[0] + k.weight.shape[0] + v.weight.shape[0], hidden];
+            return Ok(Qkv::Fused(b.weight(&Linear::bf16("q_proj + k_proj + v_proj", &shape, &bytes))?));
+        }
+        Ok(Qkv::Apart { q: b.weight(q)?, k: b.weight(k)?, v: b.weight(v)? })
+    }
 }
 
 enum LayerCache<B: Backend> {
@@ -150,12 +172,7 @@ impl<B: Backend> Model<B> {
                         .as_ref()
                         .ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
                     let kv = slots * max_len * c.kv_heads * c.head_dim;
-                    let w = MixW::Attention {
-                        q: b.weight(&a.q)?,
-                        k: b.weight(&a.k)?,
-                        v: b.weight(&a.v)?,
-                        o: b.weight(&a.o)?,
-                    };
+                    let w = MixW::Attention { qkv: Qkv::new(b, a)?, o: b.weight(&a.o)? };
                     (w, LayerCache::Attention { k: b.zeros(kv)?, v: b.zeros(kv)? })
                 }
                 Mixer::Mlp(m) => {
@@ -399,16 +416,31 @@ fn forward<B: Backend>(
                 b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
                 counters.moe_calls += 1;
             }
-            (MixW::Attention { q, k, v, o }, LayerCache::Attention { k: kc, v: vc }) => {
+            (MixW::Attention { qkv, o }, LayerCache::Attention { k: kc, v: vc }) => {
                 let c = config.attention.as_ref().expect("attention layers come with attention settings");
                 let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                let (mut qb, mut kb, mut vb) = (b.scratch(n * qw)?, b.scratch(n * kw)?, b.scratch(n * kw)?);
+                // Each projection's rows and their width: one buffer with q, k and v side by
+                // side (fused), or one each.
                 let xr = In::rows(&x, hidden);
-                b.linear(xr, n, q, Out { buf: &mut qb, offset: 0 })?;
-                b.linear(xr, n, k, Out { buf: &mut kb, offset: 0 })?;
-                b.linear(xr, n, v, Out { buf: &mut vb, offset: 0 })?;
+                let parts: Vec<(&B::Weight, usize)> = match qkv {
+                    Qkv::Fused(w) => vec![(w, qw + 2 * kw)],
+                    Qkv::Apart { q, k, v } => vec![(q, qw), (k, kw), (v, kw)],
+                };
+                let mut proj = Vec::with_capacity(parts.len());
+                for (w, width) in parts {
+                    let mut buf = b.scratch(n * width)?;
+                    b.linear(xr, n, w, Out { buf: &mut buf, offset: 0 })?;
+                    proj.push((buf, width));
+                }
+                let (qr, kr, vr) = match proj.as_slice() {
+                    [(p, width)] => {
+                        let p = In::rows(p, *width);
+                        (p, p.at(0, qw), p.at(0, qw + kw))
+                    }
+                    [(q, _), (k, _), (v, _)] => (In::rows(q, qw), In::rows(k, kw), In::rows(v, kw)),
+                    _ => unreachable!("one fused projection or three"),
+                };
                 let mut att = b.scratch(n * qw)?;
-                let (qr, kr, vr) = (In::rows(&qb, qw), In::rows(&kb, kw), In::rows(&vb, kw));
                 b.attention(c, qr, kr, vr, (kc, vc), max_len, rows, Out { buf: &mut att, offset: 0 })?;
                 b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
                 counters.attention_calls += 1;

@@ -440,6 +440,11 @@ fn block_reduce(warp_total: f32, scratch: *mut f32, op: impl Fn(f32, f32) -> f32
 #[derive(Clone, Copy)]
 struct Bf16x8([u16; 8]);
 
+/// Four words as one 16-byte load (`[u32; 4]` alone is 4-byte aligned: four loads).
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct U32x4([u32; 4]);
+
 /// Eight e4m3 codes as one 8-byte store.
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
@@ -491,7 +496,7 @@ pub unsafe fn load8_raw(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
     // SAFETY: as in load8_bf16.
     unsafe {
         if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
-            *(q as *const [u32; 4])
+            load8_raw_whole(q)
         } else {
             let mut v = [0u32; 4];
             for i in 0..8 {
@@ -504,6 +509,16 @@ pub unsafe fn load8_raw(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
     }
 }
 
+/// `q[0..8]` as [`load8_raw`] returns it, one 16-byte load with no checks.
+///
+/// # Safety
+/// `q[0..8]` must be readable and `q` 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load8_raw_whole(q: *const u16) -> [u32; 4] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { (*(q as *const U32x4)).0 }
+}
+
 /// As [`load8_raw`] for data that stays unchanged while the kernel runs and that this thread
 /// reads once (weights streamed from memory): the whole aligned chunk through the read-only
 /// path, not kept in L1, with L2 fetching 256-byte blocks around it.
@@ -513,22 +528,30 @@ pub unsafe fn load8_raw(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
 #[inline(always)]
 pub unsafe fn load8_stream(p: *const u16, c0: usize, len: usize) -> [u32; 4] {
     let q = p.wrapping_add(c0);
-    if c0 + 8 <= len && (q as usize).is_multiple_of(16) {
-        let (a, b, c, d): (u32, u32, u32, u32);
-        // SAFETY: q[0..8] is within len and 16-byte aligned (checked), read-only (caller).
-        unsafe {
-            asm!(
-                "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{q}];",
-                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-                q = in(reg64) q,
-                options(pure, readonly, nostack),
-            )
-        };
-        [a, b, c, d]
-    } else {
-        // SAFETY: forwarded.
-        unsafe { load8_raw(p, c0, len) }
+    // SAFETY: q[0..8] is within len and 16-byte aligned (checked), read-only (caller), or
+    // forwarded.
+    unsafe {
+        if c0 + 8 <= len && (q as usize).is_multiple_of(16) { load8_stream_whole(q) } else { load8_raw(p, c0, len) }
     }
+}
+
+/// `q[0..8]` as [`load8_stream`] loads a whole chunk, with no checks.
+///
+/// # Safety
+/// As [`load8_raw_whole`]; nothing writes `q[0..8]` while the kernel runs.
+#[inline(always)]
+pub unsafe fn load8_stream_whole(q: *const u16) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        asm!(
+            "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{q}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            q = in(reg64) q,
+            options(pure, readonly, nostack),
+        )
+    };
+    [a, b, c, d]
 }
 
 /// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole

@@ -461,8 +461,13 @@ mod kernels {
     /// A chunk of 8 weights of one row, as loaded: bf16 pairs or e4m3 codes.
     trait Chunk: Copy {
         const ZERO: Self;
+        /// Bytes of a chunk: the alignment [`Chunk::load_whole`] needs.
+        const BYTES: usize;
         /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
+        /// Elements `c..c + 8` of the row at `w`, all within it and aligned to
+        /// [`Chunk::BYTES`]: one load, no checks.
+        unsafe fn load_whole(w: *const u8, c: usize) -> Self;
         /// The weights as f32 (bf16 values, or e4m3 code values).
         fn values(self) -> [f32; 8];
     }
@@ -475,10 +480,16 @@ mod kernels {
 
     impl Chunk for Streamed {
         const ZERO: Self = Streamed([0; 4]);
+        const BYTES: usize = 16;
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
             // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
             Streamed(unsafe { load8_stream(w as *const u16, c, k) })
+        }
+        #[inline(always)]
+        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+            // SAFETY: forwarded (the chunk within the row and aligned, weights unchanged).
+            Streamed(unsafe { load8_stream_whole((w as *const u16).wrapping_add(c)) })
         }
         #[inline(always)]
         fn values(self) -> [f32; 8] {
@@ -488,10 +499,16 @@ mod kernels {
 
     impl Chunk for [u32; 4] {
         const ZERO: Self = [0; 4];
+        const BYTES: usize = 16;
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
             // SAFETY: forwarded (w holds k bf16).
             unsafe { load8_raw(w as *const u16, c, k) }
+        }
+        #[inline(always)]
+        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+            // SAFETY: forwarded (the chunk within the row and aligned).
+            unsafe { load8_raw_whole((w as *const u16).wrapping_add(c)) }
         }
         #[inline(always)]
         fn values(self) -> [f32; 8] {
@@ -501,13 +518,18 @@ mod kernels {
 
     impl Chunk for u64 {
         const ZERO: Self = 0;
+        const BYTES: usize = 8;
+        #[inline(always)]
+        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+            // SAFETY: forwarded (the chunk within the row and 8-byte aligned).
+            unsafe { *(w.wrapping_add(c) as *const u64) }
+        }
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
             // SAFETY: forwarded (w holds k codes); 8-byte loads when whole and aligned.
             unsafe {
-                let q = w.wrapping_add(c);
-                if c + 8 <= k && (q as usize).is_multiple_of(8) {
-                    *(q as *const u64)
+                if c + 8 <= k && (w.wrapping_add(c) as usize).is_multiple_of(8) {
+                    Self::load_whole(w, c)
                 } else {
                     let mut v = 0u64;
                     for i in 0..8 {
@@ -547,7 +569,10 @@ mod kernels {
     /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
     /// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
     /// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
-    /// quantized to e4m3 with its token's `(scale, 1 / scale)`.
+    /// quantized to e4m3 with its token's `(scale, 1 / scale)`. Where the rows and inputs are
+    /// aligned to whole chunks (k is a multiple of 8, so a chunk is wholly within k or wholly
+    /// past it), each chunk is one unchecked load or zero; otherwise the loads check each
+    /// element. Either way the same sums in the same order.
     ///
     /// # Safety
     /// The rows and inputs must be readable for `k` elements.
@@ -567,23 +592,93 @@ mod kernels {
         let step = threads * 8;
         let mut acc = [[0.0f32; T]; R];
         let mut c = me * 8;
-        // SAFETY: loads stay within the rows' and inputs' k elements (caller).
+        let aligned = (w as usize).is_multiple_of(W::BYTES)
+            && (stride * elem).is_multiple_of(W::BYTES)
+            && xs.iter().all(|&x| (x as usize).is_multiple_of(16));
+        let d = Dots { w, stride: stride * elem, rows, xs, toks, scale, k, fp8, step };
+        // SAFETY: unchecked chunk loads only where all is aligned, without a test only where
+        // the pass lies within k (caller: the rows and inputs readable for k elements).
         unsafe {
-            while c < k {
+            if aligned {
+                while c + (U - 1) * step < k {
+                    d.pass::<W, R, U, WHOLE>(c, &mut acc);
+                    c += step * U;
+                }
+                if c < k {
+                    d.pass::<W, R, U, CHUNKS>(c, &mut acc);
+                }
+            } else {
+                while c < k {
+                    d.pass::<W, R, U, ELEMENTS>(c, &mut acc);
+                    c += step * U;
+                }
+            }
+        }
+        acc
+    }
+
+    /// How a pass of [`partial_dots`] loads: every chunk within k, aligned (one load each);
+    /// aligned, a chunk within k or past it (one load or zero); elements checked.
+    const WHOLE: u8 = 0;
+    const CHUNKS: u8 = 1;
+    const ELEMENTS: u8 = 2;
+
+    /// What one pass of [`partial_dots`] reads (`stride` in bytes).
+    struct Dots<'a, const T: usize> {
+        w: *const u8,
+        stride: usize,
+        rows: usize,
+        xs: &'a [*const u16; T],
+        toks: usize,
+        scale: &'a [(f32, f32); T],
+        k: usize,
+        fp8: bool,
+        step: usize,
+    }
+
+    impl<const T: usize> Dots<'_, T> {
+        /// Chunks `c, c + step, .. c + (U - 1) * step` of every row, each against its
+        /// tokens' input chunk, added into `acc` in the order (token, chunk, row), chunks
+        /// past k as zeros, loaded as `MODE` ([`WHOLE`], [`CHUNKS`] or [`ELEMENTS`]) says.
+        ///
+        /// # Safety
+        /// As [`partial_dots`]; `MODE` only as its constant says.
+        #[inline(always)]
+        unsafe fn pass<W: Chunk, const R: usize, const U: usize, const MODE: u8>(
+            &self,
+            c: usize,
+            acc: &mut [[f32; T]; R],
+        ) {
+            let (k, step) = (self.k, self.step);
+            // SAFETY: forwarded from the caller.
+            unsafe {
                 let mut wv = [[W::ZERO; U]; R];
                 for (r, wv) in wv.iter_mut().enumerate() {
-                    if r < rows {
+                    if r < self.rows {
+                        let row = self.w.wrapping_add(r * self.stride);
                         for (u, v) in wv.iter_mut().enumerate() {
-                            *v = W::load(w.wrapping_add(r * stride * elem), c + u * step, k);
+                            let at = c + u * step;
+                            *v = match MODE {
+                                WHOLE => W::load_whole(row, at),
+                                CHUNKS if (at as u32) < k as u32 => W::load_whole(row, at),
+                                CHUNKS => W::ZERO,
+                                _ => W::load(row, at, k),
+                            };
                         }
                     }
                 }
-                for (t, &x) in xs.iter().enumerate() {
-                    if t < toks {
+                for (t, &x) in self.xs.iter().enumerate() {
+                    if t < self.toks {
                         for u in 0..U {
-                            let mut xv = load8_bf16(x, c + u * step, k);
-                            if fp8 {
-                                let (s, inv) = scale[t];
+                            let at = c + u * step;
+                            let mut xv = match MODE {
+                                WHOLE => raw8_values(load8_raw_whole(x.wrapping_add(at))),
+                                CHUNKS if (at as u32) < k as u32 => raw8_values(load8_raw_whole(x.wrapping_add(at))),
+                                CHUNKS => [0.0; 8],
+                                _ => load8_bf16(x, at, k),
+                            };
+                            if self.fp8 {
+                                let (s, inv) = self.scale[t];
                                 for i in 0..4 {
                                     let q =
                                         f32x2_to_e4m3(div_rn_by(xv[2 * i + 1], s, inv), div_rn_by(xv[2 * i], s, inv));
@@ -599,10 +694,8 @@ mod kernels {
                         }
                     }
                 }
-                c += step * U;
             }
         }
-        acc
     }
 
     /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`

@@ -238,9 +238,10 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 
 impl Cuda {
     /// `y = f(x W^T)` for `rows` contiguous rows of `x`, `f` relu^2 (in bf16) when `relu2`:
-    /// bf16 weights through cuBLASLt at every batch (at one row too: `cargo bench --bench
-    /// gemv` has it no slower than the expert kernel's dense path), FP8 weights through the
-    /// latter.
+    /// bf16 weights at one row through the split kernel (long rows) or the expert kernel's
+    /// dense path (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and
+    /// chained to the launches around them), at more rows through cuBLASLt; FP8 weights
+    /// through the dense path.
     fn linear_rows(
         &self,
         x: &CudaView<bf16>,
@@ -254,7 +255,7 @@ impl Cuda {
             Weights::Bf16(b) if rows == 1 && w.k >= SPLIT_MIN_K && !relu2 => {
                 Ok(dense_split(g, x, rows, b, (w.n, w.k), y)?)
             }
-            Weights::Bf16(b) => self.gemm_rows(x, rows, &b.as_view(), (w.n, w.k), relu2, y),
+            Weights::Bf16(b) if rows != 1 => self.gemm_rows(x, rows, &b.as_view(), (w.n, w.k), relu2, y),
             weights => Ok(dense(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
         }
     }

@@ -50,3 +50,25 @@ fn gpu_capture_refuses_host_copies_and_ends_after_a_panic() {
     let n = nemotron_rs::assert_same("replayed copy", &gpu.download(&dst).unwrap(), &values);
     println!("capture: {n} values compared after a refused copy, a refused nested capture and a panic");
 }
+
+/// `download_with`: the values uploaded, through its page-locked buffer as it grows (a larger
+/// copy after a small one, then a small one again, of another type), refused while recording.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_download_with_reads_what_was_uploaded() {
+    let gpu = nemotron_rs::gpu();
+    let mut rng = nemotron_rs::Rng::new(12);
+    let small: Vec<f32> = (0..4099).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+    let large = rng.bf16s(300_001, -2.0, 2.0);
+    let (ds, dl) = (gpu.upload(&small).unwrap(), gpu.upload(&large).unwrap());
+    let mut n = 0;
+    for _ in 0..2 {
+        n += nemotron_rs::assert_same("small", &gpu.download_with(&ds, |v| v.to_vec()).unwrap(), &small);
+        let bits = |v: &[half::bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        n += nemotron_rs::assert_same("large", &gpu.download_with(&dl, bits).unwrap(), &bits(&large));
+    }
+    let err = gpu.capture(|| gpu.download_with(&ds, |_| ())).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::InCapture(_)), "{err}");
+    assert_eq!(n, 2 * (small.len() + large.len()));
+    println!("download_with: {n} values compared");
+}

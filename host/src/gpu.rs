@@ -8,7 +8,7 @@ use cudarc::cublaslt::CudaBlasLT;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DeviceSlice, DriverError, ValidAsZeroBits,
+    DeviceSlice, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use kernels_gpu::{Kernel, KernelParams};
@@ -99,6 +99,8 @@ pub struct Gpu {
     counters: CudaSlice<u32>,
     /// The kernels launched during the last capture, in order (see [`Gpu::timeline`]).
     captured: std::sync::Mutex<Vec<&'static str>>,
+    /// Page-locked host memory for [`Gpu::download_with`], grown to the largest copy.
+    staging: std::sync::Mutex<Option<PinnedHostSlice<u8>>>,
     _module: Arc<CudaModule>,
 }
 
@@ -179,6 +181,7 @@ impl Gpu {
             capturing: AtomicBool::new(false),
             counters,
             captured: std::sync::Mutex::new(Vec::new()),
+            staging: std::sync::Mutex::new(None),
             _module: module,
         })
     }
@@ -253,6 +256,36 @@ impl Gpu {
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, buf: &S) -> Result<Vec<T>> {
         self.not_capturing("a copy from the device")?;
         self.stream.clone_dtoh(buf).during("copying from the device")
+    }
+
+    /// Copies a device buffer to the host and hands it to `f` (waits for the stream): through
+    /// page-locked memory this Gpu keeps (grown to the largest copy), so the copy runs at the
+    /// bus's rate and `f` reads it in place, with no second copy into pageable memory.
+    pub fn download_with<T: bytemuck::Pod, R>(&self, buf: &CudaSlice<T>, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+        self.not_capturing("a copy from the device")?;
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        // A panic elsewhere while it was held leaves the buffer as good as before.
+        let mut staging = self.staging.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let host = match staging.take() {
+            Some(s) if s.len() >= bytes => staging.insert(s),
+            old => {
+                // The old buffer goes first (its drop waits for its last copy).
+                drop(old);
+                // SAFETY: its contents are unset; f reads only the bytes the copy below writes.
+                let s = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) };
+                staging.insert(s.during("allocating page-locked memory")?)
+            }
+        };
+        // SAFETY: T is plain data (Pod); the view covers exactly buf's bytes.
+        let src = unsafe { buf.transmute::<u8>(bytes) }.ok_or(Error::Driver {
+            during: "copying from the device",
+            source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        })?;
+        // The copy's length is the destination's: exactly buf's bytes of the staging buffer.
+        let data = &mut host.as_mut_slice().during("reading page-locked memory")?[..bytes];
+        self.stream.memcpy_dtoh(&src, data).during("copying from the device")?;
+        self.stream.synchronize().during("waiting for the stream")?;
+        Ok(f(bytemuck::cast_slice(data)))
     }
 
     /// A new zeroed device buffer of `len` elements.

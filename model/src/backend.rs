@@ -110,7 +110,8 @@ pub trait Backend: Sized {
     /// A buffer of `n` elements whose values are unspecified until written: for activations
     /// a step writes entirely before it reads them.
     fn scratch(&self, n: usize) -> Result<Self::Buf>;
-    fn download(&self, b: &Self::Buf) -> Result<Vec<bf16>>;
+    /// The buffer's rows of `width` values (its length a multiple of it), as f32.
+    fn download_rows(&self, b: &Self::Buf, width: usize) -> Result<Vec<Vec<f32>>>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
     /// Uploads the routed experts of a MoE layer (all of one shape) and its shared expert.
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<Self::Experts>;
@@ -249,4 +250,9 @@ pub trait Backend: Sized {
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
+}
+
+/// `v`'s rows of `width` values as f32 ([`Backend::download_rows`]).
+pub(crate) fn rows_f32(v: &[bf16], width: usize) -> Vec<Vec<f32>> {
+    v.chunks_exact(width.max(1)).map(|r| r.iter().map(|x| x.to_f32()).collect()).collect()
 }

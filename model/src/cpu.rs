@@ -8,7 +8,7 @@ use host::cpu::moe::{Routing, route};
 use host::cpu::ssm::SsmRef;
 use host::cpu::{attn, gemm, norm};
 
-use crate::backend::{Backend, In, MoeWeights, Out, StepRows};
+use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
@@ -161,8 +161,8 @@ impl Backend for Cpu {
     fn scratch(&self, n: usize) -> Result<Vec<bf16>> {
         self.zeros(n)
     }
-    fn download(&self, b: &Vec<bf16>) -> Result<Vec<bf16>> {
-        Ok(b.clone())
+    fn download_rows(&self, b: &Vec<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
+        Ok(rows_f32(b, width))
     }
 
     fn weight(&self, l: &Linear) -> Result<CpuWeight> {

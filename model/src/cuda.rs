@@ -35,7 +35,7 @@ use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{CudaSlice, CudaView, CudaViewMut, Gpu, Graph};
 
-use crate::backend::{Backend, In, MoeWeights, Out, StepRows};
+use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
@@ -377,8 +377,8 @@ impl Backend for Cuda {
         // and traps on an empty pick). The model writes these buffers before reading them.
         Ok(unsafe { self.gpu.uninit(n.max(1)) }?)
     }
-    fn download(&self, b: &CudaSlice<bf16>) -> Result<Vec<bf16>> {
-        Ok(self.gpu.download(b)?)
+    fn download_rows(&self, b: &CudaSlice<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
+        Ok(self.gpu.download_with(b, |v| rows_f32(v, width))?)
     }
 
     fn weight(&self, l: &Linear) -> Result<CudaWeight> {

@@ -224,7 +224,7 @@ impl<B: Backend> Model<B> {
         let logits = if let Some(r) = recorded.get_mut(&nd).filter(|_| seqs.is_empty()) {
             b.set_rows(&mut r.rows, &rows)?;
             b.replay(&r.graph)?;
-            let out = b.download(&r.logits)?;
+            let out = b.download_rows(&r.logits, vocab)?;
             *counters = r.counters;
             out
         } else {
@@ -233,7 +233,7 @@ impl<B: Backend> Model<B> {
             let mut run = || forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits);
             if !seqs.is_empty() {
                 let ran = run()?;
-                let out = b.download(&logits)?;
+                let out = b.download_rows(&logits, vocab)?;
                 *counters = ran;
                 out
             } else {
@@ -241,11 +241,11 @@ impl<B: Backend> Model<B> {
                 let out = match b.record(nd, &mut || run().map(|c| ran = c))? {
                     Some(graph) => {
                         b.replay(&graph)?;
-                        let out = b.download(&logits)?;
+                        let out = b.download_rows(&logits, vocab)?;
                         recorded.insert(nd, Recorded { graph, rows: step_rows, logits, counters: ran });
                         out
                     }
-                    None => b.download(&logits)?,
+                    None => b.download_rows(&logits, vocab)?,
                 };
                 *counters = ran;
                 out
@@ -259,8 +259,8 @@ impl<B: Backend> Model<B> {
             self.past[s as usize] = if i { self.past[s as usize] } else { 0 } + l;
         }
         let mut by_part = vec![Vec::new(); parts.len()];
-        for (j, &part) in plan.order.iter().enumerate() {
-            by_part[part] = logits[j * vocab..(j + 1) * vocab].iter().map(|v| v.to_f32()).collect();
+        for (row, &part) in logits.into_iter().zip(&plan.order) {
+            by_part[part] = row;
         }
         Ok(by_part)
     }

@@ -264,7 +264,7 @@ fn check_moe_layer(c: &MoeConfig, hidden: usize, batches: &[usize]) -> usize {
         let mut y = cuda.upload(&vec![bf16::NAN; rows * hidden]).unwrap();
         let dx = cuda.upload(&x).unwrap();
         cuda.moe(c, In::rows(&dx, hidden), rows, &wg, Out { buf: &mut y, offset: 0 }).unwrap();
-        let got = cuda.download(&y).unwrap();
+        let got = cuda.gpu().download(&y).unwrap();
         let checked: Vec<usize> =
             if rows <= 64 { (0..rows).collect() } else { (0..64).map(|i| (i * rows / 64 + i % 7) % rows).collect() };
         let xs: Vec<bf16> = checked.iter().flat_map(|&r| x[r * hidden..][..hidden].to_vec()).collect();

@@ -132,7 +132,7 @@ mod gpu {
     use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::moe::{
         Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dense_split, dispatch, experts, experts_mlp,
-        experts_mlp_choices, experts_mlp_gemm, route as gpu_route,
+        experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -254,6 +254,100 @@ mod gpu {
             }
         }
         println!("routing: {compared} values compared");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_route_appended_up_equals_apart() {
+        let gpu = gpu();
+        let mut rng = Rng::new(94);
+        let (mut compared, mut expected) = (0, 0);
+        // (experts, top_k, pieces, inter, hidden): Nano's expert shape (16 of its 128 experts,
+        // top-6, the shared expert as two pieces); rows not a multiple of the routing's 16 per
+        // block, one piece.
+        for (e, top_k, pieces, inter, hidden) in [(16, 6, 2, 1856, 2688), (8, 2, 1, 40, 64)] {
+            let s = RouteShape {
+                experts: e,
+                top_k,
+                n_group: 1,
+                topk_group: 1,
+                renormalize: true,
+                scaling: 2.5,
+                shared: pieces,
+            };
+            let all = e + pieces;
+            let x = gpu.upload(&rng.bf16s(hidden, -1.0, 1.0)).unwrap();
+            let gate = gpu.upload(&rng.bf16s(e * hidden, -0.05, 0.05)).unwrap();
+            let bias = gpu.upload(&(0..e).map(|_| rng.uniform(-0.1, 0.1) as f32).collect::<Vec<_>>()).unwrap();
+            let up = gpu.upload(&rng.bf16s(all * inter * hidden, -0.05, 0.05)).unwrap();
+            let down = gpu.upload(&rng.bf16s(all * hidden * inter, -0.05, 0.05)).unwrap();
+            let shared = gpu.upload(&rng.bf16s(hidden, -1.0, 1.0)).unwrap();
+            let per = s.choices();
+            expected += 2 * per + hidden;
+            let choice_bufs = || (gpu.zeros::<i32>(per).unwrap(), gpu.zeros::<f32>(per).unwrap());
+            // Apart: the routing, then every choice's MLP.
+            let ((mut idx, mut wt), mut out) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
+            gpu_route(&gpu, s, &x, hidden, &gate, &bias, &mut idx, &mut wt).unwrap();
+            let ch = Choices { idx: &idx, weight: &wt, per, experts: all };
+            experts_mlp_choices(&gpu, ch, &x, &up, &down, (inter, hidden), pieces, Some(&shared), &mut out).unwrap();
+            // The pieces' up projections in the routing's launch.
+            let ((mut idx2, mut wt2), mut out2) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
+            let mut h = gpu.upload(&vec![POISON_BF16; per * inter]).unwrap();
+            let (router, choices) = ((&gate, &bias), (&mut idx2, &mut wt2));
+            route_appended_up(&gpu, s, &x, hidden, router, choices, (&up, inter), &mut h).unwrap();
+            let ch2 = Choices { idx: &idx2, weight: &wt2, per, experts: all };
+            let dims = (inter, hidden);
+            experts_mlp_choices_after(
+                &gpu,
+                ch2,
+                &x,
+                (&up, &down),
+                dims,
+                (pieces, Some(&shared)),
+                (&mut h, pieces),
+                &mut out2,
+            )
+            .unwrap();
+            let label = format!("experts {e} top-{top_k} pieces {pieces} {inter}x{hidden}");
+            compared +=
+                assert_same(&format!("{label} idx"), &gpu.download(&idx2).unwrap(), &gpu.download(&idx).unwrap());
+            let bits = |v: Vec<f32>| v.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+            compared += assert_same(
+                &format!("{label} weights"),
+                &bits(gpu.download(&wt2).unwrap()),
+                &bits(gpu.download(&wt).unwrap()),
+            );
+            let bits16 = |v: Vec<bf16>| v.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+            compared += assert_same(
+                &format!("{label} out"),
+                &bits16(gpu.download(&out2).unwrap()),
+                &bits16(gpu.download(&out).unwrap()),
+            );
+            // Misuse: more than one token; h of another length; more appended rows than pieces.
+            let (mut i2, mut w2) = (gpu.zeros::<i32>(2 * per).unwrap(), gpu.zeros::<f32>(2 * per).unwrap());
+            let two = gpu.upload(&rng.bf16s(2 * hidden, -1.0, 1.0)).unwrap();
+            let err =
+                route_appended_up(&gpu, s, &two, hidden, router, (&mut i2, &mut w2), (&up, inter), &mut h).unwrap_err();
+            assert!(err.to_string().contains("`rows`"), "{err}");
+            let mut short = gpu.zeros::<bf16>(per * inter - 1).unwrap();
+            let err = route_appended_up(&gpu, s, &x, hidden, router, (&mut idx2, &mut wt2), (&up, inter), &mut short)
+                .unwrap_err();
+            assert!(err.to_string().contains("`h`"), "{err}");
+            let err = experts_mlp_choices_after(
+                &gpu,
+                ch,
+                &x,
+                (&up, &down),
+                dims,
+                (pieces, None),
+                (&mut h, pieces + 1),
+                &mut out2,
+            )
+            .unwrap_err();
+            assert!(err.to_string().contains("`appended`"), "{err}");
+        }
+        println!("route with the pieces' up projections: {compared} values compared");
+        assert_eq!(compared, expected);
     }
 
     #[test]

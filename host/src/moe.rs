@@ -5,8 +5,8 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::moe::{
     COMBINE_ROWS, CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS,
-    ExpertCombineParams, ExpertParams, LOGITS_BLOCK, LOGITS_TOKENS, ROUTE_SMEM_BYTES, RouteParams, SPLIT_BLOCK,
-    SPLIT_ROWS,
+    ExpertCombineParams, ExpertParams, LOGITS_BLOCK, LOGITS_TOKENS, ROUTE_SMEM_BYTES, ROUTE_UP_ROWS, RouteParams,
+    SPLIT_BLOCK, SPLIT_ROWS,
 };
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
@@ -56,6 +56,39 @@ pub fn route(
     idx: &mut CudaSlice<i32>,
     weight: &mut CudaSlice<f32>,
 ) -> Result<()> {
+    launch_route(gpu, s, x, hidden, (gate, bias), (idx, weight), None)
+}
+
+/// [`route`] of one token whose routing appends the shared expert's pieces (`s.shared > 0`),
+/// with the pieces' up projections in the same launch (they need no routing): rows `top_k..`
+/// of `h [s.choices(), inter]` get `relu(bf16(x W^T))^2` of piece j's rows of `up [experts +
+/// shared, inter, hidden]` (the pieces after the routed experts, as [`experts_mlp_choices`]
+/// takes them), bit for bit as [`experts_mlp_choices`] computes them; the routed choices' rows
+/// are left to [`experts_mlp_choices_after`].
+#[allow(clippy::too_many_arguments)]
+pub fn route_appended_up(
+    gpu: &Gpu,
+    s: RouteShape,
+    x: &impl DevicePtr<bf16>,
+    hidden: usize,
+    (gate, bias): (&CudaSlice<bf16>, &CudaSlice<f32>),
+    (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    (up, inter): (&CudaSlice<bf16>, usize),
+    h: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    launch_route(gpu, s, x, hidden, (gate, bias), (idx, weight), Some((up, inter, h)))
+}
+
+/// [`route`], and with `appended` the pieces' up projections of [`route_appended_up`].
+fn launch_route(
+    gpu: &Gpu,
+    s: RouteShape,
+    x: &impl DevicePtr<bf16>,
+    hidden: usize,
+    (gate, bias): (&CudaSlice<bf16>, &CudaSlice<f32>),
+    (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    appended: Option<(&CudaSlice<bf16>, usize, &mut CudaSlice<bf16>)>,
+) -> Result<()> {
     let k = Kernel::MoeRoute;
     let c = Check(k.name());
     check_choices(c, s.experts, s.top_k)?;
@@ -99,10 +132,28 @@ pub fn route(
         renormalize: u32::from(s.renormalize),
         scaling: s.scaling,
         shared: s.shared as u32,
+        up: core::ptr::null(),
+        h: core::ptr::null_mut(),
+        inter: 0,
     };
+    let (p, extra) = match appended {
+        None => (p, 0),
+        Some((up, inter, h)) => {
+            c.that("rows", rows == 1, "one token (the pieces' up projections in the routing)", rows)?;
+            c.count("shared", MAX_TOP_K as usize, s.shared)?;
+            c.count("inter", MAX_ELEMS, inter)?;
+            c.len("up", (s.experts + s.shared) * inter * hidden, up.len())?;
+            c.len("h", s.choices() * inter, h.len())?;
+            let up = gpu.addr(k, "up", up)? as *const u16;
+            let h = gpu.addr_mut(k, "h", h)? as *mut u16;
+            (RouteParams { up, h, inter: inter as u32, ..p }, s.shared * inter.div_ceil(ROUTE_UP_ROWS as usize))
+        }
+    };
+    c.count("blocks", u32::MAX as usize, s.experts + extra)?;
     // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
-    // counter per tile); the group settings can always fill top_k; outputs are `&mut`.
-    unsafe { gpu.launch(k, (s.experts as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
+    // counter per tile; with the pieces' up projections, one token, up and h of their
+    // shapes); the group settings can always fill top_k; outputs are `&mut`.
+    unsafe { gpu.launch(k, ((s.experts + extra) as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
 }
 
 /// Routing choices grouped by expert, on the device (written by [`dispatch`]): expert `e`'s
@@ -266,7 +317,8 @@ enum Rows<'a> {
         by_token: bool,
         pieces: usize,
     },
-    Choices(Choices<'a>),
+    /// Every choice, or (one token) only its first `usize`: the rest computed elsewhere.
+    Choices(Choices<'a>, usize),
     Dense(usize),
     /// Dense, each weight row split along k over a block (bf16).
     DenseSplit(usize),
@@ -334,9 +386,9 @@ fn project(
     relu2: bool,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let bf16_only = matches!(rows, Rows::Choices(_) | Rows::DenseSplit(_));
+    let bf16_only = matches!(rows, Rows::Choices(..) | Rows::DenseSplit(_));
     let kern = match (w, rows) {
-        (ExpertWeights::Bf16(_), Rows::Choices(_)) => Kernel::MoeExpertChoices,
+        (ExpertWeights::Bf16(_), Rows::Choices(..)) => Kernel::MoeExpertChoices,
         (ExpertWeights::Bf16(_), Rows::DenseSplit(_)) => Kernel::MoeDenseSplit,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
@@ -350,7 +402,12 @@ fn project(
             // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
             (d.experts, d.entries(), if by_token { d.entries() / d.top_k } else { d.entries() })
         }
-        Rows::Choices(ch) => (ch.experts, ch.idx.len(), ch.rows(kern.name())?),
+        Rows::Choices(ch, launched) => {
+            let tokens = ch.rows(kern.name())?;
+            let all = ch.idx.len();
+            c.that("choices", launched == all || (tokens == 1 && launched <= all), "all, or of one token", launched)?;
+            (ch.experts, all, tokens)
+        }
         Rows::Dense(r) => {
             c.count("rows", MAX_ENTRIES - 1, r)?;
             (1, r, r)
@@ -382,7 +439,7 @@ fn project(
     c.len_at_least("x", x_rows * k, x.len())?;
     let null = core::ptr::null();
     let (idx, per) = match rows {
-        Rows::Choices(ch) => (gpu.addr(kern, "idx", ch.idx)? as *const i32, ch.per),
+        Rows::Choices(ch, _) => (gpu.addr(kern, "idx", ch.idx)? as *const i32, ch.per),
         _ => (core::ptr::null(), 1),
     };
     let (x_row, offsets, active, active_count, slots, pieces) = match rows {
@@ -394,7 +451,7 @@ fn project(
             d.experts.min(d.entries()) as u32,
             pieces,
         ),
-        Rows::Choices(_) => (null, null, null, null, entries as u32, 0),
+        Rows::Choices(_, launched) => (null, null, null, null, launched as u32, 0),
         Rows::Dense(_) => (null, null, null, null, 1, 0),
         Rows::DenseSplit(r) => (null, null, null, null, r as u32, 0),
     };
@@ -472,21 +529,61 @@ pub fn experts_mlp_choices(
     shared: Option<&CudaSlice<bf16>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    // SAFETY: the up projection writes every choice's row before the down projection reads it.
+    let mut h = unsafe { gpu.uninit::<bf16>(ch.idx.len() * inter) }?;
+    let all = ch.idx.len();
+    choices_mlp(gpu, ch, x, (up, down), (inter, hidden), (pieces, shared), (&mut h, all), out)
+}
+
+/// [`experts_mlp_choices`] of one token after [`route_appended_up`]: `h [choices, inter]` holds
+/// the appended pieces' up projections (its last `appended` rows); the routed choices' up
+/// projections go into its first rows, then the down projections and the combining as there.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_mlp_choices_after(
+    gpu: &Gpu,
+    ch: Choices,
+    x: &impl DevicePtr<bf16>,
+    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    (inter, hidden): (usize, usize),
+    (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
+    (h, appended): (&mut CudaSlice<bf16>, usize),
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let c = Check(Kernel::MoeExpertChoices.name());
+    c.count("appended", ch.per.min(pieces), appended)?;
+    let launched = ch.per - appended;
+    choices_mlp(gpu, ch, x, (up, down), (inter, hidden), (pieces, shared), (h, launched), out)
+}
+
+/// The up projections of the first `launched` choices into `h` (all of them, or of one token,
+/// the others already there), then the down projections and the combining.
+#[allow(clippy::too_many_arguments)]
+fn choices_mlp(
+    gpu: &Gpu,
+    ch: Choices,
+    x: &impl DevicePtr<bf16>,
+    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    (inter, hidden): (usize, usize),
+    (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
+    (h, launched): (&mut CudaSlice<bf16>, usize),
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
     let k = Kernel::MoeExpertCombine;
     let c = Check(k.name());
     let rows = ch.rows(k.name())?;
     c.that("pieces", pieces <= ch.experts, format!("at most the {} experts", ch.experts), pieces)?;
     c.that("inter", inter.is_multiple_of(8), "a multiple of 8", inter)?;
     c.len("down", ch.experts * hidden * inter, down.len())?;
+    c.len("h", ch.idx.len() * inter, h.len())?;
     c.len("out", rows * hidden, out.len())?;
     if let Some(s) = shared {
         c.len("shared", rows * hidden, s.len())?;
     }
-    // SAFETY: the up projection writes every choice's row before the down projection reads it.
-    let mut h = unsafe { gpu.uninit::<bf16>(ch.idx.len() * inter) }?;
-    project(gpu, Rows::Choices(ch), x, ExpertWeights::Bf16(up), (inter, hidden), true, &mut h)?;
+    if launched > 0 {
+        project(gpu, Rows::Choices(ch, launched), x, ExpertWeights::Bf16(up), (inter, hidden), true, h)?;
+    }
     let p = ExpertCombineParams {
-        x: gpu.addr(k, "h", &h)? as *const u16,
+        x: gpu.addr(k, "h", h)? as *const u16,
         w: gpu.addr(k, "down", down)? as *const u8,
         idx: gpu.addr(k, "idx", ch.idx)? as *const i32,
         weight: gpu.addr(k, "weight", ch.weight)? as *const f32,
@@ -500,9 +597,10 @@ pub fn experts_mlp_choices(
         pieces: pieces as u32,
     };
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
-    // SAFETY: h holds rows * per rows of inter (a multiple of 8; allocated above, written by
-    // the up projection), down experts * hidden * inter, idx and weight rows * per (per <=
-    // MAX_TOP_K: a warp each), shared and out rows * hidden; ids not below experts trap.
+    // SAFETY: h holds rows * per rows of inter (a multiple of 8; its first `launched` rows
+    // written by the up projection above, the others before the call), down experts * hidden
+    // * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
+    // * hidden; ids not below experts trap.
     unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }
 

@@ -48,6 +48,14 @@ pub struct RouteParams {
     /// shared`): experts `experts..experts + shared` with weight 1, the shared expert cut into
     /// pieces of the routed experts' shape.
     pub shared: u32,
+    /// One token (`rows` 1) only, else null: the up projections of the appended pieces (they
+    /// need no routing), `relu(bf16(.))^2`, computed by the launch's blocks past the experts'
+    /// into rows `top_k..` of `h`, as [`moe_expert_choices_bf16`] computes them. `up`: `[experts
+    /// + shared, inter, hidden]` bf16 (the pieces' rows after the routed experts'); `h`:
+    /// `[top_k + shared, inter]` bf16.
+    pub up: *const u16,
+    pub h: *mut u16,
+    pub inter: u32,
 }
 
 /// Combining of `rows` tokens.
@@ -199,6 +207,10 @@ pub const SPLIT_UNROLL: usize = 2;
 /// Output rows per block of the expert-combine kernel (each warp streams them for its choice).
 pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;
 
+/// Rows of an appended piece's up projection one block of [`moe_route_bf16`] computes (a warp
+/// per [`EXPERT_WARP_ROWS`]).
+pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * EXPERT_WARP_ROWS;
+
 /// Dynamic shared memory of the routing kernel: per token of a block, scores, selection scores
 /// and group scores.
 pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 3 * MAX_EXPERTS * 4;
@@ -235,6 +247,12 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
         grid_dependency_wait();
+        if block_x() >= p.experts {
+            // SAFETY: launch contract (up and h set for one token, blocks past the experts'
+            // only then).
+            unsafe { appended_up(&p, (block_x() - p.experts) as usize) };
+            return;
+        }
         const T: usize = LOGITS_TOKENS as usize;
         let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
         let t0 = block_y() as usize * T;
@@ -286,6 +304,54 @@ mod kernels {
             let flag = partial.wrapping_add((LOGITS_BLOCK / 32 * LOGITS_TOKENS) as usize) as *mut u32;
             if last_block(p.counters.wrapping_add(block_y() as usize), p.experts, flag) && warp < toks {
                 select(&p, t0 + warp, dyn_smem_f32().wrapping_add(3 * MAX_EXPERTS as usize * warp));
+            }
+        }
+    }
+
+    /// Block `b` past the experts' of [`moe_route_bf16`]: rows `(b % per_piece) *
+    /// ROUTE_UP_ROWS..` of appended piece `b / per_piece`'s up projection for the one token,
+    /// each warp [`EXPERT_WARP_ROWS`] rows as `warp_rows` computes them (the same sums in the
+    /// same order), into its choice's row `top_k + piece` of h.
+    ///
+    /// # Safety
+    /// [`RouteParams::up`] and `h` valid for one token; `b` below `shared * per_piece`.
+    #[inline(always)]
+    unsafe fn appended_up(p: &RouteParams, b: usize) {
+        const R: usize = EXPERT_WARP_ROWS as usize;
+        let (n, k) = (p.inter as usize, p.hidden as usize);
+        let per_piece = n.div_ceil(ROUTE_UP_ROWS as usize);
+        let (piece, row0) = (b / per_piece, (b % per_piece) * ROUTE_UP_ROWS as usize + warp_id() as usize * R);
+        if row0 >= n {
+            return;
+        }
+        // The up projection's pieces are whole experts after the routed ones (row blocks of
+        // the shared expert's up projection; only its down projection is cut by columns).
+        let at = ((p.experts as usize + piece) * n + row0) * k;
+        let rows = (n - row0).min(R);
+        let a = p.top_k as usize + piece;
+        // SAFETY: up holds (experts + shared) * n * k, x one row of k, h (top_k + shared) * n
+        // (caller); each output element written by lane 0 of the one warp owning its row.
+        unsafe {
+            let w = (p.up as *const u8).wrapping_add(at * 2);
+            let one = (1.0, 1.0);
+            let acc = partial_dots::<Streamed, R, 1, EXPERT_UNROLL>(
+                w,
+                (k, 2),
+                rows,
+                &[p.x],
+                1,
+                &[one],
+                k,
+                false,
+                (lane_id() as usize, 32),
+            );
+            for (r, acc) in acc.iter().enumerate() {
+                if r < rows {
+                    let h = bf16_to_f32(f32_to_bf16(warp_sum(acc[0]))).max(0.0);
+                    if lane_id() == 0 {
+                        st(p.h, a * n + row0 + r, f32_to_bf16(h * h));
+                    }
+                }
             }
         }
     }

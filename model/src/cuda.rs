@@ -28,7 +28,7 @@ use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
 use host::moe::{
     Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dense_split, dispatch, experts_mlp,
-    experts_mlp_choices, experts_mlp_gemm, route,
+    experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
@@ -635,7 +635,22 @@ impl Backend for Cuda {
         // experts every grouped row, the shared expert every row of its output, each before
         // the next operation reads it.
         let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * choices)?, g.uninit::<f32>(rows * choices)?) };
-        route(g, shape, &xv, hidden, &w.gate, &w.score_bias, &mut idx, &mut wts)?;
+        let router = (&w.gate, &w.score_bias);
+        // One token whose routing appends the shared expert's pieces: their up projections in
+        // the routing's launch (`h`, the choices' hidden rows, its last rows written there).
+        let mut h = match &ex.up {
+            Weights::Bf16(up) if shape.shared > 0 && rows <= CHOICES_MAX_ROWS => {
+                // SAFETY: the routing writes the pieces' rows, the choices launch the others,
+                // before the down projections read them.
+                let mut h = unsafe { g.uninit::<bf16>(choices * ex.inter) }?;
+                route_appended_up(g, shape, &xv, hidden, router, (&mut idx, &mut wts), (up, ex.inter), &mut h)?;
+                Some(h)
+            }
+            _ => {
+                route(g, shape, &xv, hidden, router.0, router.1, &mut idx, &mut wts)?;
+                None
+            }
+        };
         let shared = match (&ex.shared, &ex.up, &ex.down) {
             (Shared::Mlp(mlp), ..) => {
                 let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
@@ -662,7 +677,15 @@ impl Backend for Cuda {
             && rows <= CHOICES_MAX_ROWS
         {
             let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
-            return Ok(experts_mlp_choices(g, ch, &xv, up, down, (ex.inter, hidden), pieces, shared.as_ref(), &mut y)?);
+            let dims = (ex.inter, hidden);
+            match &mut h {
+                Some(h) => {
+                    let pieces = (pieces, shared.as_ref());
+                    experts_mlp_choices_after(g, ch, &xv, (up, down), dims, pieces, (h, shape.shared), &mut y)?
+                }
+                None => experts_mlp_choices(g, ch, &xv, up, down, dims, pieces, shared.as_ref(), &mut y)?,
+            }
+            return Ok(());
         }
         let mut d = Dispatch::new(g, experts, choices, rows)?;
         dispatch(g, &idx, &mut d)?;

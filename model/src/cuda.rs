@@ -1,4 +1,5 @@
-//! The CUDA backend: each operation through the host crate's kernels and cuBLASLt.
+//! The CUDA backend: each operation through the host crate's kernels and cuBLASLt (bf16 linear
+//! layers of more than one row).
 //!
 //! MoE layers route and run their experts on the device: up to [`CHOICES_MAX_ROWS`] rows of
 //! bf16 experts per routing choice (no dispatch; down projections and combining in one
@@ -171,7 +172,8 @@ enum Shared {
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// Shortest input of a bf16 linear layer that runs at one row through the split-k dense kernel
-/// ([`dense_split`]) rather than cuBLASLt (which splits such rows in a second launch).
+/// ([`dense_split`]) rather than the expert kernel's dense path ([`dense`]), whose one warp per
+/// weight row needs more round trips on long rows.
 pub const SPLIT_MIN_K: usize = 3072;
 
 /// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the

@@ -269,7 +269,8 @@ impl Gpu {
         let host = match staging.take() {
             Some(s) if s.len() >= bytes => staging.insert(s),
             old => {
-                // The old buffer goes first (its drop waits for its last copy).
+                // The old buffer goes first (no copy into it is in flight: each call waits
+                // for its own before it returns).
                 drop(old);
                 // SAFETY: its contents are unset; f reads only the bytes the copy below writes.
                 let s = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) };

@@ -28,7 +28,8 @@ fn main() {
         let ws: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(n * k, -0.05, 0.05)).unwrap()).collect();
         for rows in [1usize, 2, 4, 8, 16, 32, 64] {
             let tag = format!("{name}/{n}x{k}/m{rows}");
-            if !BenchGpu::selected(&tag) {
+            // As the results are named up to the kernel, so `m1/` selects one row alone.
+            if !BenchGpu::selected(&format!("gemv/{tag}/")) {
                 continue;
             }
             let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();

@@ -716,6 +716,9 @@ mod kernels {
             acc: &mut [[f32; T]; R],
         ) {
             let (k, step) = (self.k, self.step);
+            // Whether the chunk at `at` is one unchecked load (else zero, or, for ELEMENTS,
+            // checked element by element).
+            let whole = |at: usize| MODE == WHOLE || (MODE == CHUNKS && (at as u32) < k as u32);
             // SAFETY: forwarded from the caller.
             unsafe {
                 let mut wv = [[W::ZERO; U]; R];
@@ -725,10 +728,9 @@ mod kernels {
                         for (u, v) in wv.iter_mut().enumerate() {
                             let at = c + u * step;
                             *v = match MODE {
-                                WHOLE => W::load_whole(row, at),
-                                CHUNKS if (at as u32) < k as u32 => W::load_whole(row, at),
-                                CHUNKS => W::ZERO,
-                                _ => W::load(row, at, k),
+                                ELEMENTS => W::load(row, at, k),
+                                _ if whole(at) => W::load_whole(row, at),
+                                _ => W::ZERO,
                             };
                         }
                     }
@@ -738,10 +740,9 @@ mod kernels {
                         for u in 0..U {
                             let at = c + u * step;
                             let mut xv = match MODE {
-                                WHOLE => raw8_values(load8_raw_whole(x.wrapping_add(at))),
-                                CHUNKS if (at as u32) < k as u32 => raw8_values(load8_raw_whole(x.wrapping_add(at))),
-                                CHUNKS => [0.0; 8],
-                                _ => load8_bf16(x, at, k),
+                                ELEMENTS => load8_bf16(x, at, k),
+                                _ if whole(at) => raw8_values(load8_raw_whole(x.wrapping_add(at))),
+                                _ => [0.0; 8],
                             };
                             if self.fp8 {
                                 let (s, inv) = self.scale[t];

@@ -310,50 +310,43 @@ mod kernels {
 
     /// Block `b` past the experts' of [`moe_route_bf16`]: rows `(b % per_piece) *
     /// ROUTE_UP_ROWS..` of appended piece `b / per_piece`'s up projection for the one token,
-    /// each warp [`EXPERT_WARP_ROWS`] rows as `warp_rows` computes them (the same sums in the
-    /// same order), into its choice's row `top_k + piece` of h.
+    /// each warp [`EXPERT_WARP_ROWS`] rows as [`moe_expert_choices_bf16`] computes them (the
+    /// same code: [`rows_from`]), into its choice's row `top_k + piece` of h.
     ///
     /// # Safety
     /// [`RouteParams::up`] and `h` valid for one token; `b` below `shared * per_piece`.
     #[inline(always)]
     unsafe fn appended_up(p: &RouteParams, b: usize) {
-        const R: usize = EXPERT_WARP_ROWS as usize;
-        let (n, k) = (p.inter as usize, p.hidden as usize);
+        let n = p.inter as usize;
         let per_piece = n.div_ceil(ROUTE_UP_ROWS as usize);
-        let (piece, row0) = (b / per_piece, (b % per_piece) * ROUTE_UP_ROWS as usize + warp_id() as usize * R);
-        if row0 >= n {
-            return;
-        }
-        // The up projection's pieces are whole experts after the routed ones (row blocks of
-        // the shared expert's up projection; only its down projection is cut by columns).
-        let at = ((p.experts as usize + piece) * n + row0) * k;
-        let rows = (n - row0).min(R);
+        let (piece, row0) =
+            (b / per_piece, (b % per_piece) * ROUTE_UP_ROWS as usize + (warp_id() * EXPERT_WARP_ROWS) as usize);
+        // The pieces' up projections are whole experts after the routed ones (row blocks of
+        // the shared expert's; only its down projection is cut by columns): no pieces here.
+        let up = ExpertParams {
+            x: p.x,
+            x_row: core::ptr::null(),
+            w: p.up as *const u8,
+            w_scale: core::ptr::null(),
+            in_scale: core::ptr::null(),
+            offsets: core::ptr::null(),
+            active: core::ptr::null(),
+            active_count: core::ptr::null(),
+            out: p.h,
+            rows: 1,
+            n: p.inter,
+            k: p.hidden,
+            relu2: 1,
+            piece0: 0,
+            pieces: 0,
+            idx: core::ptr::null(),
+            per: 1,
+            experts: p.experts + p.shared,
+        };
         let a = p.top_k as usize + piece;
         // SAFETY: up holds (experts + shared) * n * k, x one row of k, h (top_k + shared) * n
-        // (caller); each output element written by lane 0 of the one warp owning its row.
-        unsafe {
-            let w = (p.up as *const u8).wrapping_add(at * 2);
-            let one = (1.0, 1.0);
-            let acc = partial_dots::<Streamed, R, 1, EXPERT_UNROLL>(
-                w,
-                (k, 2),
-                rows,
-                &[p.x],
-                1,
-                &[one],
-                k,
-                false,
-                (lane_id() as usize, 32),
-            );
-            for (r, acc) in acc.iter().enumerate() {
-                if r < rows {
-                    let h = bf16_to_f32(f32_to_bf16(warp_sum(acc[0]))).max(0.0);
-                    if lane_id() == 0 {
-                        st(p.h, a * n + row0 + r, f32_to_bf16(h * h));
-                    }
-                }
-            }
-        }
+        // (caller): choice a, of x row 0.
+        unsafe { rows_from::<Streamed>(up, p.experts as usize + piece, row0, (a, a + 1), 0, false) }
     }
 
     /// Selection for token `tok` of [`RouteParams`] by one warp, after its logits are visible;
@@ -818,11 +811,29 @@ mod kernels {
     /// # Safety
     /// The launch contract of the calling kernel, `e` a valid expert.
     #[inline(always)]
-    unsafe fn warp_rows<W: Chunk>(p: ExpertParams, e: usize, (lo, hi): (usize, usize), x_at: usize, fp8: bool) {
+    unsafe fn warp_rows<W: Chunk>(p: ExpertParams, e: usize, rows: (usize, usize), x_at: usize, fp8: bool) {
+        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+        // SAFETY: forwarded.
+        unsafe { rows_from::<W>(p, e, row0, rows, x_at, fp8) }
+    }
+
+    /// [`warp_rows`] for the warp's rows from `row0`, wherever the launch puts them (none
+    /// past n).
+    ///
+    /// # Safety
+    /// As [`warp_rows`].
+    #[inline(always)]
+    unsafe fn rows_from<W: Chunk>(
+        p: ExpertParams,
+        e: usize,
+        row0: usize,
+        (lo, hi): (usize, usize),
+        x_at: usize,
+        fp8: bool,
+    ) {
         const R: usize = EXPERT_WARP_ROWS as usize;
         const T: usize = EXPERT_TOKENS;
         let (n, k) = (p.n as usize, p.k as usize);
-        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
         if row0 >= n {
             return;
         }

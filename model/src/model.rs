@@ -419,26 +419,23 @@ fn forward<B: Backend>(
             (MixW::Attention { qkv, o }, LayerCache::Attention { k: kc, v: vc }) => {
                 let c = config.attention.as_ref().expect("attention layers come with attention settings");
                 let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                // Each projection's rows and their width: one buffer with q, k and v side by
-                // side (fused), or one each.
                 let xr = In::rows(&x, hidden);
-                let parts: Vec<(&B::Weight, usize)> = match qkv {
-                    Qkv::Fused(w) => vec![(w, qw + 2 * kw)],
-                    Qkv::Apart { q, k, v } => vec![(q, qw), (k, kw), (v, kw)],
-                };
-                let mut proj = Vec::with_capacity(parts.len());
-                for (w, width) in parts {
+                let project = |w: &B::Weight, width: usize| -> Result<B::Buf> {
                     let mut buf = b.scratch(n * width)?;
                     b.linear(xr, n, w, Out { buf: &mut buf, offset: 0 })?;
-                    proj.push((buf, width));
-                }
-                let (qr, kr, vr) = match proj.as_slice() {
-                    [(p, width)] => {
-                        let p = In::rows(p, *width);
+                    Ok(buf)
+                };
+                // One buffer with q, k and v side by side (fused), or one each.
+                let (qb, kv) = match qkv {
+                    Qkv::Fused(w) => (project(w, qw + 2 * kw)?, None),
+                    Qkv::Apart { q, k, v } => (project(q, qw)?, Some((project(k, kw)?, project(v, kw)?))),
+                };
+                let (qr, kr, vr) = match &kv {
+                    None => {
+                        let p = In::rows(&qb, qw + 2 * kw);
                         (p, p.at(0, qw), p.at(0, qw + kw))
                     }
-                    [(q, _), (k, _), (v, _)] => (In::rows(q, qw), In::rows(k, kw), In::rows(v, kw)),
-                    _ => unreachable!("one fused projection or three"),
+                    Some((kb, vb)) => (In::rows(&qb, qw), In::rows(kb, kw), In::rows(vb, kw)),
                 };
                 let mut att = b.scratch(n * qw)?;
                 b.attention(c, qr, kr, vr, (kc, vc), max_len, rows, Out { buf: &mut att, offset: 0 })?;

@@ -9,6 +9,8 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.up.f32"]
     fn shfl_up_f32(mask: u32, v: f32, delta: u32, clamp: u32) -> f32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.f32"]
+    fn shfl_idx_f32(mask: u32, v: f32, lane: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
     #[link_name = "llvm.fma.f32"]
@@ -250,6 +252,13 @@ pub fn warp_argmax(mut v: f32, mut i: u32) -> (f32, u32) {
         m >>= 1;
     }
     (v, i)
+}
+
+/// Lane `from`'s `v` (each lane may name its own), by a full warp.
+#[inline(always)]
+pub fn warp_read(v: f32, from: u32) -> f32 {
+    // SAFETY: as in `warp_sum`.
+    unsafe { shfl_idx_f32(u32::MAX, v, from, 0x1f) }
 }
 
 /// Warp barrier: orders the shared-memory accesses of a full warp's lanes.

@@ -211,9 +211,9 @@ pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;
 /// per [`EXPERT_WARP_ROWS`]).
 pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * EXPERT_WARP_ROWS;
 
-/// Dynamic shared memory of the routing kernel: per token of a block, scores, selection scores
-/// and group scores.
-pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 3 * MAX_EXPERTS * 4;
+/// Dynamic shared memory of the routing kernel: per token of a block, selection scores and
+/// group scores (group-limited routing).
+pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 2 * MAX_EXPERTS * 4;
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
@@ -303,7 +303,7 @@ mod kernels {
             }
             let flag = partial.wrapping_add((LOGITS_BLOCK / 32 * LOGITS_TOKENS) as usize) as *mut u32;
             if last_block(p.counters.wrapping_add(block_y() as usize), p.experts, flag) && warp < toks {
-                select(&p, t0 + warp, dyn_smem_f32().wrapping_add(3 * MAX_EXPERTS as usize * warp));
+                select(&p, t0 + warp, dyn_smem_f32().wrapping_add(2 * MAX_EXPERTS as usize * warp));
             }
         }
     }
@@ -349,10 +349,15 @@ mod kernels {
         unsafe { rows_from::<Streamed>(up, p.experts as usize + piece, row0, (a, a + 1), 0, false) }
     }
 
+    /// Experts per lane of [`select`]'s warp (lane l holds experts `l, l + 32, ..`).
+    const PER_LANE: usize = (MAX_EXPERTS / 32) as usize;
+
     /// Selection for token `tok` of [`RouteParams`] by one warp, after its logits are visible;
-    /// also writes the appended choices. `smem`: `3 * MAX_EXPERTS` floats of shared memory of
-    /// this warp's own (scores and selection scores by lanes over experts, group scores by one
-    /// lane per group); groups and experts by warp-wide argmax (lowest index on ties).
+    /// also writes the appended choices. Lane l holds the scores and selection scores of
+    /// experts `l + 32 m` in registers; `smem`: `2 * MAX_EXPERTS` floats of shared memory of
+    /// this warp's own, for group-limited routing only (selection scores by experts, group
+    /// scores by one lane per group). Groups and experts by warp-wide argmax (lowest index on
+    /// ties).
     ///
     /// # Safety
     /// Launch contract of [`moe_route_bf16`]; `tok < rows`.
@@ -365,26 +370,39 @@ mod kernels {
         // shared <= MAX_TOP_K, top_k <= the experts of the kept groups, groups dividing
         // experts, idx and weight rows of top_k + shared); smem as documented.
         unsafe {
-            let (score, sel, gscore) = (smem, smem.wrapping_add(me), smem.wrapping_add(2 * me));
-            let mut i = lane;
-            while i < e {
-                let s = 1.0 / (1.0 + exp_fast(-ld(p.logits, tok * e + i)));
-                st(score, i, s);
-                // NaN marks a taken entry below: a NaN score (from NaN inputs) ranks last.
-                let v = s + ld(p.bias, i);
-                st(sel, i, if v.is_nan() { f32::NEG_INFINITY } else { v });
-                i += 32;
+            // Every load first (no store between them), then the scores.
+            let (mut score, mut sel) = ([0.0f32; PER_LANE], [f32::NAN; PER_LANE]);
+            for m in 0..PER_LANE {
+                let i = lane + 32 * m;
+                if i < e {
+                    (score[m], sel[m]) = (ld(p.logits, tok * e + i), ld(p.bias, i));
+                }
             }
-            sync_warp();
+            for m in 0..PER_LANE {
+                if lane + 32 * m < e {
+                    score[m] = 1.0 / (1.0 + exp_fast(-score[m]));
+                    // NaN marks a taken (or absent) entry below: a NaN score (from NaN inputs)
+                    // ranks last.
+                    let v = score[m] + sel[m];
+                    sel[m] = if v.is_nan() { f32::NEG_INFINITY } else { v };
+                }
+            }
             let (ng, k) = (p.n_group as usize, p.top_k as usize);
             if (p.topk_group as usize) < ng {
+                let (sm, gscore) = (smem, smem.wrapping_add(me));
+                for (m, &v) in sel.iter().enumerate() {
+                    if lane + 32 * m < e {
+                        st(sm, lane + 32 * m, v);
+                    }
+                }
+                sync_warp();
                 // Each group's score is the sum of its two best selection scores.
                 let per = e / ng;
                 let mut g = lane;
                 while g < ng {
                     let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
                     for i in g * per..(g + 1) * per {
-                        let v = ld(sel, i);
+                        let v = ld(sm, i);
                         if v > a {
                             (a, b) = (v, a);
                         } else if v > b {
@@ -407,36 +425,47 @@ mod kernels {
                     }
                     sync_warp();
                 }
-                let mut i = lane;
-                while i < e {
-                    if !ld(gscore, i / per).is_nan() {
-                        st(sel, i, f32::NEG_INFINITY);
+                for (m, v) in sel.iter_mut().enumerate() {
+                    let i = lane + 32 * m;
+                    if i < e && !ld(gscore, i / per).is_nan() {
+                        *v = f32::NEG_INFINITY;
                     }
-                    i += 32;
                 }
                 sync_warp();
             }
-            // Lane j keeps the j-th pick.
-            let (mut total, mut mine) = (0.0f32, 0u32);
+            // Lane j keeps the j-th pick and its score.
+            let (mut mine, mut mine_score) = (0u32, 0.0f32);
             for j in 0..k {
-                let (_, pick) = warp_pick(sel, e);
+                // This lane's best in ascending index (a later equal value never replaces an
+                // earlier one), then the warp's.
+                let (mut best, mut at, mut best_score) = (f32::NEG_INFINITY, u32::MAX, 0.0f32);
+                for (m, (&v, &s)) in sel.iter().zip(&score).enumerate() {
+                    if !v.is_nan() && (v > best || at == u32::MAX) {
+                        (best, at, best_score) = (v, (lane + 32 * m) as u32, s);
+                    }
+                }
+                let (_, pick) = warp_argmax(best, at);
                 if pick == u32::MAX {
                     trap();
                 }
-                total += ld(score, pick as usize);
+                let s = warp_read(best_score, pick % 32);
                 if lane == j {
-                    mine = pick;
+                    (mine, mine_score) = (pick, s);
                 }
-                sync_warp();
-                if lane == 0 {
-                    st(sel, pick as usize, f32::NAN);
+                for (m, v) in sel.iter_mut().enumerate() {
+                    if (lane + 32 * m) as u32 == pick {
+                        *v = f32::NAN;
+                    }
                 }
-                sync_warp();
+            }
+            // The picks' scores summed in pick order.
+            let mut total = 0.0f32;
+            for j in 0..k {
+                total += warp_read(mine_score, j as u32);
             }
             let out = tok * (k + p.shared as usize) + lane;
             if lane < k {
-                let s = ld(score, mine as usize);
-                let w = if p.renormalize != 0 { s / total } else { s };
+                let w = if p.renormalize != 0 { mine_score / total } else { mine_score };
                 st(p.idx, out, mine as i32);
                 st(p.weight, out, w * p.scaling);
             } else if lane < k + p.shared as usize {

@@ -72,3 +72,40 @@ fn gpu_download_with_reads_what_was_uploaded() {
     assert_eq!(n, 2 * (small.len() + large.len()));
     println!("download_with: {n} values compared");
 }
+
+/// `upload_bytes_into`: bytes land where asked, across the staging buffers' chunks (a copy of
+/// 2.5 stages, then a small one reusing them, then an empty one) and at an offset into a
+/// larger buffer whose other elements stay as they were; a destination too small and a copy inside a capture are
+/// refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_upload_bytes_into_writes_what_was_given() {
+    let gpu = nemotron_rs::gpu();
+    let seed = 0x5EED_u64;
+    let bytes = |n: usize, salt: u64| -> Vec<u8> {
+        (0..n as u64).map(|i| ((i ^ salt).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed) >> 56) as u8).collect()
+    };
+    let stage = host::UPLOAD_STAGE_BYTES;
+    let mut n = 0;
+    for (len, at, salt) in [(5 * stage / 2 + 6, 3usize, 1u64), (1000, 0, 2), (0, 7, 3)] {
+        let data = bytes(len, salt);
+        let total = at + len.div_ceil(2) + 5;
+        let poison = nemotron_rs::POISON_BF16;
+        let mut dst = gpu.upload(&vec![poison; total]).unwrap();
+        gpu.upload_bytes_into(&data, &mut dst.slice_mut(at..)).unwrap();
+        let got = gpu.download(&dst).unwrap();
+        let got_bytes: Vec<u8> = got.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+        if len > 0 {
+            n += nemotron_rs::assert_same(&format!("{len} bytes at {at}"), &got_bytes[2 * at..2 * at + len], &data);
+        }
+        let untouched = |v: &[half::bf16]| v.iter().all(|x| x.to_bits() == poison.to_bits());
+        assert!(untouched(&got[..at]) && untouched(&got[at + len.div_ceil(2)..]), "{len} bytes at {at}: beyond");
+    }
+    let mut small = gpu.zeros::<half::bf16>(4).unwrap();
+    let err = gpu.upload_bytes_into(&[0u8; 9], &mut small.slice_mut(..)).unwrap_err();
+    assert!(err.to_string().contains("dst"), "{err}");
+    let err = gpu.capture(|| gpu.upload_bytes_into(&[0u8; 8], &mut small.slice_mut(..))).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::InCapture(_)), "{err}");
+    assert_eq!(n, 5 * stage / 2 + 6 + 1000);
+    println!("upload_bytes_into: {n} bytes compared");
+}

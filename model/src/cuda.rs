@@ -34,7 +34,7 @@ use host::moe::{
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{CudaSlice, CudaView, CudaViewMut, Gpu, Graph};
+use host::{CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
 
 use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
@@ -118,7 +118,7 @@ impl Weights {
         if first.fp8.is_none() {
             let mut w = gpu.zeros::<bf16>((list.len() + spare) * size)?;
             for (i, l) in list.iter().enumerate() {
-                gpu.upload_into(&l.weight.to_bf16()?, &mut w.slice_mut(i * size..(i + 1) * size))?;
+                put_bf16(gpu, l, &mut w.slice_mut(i * size..(i + 1) * size))?;
             }
             return Ok(Weights::Bf16(w));
         }
@@ -133,7 +133,7 @@ impl Weights {
                     l.weight.name, l.weight.dtype
                 )));
             }
-            gpu.upload_into(l.weight.bytes, &mut codes.slice_mut(i * size..(i + 1) * size))?;
+            gpu.upload_bytes_into(l.weight.bytes, &mut codes.slice_mut(i * size..(i + 1) * size))?;
         }
         let scales = |f: fn(&Linear) -> Option<f32>| list.iter().map(|l| f(l)).collect::<Option<Vec<f32>>>();
         let w_scale = gpu.upload(&scales(|l| l.fp8.map(|f| f.weight_scale)).unwrap_or_default())?;
@@ -326,13 +326,22 @@ fn put_pieces(
     let at = routed * inter * hidden;
     let padded = si.next_multiple_of(inter);
     // Up: the shared up's rows in order; down: its rows, each padded to `padded` columns.
-    gpu.upload_into(&s.up.weight.to_bf16()?, &mut up.slice_mut(at..at + si * hidden))?;
+    put_bf16(gpu, &s.up, &mut up.slice_mut(at..at + si * hidden))?;
     let d = s.down.weight.to_bf16()?;
     let mut wide = vec![bf16::ZERO; hidden * padded];
     for (to, from) in wide.chunks_mut(padded).zip(d.chunks(si)) {
         to[..si].copy_from_slice(from);
     }
     Ok(gpu.upload_into(&wide, &mut down.slice_mut(at..at + hidden * padded))?)
+}
+
+/// Uploads `l`'s weight into `dst` as bf16: its bytes as they are where it is bf16 (staged, no
+/// copy in between), else converted.
+fn put_bf16(gpu: &Gpu, l: &Linear, dst: &mut CudaViewMut<bf16>) -> Result<()> {
+    if l.weight.dtype == Dtype::Bf16 {
+        return Ok(gpu.upload_bytes_into(l.weight.bytes, dst)?);
+    }
+    Ok(gpu.upload_into(&l.weight.to_bf16()?, dst)?)
 }
 
 /// Fails unless `l` has `shape` (`whose`: whose shape that is, for the message) and no bias.
@@ -362,7 +371,13 @@ impl Backend for Cuda {
     type Graph = Graph;
 
     fn upload(&self, v: &[bf16]) -> Result<CudaSlice<bf16>> {
-        Ok(self.gpu.upload(v)?)
+        if std::mem::size_of_val(v) < UPLOAD_STAGE_BYTES {
+            return Ok(self.gpu.upload(v)?);
+        }
+        // SAFETY: the copy below writes every element, in stream order before any use.
+        let mut b = unsafe { self.gpu.uninit::<bf16>(v.len()) }?;
+        self.gpu.upload_bytes_into(bytemuck::cast_slice(v), &mut b.as_view_mut())?;
+        Ok(b)
     }
     fn upload32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         Ok(self.gpu.upload(v)?)

@@ -147,7 +147,9 @@ fn main() {
 fn print_timeline(t: host::Timeline) {
     let Some(first) = t.records.first() else { return };
     println!("timeline: {} launches recorded, {} kernels captured", t.records.len(), t.kernels.len());
-    let mut totals: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+    // Per boundary: count, spans, and how long the next launch's block 0 ran before its wait
+    // returned (whether programmatic dependent launch overlapped the boundary).
+    let mut totals: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
     for (i, r) in t.records.iter().enumerate() {
         let name = t.kernels.get(i).copied().unwrap_or("?");
         let after = t.kernels.get(i + 1).copied().unwrap_or("end");
@@ -164,10 +166,12 @@ fn print_timeline(t: host::Timeline) {
         let e = totals.entry(format!("{name} -> {after}")).or_default();
         e.0 += 1;
         e.1 += span;
+        e.2 += t.records.get(i + 1).map_or(0, |n| n.go_ns - n.start_ns);
     }
     let mut v: Vec<_> = totals.into_iter().collect();
-    v.sort_by_key(|(_, (_, t))| std::cmp::Reverse(*t));
-    for (k, (n, t)) in v {
-        println!("  {k:60} {n:4} x {:7.3} us = {:8.3} us", t as f64 / 1e3 / n as f64, t as f64 / 1e3);
+    v.sort_by_key(|(_, (_, t, _))| std::cmp::Reverse(*t));
+    for (k, (n, t, early)) in v {
+        let each = |x: u64| x as f64 / 1e3 / n as f64;
+        println!("  {k:60} {n:4} x {:7.3} us = {:8.3} us, next early {:6.3} us", each(t), t as f64 / 1e3, each(early));
     }
 }

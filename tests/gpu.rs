@@ -75,8 +75,8 @@ fn gpu_download_with_reads_what_was_uploaded() {
 
 /// `upload_bytes_into`: bytes land where asked, across the staging buffers' chunks (a copy of
 /// 2.5 stages, then a small one reusing them, then an empty one) and at an offset into a
-/// larger buffer whose other elements stay as they were; a destination too small and a copy inside a capture are
-/// refused.
+/// larger buffer whose other elements stay as they were; a destination too small and a copy
+/// inside a capture are refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_upload_bytes_into_writes_what_was_given() {

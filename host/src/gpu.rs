@@ -288,10 +288,7 @@ impl Gpu {
             }
         };
         // SAFETY: T is plain data (Pod); the view covers exactly buf's bytes.
-        let src = unsafe { buf.transmute::<u8>(bytes) }.ok_or(Error::Driver {
-            during: "copying from the device",
-            source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
-        })?;
+        let src = unsafe { buf.transmute::<u8>(bytes) }.ok_or_else(|| view_refused("copying from the device"))?;
         // The copy's length is the destination's: exactly buf's bytes of the staging buffer.
         let data = &mut host.as_mut_slice().during("reading page-locked memory")?[..bytes];
         self.stream.memcpy_dtoh(&src, data).during("copying from the device")?;
@@ -316,10 +313,7 @@ impl Gpu {
         }
         self.not_capturing("a copy to the device")?;
         // SAFETY: every byte pattern is a valid u8; the view covers dst's memory.
-        let mut dst = unsafe { dst.transmute_mut::<u8>(room) }.ok_or(Error::Driver {
-            during: "copying to the device",
-            source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
-        })?;
+        let mut dst = unsafe { dst.transmute_mut::<u8>(room) }.ok_or_else(|| view_refused("copying to the device"))?;
         // A panic elsewhere while it was held leaves the buffers as good as before.
         let mut held = self.uploads.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let bufs = match held.take() {
@@ -400,10 +394,8 @@ impl Gpu {
         let len = (u32::from_le_bytes(count) as usize).min(t.len() / 32);
         let mut raw = vec![0u64; 4 * len];
         // SAFETY: the global is an array of u64 (4 per record).
-        let words = unsafe { t.transmute_mut::<u64>(t.len() / 8) }.ok_or(Error::Driver {
-            during: "reading the timeline",
-            source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
-        })?;
+        let words =
+            unsafe { t.transmute_mut::<u64>(t.len() / 8) }.ok_or_else(|| view_refused("reading the timeline"))?;
         self.stream.memcpy_dtoh(&words.slice(..4 * len), &mut raw[..]).during("reading the timeline")?;
         self.stream.memcpy_htod(&[0u8; 4], &mut n).during("resetting the timeline")?;
         self.stream.synchronize().during("reading the timeline")?;
@@ -604,6 +596,12 @@ impl Graph {
     pub fn replay(&self) -> Result<()> {
         self.0.launch().during("launching a graph")
     }
+}
+
+/// The error for a typed view of a buffer that cudarc refused (`transmute` of a buffer to a
+/// length it holds: not expected), while `during`.
+fn view_refused(during: &'static str) -> Error {
+    Error::Driver { during, source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE) }
 }
 
 /// The driver's CUDA version, as `major.minor`.

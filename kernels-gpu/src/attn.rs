@@ -43,10 +43,10 @@ unsafe impl KernelParams for AttnParams {}
 /// Largest head the attention kernel takes (a lane holds 8 of its channels).
 pub const MAX_HEAD_DIM: u32 = 256;
 
-/// Dynamic shared memory of `attn_bf16`: the query head, a score per key, reduction scratch,
-/// and each warp's partial output head.
+/// Dynamic shared memory of `attn_bf16`: a score per key, reduction scratch, and each warp's
+/// partial output head.
 pub const fn smem_bytes(head_dim: u32, max_len: u32) -> u32 {
-    (head_dim + max_len + ATTN_BLOCK / 32 + ATTN_BLOCK / 32 * head_dim) * 4
+    (max_len + ATTN_BLOCK / 32 + ATTN_BLOCK / 32 * head_dim) * 4
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -74,12 +74,18 @@ mod kernels {
         }
     }
 
+    /// Keys (or value rows) a lane loads per pass of [`attn_bf16`]: all in flight at once.
+    const KEYS_PER_PASS: usize = 4;
+
     /// Attention, [`AttnParams`], after the cache write. Grid `(rows, heads)`, block
     /// [`ATTN_BLOCK`], dynamic shared memory `smem_bytes(head_dim, max_len)`. Block (r, h):
-    /// scores of keys `0..=pos[r]` (one warp per key, lanes over the head's channels, 16-byte
-    /// loads of the key row), softmax with block reductions, then each warp sums the weighted
-    /// value rows of its keys (lanes over channels) and one thread per output channel adds
-    /// the warps' sums in order.
+    /// `lanes` = ceil(head_dim / 8) rounded up to a power of two lanes hold a key row (8
+    /// channels each, 16-byte loads), so a warp takes `32 / lanes` keys side by side: key j
+    /// goes to warp `(j / per) % warps`, lane group `j % per` (`per = 32 / lanes`), and each
+    /// lane has [`KEYS_PER_PASS`] keys' loads in flight at once. Scores (the lane group's sum of
+    /// its lanes' products, times the scale), softmax with block reductions, then the value
+    /// rows weighted the same way, summed per lane, across the lane groups of a warp, then one
+    /// thread per output channel adds the warps' sums in order.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_bf16(p: AttnParams) {
         grid_dependency_wait();
@@ -88,71 +94,83 @@ mod kernels {
         let (d, blk) = (p.head_dim as usize, ATTN_BLOCK as usize);
         let kw = p.kv_heads as usize * d;
         let kvh = h / (p.heads / p.kv_heads) as usize;
+        let lanes = d.div_ceil(8).next_power_of_two();
+        let per = 32 / lanes;
+        let warps = (ATTN_BLOCK / 32) as usize;
+        let (lane, w) = (lane_id() as usize, warp_id() as usize);
+        // This lane's channels c..c + 8 (none when c >= d) of keys `b + group + u * stride`
+        // for the warp's bases b (warp-uniform, so every lane takes part in each shuffle).
+        let (c, group, stride) = (lane % lanes * 8, lane / lanes, warps * per);
         // SAFETY: launch contract checked by host/src/attn.rs (head_dim <= MAX_HEAD_DIM);
         // shared memory as smem_bytes; barriers separate writes and reads of it.
         unsafe {
             let smem = dyn_smem_f32();
-            let (qs, scores) = (smem, smem.wrapping_add(d));
-            let scratch = scores.wrapping_add(p.max_len as usize);
-            let mut i = t;
-            while i < d {
-                st(qs, i, bf16_to_f32(ld(p.q, r * p.q_stride as usize + h * d + i)));
-                i += blk;
-            }
-            sync_threads();
+            let scratch = smem.wrapping_add(p.max_len as usize);
+            let q = p.q.wrapping_add(r * p.q_stride as usize + h * d);
+            let qv = if c < d { load8_bf16(q, c, d) } else { [0.0; 8] };
             let n = ld(p.pos, r) as usize + 1;
             let base = ld(p.slot, r) as usize * p.max_len as usize * kw + kvh * d;
+            // Key j's chunk of this lane (zeros past n or d).
+            let chunk = |cache: *const u16, j: usize| {
+                if j < n && c < d { load8_bf16(cache.wrapping_add(base + j * kw), c, d) } else { [0.0; 8] }
+            };
             let mut m = f32::NEG_INFINITY;
-            let (lane, warps) = (lane_id() as usize, (ATTN_BLOCK / 32) as usize);
-            let mut j = warp_id() as usize;
-            while j < n {
-                let mut s = 0.0f32;
-                let mut c = lane * 8;
-                while c < d {
-                    let kv = load8_bf16(p.k_cache.wrapping_add(base + j * kw), c, d);
-                    for (i, k) in kv.iter().enumerate() {
-                        if c + i < d {
-                            s += ld(qs, c + i) * k;
-                        }
+            let mut b = w * per;
+            while b < n {
+                let j0 = b + group;
+                let kv: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk(p.k_cache, j0 + u * stride));
+                for (u, kv) in kv.iter().enumerate() {
+                    let mut s = 0.0f32;
+                    for i in 0..8 {
+                        s += qv[i] * kv[i];
                     }
-                    c += 256;
+                    // Every lane of the group holds the group's sum.
+                    let s = warp_sum_bits(s, 1, lanes as u32 / 2) * p.scale;
+                    let j = j0 + u * stride;
+                    if j < n {
+                        if lane % lanes == 0 {
+                            st(smem, j, s);
+                        }
+                        m = m.max(s);
+                    }
                 }
-                // Every lane holds the warp's sum.
-                let s = warp_sum(s) * p.scale;
-                if lane == 0 {
-                    st(scores, j, s);
-                }
-                m = m.max(s);
-                j += warps;
+                b += KEYS_PER_PASS * stride;
             }
             // The barrier in the block reduction orders the scores before they are read.
             let m = block_max(m, scratch);
             let mut total = 0.0f32;
             let mut j = t;
             while j < n {
-                let e = exp_fast(ld(scores, j) - m);
-                st(scores, j, e);
+                let e = exp_fast(ld(smem, j) - m);
+                st(smem, j, e);
                 total += e;
                 j += blk;
             }
             let total = block_sum(total, scratch);
-            // d <= MAX_HEAD_DIM: lane l holds channels 8l..8l + 8.
-            let (c, w) = (lane * 8, warp_id() as usize);
             let mut acc = [0.0f32; 8];
-            if c < d {
-                let mut j = w;
-                while j < n {
-                    let (e, v) = (ld(scores, j), load8_bf16(p.v_cache.wrapping_add(base + j * kw), c, d));
+            let mut b = w * per;
+            while b < n {
+                let j0 = b + group;
+                let v: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk(p.v_cache, j0 + u * stride));
+                for (u, v) in v.iter().enumerate() {
+                    let j = j0 + u * stride;
+                    let e = if j < n { ld(smem, j) } else { 0.0 };
                     for i in 0..8 {
                         acc[i] += e * v[i];
                     }
-                    j += warps;
                 }
+                b += KEYS_PER_PASS * stride;
+            }
+            // The warp's lane groups' sums, in lane group 0.
+            for a in acc.iter_mut() {
+                *a = warp_sum_bits(*a, lanes as u32, 16);
             }
             let partial = scratch.wrapping_add(warps);
-            for (i, &a) in acc.iter().enumerate() {
-                if c + i < d {
-                    st(partial, w * d + c + i, a);
+            if lane < lanes {
+                for (i, &a) in acc.iter().enumerate() {
+                    if c + i < d {
+                        st(partial, w * d + c + i, a);
+                    }
                 }
             }
             sync_threads();

@@ -211,9 +211,17 @@ pub fn dyn_smem_f32() -> *mut f32 {
 
 /// Sum over the 32 lanes of a full warp; every lane gets the total.
 #[inline(always)]
-pub fn warp_sum(mut v: f32) -> f32 {
-    let mut m = 16;
-    while m > 0 {
+pub fn warp_sum(v: f32) -> f32 {
+    warp_sum_bits(v, 1, 16)
+}
+
+/// Sum over the lanes that differ from this one only in the lane-number bits `lo..=hi` (powers
+/// of two; none when `lo > hi`), by butterfly steps from `hi` down: `warp_sum_bits(v, 1, 16)`
+/// is [`warp_sum`]; `(v, 1, 8)` sums each half-warp; `(v, 16, 16)` lanes l and l ^ 16.
+#[inline(always)]
+pub fn warp_sum_bits(mut v: f32, lo: u32, hi: u32) -> f32 {
+    let mut m = hi;
+    while m >= lo && m > 0 {
         // SAFETY: all 32 lanes take part (full mask); callers run full warps.
         v += unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) };
         m >>= 1;

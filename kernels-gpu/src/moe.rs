@@ -688,12 +688,13 @@ mod kernels {
         // the pass lies within k (caller: the rows and inputs readable for k elements).
         unsafe {
             if aligned {
-                // Whole passes while every lane's chunks lie within k, then one checked pass
-                // while the first lane's do: in a warp's dot products (threads == 32) the same
-                // for all its lanes (the last lane's chunk is `31 - me` chunks past this one's),
-                // so a warp does not split into a whole pass for some lanes and a checked one for
-                // the others, each its own round trip. A block's (the split kernel) decides per
-                // thread: its shapes split no warp, and the test would cost it registers.
+                // Whole passes while every lane's chunks lie within k (in a warp's dot products,
+                // threads == 32: the last lane's chunk is `31 - me` chunks past this one's; a
+                // block's threads, the split kernel, test their own: its shapes split no warp,
+                // and the test would cost it registers), then one checked pass while the first
+                // thread's chunk (`me` chunks before this one's) does: the same for every lane,
+                // so a warp does not split into a whole pass for some lanes and a checked one
+                // for the others, each its own round trip.
                 let last = if threads == 32 { (threads - 1 - me) * 8 } else { 0 };
                 while c + last + (U - 1) * step < k {
                     d.pass::<W, R, U, WHOLE>(c, &mut acc);

@@ -546,28 +546,41 @@ mod gpu {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn gpu_dense_split_matches_reference() {
+    fn gpu_dense_kernels_match_reference() {
         let gpu = gpu();
         let mut rng = Rng::new(96);
         let mut compared = 0;
-        // Nano's out_proj and shared down projection at one row; rows of k not a multiple of
-        // the block's 1024-element stride, n not of its 4 rows, a few rows, k of one chunk.
-        for (n, k, rows) in [(2688, 4096, 1), (2688, 3712, 1), (7, 1032, 3), (5, 40, 2), (9, 8, 1)] {
+        // Nano's out_proj and shared down projection (the split kernel's rows), in_proj and the
+        // fused q/k/v (the dense kernel's) at one row; rows of k not a multiple of the
+        // kernels' strides, n not of their rows per block, a few rows, k of one chunk. Both
+        // kernels on every case.
+        let cases =
+            [(2688, 4096, 1), (2688, 3712, 1), (10304, 2688, 1), (4608, 2688, 1), (7, 1032, 3), (5, 40, 2), (9, 8, 1)];
+        for (n, k, rows) in cases {
             let bound = (3.0 / k as f64).sqrt();
             let (w, x) = (rng.bf16s(n * k, -bound, bound), rng.bf16s(rows * k, -1.0, 1.0));
-            let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-            dense_split(&gpu, &gpu.upload(&x).unwrap(), rows, &gpu.upload(&w).unwrap(), (n, k), &mut out).unwrap();
+            let (dw, dx) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
             let want: Vec<f64> = (0..rows * n)
                 .map(|i| {
                     let (j, r) = (i / n, i % n);
                     (0..k).map(|c| x[j * k + c].to_f64() * w[r * k + c].to_f64()).sum()
                 })
                 .collect();
-            let label = format!("dense split {n} x {k}, rows {rows}");
-            // bf16 output (2^-8 relative) over f32 sums of bf16 products.
-            compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, 1.0 / 128.0);
+            for split in [true, false] {
+                let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+                if split {
+                    dense_split(&gpu, &dx, rows, &dw, (n, k), &mut out).unwrap();
+                } else {
+                    dense(&gpu, &dx, rows, ExpertWeights::Bf16(&dw), (n, k), false, &mut out).unwrap();
+                }
+                let label = format!("dense (split: {split}) {n} x {k}, rows {rows}");
+                // bf16 output (2^-8 relative) over f32 sums of bf16 products.
+                compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, 1.0 / 128.0);
+            }
         }
-        println!("dense split: {compared} values compared");
+        let expected: usize = cases.iter().map(|&(n, _, rows)| 2 * n * rows).sum();
+        println!("dense kernels: {compared} values compared");
+        assert_eq!(compared, expected);
     }
 
     /// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):

@@ -390,6 +390,7 @@ fn project(
     let kern = match (w, rows) {
         (ExpertWeights::Bf16(_), Rows::Choices(..)) => Kernel::MoeExpertChoices,
         (ExpertWeights::Bf16(_), Rows::DenseSplit(_)) => Kernel::MoeDenseSplit,
+        (ExpertWeights::Bf16(_), Rows::Dense(_)) => Kernel::MoeDense,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
     };

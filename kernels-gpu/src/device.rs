@@ -46,9 +46,11 @@ macro_rules! static_smem {
 }
 pub(crate) use static_smem;
 
-/// The first statement of every kernel (programmatic dependent launch, sm_90+): lets the
-/// stream's next kernel start launching its blocks now, then waits until the kernel before
-/// this one has completed and its memory is visible. Kernels are launched with programmatic
+/// The first statement of every kernel, or of a weight-streaming kernel the first after it
+/// has issued its first weight loads (weights are never written while kernels run; see
+/// moe.rs `partial_dots`) (programmatic dependent launch, sm_90+): lets the stream's next
+/// kernel start launching its blocks now, then waits until the kernel before this one has
+/// completed and its memory is visible. Kernels are launched with programmatic
 /// stream serialization allowed (host/src/gpu.rs), so without this wait one could read its
 /// inputs before they are written; with it, work is ordered as on a plain stream while the
 /// next launch overlaps this kernel's tail.

@@ -135,6 +135,9 @@ kernels! {
     MoeExpertChoices = "moe_expert_choices_bf16",
     /// [`moe::ExpertParams`]: a bf16 linear layer, each weight row split along k over a block.
     MoeDenseSplit = "moe_dense_split_bf16",
+    /// [`moe::ExpertParams`]: a bf16 linear layer, a warp per weight row pair (`MoeExpert`'s
+    /// dense mode), its first weights loading before it waits on the kernel before.
+    MoeDense = "moe_dense_bf16",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.

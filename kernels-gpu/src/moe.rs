@@ -246,13 +246,13 @@ mod kernels {
     /// `counters[b]`) then selects for them, warp w for token w of the tile (see [`select`]).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
-        grid_dependency_wait();
         if block_x() >= p.experts {
             // SAFETY: launch contract (up and h set for one token, blocks past the experts'
-            // only then).
+            // only then). It waits on the kernel before once its weights are loading.
             unsafe { appended_up(&p, (block_x() - p.experts) as usize) };
             return;
         }
+        grid_dependency_wait();
         const T: usize = LOGITS_TOKENS as usize;
         let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
         let t0 = block_y() as usize * T;
@@ -345,8 +345,9 @@ mod kernels {
         };
         let a = p.top_k as usize + piece;
         // SAFETY: up holds (experts + shared) * n * k, x one row of k, h (top_k + shared) * n
-        // (caller): choice a, of x row 0.
-        unsafe { rows_from::<Streamed>(up, p.experts as usize + piece, row0, (a, a + 1), 0, false) }
+        // (caller): choice a, of x row 0. It waits on the kernel before once its weights are
+        // loading.
+        unsafe { rows_from::<Streamed, true>(up, p.experts as usize + piece, row0, (a, a + 1), 0, false) }
     }
 
     /// Experts per lane of [`select`]'s warp (lane l holds experts `l, l + 32, ..`).
@@ -666,7 +667,7 @@ mod kernels {
     /// The rows and inputs must be readable for `k` elements.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize>(
+    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize, const EARLY: bool>(
         w: *const u8,
         (stride, elem): (usize, usize),
         rows: usize,
@@ -685,8 +686,19 @@ mod kernels {
             && xs.iter().all(|&x| (x as usize).is_multiple_of(16));
         let d = Dots { w, stride: stride * elem, rows, xs, toks, scale, k, fp8, step };
         // SAFETY: unchecked chunk loads only where all is aligned, without a test only where
-        // the pass lies within k (caller: the rows and inputs readable for k elements).
+        // the pass lies within k (caller: the rows and inputs readable for k elements; with
+        // `early`, nothing else read yet that the kernel before writes).
         unsafe {
+            if EARLY {
+                // The first pass on its own, waiting between its weights and its inputs (every
+                // lane, its chunks past k or not).
+                if aligned {
+                    d.pass::<W, R, U, CHUNKS, true>(c, &mut acc);
+                } else {
+                    d.pass::<W, R, U, ELEMENTS, true>(c, &mut acc);
+                }
+                c += step * U;
+            }
             if aligned {
                 // Whole passes while every lane's chunks lie within k (in a warp's dot products,
                 // threads == 32: the last lane's chunk is `31 - me` chunks past this one's; a
@@ -697,15 +709,15 @@ mod kernels {
                 // for the others, each its own round trip.
                 let last = if threads == 32 { (threads - 1 - me) * 8 } else { 0 };
                 while c + last + (U - 1) * step < k {
-                    d.pass::<W, R, U, WHOLE>(c, &mut acc);
+                    d.pass::<W, R, U, WHOLE, false>(c, &mut acc);
                     c += step * U;
                 }
                 if c - me * 8 < k {
-                    d.pass::<W, R, U, CHUNKS>(c, &mut acc);
+                    d.pass::<W, R, U, CHUNKS, false>(c, &mut acc);
                 }
             } else {
                 while c < k {
-                    d.pass::<W, R, U, ELEMENTS>(c, &mut acc);
+                    d.pass::<W, R, U, ELEMENTS, false>(c, &mut acc);
                     c += step * U;
                 }
             }
@@ -736,11 +748,13 @@ mod kernels {
         /// Chunks `c, c + step, .. c + (U - 1) * step` of every row, each against its
         /// tokens' input chunk, added into `acc` in the order (token, chunk, row), chunks
         /// past k as zeros, loaded as `MODE` ([`WHOLE`], [`CHUNKS`] or [`ELEMENTS`]) says.
+        /// `WAIT`: the weights' loads issued, the kernel waits on the one before, then reads
+        /// the inputs.
         ///
         /// # Safety
         /// As [`partial_dots`]; `MODE` only as its constant says.
         #[inline(always)]
-        unsafe fn pass<W: Chunk, const R: usize, const U: usize, const MODE: u8>(
+        unsafe fn pass<W: Chunk, const R: usize, const U: usize, const MODE: u8, const WAIT: bool>(
             &self,
             c: usize,
             acc: &mut [[f32; T]; R],
@@ -764,6 +778,9 @@ mod kernels {
                             };
                         }
                     }
+                }
+                if WAIT {
+                    grid_dependency_wait();
                 }
                 for (t, &x) in self.xs.iter().enumerate() {
                     if t < self.toks {
@@ -799,6 +816,7 @@ mod kernels {
     /// whether inputs are quantized.
     #[inline(always)]
     unsafe fn expert_rows<W: Chunk>(p: ExpertParams, fp8: bool) {
+        grid_dependency_wait();
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
         // the dispatch kernel over the same entries, all null for a dense launch.
         unsafe {
@@ -816,8 +834,20 @@ mod kernels {
                 let lo = ld(p.offsets, e) as usize;
                 (e, lo, ld(p.offsets, e + 1) as usize - lo)
             };
-            warp_rows::<W>(p, e, (lo, lo + count), usize::MAX, fp8);
+            warp_rows::<W, false>(p, e, (lo, lo + count), usize::MAX, fp8);
         }
+    }
+
+    /// A bf16 linear layer, [`ExpertParams`] of a dense launch (offsets, active, active_count,
+    /// x_row and idx null; pieces 0): [`moe_expert_bf16`]'s dense mode with the weights
+    /// streamed past L1 ([`Streamed`]), and the first of each warp's weight loads issued
+    /// before it waits on the kernel before (which, running, may be writing x). Grid `(ceil(n /
+    /// EXPERT_BLOCK_ROWS), 1)`, block [`EXPERT_BLOCK`].
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_dense_bf16(p: ExpertParams) {
+        // SAFETY: launch contract checked by host/src/moe.rs (x holds rows * k, w n * k, out
+        // rows * n, k a multiple of 8); it reads nothing of the kernel before until it waits.
+        unsafe { warp_rows::<Streamed, true>(p, 0, (0, p.rows as usize), usize::MAX, false) }
     }
 
     /// Expert projection per routing choice, bf16 weights, [`ExpertParams`] with `idx` (the
@@ -835,7 +865,7 @@ mod kernels {
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }
-            warp_rows::<Streamed>(p, e as usize, (a, a + 1), a / p.per as usize, false);
+            warp_rows::<Streamed, false>(p, e as usize, (a, a + 1), a / p.per as usize, false);
         }
     }
 
@@ -848,10 +878,16 @@ mod kernels {
     /// # Safety
     /// The launch contract of the calling kernel, `e` a valid expert.
     #[inline(always)]
-    unsafe fn warp_rows<W: Chunk>(p: ExpertParams, e: usize, rows: (usize, usize), x_at: usize, fp8: bool) {
+    unsafe fn warp_rows<W: Chunk, const EARLY: bool>(
+        p: ExpertParams,
+        e: usize,
+        rows: (usize, usize),
+        x_at: usize,
+        fp8: bool,
+    ) {
         let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
         // SAFETY: forwarded.
-        unsafe { rows_from::<W>(p, e, row0, rows, x_at, fp8) }
+        unsafe { rows_from::<W, EARLY>(p, e, row0, rows, x_at, fp8) }
     }
 
     /// [`warp_rows`] for the warp's rows from `row0`, wherever the launch puts them (none
@@ -860,7 +896,7 @@ mod kernels {
     /// # Safety
     /// As [`warp_rows`].
     #[inline(always)]
-    unsafe fn rows_from<W: Chunk>(
+    unsafe fn rows_from<W: Chunk, const EARLY: bool>(
         p: ExpertParams,
         e: usize,
         row0: usize,
@@ -868,34 +904,69 @@ mod kernels {
         x_at: usize,
         fp8: bool,
     ) {
-        const R: usize = EXPERT_WARP_ROWS as usize;
-        const T: usize = EXPERT_TOKENS;
         let (n, k) = (p.n as usize, p.k as usize);
         if row0 >= n {
             return;
         }
         let elem = if fp8 { 1 } else { 2 };
-        let lane = lane_id() as usize;
         // SAFETY: k a multiple of 8, w holds experts * n * k weights (and the scales experts
-        // values; the pieces, when any, among them), x_row entries index rows of x, out holds
-        // entries * n (caller). Each output element is written by lane 0 of the one warp
-        // owning its weight row.
+        // values; the pieces, when any, among them) (caller).
         unsafe {
             let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
-            let w = p.w.wrapping_add(at * elem);
-            let rows = (n - row0).min(R);
             let w_scale = if fp8 { ld(p.w_scale, e) } else { 1.0 };
+            let wr = WarpRows { w: p.w.wrapping_add(at * elem), stride, elem, row0, e, w_scale, x_at, fp8 };
+            // EARLY: the first group apart (it waits on the kernel before once its weights
+            // are loading), so its loads are not hoisted out of the loop of the others.
             let mut j0 = lo;
+            if EARLY && j0 < hi {
+                wr.group::<W, true>(&p, j0, hi);
+                j0 += EXPERT_TOKENS;
+            }
             while j0 < hi {
-                let toks = (hi - j0).min(T);
+                wr.group::<W, false>(&p, j0, hi);
+                j0 += EXPERT_TOKENS;
+            }
+        }
+    }
+
+    /// A warp's weight rows of [`warp_rows`]: the first (`w`, `stride` elements of `elem`
+    /// bytes apart), the first's index, the expert and its weight scale; where x comes from
+    /// and FP8 or not.
+    struct WarpRows {
+        w: *const u8,
+        stride: usize,
+        elem: usize,
+        row0: usize,
+        e: usize,
+        w_scale: f32,
+        x_at: usize,
+        fp8: bool,
+    }
+
+    impl WarpRows {
+        /// Rows `j0..min(j0 + EXPERT_TOKENS, hi)` of out.
+        ///
+        /// # Safety
+        /// As [`warp_rows`]; x_row entries index rows of x, out holds entries * n. Each output
+        /// element is written by lane 0 of the one warp owning its weight row.
+        #[inline(always)]
+        unsafe fn group<W: Chunk, const EARLY: bool>(&self, p: &ExpertParams, j0: usize, hi: usize) {
+            const R: usize = EXPERT_WARP_ROWS as usize;
+            const T: usize = EXPERT_TOKENS;
+            let (n, k, fp8) = (p.n as usize, p.k as usize, self.fp8);
+            let lane = lane_id() as usize;
+            let rows = (n - self.row0).min(R);
+            let toks = (hi - j0).min(T);
+            // SAFETY: forwarded from the caller.
+            unsafe {
                 // Constant indices only (t, r < T, R), so the arrays stay in registers.
                 let mut xs = [p.x; T];
                 // FP8: each token's scale and its reciprocal.
                 let mut scale = [(1.0f32, 1.0f32); T];
                 for (t, x) in xs.iter_mut().enumerate() {
                     if t < toks {
-                        let r = if x_at != usize::MAX {
-                            x_at
+                        let r = if self.x_at != usize::MAX {
+                            self.x_at
                         } else if p.x_row.is_null() {
                             j0 + t
                         } else {
@@ -912,15 +983,15 @@ mod kernels {
                                 }
                                 crate::quant::token_scale(warp_max(amax), f32::INFINITY)
                             } else {
-                                ld(p.in_scale, e)
+                                ld(p.in_scale, self.e)
                             };
                             scale[t] = (s, 1.0 / s);
                         }
                     }
                 }
-                let acc = partial_dots::<W, R, T, EXPERT_UNROLL>(
-                    w,
-                    (stride, elem),
+                let acc = partial_dots::<W, R, T, EXPERT_UNROLL, EARLY>(
+                    self.w,
+                    (self.stride, self.elem),
                     rows,
                     &xs,
                     toks,
@@ -932,7 +1003,7 @@ mod kernels {
                 for (r, acc) in acc.iter().enumerate() {
                     for (t, &v) in acc.iter().enumerate() {
                         if r < rows && t < toks {
-                            let s = warp_sum(v) * w_scale * scale[t].0;
+                            let s = warp_sum(v) * self.w_scale * scale[t].0;
                             let y = if p.relu2 != 0 {
                                 let h = bf16_to_f32(f32_to_bf16(s)).max(0.0);
                                 h * h
@@ -940,12 +1011,11 @@ mod kernels {
                                 s
                             };
                             if lane == 0 {
-                                st(p.out, (j0 + t) * n + row0 + r, f32_to_bf16(y));
+                                st(p.out, (j0 + t) * n + self.row0 + r, f32_to_bf16(y));
                             }
                         }
                     }
                 }
-                j0 += T;
             }
         }
     }
@@ -959,7 +1029,6 @@ mod kernels {
     /// per output.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_dense_split_bf16(p: ExpertParams) {
-        grid_dependency_wait();
         const R: usize = SPLIT_ROWS as usize;
         const WARPS: usize = (SPLIT_BLOCK / 32) as usize;
         let (n, k) = (p.n as usize, p.k as usize);
@@ -974,8 +1043,9 @@ mod kernels {
             let x = [p.x.wrapping_add(j * k)];
             let w = p.w.wrapping_add(row0 * k * 2);
             let block = (me, SPLIT_BLOCK as usize);
-            let acc =
-                partial_dots::<Streamed, R, 1, SPLIT_UNROLL>(w, (k, 2), rows, &x, 1, &[(1.0, 1.0)], k, false, block);
+            // It waits on the kernel before once its weights are loading (partial_dots).
+            let one = [(1.0, 1.0)];
+            let acc = partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, (k, 2), rows, &x, 1, &one, k, false, block);
             for (r, a) in acc.iter().enumerate() {
                 let v = warp_sum(a[0]);
                 if lane_id() == 0 {
@@ -1023,7 +1093,7 @@ mod kernels {
             let x = [p.x.wrapping_add(c * k)];
             let w = p.w.wrapping_add(at * 2);
             let warp = (lane_id() as usize, 32);
-            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL>(
+            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL, false>(
                 w,
                 (stride, 2),
                 rows,
@@ -1060,8 +1130,7 @@ mod kernels {
     /// [`EXPERT_TOKENS`] of the expert's rows (see `partial_dots`).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
-        grid_dependency_wait();
-        // SAFETY: forwarded launch contract.
+        // SAFETY: forwarded launch contract (it waits on the kernel before).
         unsafe { expert_rows::<[u32; 4]>(p, false) }
     }
 
@@ -1069,8 +1138,7 @@ mod kernels {
     /// input chunk quantized to e4m3 with its token's scale before the product.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
-        grid_dependency_wait();
-        // SAFETY: forwarded launch contract.
+        // SAFETY: forwarded launch contract (it waits on the kernel before).
         unsafe { expert_rows::<u64>(p, true) }
     }
 

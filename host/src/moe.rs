@@ -114,7 +114,7 @@ fn launch_route(
     let tiles = rows.div_ceil(LOGITS_TOKENS as usize);
     c.count("rows", crate::gpu::COUNTERS * LOGITS_TOKENS as usize, rows)?;
     // SAFETY: every logit is written before the selection (by the tile's last block) reads it.
-    let mut logits = unsafe { gpu.uninit::<f32>(rows * s.experts) }?;
+    let mut logits = unsafe { gpu.scratch::<f32>(rows * s.experts) }?;
     let p = RouteParams {
         x: gpu.addr(k, "x", x)? as *const u16,
         gate: gpu.addr(k, "gate", gate)? as *const u16,
@@ -506,7 +506,7 @@ pub fn experts_mlp(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every row of every active expert: all entries.
-    let mut h = unsafe { gpu.uninit::<bf16>(d.entries() * inter) }?;
+    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * inter) }?;
     experts(gpu, d, x, true, up, (inter, hidden), true, 0, &mut h)?;
     experts(gpu, d, &h, false, down, (hidden, inter), false, pieces, out)
 }
@@ -531,7 +531,7 @@ pub fn experts_mlp_choices(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every choice's row before the down projection reads it.
-    let mut h = unsafe { gpu.uninit::<bf16>(ch.idx.len() * inter) }?;
+    let mut h = unsafe { gpu.scratch::<bf16>(ch.idx.len() * inter) }?;
     let all = ch.idx.len();
     choices_mlp(gpu, ch, x, (up, down), (inter, hidden), (pieces, shared), (&mut h, all), out)
 }

@@ -34,7 +34,7 @@ use host::moe::{
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
+use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
 
 use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
@@ -207,12 +207,12 @@ impl CudaRows {
 }
 
 /// The rows an [`In`] reads, from row 0 to the end of its buffer.
-fn view<'a>(x: &In<'a, CudaSlice<bf16>>) -> CudaView<'a, bf16> {
+fn view<'a>(x: &In<'a, Buffer<bf16>>) -> CudaView<'a, bf16> {
     x.buf.slice(x.offset..)
 }
 
 /// The output region of an [`Out`] of `len` elements.
-fn view_mut<'a>(y: Out<'a, CudaSlice<bf16>>, len: usize) -> Result<CudaViewMut<'a, bf16>> {
+fn view_mut<'a>(y: Out<'a, Buffer<bf16>>, len: usize) -> Result<CudaViewMut<'a, bf16>> {
     let end = y.offset + len;
     if end > y.buf.len() {
         return Err(Error::Unsupported(format!("output region {}..{end} past a buffer of {}", y.offset, y.buf.len())));
@@ -220,12 +220,12 @@ fn view_mut<'a>(y: Out<'a, CudaSlice<bf16>>, len: usize) -> Result<CudaViewMut<'
     Ok(y.buf.slice_mut(y.offset..end))
 }
 
-fn rows<'a>(x: &In<'a, CudaSlice<bf16>>, cols: usize) -> Rows<'a> {
+fn rows<'a>(x: &In<'a, Buffer<bf16>>, cols: usize) -> Rows<'a> {
     Rows { buf: x.buf, offset: x.offset + cols, stride: x.stride }
 }
 
 /// x, B and C inside the conv output rows, dt inside in_proj's.
-fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, CudaSlice<bf16>>, dt: &In<'a, CudaSlice<bf16>>) -> SsmInputs<'a> {
+fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, Buffer<bf16>>, dt: &In<'a, Buffer<bf16>>) -> SsmInputs<'a> {
     let gn = c.groups * c.state_size;
     SsmInputs { x: rows(xbc, 0), dt: rows(dt, 0), b: rows(xbc, c.inner()), c: rows(xbc, c.inner() + gn) }
 }
@@ -289,7 +289,7 @@ impl Cuda {
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         // SAFETY: the up projection writes all n * up.n values before they are read.
-        let mut h = unsafe { self.gpu.uninit::<bf16>(n * up.n) }?;
+        let mut h = unsafe { self.gpu.scratch::<bf16>(n * up.n) }?;
         self.linear_rows(x, n, up, true, &mut h.as_view_mut())?;
         self.linear_rows(&h.as_view(), n, down, false, out)
     }
@@ -363,38 +363,39 @@ fn unsupported(what: &str) -> Error {
 }
 
 impl Backend for Cuda {
-    type Buf = CudaSlice<bf16>;
+    type Buf = Buffer<bf16>;
     type Buf32 = CudaSlice<f32>;
     type Weight = CudaWeight;
     type Experts = CudaExperts;
     type Rows = CudaRows;
     type Graph = Graph;
 
-    fn upload(&self, v: &[bf16]) -> Result<CudaSlice<bf16>> {
+    fn upload(&self, v: &[bf16]) -> Result<Buffer<bf16>> {
         if std::mem::size_of_val(v) < UPLOAD_STAGE_BYTES {
-            return Ok(self.gpu.upload(v)?);
+            return Ok(self.gpu.upload(v)?.into());
         }
         // SAFETY: the copy below writes every element, in stream order before any use.
         let mut b = unsafe { self.gpu.uninit::<bf16>(v.len()) }?;
         self.gpu.upload_bytes_into(bytemuck::cast_slice(v), &mut b.as_view_mut())?;
-        Ok(b)
+        Ok(b.into())
     }
     fn upload32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         Ok(self.gpu.upload(v)?)
     }
-    fn zeros(&self, n: usize) -> Result<CudaSlice<bf16>> {
-        Ok(self.gpu.zeros(n.max(1))?)
+    fn zeros(&self, n: usize) -> Result<Buffer<bf16>> {
+        Ok(self.gpu.zeros(n.max(1))?.into())
     }
     fn zeros32(&self, n: usize) -> Result<CudaSlice<f32>> {
         Ok(self.gpu.zeros(n.max(1))?)
     }
-    fn scratch(&self, n: usize) -> Result<CudaSlice<bf16>> {
+    fn scratch(&self, n: usize) -> Result<Buffer<bf16>> {
         // SAFETY: unwritten device memory holds arbitrary bf16 values, not undefined
         // behaviour: no kernel indexes memory with activation values (routing ranks NaN last
-        // and traps on an empty pick). The model writes these buffers before reading them.
-        Ok(unsafe { self.gpu.uninit(n.max(1)) }?)
+        // and traps on an empty pick). The model writes these buffers before reading them;
+        // one taken while recording lives only as long as the step it serves (Gpu::scratch).
+        Ok(unsafe { self.gpu.scratch(n.max(1)) }?)
     }
-    fn download_rows(&self, b: &CudaSlice<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
+    fn download_rows(&self, b: &Buffer<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
         Ok(self.gpu.download_with(b, |v| rows_f32(v, width))?)
     }
 
@@ -467,24 +468,24 @@ impl Backend for Cuda {
         Ok(graph.replay()?)
     }
 
-    fn embed(&self, table: &CudaSlice<bf16>, width: usize, rows: &CudaRows, out: Out<CudaSlice<bf16>>) -> Result<()> {
+    fn embed(&self, table: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {
         let mut y = view_mut(out, rows.tokens.len() * width)?;
         Ok(host::act::gather_by(&self.gpu, table, width, &rows.tokens, &mut y)?)
     }
 
-    fn last_rows(&self, x: &CudaSlice<bf16>, width: usize, rows: &CudaRows, out: Out<CudaSlice<bf16>>) -> Result<()> {
+    fn last_rows(&self, x: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {
         let mut y = view_mut(out, rows.last.len() * width)?;
         Ok(host::act::gather_by(&self.gpu, x, width, &rows.last, &mut y)?)
     }
 
     fn rms_norm(
         &self,
-        x: In<CudaSlice<bf16>>,
-        w: &CudaSlice<bf16>,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
         rows: usize,
         width: usize,
         eps: f32,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let shape = NormShape { x_stride: x.stride, ..NormShape::new(rows, width, 1, eps) };
         let mut y = view_mut(y, rows * width)?;
@@ -493,21 +494,21 @@ impl Backend for Cuda {
 
     fn gated_norm(
         &self,
-        x: In<CudaSlice<bf16>>,
-        z: In<CudaSlice<bf16>>,
-        w: &CudaSlice<bf16>,
+        x: In<Buffer<bf16>>,
+        z: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
         rows: usize,
         width: usize,
         groups: usize,
         eps: f32,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let shape = NormShape { x_stride: x.stride, z_stride: z.stride, ..NormShape::new(rows, width, groups, eps) };
         let mut y = view_mut(y, rows * width)?;
         Ok(gated_norm(&self.gpu, shape, &view(&x), &view(&z), w, &mut y)?)
     }
 
-    fn linear(&self, x: In<CudaSlice<bf16>>, rows: usize, w: &CudaWeight, y: Out<CudaSlice<bf16>>) -> Result<()> {
+    fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {
         if x.stride != w.k {
             return Err(unsupported("strided linear inputs"));
         }
@@ -518,13 +519,13 @@ impl Backend for Cuda {
 
     fn add_rms_norm(
         &self,
-        h: &mut CudaSlice<bf16>,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
+        h: &mut Buffer<bf16>,
+        x: &Buffer<bf16>,
+        w: &Buffer<bf16>,
         rows: usize,
         width: usize,
         eps: f32,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let n = rows * width;
         let mut y = view_mut(y, n)?;
@@ -534,11 +535,11 @@ impl Backend for Cuda {
 
     fn mlp(
         &self,
-        x: In<CudaSlice<bf16>>,
+        x: In<Buffer<bf16>>,
         rows: usize,
         up: &CudaWeight,
         down: &CudaWeight,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         if x.stride != up.k {
             return Err(unsupported("strided MLP inputs"));
@@ -551,12 +552,12 @@ impl Backend for Cuda {
     fn conv_decode(
         &self,
         c: &MambaConfig,
-        x: In<CudaSlice<bf16>>,
-        w: &CudaSlice<bf16>,
-        bias: Option<&CudaSlice<bf16>>,
-        state: &mut CudaSlice<bf16>,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        bias: Option<&Buffer<bf16>>,
+        state: &mut Buffer<bf16>,
         rows: &CudaRows,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
         let slots = rows.decode()?;
@@ -566,7 +567,7 @@ impl Backend for Cuda {
             ConvShape { dim: cd, k, x_stride: x.stride },
             &view(&x),
             w,
-            bias,
+            bias.map(|b| &**b),
             state,
             slots,
             &mut y,
@@ -576,28 +577,28 @@ impl Backend for Cuda {
     fn conv_prefill(
         &self,
         c: &MambaConfig,
-        x: In<CudaSlice<bf16>>,
-        w: &CudaSlice<bf16>,
-        bias: Option<&CudaSlice<bf16>>,
-        state: &mut CudaSlice<bf16>,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        bias: Option<&Buffer<bf16>>,
+        state: &mut Buffer<bf16>,
         rows: &CudaRows,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
         let p = rows.prefill()?;
         let mut y = view_mut(y, p.tokens() * cd)?;
-        Ok(conv_fwd(&self.gpu, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias, state, p, &mut y)?)
+        Ok(conv_fwd(&self.gpu, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias.map(|b| &**b), state, p, &mut y)?)
     }
 
     fn ssm_decode(
         &self,
         c: &MambaConfig,
-        xbc: In<CudaSlice<bf16>>,
-        dt: In<CudaSlice<bf16>>,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
         heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
         state: &mut CudaSlice<f32>,
         rows: &CudaRows,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let shape = ssm_shape(c);
         let slots = rows.decode()?;
@@ -610,12 +611,12 @@ impl Backend for Cuda {
     fn ssm_prefill(
         &self,
         c: &MambaConfig,
-        xbc: In<CudaSlice<bf16>>,
-        dt: In<CudaSlice<bf16>>,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
         heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
         state: &mut CudaSlice<f32>,
         rows: &CudaRows,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let shape = ssm_shape(c);
         let p = rows.prefill()?;
@@ -629,10 +630,10 @@ impl Backend for Cuda {
     fn moe(
         &self,
         c: &MoeConfig,
-        x: In<CudaSlice<bf16>>,
+        x: In<Buffer<bf16>>,
         rows: usize,
         w: &MoeWeights<Cuda>,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let g = &self.gpu;
         let hidden = w.gate.len() / c.experts;
@@ -651,15 +652,15 @@ impl Backend for Cuda {
         // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
         // experts every grouped row, the shared expert every row of its output, each before
         // the next operation reads it.
-        let (mut idx, mut wts) = unsafe { (g.uninit::<i32>(rows * choices)?, g.uninit::<f32>(rows * choices)?) };
-        let router = (&w.gate, &w.score_bias);
+        let (mut idx, mut wts) = unsafe { (g.scratch::<i32>(rows * choices)?, g.scratch::<f32>(rows * choices)?) };
+        let router = (&*w.gate, &w.score_bias);
         // One token whose routing appends the shared expert's pieces: their up projections in
         // the routing's launch (`h`, the choices' hidden rows, its last rows written there).
         let mut h = match &ex.up {
             Weights::Bf16(up) if shape.shared > 0 && rows <= CHOICES_MAX_ROWS => {
                 // SAFETY: the routing writes the pieces' rows, the choices launch the others,
                 // before the down projections read them.
-                let mut h = unsafe { g.uninit::<bf16>(choices * ex.inter) }?;
+                let mut h = unsafe { g.scratch::<bf16>(choices * ex.inter) }?;
                 route_appended_up(g, shape, &xv, hidden, router, (&mut idx, &mut wts), (up, ex.inter), &mut h)?;
                 Some(h)
             }
@@ -670,7 +671,7 @@ impl Backend for Cuda {
         };
         let shared = match (&ex.shared, &ex.up, &ex.down) {
             (Shared::Mlp(mlp), ..) => {
-                let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
+                let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
                 self.mlp_rows(&xv, rows, (&mlp.0, &mlp.1), &mut out.as_view_mut())?;
                 Some(out)
             }
@@ -679,9 +680,9 @@ impl Backend for Cuda {
                 // with zeros to n * inter.
                 let (si, at) = (n * ex.inter, c.experts * ex.inter * hidden);
                 let (up, down) = (up.slice(at..at + si * hidden), down.slice(at..at + si * hidden));
-                let mut out = unsafe { g.uninit::<bf16>(rows * hidden) }?;
+                let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
                 // SAFETY: the up projection writes all rows * si values before they are read.
-                let mut h = unsafe { g.uninit::<bf16>(rows * si) }?;
+                let mut h = unsafe { g.scratch::<bf16>(rows * si) }?;
                 self.gemm_rows(&xv, rows, &up, (si, hidden), true, &mut h.as_view_mut())?;
                 self.gemm_rows(&h.as_view(), rows, &down, (hidden, si), false, &mut out.as_view_mut())?;
                 Some(out)
@@ -697,35 +698,35 @@ impl Backend for Cuda {
             let dims = (ex.inter, hidden);
             match &mut h {
                 Some(h) => {
-                    let pieces = (pieces, shared.as_ref());
+                    let pieces = (pieces, shared.as_deref());
                     experts_mlp_choices_after(g, ch, &xv, (up, down), dims, pieces, (h, shape.shared), &mut y)?
                 }
-                None => experts_mlp_choices(g, ch, &xv, up, down, dims, pieces, shared.as_ref(), &mut y)?,
+                None => experts_mlp_choices(g, ch, &xv, up, down, dims, pieces, shared.as_deref(), &mut y)?,
             }
             return Ok(());
         }
         let mut d = Dispatch::new(g, experts, choices, rows)?;
         dispatch(g, &idx, &mut d)?;
-        let mut grouped = unsafe { g.uninit::<bf16>(d.entries() * hidden) }?;
+        let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
         match (&ex.up, &ex.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
                 experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
             }
             (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), pieces, &mut grouped)?,
         }
-        Ok(combine(g, &grouped, shared.as_ref(), d.slot(), &wts, choices, hidden, &mut y)?)
+        Ok(combine(g, &grouped, shared.as_deref(), d.slot(), &wts, choices, hidden, &mut y)?)
     }
 
     fn attention(
         &self,
         c: &AttentionConfig,
-        q: In<CudaSlice<bf16>>,
-        k: In<CudaSlice<bf16>>,
-        v: In<CudaSlice<bf16>>,
-        cache: (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+        q: In<Buffer<bf16>>,
+        k: In<Buffer<bf16>>,
+        v: In<Buffer<bf16>>,
+        cache: (&mut Buffer<bf16>, &mut Buffer<bf16>),
         max_len: usize,
         rows: &CudaRows,
-        y: Out<CudaSlice<bf16>>,
+        y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len };
         let mut y = view_mut(y, rows.attn.len() * c.heads * c.head_dim)?;

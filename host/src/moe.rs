@@ -580,9 +580,10 @@ fn choices_mlp(
     if let Some(s) = shared {
         c.len("shared", rows * hidden, s.len())?;
     }
-    if launched > 0 {
-        project(gpu, Rows::Choices(ch, launched), x, ExpertWeights::Bf16(up), (inter, hidden), true, h)?;
-    }
+    // The combining kernel reads the choices before its wait: the per-choice kernel just
+    // before it lets it launch only once the routing has completed.
+    c.that("launched", launched > 0, "at least one choice's up projection in this call", launched)?;
+    project(gpu, Rows::Choices(ch, launched), x, ExpertWeights::Bf16(up), (inter, hidden), true, h)?;
     let p = ExpertCombineParams {
         x: gpu.addr(k, "h", h)? as *const u16,
         w: gpu.addr(k, "down", down)? as *const u8,
@@ -601,7 +602,8 @@ fn choices_mlp(
     // SAFETY: h holds rows * per rows of inter (a multiple of 8; its first `launched` rows
     // written by the up projection above, the others before the call), down experts * hidden
     // * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
-    // * hidden; ids not below experts trap.
+    // * hidden; ids not below experts trap; the per-choice launch right before it (its
+    // programmatic predecessor) completes its wait on the routing before letting it launch.
     unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
 }
 

@@ -56,10 +56,29 @@ pub(crate) use static_smem;
 /// next launch overlaps this kernel's tail.
 #[inline(always)]
 pub fn grid_dependency_wait() {
+    dependency::<false>();
+}
+
+/// [`grid_dependency_wait`] in the other order: waits, then lets the next kernel launch. Once
+/// this wait has returned every kernel before this one has completed, so the next kernel may
+/// read what they wrote before its own wait (not what this one writes).
+#[inline(always)]
+pub fn grid_dependency_wait_first() {
+    dependency::<true>();
+}
+
+#[inline(always)]
+fn dependency<const WAIT_FIRST: bool>() {
     #[cfg(feature = "timeline")]
     let t0 = globaltimer();
     // SAFETY: no operands; the implicit memory clobber keeps every access after the wait.
-    unsafe { asm!("griddepcontrol.launch_dependents;", "griddepcontrol.wait;", options(nostack)) }
+    unsafe {
+        if WAIT_FIRST {
+            asm!("griddepcontrol.wait;", "griddepcontrol.launch_dependents;", options(nostack))
+        } else {
+            asm!("griddepcontrol.launch_dependents;", "griddepcontrol.wait;", options(nostack))
+        }
+    }
     #[cfg(feature = "timeline")]
     timeline::record(t0);
 }

@@ -853,10 +853,12 @@ mod kernels {
     /// Expert projection per routing choice, bf16 weights, [`ExpertParams`] with `idx` (the
     /// other row fields null). Grid `(ceil(n / EXPERT_BLOCK_ROWS), entries)`, block
     /// [`EXPERT_BLOCK`]: block `(b, a)` computes choice a, expert `idx[a]`, for row `a / per`
-    /// of x into row a of out, as [`moe_expert_bf16`] computes an expert's rows.
+    /// of x into row a of out, as [`moe_expert_bf16`] computes an expert's rows. The next
+    /// kernel launches only once this one's wait has returned (the routing has completed):
+    /// the expert-combine kernel after it reads the choices before its wait.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
-        grid_dependency_wait();
+        grid_dependency_wait_first();
         let a = block_y() as usize;
         // SAFETY: launch contract checked by host/src/moe.rs: idx holds entries ids (one out
         // of range traps), x entries / per rows, w experts * n * k, out entries * n.
@@ -1071,7 +1073,6 @@ mod kernels {
     /// first): [`moe_expert_bf16`] then [`moe_combine_bf16`] in one launch, bit for bit.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_combine_bf16(p: ExpertCombineParams) {
-        grid_dependency_wait();
         const R: usize = COMBINE_ROWS as usize;
         let (n, k, per) = (p.n as usize, p.k as usize, p.per as usize);
         let (t, j) = (block_y() as usize, warp_id() as usize);
@@ -1081,7 +1082,10 @@ mod kernels {
         // experts * n * k (the pieces among them), idx and weight rows * per, shared (when not
         // null) and out rows * n, per <= MAX_TOP_K; an expert id out of range traps. Shared
         // memory: the products below, each written by lane 0 of its warp before the barrier.
-        // Each output element is written by the one thread owning its row.
+        // Each output element is written by the one thread owning its row. Before its wait
+        // (in the first pass of `partial_dots`) it reads only the choices and the weights:
+        // the kernel before it, the per-choice kernel, lets it launch once the routing that
+        // wrote the choices has completed.
         unsafe {
             let y = static_smem!("combine_y", MAX_TOP_K * COMBINE_ROWS * 4);
             let c = t * per + j;
@@ -1093,7 +1097,7 @@ mod kernels {
             let x = [p.x.wrapping_add(c * k)];
             let w = p.w.wrapping_add(at * 2);
             let warp = (lane_id() as usize, 32);
-            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL, false>(
+            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL, true>(
                 w,
                 (stride, 2),
                 rows,

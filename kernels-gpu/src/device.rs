@@ -592,6 +592,22 @@ pub unsafe fn load8_stream_whole(q: *const u16) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// `p[i]` read through L2 (`ld.global.cg`), past this SM's L1: for what another kernel wrote
+/// that this one reads before its dependency wait (a line of an earlier kernel's read could
+/// still be in L1).
+///
+/// # Safety
+/// `p[i]` must be readable.
+#[inline(always)]
+pub unsafe fn ld_l2(p: *const i32, i: usize) -> i32 {
+    let v: i32;
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        asm!("ld.global.cg.s32 {v}, [{a}];", v = out(reg32) v, a = in(reg64) p.wrapping_add(i), options(readonly, nostack))
+    };
+    v
+}
+
 /// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole
 /// and aligned).
 ///

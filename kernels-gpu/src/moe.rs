@@ -1089,7 +1089,7 @@ mod kernels {
         unsafe {
             let y = static_smem!("combine_y", MAX_TOP_K * COMBINE_ROWS * 4);
             let c = t * per + j;
-            let e = ld(p.idx, c);
+            let e = ld_l2(p.idx, c);
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }

@@ -587,7 +587,16 @@ impl Backend for Cuda {
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
         let p = rows.prefill()?;
         let mut y = view_mut(y, p.tokens() * cd)?;
-        Ok(conv_fwd(&self.gpu, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias.map(|b| &**b), state, p, &mut y)?)
+        Ok(conv_fwd(
+            &self.gpu,
+            ConvShape { dim: cd, k, x_stride: x.stride },
+            &view(&x),
+            w,
+            bias.map(|b| &**b),
+            state,
+            p,
+            &mut y,
+        )?)
     }
 
     fn ssm_decode(

@@ -264,7 +264,7 @@ impl Gpu {
 
     /// The device address of [`COUNTERS`] zeroed u32 for a kernel whose blocks count their
     /// arrivals: it must leave them zero. Kernels on the one stream may overlap (programmatic
-    /// dependent launch), but each waits for its predecessor to complete before it touches
+    /// dependent launch of the kernels that load early), but each waits for its predecessor to complete before it touches
     /// memory (`grid_dependency_wait`, every kernel's first statement), so they can all use
     /// the same ones.
     pub(crate) fn counters(&self) -> u64 {
@@ -658,13 +658,17 @@ impl Gpu {
             format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),
             format!("one needing {block}"),
         )?;
-        // Programmatic stream serialization: the kernel may start launching while the one
-        // before it finishes; every kernel's first statement waits for its predecessor
-        // (`grid_dependency_wait` in kernels-gpu), so the order is that of a plain stream.
+        // Programmatic stream serialization for the kernels that load weights before their
+        // wait (`Kernel::loads_early`): such a kernel may start launching while the one before
+        // it finishes; every kernel waits for its predecessor (`grid_dependency_wait` in
+        // kernels-gpu) before it reads what that one writes, so the order is that of a plain
+        // stream. The others start once the kernel before has completed.
         let mut pdl = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: i32::from(kernel.loads_early()),
+            },
         };
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,

@@ -144,6 +144,18 @@ kernels! {
     MoeCombine = "moe_combine_bf16",
 }
 
+impl Kernel {
+    /// Whether the kernel issues its first weight loads before it waits on the kernel before it,
+    /// so that starting while that one still runs (programmatic dependent launch) gains it
+    /// something. The host launches only these with programmatic stream serialization; the
+    /// others start once the kernel before has completed (their wait returns at once): an
+    /// early start of a kernel with nothing to do before its wait took SM time from the one it
+    /// waits on (docs/BENCHMARKS.md, 2026-11-30).
+    pub const fn loads_early(self) -> bool {
+        matches!(self, Kernel::MoeDense | Kernel::MoeDenseSplit | Kernel::MoeRoute | Kernel::MoeExpertCombine)
+    }
+}
+
 /// Marker for the `#[repr(C)]` launch-parameter structs passed by value to a kernel.
 ///
 /// # Safety

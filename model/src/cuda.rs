@@ -16,8 +16,8 @@
 //! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
 //! them (no operation synchronizes then), are recorded into a CUDA graph once per row count
 //! and replayed after that, with the new rows copied over the recorded ones; the graph's
-//! temporaries are its own (stream-ordered allocations inside the capture). The prefill
-//! scan's plan is still built per layer.
+//! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
+//! capture past it). The prefill scan's plan is still built per layer.
 //!
 //! Attention assumes q, k, v rows are contiguous (they are: the model computes them).
 

@@ -252,7 +252,6 @@ mod kernels {
             unsafe { appended_up(&p, (block_x() - p.experts) as usize) };
             return;
         }
-        grid_dependency_wait();
         const T: usize = LOGITS_TOKENS as usize;
         let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
         let t0 = block_y() as usize * T;
@@ -268,10 +267,13 @@ mod kernels {
             let mut acc = [0.0f32; T];
             // Two chunks of the gate row per pass, both loads issued before either is used
             // (hidden up to 4096 in one round trip); past hidden they read as zeros.
+            // The first pass's gate chunks are loading before the wait (weights are never
+            // written while kernels run), the inputs after it.
             let step = LOGITS_BLOCK as usize * 8;
             let mut c = thread_x() as usize * 8;
+            let mut wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
+            grid_dependency_wait();
             while c < h {
-                let wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
                 for (t, acc) in acc.iter_mut().enumerate() {
                     if t < toks {
                         let xt = x.wrapping_add(t * h);
@@ -284,6 +286,9 @@ mod kernels {
                     }
                 }
                 c += 2 * step;
+                if c < h {
+                    wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
+                }
             }
             let warp = warp_id() as usize;
             for (t, &v) in acc.iter().enumerate() {

@@ -264,9 +264,9 @@ impl Gpu {
 
     /// The device address of [`COUNTERS`] zeroed u32 for a kernel whose blocks count their
     /// arrivals: it must leave them zero. Kernels on the one stream may overlap (programmatic
-    /// dependent launch of the kernels that load early), but each waits for its predecessor to complete before it touches
-    /// memory (`grid_dependency_wait`, every kernel's first statement), so they can all use
-    /// the same ones.
+    /// dependent launch of the kernels that load early), but each waits for its predecessor to
+    /// complete before it touches memory other than weights (`grid_dependency_wait`), so they
+    /// can all use the same ones.
     pub(crate) fn counters(&self) -> u64 {
         self.counters.device_ptr(&self.stream).0
     }

@@ -271,7 +271,8 @@ mod kernels {
             // written while kernels run), the inputs after it.
             let step = LOGITS_BLOCK as usize * 8;
             let mut c = thread_x() as usize * 8;
-            let mut wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
+            let gate = |c: usize| [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
+            let mut wv = gate(c);
             grid_dependency_wait();
             while c < h {
                 for (t, acc) in acc.iter_mut().enumerate() {
@@ -287,7 +288,7 @@ mod kernels {
                 }
                 c += 2 * step;
                 if c < h {
-                    wv = [load8_bf16(w, c, h), load8_bf16(w, c + step, h)];
+                    wv = gate(c);
                 }
             }
             let warp = warp_id() as usize;

@@ -60,9 +60,38 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
         format!("the {arch} build succeeded but {} is unreadable ({e}); run `cargo clean` and retry", out.display())
     })?;
     match ptx_target(&ptx) {
-        Some(t) if t == arch => Ok(out),
-        t => Err(format!("{} has `.target {}`, expected `.target {arch}`", out.display(), t.unwrap_or("<none>"))),
+        Some(t) if t == arch => {}
+        t => {
+            return Err(format!(
+                "{} has `.target {}`, expected `.target {arch}`",
+                out.display(),
+                t.unwrap_or("<none>")
+            ));
+        }
     }
+    // Written beside rustc's output, never over it: cargo may find the build fresh and not
+    // rewrite that file.
+    let bounded = dir.join("kernels-bounded.ptx");
+    std::fs::write(&bounded, with_launch_bounds(&ptx)?)
+        .map_err(|e| format!("cannot write {}: {e}", bounded.display()))?;
+    Ok(bounded)
+}
+
+/// Kernels whose launches need a bound on their registers (64K registers an SM: a block of
+/// 512 threads fits only at 128 or fewer each, which ptxas does not assume), and their
+/// threads per block.
+const LAUNCH_BOUNDS: [(&str, u32); 1] = [("mamba_decode_bf16", 512)];
+
+/// `ptx` with a `.maxntid` directive on each entry of [`LAUNCH_BOUNDS`] (rustc has no
+/// attribute for it), so ptxas keeps their registers within what the block size allows.
+fn with_launch_bounds(ptx: &str) -> Result<String, String> {
+    let mut text = ptx.to_string();
+    for (name, threads) in LAUNCH_BOUNDS {
+        let at = text.find(&format!(".entry {name}(")).ok_or(format!("no entry {name} in the PTX"))?;
+        let body = at + text[at..].find("\n{").ok_or(format!("entry {name} has no body"))?;
+        text.insert_str(body, &format!("\n.maxntid {threads}, 1, 1"));
+    }
+    Ok(text)
 }
 
 /// The `.target` of a PTX module (first word after the directive).

@@ -29,6 +29,19 @@ fn every_kernel_is_an_entry_of_every_arch() {
 }
 
 #[test]
+fn the_fused_mamba_decode_is_bounded_at_its_block() {
+    // host/ptx_build.rs adds the bound (rustc has no attribute for it); the launch uses
+    // MAMBA_BLOCK threads, which more than 128 registers a thread would not fit.
+    let want = format!(".maxntid {}, 1, 1", kernels_gpu::mamba::MAMBA_BLOCK);
+    for arch in Arch::ALL {
+        let ptx = arch.ptx();
+        let at = ptx.find(".entry mamba_decode_bf16(").expect("entry present");
+        let body = at + ptx[at..].find("\n{").expect("entry has a body");
+        assert!(ptx[at..body].contains(&want), "{}: mamba_decode_bf16 lacks `{want}`", arch.name());
+    }
+}
+
+#[test]
 fn no_unresolved_functions_in_the_ptx() {
     for arch in Arch::ALL {
         assert!(!arch.ptx().contains(".extern .func"), "{}: PTX calls an external function", arch.name());

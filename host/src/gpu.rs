@@ -630,6 +630,24 @@ impl Gpu {
         smem: u32,
         params: P,
     ) -> Result<()> {
+        // SAFETY: forwarded.
+        unsafe { self.launch_clusters(kernel, grid, 1, block, smem, params) }
+    }
+
+    /// [`Gpu::launch`] in clusters of `cluster` blocks along x (thread block clusters, sm_90+;
+    /// 1: none), grid.0 a multiple of it.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    pub(crate) unsafe fn launch_clusters<P: KernelParams>(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        cluster: u32,
+        block: u32,
+        smem: u32,
+        params: P,
+    ) -> Result<()> {
         let f = &self.functions[kernel as usize];
         if self.capturing.load(Ordering::Relaxed)
             && let Ok(mut k) = self.captured.lock()
@@ -663,13 +681,28 @@ impl Gpu {
         // it finishes; every kernel waits for its predecessor (`grid_dependency_wait` in
         // kernels-gpu) before it reads what that one writes, so the order is that of a plain
         // stream. The others start once the kernel before has completed.
-        let mut pdl = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: i32::from(kernel.loads_early()),
+        Check(kernel.name()).that(
+            "shape",
+            (1..=8).contains(&cluster) && grid.0.is_multiple_of(cluster),
+            "clusters of 1..=8 blocks dividing the grid",
+            format!("clusters of {cluster} over {grid:?}"),
+        )?;
+        let mut attrs = [
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: i32::from(kernel.loads_early()),
+                },
             },
-        };
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 },
+                },
+            },
+        ];
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -679,8 +712,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
-            attrs: &mut pdl,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: if cluster > 1 { 2 } else { 1 },
         };
         let mut params = params;
         let mut args = [(&mut params as *mut P).cast::<std::ffi::c_void>()];

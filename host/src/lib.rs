@@ -25,6 +25,7 @@ pub mod cpu;
 mod error;
 pub mod gemm;
 mod gpu;
+pub mod mamba;
 pub mod moe;
 pub mod norm;
 pub mod quant;

@@ -72,11 +72,14 @@ unsafe impl KernelParams for ConvUpdateParams {}
 unsafe impl KernelParams for ConvFwdParams {}
 
 #[cfg(target_arch = "nvptx64")]
+pub(crate) use kernels::{KM1, conv_step, put_state};
+
+#[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
     use crate::device::*;
 
-    const KM1: usize = MAX_K as usize - 1;
+    pub(crate) const KM1: usize = MAX_K as usize - 1;
 
     /// `silu(bias + sum_j w[c, j] * window[j])` over the `k` taps of channel `c`.
     #[inline(always)]
@@ -113,27 +116,58 @@ mod kernels {
                 return;
             }
             let st_row = p.state.wrapping_add((slot as usize * p.dim as usize + c) * (k - 1));
-            let mut window = [0.0f32; MAX_K as usize];
-            let mut raw = [0u16; KM1];
+            let xr = ld(p.x, row * p.x_stride as usize + c);
+            let (y, next) = conv_step(p.w, p.bias, c, k, st_row, xr);
+            st(p.y, row * p.dim as usize + c, y);
+            put_state(st_row, k, &next);
+        }
+    }
+
+    /// Channel c's decode step from its state row `st_row` (`k - 1` raw inputs, oldest first)
+    /// and input `xr`: its output (bf16) and its next state row (the first `k - 1` values).
+    ///
+    /// # Safety
+    /// c < dim of w and bias (or null), st_row readable for k - 1 values, k <= MAX_K.
+    #[inline(always)]
+    pub(crate) unsafe fn conv_step(
+        w: *const u16,
+        bias: *const u16,
+        c: usize,
+        k: usize,
+        st_row: *const u16,
+        xr: u16,
+    ) -> (u16, [u16; KM1]) {
+        let mut window = [0.0f32; MAX_K as usize];
+        let mut raw = [0u16; KM1];
+        // SAFETY: the caller's contract.
+        unsafe {
             for (j, (r, v)) in raw.iter_mut().zip(window.iter_mut()).enumerate() {
                 if j < k - 1 {
                     *r = ld(st_row, j);
                     *v = bf16_to_f32(*r);
                 }
             }
-            let xr = ld(p.x, row * p.x_stride as usize + c);
             for (j, v) in window.iter_mut().enumerate() {
                 if j == k - 1 {
                     *v = bf16_to_f32(xr);
                 }
             }
-            st(p.y, row * p.dim as usize + c, f32_to_bf16(conv_out(p.w, p.bias, c, k, &window)));
-            for j in 0..KM1 {
-                if j + 1 < k - 1 {
-                    st(st_row, j, raw[j + 1]);
-                } else if j + 1 == k - 1 {
-                    st(st_row, j, xr);
-                }
+            let y = f32_to_bf16(conv_out(w, bias, c, k, &window));
+            let next = core::array::from_fn(|j| if j + 1 < k - 1 { raw[j + 1] } else { xr });
+            (y, next)
+        }
+    }
+
+    /// Writes the first `k - 1` values of `next` over the state row `st_row`.
+    ///
+    /// # Safety
+    /// st_row writable for k - 1 values, by this thread alone.
+    #[inline(always)]
+    pub(crate) unsafe fn put_state(st_row: *mut u16, k: usize, next: &[u16; KM1]) {
+        for (j, &v) in next.iter().enumerate() {
+            if j < k - 1 {
+                // SAFETY: the caller's contract.
+                unsafe { st(st_row, j, v) };
             }
         }
     }

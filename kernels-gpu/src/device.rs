@@ -48,8 +48,9 @@ pub(crate) use static_smem;
 
 /// The first statement of every kernel, or of a weight-streaming kernel the first after it
 /// has issued its first weight loads (weights are never written while kernels run; see
-/// moe.rs `partial_dots`) (programmatic dependent launch, sm_90+): lets the stream's next
-/// kernel start launching its blocks now, then waits until the kernel before this one has
+/// moe.rs `partial_dots`), or of the fused Mamba decode the first after its loads of what
+/// only earlier steps wrote (mamba.rs) (programmatic dependent launch, sm_90+): lets the
+/// stream's next kernel start launching its blocks now, then waits until the kernel before this one has
 /// completed and its memory is visible. Kernels that load early are launched with
 /// programmatic stream serialization allowed (host/src/gpu.rs, `Kernel::loads_early`), so
 /// without this wait one could read its inputs before they are written; with it, work is
@@ -143,6 +144,50 @@ pub fn thread_x() -> u32 {
 pub fn block_x() -> u32 {
     // SAFETY: reading a special register.
     unsafe { nvptx::_block_idx_x() as u32 }
+}
+
+/// This block's rank in its cluster (`%cluster_ctarank`).
+#[inline(always)]
+pub fn cluster_rank() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+/// Barrier over every thread of every block of the cluster: what each wrote to its shared
+/// memory before it is visible to all of them after it (arrive with release, wait with
+/// acquire). Call in uniform flow, every thread of every block.
+#[inline(always)]
+pub fn cluster_sync() {
+    // SAFETY: no operands; the memory clobber keeps shared-memory accesses on their side.
+    unsafe { asm!("barrier.cluster.arrive.aligned;", "barrier.cluster.wait.aligned;", options(nostack)) }
+}
+
+/// The f32 at `p`'s offset in the shared memory of block `rank` of this cluster (distributed
+/// shared memory), `p` pointing into this block's.
+///
+/// # Safety
+/// `p` a generic pointer into this block's shared memory, `rank` below the cluster's size, that
+/// block not exited (a [`cluster_sync`] after the read keeps it alive).
+#[inline(always)]
+pub unsafe fn ld_cluster_f32(p: *const f32, rank: u32) -> f32 {
+    let v: f32;
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "{{ .reg .u64 s64; .reg .u32 s32, r32;",
+            "cvta.to.shared.u64 s64, {p};",
+            "cvt.u32.u64 s32, s64;",
+            "mapa.shared::cluster.u32 r32, s32, {rank};",
+            "ld.shared::cluster.f32 {v}, [r32]; }}",
+            p = in(reg64) p,
+            rank = in(reg32) rank,
+            v = out(reg32) v,
+            options(readonly, nostack),
+        )
+    };
+    v
 }
 
 /// Lane of this thread within its warp.
@@ -591,6 +636,18 @@ pub unsafe fn load8_stream_whole(q: *const u16) -> [u32; 4] {
         )
     };
     [a, b, c, d]
+}
+
+/// Asks for the line holding `*p` in this SM's L1 (`prefetch.global.L1`: a hint, nothing
+/// read into a register): for a kernel's reads of what no kernel running beside it writes,
+/// started before its dependency wait.
+///
+/// # Safety
+/// `p` must point into global memory the kernel may read.
+#[inline(always)]
+pub unsafe fn prefetch_l1<T>(p: *const T) {
+    // SAFETY: guaranteed by the caller; a prefetch writes nothing.
+    unsafe { asm!("prefetch.global.L1 [{a}];", a = in(reg64) p, options(readonly, nostack, preserves_flags)) }
 }
 
 /// `p[i]` read through L2 (`ld.global.cg`), past this SM's L1: for what another kernel wrote

@@ -21,6 +21,7 @@ mod device;
 pub mod act;
 pub mod attn;
 pub mod conv1d;
+pub mod mamba;
 pub mod moe;
 pub mod norm;
 pub mod quant;
@@ -142,17 +143,28 @@ kernels! {
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
     MoeCombine = "moe_combine_bf16",
+    /// [`mamba::MambaDecodeParams`]: a Mamba2 mixer's decode rows between its projections
+    /// (conv update, state update, gated norm), in clusters of a group's heads.
+    MambaDecode = "mamba_decode_bf16",
 }
 
 impl Kernel {
-    /// Whether the kernel issues its first weight loads before it waits on the kernel before it,
-    /// so that starting while that one still runs (programmatic dependent launch) gains it
-    /// something. The host launches only these with programmatic stream serialization; the
-    /// others start once the kernel before has completed (their wait returns at once): an
-    /// early start of a kernel with nothing to do before its wait took SM time from the one it
-    /// waits on (docs/BENCHMARKS.md, 2026-11-30).
+    /// Whether the kernel issues its first loads before it waits on the kernel before it
+    /// (weights; the fused Mamba decode also its slot's caches), so that starting while that
+    /// one still runs (programmatic dependent launch) gains it something. The host launches
+    /// only these with programmatic stream serialization; the others start once the kernel
+    /// before has completed (their wait returns at once): an early start of a kernel with
+    /// nothing to do before its wait took SM time from the one it waits on
+    /// (docs/BENCHMARKS.md, 2026-11-30).
     pub const fn loads_early(self) -> bool {
-        matches!(self, Kernel::MoeDense | Kernel::MoeDenseSplit | Kernel::MoeRoute | Kernel::MoeExpertCombine)
+        matches!(
+            self,
+            Kernel::MoeDense
+                | Kernel::MoeDenseSplit
+                | Kernel::MoeRoute
+                | Kernel::MoeExpertCombine
+                | Kernel::MambaDecode
+        )
     }
 }
 

@@ -72,12 +72,38 @@ unsafe impl KernelParams for SsmUpdateParams<f32> {}
 unsafe impl KernelParams for SsmUpdateParams<u16> {}
 
 #[cfg(target_arch = "nvptx64")]
+pub(crate) use kernels::{cols4, head_step};
+
+#[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
     use crate::conv1d::PAD_SLOT;
     use crate::device::*;
 
     const J: usize = (SSM_MAX_STATE / 128) as usize;
+
+    /// A row's step of head h: `(delta, exp(A[h] * delta))`, `delta = clamp(softplus(dt +
+    /// dt_bias[h]), min, max)` from its dt (bf16 bits).
+    #[inline(always)]
+    pub(crate) fn head_step(dt: u16, dt_bias: f32, a: f32, (min, max): (f32, f32)) -> (f32, f32) {
+        let delta = softplus(bf16_to_f32(dt) + dt_bias).max(min).min(max);
+        (delta, exp_fast(a * delta))
+    }
+
+    /// Four state columns `i` of a row: `s = s * da + dx * b(i)`, then `s * c(i)` added to
+    /// `acc`, in column order.
+    #[inline(always)]
+    pub(crate) fn cols4(
+        s4: &mut [f32; 4],
+        (da, dx): (f32, f32),
+        (b, c): (impl Fn(usize) -> f32, impl Fn(usize) -> f32),
+        acc: &mut f32,
+    ) {
+        for (i, s) in s4.iter_mut().enumerate() {
+            *s = *s * da + dx * b(i);
+            *acc += *s * c(i);
+        }
+    }
 
     /// The state update for one (row, head, p), by the calling warp. Grid
     /// `(ceil(head_dim / SSM_WARPS), heads, batch)`, block `32 * SSM_WARPS`.
@@ -97,9 +123,8 @@ mod kernels {
         unsafe {
             let slot = ld(p.cache_index, b);
             let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
-            let dtv = bf16_to_f32(ld(p.dt, b * p.dt_stride as usize + h)) + ld(p.dt_bias, h);
-            let delta = softplus(dtv).max(p.dt_min).min(p.dt_max);
-            let da = exp_fast(ld(p.a, h) * delta);
+            let dt = ld(p.dt, b * p.dt_stride as usize + h);
+            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), (p.dt_min, p.dt_max));
             let xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + pi));
             let dx = delta * xv;
             let row = |s: i32| ((s as usize * p.heads as usize + h) * hd + pi) * n;
@@ -111,10 +136,8 @@ mod kernels {
                 if n0 < n {
                     let mut s4 =
                         if slot == PAD_SLOT { [0.0; 4] } else { S::load4(p.state.wrapping_add(row(slot) + n0)) };
-                    for (i, s) in s4.iter_mut().enumerate() {
-                        *s = *s * da + dx * bf16_to_f32(ld(bp, n0 + i));
-                        acc += *s * bf16_to_f32(ld(cp, n0 + i));
-                    }
+                    let (bv, cv) = (|i| bf16_to_f32(ld(bp, n0 + i)), |i| bf16_to_f32(ld(cp, n0 + i)));
+                    cols4(&mut s4, (da, dx), (bv, cv), &mut acc);
                     if dst != PAD_SLOT {
                         S::store4(p.state.wrapping_add(row(dst) + n0), s4);
                     }

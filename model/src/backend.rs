@@ -51,6 +51,36 @@ pub struct Out<'a, B> {
     pub offset: usize,
 }
 
+/// What [`Backend::mamba_decode`] reads and updates besides its rows: the conv weights, bias
+/// and state cache, the per-head parameters (dt_bias, A, D) and state cache, the gated norm's
+/// weight and epsilon, and the step's rows.
+pub struct MambaDecode<'a, B: Backend> {
+    pub conv: (&'a B::Buf, Option<&'a B::Buf>, &'a mut B::Buf),
+    pub heads: (&'a B::Buf32, &'a B::Buf32, &'a B::Buf32),
+    pub state: &'a mut B::Buf32,
+    pub norm: (&'a B::Buf, f32),
+    pub rows: &'a B::Rows,
+}
+
+/// [`Backend::mamba_decode`] as its three operations, their outputs in buffers of their own.
+pub(crate) fn mamba_decode_apart<B: Backend>(
+    b: &B,
+    c: &MambaConfig,
+    zx: In<B::Buf>,
+    nd: usize,
+    m: MambaDecode<B>,
+    y: Out<B::Buf>,
+) -> Result<()> {
+    let (inner, cd) = (c.inner(), c.conv_dim());
+    let (w, bias, conv) = m.conv;
+    let mut xbc = b.scratch(nd * cd)?;
+    b.conv_decode(c, zx.at(0, inner), w, bias, conv, m.rows, Out { buf: &mut xbc, offset: 0 })?;
+    let mut ys = b.scratch(nd * inner)?;
+    let dt = zx.at(0, inner + cd);
+    b.ssm_decode(c, In::rows(&xbc, cd), dt, m.heads, m.state, m.rows, Out { buf: &mut ys, offset: 0 })?;
+    b.gated_norm(In::rows(&ys, inner), zx, m.norm.0, nd, inner, c.groups, m.norm.1, y)
+}
+
 /// The sequences of a step's prefill part, as the backend needs them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrefillSeqs {
@@ -233,6 +263,19 @@ pub trait Backend: Sized {
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
+    /// The `nd` decode rows of a Mamba mixer between its projections: [`Backend::conv_decode`]
+    /// of the xBC of `zx` (in_proj's output rows: z, xBC, dt), [`Backend::ssm_decode`], then
+    /// [`Backend::gated_norm`] with `norm` into `y`; a backend may do it in one launch.
+    fn mamba_decode(
+        &self,
+        c: &MambaConfig,
+        zx: In<Self::Buf>,
+        nd: usize,
+        m: MambaDecode<Self>,
+        y: Out<Self::Buf>,
+    ) -> Result<()> {
+        mamba_decode_apart(self, c, zx, nd, m, y)
+    }
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
     /// Causal attention: writes each row's k and v into its slot's cache (`[slots, max_len,

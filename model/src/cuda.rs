@@ -27,6 +27,7 @@ use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
 use host::moe::{
     Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dense_split, dispatch, experts_mlp,
     experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
@@ -36,7 +37,7 @@ use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
 
-use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
+use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, StepRows, mamba_decode_apart, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
@@ -175,6 +176,12 @@ pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 /// ([`dense_split`]) rather than the expert kernel's dense path ([`dense`]), whose one warp per
 /// weight row needs more round trips on long rows.
 pub const SPLIT_MIN_K: usize = 3072;
+
+/// Decode rows up to which a Mamba mixer's conv update, state update and gated norm run as
+/// one launch (`mamba_decode_bf16`); more rows take the three launches. One row measured
+/// faster fused (docs/BENCHMARKS.md, session of 2026-11-30 06:20); three rows, in Nsight
+/// Compute with cold caches, took 18.7 us fused against 15.1 us for the three.
+pub const FUSED_MAMBA_ROWS: usize = 1;
 
 /// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
 /// down projections and the combining in one launch ([`experts_mlp_choices`]).
@@ -615,6 +622,28 @@ impl Backend for Cuda {
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, slots.len() * c.inner())?;
         Ok(ssm_update(&self.gpu, shape, inputs, None, h, state, slots, None, &mut y)?)
+    }
+
+    fn mamba_decode(
+        &self,
+        c: &MambaConfig,
+        zx: In<Buffer<bf16>>,
+        nd: usize,
+        m: MambaDecode<Cuda>,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let shape = ssm_shape(c);
+        if nd > FUSED_MAMBA_ROWS || !mamba_decode_fits(&shape) {
+            return mamba_decode_apart(self, c, zx, nd, m, y);
+        }
+        let slots = m.rows.decode()?;
+        let mut y = view_mut(y, slots.len() * c.inner())?;
+        let (w, bias, conv_state) = m.conv;
+        let conv = MambaConv { w, bias: bias.map(|b| &**b), k: c.conv_kernel };
+        let heads = SsmHeads { dt_bias: m.heads.0, a: m.heads.1, d: Some(m.heads.2) };
+        let zx = (&view(&zx), zx.stride);
+        let norm = (&**m.norm.0, m.norm.1);
+        Ok(mamba_decode(&self.gpu, shape, zx, (conv, &mut **conv_state), (heads, m.state), norm, slots, &mut y)?)
     }
 
     fn ssm_prefill(

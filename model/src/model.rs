@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use crate::backend::{Backend, In, MoeWeights, Out, PrefillSeqs, StepRows};
+use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, PrefillSeqs, StepRows};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -386,29 +386,29 @@ fn forward<B: Backend>(
                 let mut zx = b.scratch(n * wd)?;
                 b.linear(In::rows(&x, hidden), n, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
                 let zxr = In::rows(&zx, wd);
-                let mut xbc = b.scratch(n * cd)?;
                 let heads = (&m.dt_bias, &m.a, &m.d);
-                let mut y = b.scratch(n * inner)?;
+                let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
+                // The gated norm's output: the decode rows', then the prefill rows'.
+                let mut yn = b.scratch(n * inner)?;
                 if nd > 0 {
-                    let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
-                    b.conv_decode(c, zxr.at(0, inner), cw, cb, conv, rows, Out { buf: &mut xbc, offset: 0 })?;
-                    let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(0, inner + cd));
-                    b.ssm_decode(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: 0 })?;
+                    let md =
+                        MambaDecode { conv: (cw, cb, &mut *conv), heads, state: &mut *ssm, norm: (&m.norm, eps), rows };
+                    b.mamba_decode(c, zxr, nd, md, Out { buf: &mut yn, offset: 0 })?;
                     counters.conv_updates += 1;
                     counters.state_updates += 1;
                 }
                 if prefill {
-                    let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
-                    let xo = Out { buf: &mut xbc, offset: nd * cd };
-                    b.conv_prefill(c, zxr.at(nd, inner), cw, cb, conv, rows, xo)?;
-                    let (xbcr, dt) = (In::rows(&xbc, cd).at(nd, 0), zxr.at(nd, inner + cd));
-                    b.ssm_prefill(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: nd * inner })?;
+                    let np = n - nd;
+                    let mut xbc = b.scratch(np * cd)?;
+                    b.conv_prefill(c, zxr.at(nd, inner), cw, cb, conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    let mut y = b.scratch(np * inner)?;
+                    let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
+                    b.ssm_prefill(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: 0 })?;
+                    let yo = Out { buf: &mut yn, offset: nd * inner };
+                    b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), &m.norm, np, inner, c.groups, eps, yo)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
                 }
-                let mut yn = b.scratch(n * inner)?;
-                let yo = Out { buf: &mut yn, offset: 0 };
-                b.gated_norm(In::rows(&y, inner), zxr, &m.norm, n, inner, c.groups, eps, yo)?;
                 b.linear(In::rows(&yn, inner), n, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
             }
             (MixW::Moe(mw), _) => {

@@ -676,17 +676,18 @@ impl Gpu {
             format!("a shape needing at most {max} threads per block (this kernel's limit on this GPU)"),
             format!("one needing {block}"),
         )?;
-        // Programmatic stream serialization for the kernels that load weights before their
-        // wait (`Kernel::loads_early`): such a kernel may start launching while the one before
-        // it finishes; every kernel waits for its predecessor (`grid_dependency_wait` in
-        // kernels-gpu) before it reads what that one writes, so the order is that of a plain
-        // stream. The others start once the kernel before has completed.
         Check(kernel.name()).that(
             "shape",
             (1..=8).contains(&cluster) && grid.0.is_multiple_of(cluster),
             "clusters of 1..=8 blocks dividing the grid",
             format!("clusters of {cluster} over {grid:?}"),
         )?;
+        // Programmatic stream serialization for the kernels that load before their wait
+        // (`Kernel::loads_early`): such a kernel may start launching while the one before it
+        // finishes; every kernel waits for its predecessor (`grid_dependency_wait` in
+        // kernels-gpu) before it reads what that one writes, so the order is that of a plain
+        // stream. The others start once the kernel before has completed. The cluster
+        // dimension only where there are clusters.
         let mut attrs = [
             sys::CUlaunchAttribute {
                 id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,

@@ -50,10 +50,10 @@ pub(crate) use static_smem;
 /// has issued its first weight loads (weights are never written while kernels run; see
 /// moe.rs `partial_dots`), or of the fused Mamba decode the first after its loads of what
 /// only earlier steps wrote (mamba.rs) (programmatic dependent launch, sm_90+): lets the
-/// stream's next kernel start launching its blocks now, then waits until the kernel before this one has
-/// completed and its memory is visible. Kernels that load early are launched with
-/// programmatic stream serialization allowed (host/src/gpu.rs, `Kernel::loads_early`), so
-/// without this wait one could read its inputs before they are written; with it, work is
+/// stream's next kernel start launching its blocks now, then waits until the kernel before
+/// this one has completed and its memory is visible. Kernels that load early are launched
+/// with programmatic stream serialization allowed (host/src/gpu.rs, `Kernel::loads_early`),
+/// so without this wait one could read its inputs before they are written; with it, work is
 /// ordered as on a plain stream while the next launch overlaps this kernel's tail. (For the
 /// others the wait returns at once: they start after the kernel before has completed.)
 #[inline(always)]

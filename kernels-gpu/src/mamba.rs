@@ -7,8 +7,8 @@
 //! Work split: a cluster of `heads / groups` blocks per (group, row), block h (rank `h % (heads
 //! / groups)`) for head h: it convolves its head's x channels and its group's B and C channels
 //! (every block of the cluster the same B and C; rank 0 writes their state, after a cluster
-//! barrier that follows every block's read of it), updates its head's state rows (a warp per
-//! row, as `ssm_update_f32`), and sums the squares of its gated outputs; the blocks exchange
+//! barrier that follows every block's read of it), updates its head's state rows (each row by
+//! one warp, as `ssm_update_f32`), and sums the squares of its gated outputs; the blocks exchange
 //! those sums through distributed shared memory and each normalizes its own channels.
 //!
 //! Before its dependency wait it reads what no kernel of the step writes (the row's slot, the
@@ -19,9 +19,10 @@
 use crate::KernelParams;
 
 /// Threads per block of the fused decode kernel (host/ptx_build.rs bounds the entry at this
-/// many: `.maxntid`, so ptxas keeps it within 128 registers a thread; tests/ptx.rs checks).
+/// many: `.maxntid`, so ptxas keeps it within 128 registers a thread; tests/ptx.rs checks the
+/// directive).
 pub const MAMBA_BLOCK: u32 = 512;
-/// Largest head_dim it handles (a warp per row, [`MAMBA_ROWS_PER_WARP`] rows each).
+/// Largest head_dim it handles (every warp [`MAMBA_ROWS_PER_WARP`] state rows).
 pub const MAMBA_MAX_HEAD_DIM: u32 = MAMBA_BLOCK / 32 * MAMBA_ROWS_PER_WARP;
 /// State rows of its head each warp updates (all their loads issued together).
 pub const MAMBA_ROWS_PER_WARP: u32 = 4;

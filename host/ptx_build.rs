@@ -59,15 +59,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     let ptx = std::fs::read_to_string(&out).map_err(|e| {
         format!("the {arch} build succeeded but {} is unreadable ({e}); run `cargo clean` and retry", out.display())
     })?;
-    match ptx_target(&ptx) {
-        Some(t) if t == arch => {}
-        t => {
-            return Err(format!(
-                "{} has `.target {}`, expected `.target {arch}`",
-                out.display(),
-                t.unwrap_or("<none>")
-            ));
-        }
+    let target = ptx_target(&ptx);
+    if target != Some(arch) {
+        let t = target.unwrap_or("<none>");
+        return Err(format!("{} has `.target {t}`, expected `.target {arch}`", out.display()));
     }
     // Written beside rustc's output, never over it: cargo may find the build fresh and not
     // rewrite that file.

@@ -155,12 +155,22 @@ mod kernels {
                 prefetch_l1(p.norm_w.wrapping_add(h * hd + t));
             }
             grid_dependency_wait();
+            // Everything it reads of in_proj's row at once: the head's dt and its rows' z here,
+            // xBC in the conv below (one round trip to L2, not three).
+            let row = p.zx.wrapping_add(b * p.zx_stride as usize);
+            let dt = ld(row, p.dt_at as usize + h);
+            let mut zs = [0u16; R];
+            for (i, z) in zs.iter_mut().enumerate() {
+                let pi = warp + WARPS * i;
+                if pi < hd {
+                    *z = ld(row, h * hd + pi);
+                }
+            }
             // The conv outputs (bf16 values as f32): the head's x, then the group's B and C.
             let conv = static_smem!("mamba_conv", (MAMBA_MAX_HEAD_DIM + 2 * MAMBA_MAX_STATE) * 4);
             // The gated outputs u, this block's sum of their squares, the reduction scratch.
             let u = static_smem!("mamba_u", MAMBA_MAX_HEAD_DIM * 4);
             let part = static_smem!("mamba_part", (1 + MAMBA_BLOCK / 32) * 4);
-            let row = p.zx.wrapping_add(b * p.zx_stride as usize);
             let xbc = row.wrapping_add(p.xbc_at as usize);
             let mut bc_next = [[0u16; KM1]; BC];
             let mut lc = t;
@@ -184,10 +194,9 @@ mod kernels {
             sync_threads();
             // State update: warp w takes rows w, w + WARPS, .. of the head, every row's state
             // loaded before the wait.
-            let (delta, da) =
-                head_step(ld(row, p.dt_at as usize + h), ld(p.dt_bias, h), ld(p.a, h), (p.dt_min, p.dt_max));
+            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), (p.dt_min, p.dt_max));
             let (bs, cs) = (conv.wrapping_add(hd), conv.wrapping_add(hd + n));
-            for (i, s4) in s.iter_mut().enumerate() {
+            for (i, (s4, &z)) in s.iter_mut().zip(&zs).enumerate() {
                 let pi = warp + WARPS * i;
                 if pi < hd {
                     let xv = ld(conv, pi);
@@ -202,8 +211,7 @@ mod kernels {
                     }
                     if lane == 0 {
                         // The state update's output rounded to bf16, gated (the norm's u).
-                        let z = bf16_to_f32(ld(row, h * hd + pi));
-                        st(u, pi, bf16_to_f32(f32_to_bf16(yv)) * silu(z));
+                        st(u, pi, bf16_to_f32(f32_to_bf16(yv)) * silu(bf16_to_f32(z)));
                     }
                 }
             }

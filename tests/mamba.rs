@@ -12,6 +12,7 @@ use host::cpu::ssm::{SsmRef, group_of};
 use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
 use host::norm::{NormShape, gated_norm};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
+use kernels_gpu::conv1d::PAD_SLOT;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
 const EPS: f32 = 1e-5;
@@ -168,6 +169,53 @@ fn check(gpu: &host::Gpu, rng: &mut Rng, case: &Case) -> usize {
     // Rounding points of three kernels chained: a few bf16 ulps.
     compared += assert_close(&format!("{label}: y vs f64"), &got, &want, 2e-2, 1.0 / 32.0);
     compared
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_mamba_decode_pad_rows_touch_nothing() {
+    let gpu = gpu();
+    let mut rng = Rng::new(103);
+    let s = SsmShape::new(64, 64, 8, 128);
+    let (inner, k, nslots) = (s.width(), 4, 2);
+    let conv_dim = inner + 2 * s.groups * s.state_size;
+    let stride = inner + conv_dim + s.heads;
+    let dzx = gpu.upload(&rng.bf16s(2 * stride, -2.0, 2.0)).unwrap();
+    let w = gpu.upload(&rng.bf16s(conv_dim * k, -0.5, 0.5)).unwrap();
+    let conv0 = rng.bf16s(nslots * conv_dim * (k - 1), -2.0, 2.0);
+    let ssm0: Vec<f32> = (0..nslots * s.slot_len()).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+    // dt_bias and A both -1 (A must be negative).
+    let hb = gpu.upload(&vec![-1.0f32; s.heads]).unwrap();
+    let norm = gpu.upload(&rng.bf16s(inner, -2.0, 2.0)).unwrap();
+    let heads = SsmHeads { dt_bias: &hb, a: &hb, d: None };
+    let conv = MambaConv { w: &w, bias: None, k };
+    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let fbits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // The rows of `zx` from `row0`, at `slots`: both caches and y afterwards, as bits.
+    let run = |row0: usize, slots: &[i32]| {
+        let dslots = Slots::new(&gpu, slots, nslots).unwrap();
+        let (mut cst, mut st) = (gpu.upload(&conv0).unwrap(), gpu.upload(&ssm0).unwrap());
+        let mut y = gpu.upload(&vec![POISON_BF16; slots.len() * inner]).unwrap();
+        let zx = dzx.slice(row0 * stride..);
+        mamba_decode(&gpu, s, (&zx, stride), (conv, &mut cst), (heads, &mut st), (&norm, EPS), &dslots, &mut y)
+            .unwrap();
+        (bits(gpu.download(&cst).unwrap()), fbits(gpu.download(&st).unwrap()), bits(gpu.download(&y).unwrap()))
+    };
+    let poison = vec![POISON_BF16.to_bits(); inner];
+    // A pad row beside a real one: the real one as alone, the pad row's y untouched.
+    let (c2, s2, y2) = run(0, &[PAD_SLOT, 1]);
+    let (c1, s1, y1) = run(1, &[1]);
+    let mut compared = assert_same("pad + row: conv state", &c2, &c1);
+    compared += assert_same("pad + row: state", &s2, &s1);
+    compared += assert_same("pad + row: the row's y", &y2[inner..], &y1);
+    compared += assert_same("pad + row: the pad row's y", &y2[..inner], &poison);
+    // Only a pad row: nothing written.
+    let (c0, s0, y0) = run(0, &[PAD_SLOT]);
+    compared += assert_same("pad only: conv state", &c0, &bits(conv0.clone()));
+    compared += assert_same("pad only: state", &s0, &fbits(ssm0.clone()));
+    compared += assert_same("pad only: y", &y0, &poison);
+    let caches = nslots * (conv_dim * (k - 1) + s.slot_len());
+    assert_eq!(compared, 2 * caches + 3 * inner);
 }
 
 #[test]

@@ -108,6 +108,9 @@ mod kernels {
             // earlier steps) and the weights; what in_proj writes (zx) only after it.
             let slot = ld(p.cache_index, b);
             if slot == PAD_SLOT {
+                // It writes nothing, but waits: a programmatic launch whose blocks all left
+                // without waiting would let the launch after it start before in_proj ends.
+                grid_dependency_wait();
                 return;
             }
             let slot = slot as usize;

@@ -19,7 +19,8 @@
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
 //! capture past it). The prefill scan's plan is still built per layer.
 //!
-//! Attention assumes q, k, v rows are contiguous (they are: the model computes them).
+//! Attention takes q, k and v as strided rows (column blocks of the fused q/k/v projection's
+//! output), keys and values with one stride.
 
 use std::sync::Arc;
 

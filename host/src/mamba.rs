@@ -17,10 +17,14 @@ use crate::ssm::{SsmHeads, SsmShape};
 /// head_dim of at most [`MAMBA_MAX_HEAD_DIM`], a state of at most [`MAMBA_MAX_STATE`] (the
 /// other checks as for the state update's).
 pub fn mamba_decode_fits(shape: &SsmShape) -> bool {
-    shape.groups > 0
-        && shape.heads <= MAMBA_MAX_CLUSTER as usize * shape.groups
-        && shape.head_dim <= MAMBA_MAX_HEAD_DIM as usize
-        && shape.state_size <= MAMBA_MAX_STATE as usize
+    shape.groups > 0 && check_limits(Check(Kernel::MambaDecode.name()), shape).is_ok()
+}
+
+/// The fused kernel's own limits on a shape (see [`mamba_decode_fits`]).
+fn check_limits(c: Check, shape: &SsmShape) -> Result<()> {
+    c.count("heads", MAMBA_MAX_CLUSTER as usize * shape.groups, shape.heads)?;
+    c.count("head_dim", MAMBA_MAX_HEAD_DIM as usize, shape.head_dim)?;
+    c.count("state_size", MAMBA_MAX_STATE as usize, shape.state_size)
 }
 
 /// A Mamba mixer's causal conv: weights `[conv_dim, k]`, bias `[conv_dim]` or none.
@@ -56,9 +60,7 @@ pub fn mamba_decode(
     c.count("batch", 65535, batch)?;
     shape.check(k, &heads, ssm_state.len(), slots.num_slots())?;
     let hpg = shape.heads / shape.groups;
-    c.count("heads", MAMBA_MAX_CLUSTER as usize * shape.groups, shape.heads)?;
-    c.count("head_dim", MAMBA_MAX_HEAD_DIM as usize, shape.head_dim)?;
-    c.count("state_size", MAMBA_MAX_STATE as usize, shape.state_size)?;
+    check_limits(c, &shape)?;
     let inner = shape.width();
     let conv_dim = inner + 2 * shape.groups * shape.state_size;
     // The row: z (inner), xBC (conv_dim), dt (heads).

@@ -29,21 +29,29 @@ pub struct AttnRows {
     pos: CudaSlice<u32>,
     num_slots: usize,
     max_len: usize,
+    /// Every row in a slot of its own (decode rows): the attention launch writes the rows'
+    /// keys and values into the caches itself.
+    own: bool,
 }
 
 impl AttnRows {
     /// Checks and uploads `slots` and `pos` (one per row) for a cache of `num_slots` slots of
     /// `max_len` positions.
     pub fn new(gpu: &Gpu, slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<AttnRows> {
-        check_rows(slots, pos, num_slots, max_len)?;
-        Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len })
+        let own = check_rows(slots, pos, num_slots, max_len)?;
+        Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len, own })
     }
 
-    /// Checks `slots` and `pos` (as many rows as before) and writes them over these in place,
-    /// so work recorded reading these buffers (a CUDA graph) reads the new rows.
+    /// Checks `slots` and `pos` (as many rows as before, each in a slot of its own if they were
+    /// before, and not if not: recorded work launched for the one or the other) and writes
+    /// them over these in place, so work recorded reading these buffers (a CUDA graph) reads
+    /// the new rows.
     pub fn set(&mut self, gpu: &Gpu, slots: &[i32], pos: &[u32]) -> Result<()> {
-        Check(Kernel::Attn.name()).len("slots", self.slot.len(), slots.len())?;
-        check_rows(slots, pos, self.num_slots, self.max_len)?;
+        let c = Check(Kernel::Attn.name());
+        c.len("slots", self.slot.len(), slots.len())?;
+        let own = check_rows(slots, pos, self.num_slots, self.max_len)?;
+        let what = |own| if own { "each row in a slot of its own" } else { "rows sharing a slot" };
+        c.that("slots", own == self.own, what(self.own), what(own))?;
         gpu.upload_into(slots, &mut self.slot)?;
         gpu.upload_into(pos, &mut self.pos)
     }
@@ -59,7 +67,8 @@ impl AttnRows {
     }
 }
 
-fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<()> {
+/// Checks the rows; whether each is in a slot of its own.
+fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<bool> {
     let c = Check(Kernel::Attn.name());
     c.count("rows", MAX_ROWS, slots.len())?;
     c.len("pos", slots.len(), pos.len())?;
@@ -75,11 +84,12 @@ fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> R
         c.that("pos", (p as usize) < max_len, format!("positions below {max_len}"), format!("{p} at row {r}"))?;
         c.that("pos", seen.insert((sl, p)), "one row per slot and position", format!("row {r} repeats ({sl}, {p})"))?;
     }
-    Ok(())
+    Ok(slots.iter().collect::<HashSet<_>>().len() == slots.len())
 }
 
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
-/// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Row r's
+/// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
+/// launches, or one where each row has a slot of its own (decode rows). Row r's
 /// query starts at element `r * q_stride` of `q`, its key and value at `r * kv_stride` of `k`
 /// and `v` (the widths for contiguous rows; q, k and v may be column blocks of one buffer).
 #[allow(clippy::too_many_arguments)]
@@ -130,13 +140,16 @@ pub fn attention(
         head_dim: s.head_dim as u32,
         max_len: s.max_len as u32,
         scale: 1.0 / (s.head_dim as f32).sqrt(),
+        own_rows: u32::from(rows.own),
     };
     // SAFETY: every extent above is checked; the rows' slots and positions are in range of
     // these caches and distinct (AttnRows), so cache writes do not collide; the caches and out
     // are `&mut` (distinct from the inputs); the attention launch runs after the cache write
-    // on the stream.
+    // on the stream, or, each row in a slot of its own, reads no cache position it writes.
     unsafe {
-        gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
+        if !rows.own {
+            gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
+        }
         gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p)
     }
 }

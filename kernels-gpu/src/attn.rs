@@ -1,7 +1,8 @@
 //! Causal attention over a per-slot KV cache (SPEC.md section 7): grouped-query heads, no
 //! positional encoding, scale 1/sqrt(head_dim). Two launches: the step's new keys and values
 //! are written into the cache, then every (row, head) attends over its sequence's keys up to
-//! and including its own position.
+//! and including its own position; where each row has a slot of its own (decode rows), one:
+//! the attention reads each row's own key and value from the step's and writes them.
 //!
 //! Layouts: `q [rows, heads * head_dim]`, new `k`, `v` `[rows, kv_heads * head_dim]`, caches
 //! `[slots, max_len, kv_heads * head_dim]`, all bf16; per row its slot and its position in its
@@ -35,6 +36,11 @@ pub struct AttnParams {
     pub head_dim: u32,
     pub max_len: u32,
     pub scale: f32,
+    /// 1: every row's slot is its own (decode rows), so a row's keys before its position are
+    /// in the cache and its own key and value are only in `k` and `v`: [`attn_bf16`] reads
+    /// them there and writes them into the caches itself (no cache-write launch). 0: the
+    /// cache-write launch ran before.
+    pub own_rows: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -77,7 +83,9 @@ mod kernels {
     /// Keys (or value rows) a lane loads per pass of [`attn_bf16`]: all in flight at once.
     const KEYS_PER_PASS: usize = 4;
 
-    /// Attention, [`AttnParams`], after the cache write. Grid `(rows, heads)`, block
+    /// Attention, [`AttnParams`], after the cache write (or, with `own_rows`, instead of it:
+    /// row r's key and value at its position come from k and v, and the blocks of each kv
+    /// head's first query head write them into the caches). Grid `(rows, heads)`, block
     /// [`ATTN_BLOCK`], dynamic shared memory `smem_bytes(head_dim, max_len)`. Block (r, h):
     /// `lanes` = ceil(head_dim / 8) rounded up to a power of two lanes hold a key row (8
     /// channels each, 16-byte loads), so a warp takes `32 / lanes` keys side by side: key j
@@ -110,15 +118,35 @@ mod kernels {
             let qv = if c < d { load8_bf16(q, c, d) } else { [0.0; 8] };
             let n = ld(p.pos, r) as usize + 1;
             let base = ld(p.slot, r) as usize * p.max_len as usize * kw + kvh * d;
-            // Key j's chunk of this lane (zeros past n or d).
-            let chunk = |cache: *const u16, j: usize| {
-                if j < n && c < d { load8_bf16(cache.wrapping_add(base + j * kw), c, d) } else { [0.0; 8] }
+            let own = p.own_rows != 0;
+            let row = r * p.kv_stride as usize + kvh * d;
+            if own && h % (p.heads / p.kv_heads) as usize == 0 {
+                // This row's key and value into the caches: no block of this launch reads
+                // them there (no other row has this slot).
+                let at = base + (n - 1) * kw;
+                let mut i = t;
+                while i < d {
+                    st(p.k_cache, at + i, ld(p.k, row + i));
+                    st(p.v_cache, at + i, ld(p.v, row + i));
+                    i += blk;
+                }
+            }
+            // Key j's chunk of this lane (zeros past n or d); with own_rows, the row's own
+            // from k or v (`new`).
+            let chunk = |(cache, new): (*const u16, *const u16), j: usize| {
+                if j >= n || c >= d {
+                    [0.0; 8]
+                } else if own && j == n - 1 {
+                    load8_bf16(new.wrapping_add(row), c, d)
+                } else {
+                    load8_bf16(cache.wrapping_add(base + j * kw), c, d)
+                }
             };
             let mut m = f32::NEG_INFINITY;
             let mut b = w * per;
             while b < n {
                 let j0 = b + group;
-                let kv: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk(p.k_cache, j0 + u * stride));
+                let kv: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk((p.k_cache, p.k), j0 + u * stride));
                 for (u, kv) in kv.iter().enumerate() {
                     let mut s = 0.0f32;
                     for i in 0..8 {
@@ -151,7 +179,7 @@ mod kernels {
             let mut b = w * per;
             while b < n {
                 let j0 = b + group;
-                let v: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk(p.v_cache, j0 + u * stride));
+                let v: [[f32; 8]; KEYS_PER_PASS] = core::array::from_fn(|u| chunk((p.v_cache, p.v), j0 + u * stride));
                 for (u, v) in v.iter().enumerate() {
                     let j = j0 + u * stride;
                     let e = if j < n { ld(smem, j) } else { 0.0 };

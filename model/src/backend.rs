@@ -103,7 +103,8 @@ pub struct StepRows {
     pub slots: Vec<i32>,
     /// The position of each row's token in its sequence (attention).
     pub positions: Vec<u32>,
-    /// The rows whose logits the step returns.
+    /// The rows whose logits the step returns (all rows, in order, in a step without
+    /// prefill: it then reads no gather of them).
     pub last: Vec<u32>,
 }
 
@@ -151,7 +152,8 @@ pub trait Backend: Sized {
     /// `max_len`); a backend that indexes device memory with them checks them again.
     fn rows(&self, rows: &StepRows, slots: usize, max_len: usize) -> Result<Self::Rows>;
     /// Writes `rows` over `into` in place (the same numbers of decode rows and prefill
-    /// sequences as when `into` was made), so a recorded step reads the new rows.
+    /// sequences as when `into` was made), so a recorded step reads the new rows (a backend
+    /// may leave `last` out: a step without prefill does not read it).
     fn set_rows(&self, into: &mut Self::Rows, rows: &StepRows) -> Result<()>;
     /// Runs the operations `f` queues, for a step of `decode` decode rows and no prefill, or
     /// records them to replay: `Some(graph)` when recorded (nothing ran yet: replay it),

@@ -461,8 +461,9 @@ impl Backend for Cuda {
         if let Some(d) = &mut into.decode {
             d.set(g, &r.decode_slots)?;
         }
-        into.attn.set(g, &r.slots, &r.positions)?;
-        Ok(g.upload_into(&r.last, &mut into.last)?)
+        // Not `last`: a step of decode rows only reads no gather of last rows (each row is its
+        // part's last; see model.rs `forward`).
+        Ok(into.attn.set(g, &r.slots, &r.positions)?)
     }
 
     fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Graph>> {

@@ -354,7 +354,7 @@ impl<B: Backend> Model<B> {
 
 /// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,
 /// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of
-/// the rows `rows.last` names go to `logits`.
+/// the rows `rows.last` names go to `logits` (without prefill, every row's, in order).
 #[allow(clippy::too_many_arguments)]
 fn forward<B: Backend>(
     b: &B,
@@ -453,6 +453,11 @@ fn forward<B: Backend>(
     }
     if w.layers.is_empty() {
         b.rms_norm(In::rows(&h, hidden), &w.norm_f, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+    }
+    if seqs.is_empty() {
+        // Decode rows only: every row is its part's last, in order (`rows.last` is 0..nd).
+        b.linear(In::rows(&x, hidden), n, &w.lm_head, Out { buf: logits, offset: 0 })?;
+        return Ok(counters);
     }
     let picked = nd + seqs.len();
     let mut sel = b.scratch(picked * hidden)?;

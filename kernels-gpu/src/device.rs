@@ -164,15 +164,32 @@ pub fn cluster_sync() {
     unsafe { asm!("barrier.cluster.arrive.aligned;", "barrier.cluster.wait.aligned;", options(nostack)) }
 }
 
-/// The f32 at `p`'s offset in the shared memory of block `rank` of this cluster (distributed
-/// shared memory), `p` pointing into this block's.
+/// The first half of a cluster barrier (`barrier.cluster.arrive`, release; `.relaxed` needs
+/// PTX 8.0, above sm_90's 7.8): arrived early, it lets the [`cluster_wait`] that completes it
+/// return at once once every block of the cluster has started. Call in uniform flow, every
+/// thread of every block, and complete it with [`cluster_wait`] before the next arrival.
+#[inline(always)]
+pub fn cluster_arrive() {
+    // SAFETY: no operands; the memory clobber keeps memory accesses on their side.
+    unsafe { asm!("barrier.cluster.arrive.aligned;", options(nostack)) }
+}
+
+/// The second half of a cluster barrier ([`cluster_arrive`]): returns once every thread of
+/// every block of the cluster has arrived.
+#[inline(always)]
+pub fn cluster_wait() {
+    // SAFETY: no operands; the memory clobber keeps memory accesses on their side.
+    unsafe { asm!("barrier.cluster.wait.aligned;", options(nostack)) }
+}
+
+/// Stores `v` at `p`'s offset in the shared memory of block `rank` of this cluster
+/// (distributed shared memory), `p` pointing into this block's.
 ///
 /// # Safety
-/// `p` a generic pointer into this block's shared memory, `rank` below the cluster's size, that
-/// block not exited (a [`cluster_sync`] after the read keeps it alive).
+/// `p` a generic pointer into this block's shared memory, `rank` below the cluster's size,
+/// every block of the cluster started (a cluster barrier passed) and not exited.
 #[inline(always)]
-pub unsafe fn ld_cluster_f32(p: *const f32, rank: u32) -> f32 {
-    let v: f32;
+pub unsafe fn st_cluster_f32(p: *mut f32, rank: u32, v: f32) {
     // SAFETY: the caller's contract.
     unsafe {
         asm!(
@@ -180,14 +197,13 @@ pub unsafe fn ld_cluster_f32(p: *const f32, rank: u32) -> f32 {
             "cvta.to.shared.u64 s64, {p};",
             "cvt.u32.u64 s32, s64;",
             "mapa.shared::cluster.u32 r32, s32, {rank};",
-            "ld.shared::cluster.f32 {v}, [r32]; }}",
+            "st.shared::cluster.f32 [r32], {v}; }}",
             p = in(reg64) p,
             rank = in(reg32) rank,
-            v = out(reg32) v,
-            options(readonly, nostack),
+            v = in(reg32) v,
+            options(nostack),
         )
     };
-    v
 }
 
 /// Lane of this thread within its warp.

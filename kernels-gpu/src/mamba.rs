@@ -114,6 +114,10 @@ mod kernels {
                 return;
             }
             let slot = slot as usize;
+            // The cluster barrier's first phase, arrived now and completed before the group's
+            // sums are pushed into the other blocks' shared memory (they have all started
+            // by then): the push then needs one barrier after it, not one before and after.
+            cluster_arrive();
             let (lane, warp) = (lane_id() as usize, warp_id() as usize);
             let n0 = 4 * lane;
             let srow = |pi: usize| p.ssm_state.wrapping_add(((slot * p.heads as usize + h) * hd + pi) * n + n0);
@@ -174,6 +178,8 @@ mod kernels {
             // The gated outputs u, this block's sum of their squares, the reduction scratch.
             let u = static_smem!("mamba_u", MAMBA_MAX_HEAD_DIM * 4);
             let part = static_smem!("mamba_part", (1 + MAMBA_BLOCK / 32) * 4);
+            // The group's blocks' sums of squares, in rank order (each pushed here by its block).
+            let sums = static_smem!("mamba_sums", MAMBA_MAX_CLUSTER * 4);
             let xbc = row.wrapping_add(p.xbc_at as usize);
             let mut bc_next = [[0u16; KM1]; BC];
             let mut lc = t;
@@ -221,8 +227,10 @@ mod kernels {
             sync_threads();
             let uv = if t < hd { ld(u, t) } else { 0.0 };
             let sq = block_sum(uv * uv, part.wrapping_add(1));
-            if t == 0 {
-                st(part, 0, sq);
+            cluster_wait();
+            if t < hpg {
+                // This block's sum into slot `rank` of block t's.
+                st_cluster_f32(sums.wrapping_add(cluster_rank() as usize), t as u32, sq);
             }
             cluster_sync();
             // Every block has read the group's B and C state: rank 0 writes their next.
@@ -242,11 +250,9 @@ mod kernels {
                 }
             }
             let mut total = 0.0f32;
-            for r in 0..hpg as u32 {
-                total += ld_cluster_f32(part, r);
+            for r in 0..hpg {
+                total += ld(sums, r);
             }
-            // No block leaves while another may still read its sum.
-            cluster_sync();
             if t < hd {
                 let rstd = 1.0 / sqrt(total / (hpg * hd) as f32 + p.eps);
                 let w = bf16_to_f32(ld(p.norm_w, h * hd + t));

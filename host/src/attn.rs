@@ -73,7 +73,7 @@ fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> R
     c.count("rows", MAX_ROWS, slots.len())?;
     c.len("pos", slots.len(), pos.len())?;
     c.count("max_len", i32::MAX as usize, max_len)?;
-    let mut seen = HashSet::new();
+    let (mut seen, mut slots_seen, mut own) = (HashSet::new(), HashSet::new(), true);
     for (r, (&sl, &p)) in slots.iter().zip(pos).enumerate() {
         c.that(
             "slots",
@@ -83,8 +83,9 @@ fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> R
         )?;
         c.that("pos", (p as usize) < max_len, format!("positions below {max_len}"), format!("{p} at row {r}"))?;
         c.that("pos", seen.insert((sl, p)), "one row per slot and position", format!("row {r} repeats ({sl}, {p})"))?;
+        own &= slots_seen.insert(sl);
     }
-    Ok(slots.iter().collect::<HashSet<_>>().len() == slots.len())
+    Ok(own)
 }
 
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends

@@ -157,11 +157,12 @@ pub fn cluster_rank() -> u32 {
 
 /// Barrier over every thread of every block of the cluster: what each wrote to its shared
 /// memory before it is visible to all of them after it (arrive with release, wait with
-/// acquire). Call in uniform flow, every thread of every block.
+/// acquire): [`cluster_arrive`] then [`cluster_wait`]. Call in uniform flow, every thread of
+/// every block.
 #[inline(always)]
 pub fn cluster_sync() {
-    // SAFETY: no operands; the memory clobber keeps shared-memory accesses on their side.
-    unsafe { asm!("barrier.cluster.arrive.aligned;", "barrier.cluster.wait.aligned;", options(nostack)) }
+    cluster_arrive();
+    cluster_wait();
 }
 
 /// The first half of a cluster barrier (`barrier.cluster.arrive`, release; `.relaxed` needs

@@ -17,6 +17,16 @@ use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
 const EPS: f32 = 1e-5;
 
+/// The bits of bf16 values (compared bit for bit: a poison NaN equals itself).
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The bits of f32 values, likewise.
+fn fbits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// One case: the SSM shape, conv taps, decode rows, cache slots, a conv bias or not.
 struct Case {
     shape: SsmShape,
@@ -121,17 +131,15 @@ fn check(gpu: &host::Gpu, rng: &mut Rng, case: &Case) -> usize {
         "{} heads x {}, {} groups, state {}, k {k}, batch {batch}",
         s.heads, s.head_dim, s.groups, s.state_size
     );
-    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let fbits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut compared = assert_same(
         &format!("{label}: conv state"),
-        &bits(gpu.download(&conv_f).unwrap()),
-        &bits(gpu.download(&conv_a).unwrap()),
+        &bits(&gpu.download(&conv_f).unwrap()),
+        &bits(&gpu.download(&conv_a).unwrap()),
     );
     compared += assert_same(
         &format!("{label}: state"),
-        &fbits(gpu.download(&ssm_f).unwrap()),
-        &fbits(gpu.download(&ssm_a).unwrap()),
+        &fbits(&gpu.download(&ssm_f).unwrap()),
+        &fbits(&gpu.download(&ssm_a).unwrap()),
     );
     let got = to_f64(&gpu.download(&yn_f).unwrap());
     // The norm's group sums in another order: a bf16 ulp either way.
@@ -189,8 +197,6 @@ fn gpu_mamba_decode_pad_rows_touch_nothing() {
     let norm = gpu.upload(&rng.bf16s(inner, -2.0, 2.0)).unwrap();
     let heads = SsmHeads { dt_bias: &hb, a: &hb, d: None };
     let conv = MambaConv { w: &w, bias: None, k };
-    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let fbits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     // The rows of `zx` from `row0`, at `slots`: both caches and y afterwards, as bits.
     let run = |row0: usize, slots: &[i32]| {
         let dslots = Slots::new(&gpu, slots, nslots).unwrap();
@@ -199,7 +205,7 @@ fn gpu_mamba_decode_pad_rows_touch_nothing() {
         let zx = dzx.slice(row0 * stride..);
         mamba_decode(&gpu, s, (&zx, stride), (conv, &mut cst), (heads, &mut st), (&norm, EPS), &dslots, &mut y)
             .unwrap();
-        (bits(gpu.download(&cst).unwrap()), fbits(gpu.download(&st).unwrap()), bits(gpu.download(&y).unwrap()))
+        (bits(&gpu.download(&cst).unwrap()), fbits(&gpu.download(&st).unwrap()), bits(&gpu.download(&y).unwrap()))
     };
     let poison = vec![POISON_BF16.to_bits(); inner];
     // A pad row beside a real one: the real one as alone, the pad row's y untouched.
@@ -211,8 +217,8 @@ fn gpu_mamba_decode_pad_rows_touch_nothing() {
     compared += assert_same("pad + row: the pad row's y", &y2[..inner], &poison);
     // Only a pad row: nothing written.
     let (c0, s0, y0) = run(0, &[PAD_SLOT]);
-    compared += assert_same("pad only: conv state", &c0, &bits(conv0.clone()));
-    compared += assert_same("pad only: state", &s0, &fbits(ssm0.clone()));
+    compared += assert_same("pad only: conv state", &c0, &bits(&conv0));
+    compared += assert_same("pad only: state", &s0, &fbits(&ssm0));
     compared += assert_same("pad only: y", &y0, &poison);
     let caches = nslots * (conv_dim * (k - 1) + s.slot_len());
     assert_eq!(compared, 2 * caches + 3 * inner);

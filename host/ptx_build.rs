@@ -73,18 +73,21 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 }
 
 /// Kernels whose launches need a bound on their registers (64K registers an SM: a block of
-/// 512 threads fits only at 128 or fewer each, which ptxas does not assume), and their
-/// threads per block.
-const LAUNCH_BOUNDS: [(&str, u32); 1] = [("mamba_decode_bf16", 512)];
+/// 512 threads fits only at 128 or fewer each, which ptxas does not assume), their threads per
+/// block, and whether ptxas is told that one block an SM is enough (`.minnctapersm 1`: for
+/// sm_121a ptxas otherwise kept `sample_bf16` at 64 registers, and spilled).
+const LAUNCH_BOUNDS: [(&str, u32, bool); 2] = [("mamba_decode_bf16", 512, false), ("sample_bf16", 512, true)];
 
-/// `ptx` with a `.maxntid` directive on each entry of [`LAUNCH_BOUNDS`] (rustc has no
-/// attribute for it), so ptxas keeps their registers within what the block size allows.
+/// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
+/// [`LAUNCH_BOUNDS`] (rustc has no attribute for them), so ptxas keeps their registers within
+/// what the block size allows.
 fn with_launch_bounds(ptx: &str) -> Result<String, String> {
     let mut text = ptx.to_string();
-    for (name, threads) in LAUNCH_BOUNDS {
+    for (name, threads, one_block) in LAUNCH_BOUNDS {
         let at = text.find(&format!(".entry {name}(")).ok_or(format!("no entry {name} in the PTX"))?;
         let body = at + text[at..].find("\n{").ok_or(format!("entry {name} has no body"))?;
-        text.insert_str(body, &format!("\n.maxntid {threads}, 1, 1"));
+        let min = if one_block { "\n.minnctapersm 1" } else { "" };
+        text.insert_str(body, &format!("\n.maxntid {threads}, 1, 1{min}"));
     }
     Ok(text)
 }

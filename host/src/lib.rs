@@ -29,6 +29,7 @@ pub mod mamba;
 pub mod moe;
 pub mod norm;
 pub mod quant;
+pub mod sample;
 pub mod ssd;
 pub mod ssm;
 

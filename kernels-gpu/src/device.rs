@@ -13,6 +13,10 @@ unsafe extern "C" {
     fn shfl_idx_f32(mask: u32, v: f32, lane: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.up.i32"]
+    fn shfl_up_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
     #[link_name = "llvm.fma.f32"]
     fn fma_f32(a: f32, b: f32, c: f32) -> f32;
 }
@@ -207,6 +211,31 @@ pub unsafe fn st_cluster_f32(p: *mut f32, rank: u32, v: f32) {
     };
 }
 
+/// Loads the u64 at `p`'s offset in the shared memory of block `rank` of this cluster
+/// (distributed shared memory), `p` pointing into this block's.
+///
+/// # Safety
+/// As [`st_cluster_f32`], and `p` 8-byte aligned.
+#[inline(always)]
+pub unsafe fn ld_cluster_u64(p: *const u64, rank: u32) -> u64 {
+    let v: u64;
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "{{ .reg .u64 s64; .reg .u32 s32, r32;",
+            "cvta.to.shared.u64 s64, {p};",
+            "cvt.u32.u64 s32, s64;",
+            "mapa.shared::cluster.u32 r32, s32, {rank};",
+            "ld.shared::cluster.u64 {v}, [r32]; }}",
+            p = in(reg64) p,
+            rank = in(reg32) rank,
+            v = out(reg64) v,
+            options(nostack, readonly),
+        )
+    };
+    v
+}
+
 /// Lane of this thread within its warp.
 #[inline(always)]
 pub fn lane_id() -> u32 {
@@ -346,6 +375,56 @@ pub fn warp_argmax(mut v: f32, mut i: u32) -> (f32, u32) {
     (v, i)
 }
 
+/// A u64 shuffled as its two halves: lane `lane ^ m` (`UP`: `lane - m`, own value below m).
+#[inline(always)]
+fn shfl_u64<const UP: bool>(v: u64, m: u32) -> u64 {
+    let (lo, hi) = (v as u32 as i32, (v >> 32) as u32 as i32);
+    // SAFETY: all 32 lanes take part (full mask); callers run full warps.
+    let (lo, hi) = unsafe {
+        if UP {
+            (shfl_up_i32(u32::MAX, lo, m, 0), shfl_up_i32(u32::MAX, hi, m, 0))
+        } else {
+            (shfl_bfly_i32(u32::MAX, lo, m, 0x1f), shfl_bfly_i32(u32::MAX, hi, m, 0x1f))
+        }
+    };
+    u64::from(lo as u32) | (u64::from(hi as u32) << 32)
+}
+
+/// Sum over the 32 lanes of a full warp (wrapping); every lane gets the total.
+#[inline(always)]
+pub fn warp_sum_u64(mut v: u64) -> u64 {
+    let mut m = 16;
+    while m > 0 {
+        v = v.wrapping_add(shfl_u64::<false>(v, m));
+        m >>= 1;
+    }
+    v
+}
+
+/// Inclusive prefix sum over the lanes of a full warp (wrapping): lane l gets lanes 0..=l.
+#[inline(always)]
+pub fn warp_inclusive_sum_u64(mut v: u64) -> u64 {
+    let lane = lane_id();
+    let mut d = 1;
+    while d < 32 {
+        let up = shfl_u64::<true>(v, d);
+        if lane >= d {
+            v = v.wrapping_add(up);
+        }
+        d <<= 1;
+    }
+    v
+}
+
+/// Lane `from`'s `v`, by a full warp.
+#[inline(always)]
+pub fn warp_read_u64(v: u64, from: u32) -> u64 {
+    let (lo, hi) = (v as u32 as i32, (v >> 32) as u32 as i32);
+    // SAFETY: as in `warp_sum`.
+    let (lo, hi) = unsafe { (shfl_idx_i32(u32::MAX, lo, from, 0x1f), shfl_idx_i32(u32::MAX, hi, from, 0x1f)) };
+    u64::from(lo as u32) | (u64::from(hi as u32) << 32)
+}
+
 /// Lane `from`'s `v` (each lane may name its own), by a full warp.
 #[inline(always)]
 pub fn warp_read(v: f32, from: u32) -> f32 {
@@ -463,6 +542,15 @@ pub fn exp_fast(v: f32) -> f32 {
     // SAFETY: a register-to-register instruction.
     unsafe { asm!("ex2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) a, options(pure, nomem, nostack)) };
     r
+}
+
+/// ln(v) through `lg2.approx.f32` (relative error about 2^-22).
+#[inline(always)]
+pub fn ln_fast(v: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a register-to-register instruction.
+    unsafe { asm!("lg2.approx.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) v, options(pure, nomem, nostack)) };
+    r * core::f32::consts::LN_2
 }
 
 /// silu(v) = v / (1 + e^-v), with the full-range approximate division (2 ulp).

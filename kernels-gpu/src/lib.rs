@@ -10,10 +10,10 @@
 //! compare against live in `host/src/cpu/`.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
-#![cfg_attr(
-    target_arch = "nvptx64",
-    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics, core_float_math)
-)]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics))]
+// `core::f32::math::mul_add` (sample.rs's weights: one definition, the same FMAs on the host
+// and the device).
+#![feature(core_float_math)]
 
 #[cfg(target_arch = "nvptx64")]
 mod device;
@@ -25,6 +25,7 @@ pub mod mamba;
 pub mod moe;
 pub mod norm;
 pub mod quant;
+pub mod sample;
 pub mod ssd;
 pub mod ssm;
 
@@ -146,6 +147,9 @@ kernels! {
     /// [`mamba::MambaDecodeParams`]: a Mamba2 mixer's decode rows between its projections
     /// (conv update, state update, gated norm), in clusters of a group's heads.
     MambaDecode = "mamba_decode_bf16",
+    /// [`sample::SampleParams`]: each row's next token from its logits (greedy, or
+    /// temperature with top-k, top-p, min-p and penalties), in clusters of blocks.
+    Sample = "sample_bf16",
 }
 
 impl Kernel {

@@ -8,5 +8,6 @@ pub mod gemm;
 pub mod moe;
 pub mod norm;
 pub mod quant;
+pub mod sample;
 pub mod ssd;
 pub mod ssm;

@@ -1,0 +1,74 @@
+//! `cargo bench --bench sample`: token sampling on the device (kernels-gpu/src/sample.rs) at
+//! Nemotron-3 Nano's vocabulary (131072), 1, 8 and 64 rows: greedy; temperature 1;
+//! temperature 0.8 with top-p 0.95; top-k 50; min-p 0.05 with penalties over 256 generated
+//! tokens. Logits: seeded bf16, normal with sigma 2 (a broad distribution: top-p keeps most of
+//! the vocabulary, the hard case for its threshold search). Method as in benches/norm.rs
+//! (graph replays, warm and cold L2); bytes: the logits read once.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use host::sample::{RowSampling, SampleRows, sample, sample_out};
+use kernels_gpu::sample::SampleRow;
+use nemotron_rs::{BenchGpu, Rng};
+use std::time::Duration;
+
+const VOCAB: usize = 131072;
+
+/// A normal sample (Box-Muller) of sigma `s`.
+fn normal(rng: &mut Rng, s: f64) -> f64 {
+    let (u, v) = (rng.uniform(1e-12, 1.0), rng.uniform(0.0, 1.0));
+    s * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+}
+
+fn benches(c: &mut Criterion) {
+    let Some(b) = BenchGpu::open() else { return };
+    let gpu = &b.gpu;
+    let mut group = c.benchmark_group("sample");
+    group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
+    let mut rng = Rng::new(5);
+    let penalties: Vec<(u32, u32)> = (0..256).map(|i| (i * 511 % VOCAB as u32, 1 + i % 3)).collect();
+    let t = |temperature| SampleRow { temperature, seed: 7, ..SampleRow::GREEDY };
+    let modes: [(&str, SampleRow, bool); 5] = [
+        ("greedy", SampleRow::GREEDY, false),
+        ("t1", t(1.0), false),
+        ("t0.8-top-p0.95", SampleRow { top_p: 0.95, ..t(0.8) }, false),
+        ("top-k50", SampleRow { top_k: 50, ..t(1.0) }, false),
+        (
+            "min-p0.05-penalties",
+            SampleRow { min_p: 0.05, repetition: 1.1, presence: 0.5, frequency: 0.2, ..t(1.0) },
+            true,
+        ),
+    ];
+    for rows in [1usize, 8, 64] {
+        let bytes = rows * VOCAB * 2;
+        let sets = BenchGpu::cold_sets(bytes);
+        let logits: Vec<_> = (0..sets)
+            .map(|_| {
+                let v: Vec<bf16> = (0..rows * VOCAB).map(|_| bf16::from_f64(normal(&mut rng, 2.0))).collect();
+                gpu.upload(&v).unwrap()
+            })
+            .collect();
+        for (mode, row, penalized) in modes {
+            let name = format!("{mode}/v{VOCAB}/r{rows}");
+            if !BenchGpu::selected(&name) {
+                continue;
+            }
+            let spec: Vec<RowSampling> = (0..rows)
+                .map(|r| RowSampling {
+                    row: SampleRow { counter: r as u64, ..row },
+                    penalties: if penalized { &penalties } else { &[] },
+                })
+                .collect();
+            let rs = SampleRows::new(gpu, &spec, VOCAB, rows * penalties.len()).unwrap();
+            let mut out = sample_out(gpu, rows).unwrap();
+            let timed = b.capture(sets, |i| sample(gpu, &logits[i % sets], VOCAB, &rs, &mut out));
+            timed.report(&format!("sample/{name}"), bytes);
+            group.throughput(Throughput::Bytes(bytes as u64));
+            group.bench_function(&name, |bench| bench.iter_custom(|iters| timed.criterion(iters)));
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(sample_benches, benches);
+criterion_main!(sample_benches);

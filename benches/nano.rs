@@ -4,8 +4,9 @@
 //! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
 //!   returns the last row's logits, so it includes the synchronization); median of 3.
 //! - decode: `batch` requests of 16 prompt tokens each, then steps of one token per request;
-//!   wall time per step (logits of every row copied back, as the engine needs them), median
-//!   of 20 after 3 warm-up steps.
+//!   wall time per step, median of 20 after 3 warm-up steps: `Model::step` (every row's
+//!   logits copied back), then what a user gets, `Engine::step` (sampling on the device, the
+//!   token ids copied back), greedy and at temperature 0.8 with top-p 0.95.
 //!
 //! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, ...) runs only the cases whose
 //! name contains the filter; `--no-graphs` launches decode steps one operation at a time
@@ -25,8 +26,10 @@ use std::time::Instant;
 use model::Config;
 use model::cache::Part;
 use model::cuda::Cuda;
+use model::engine::{Engine, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
+use model::sampling::SamplingParams;
 use nemotron_rs::BenchGpu;
 
 /// Bytes of the weights a step reads, the SSM state traffic excluded: `(always, per expert)`
@@ -137,7 +140,44 @@ fn main() {
             floor / bw * 1e3,
             bw / 1e9
         );
+        for (mode, sampling) in
+            [("greedy", SamplingParams::greedy()), ("T 0.8 top-p 0.95", SamplingParams::nucleus(0.8, 0.95, 0))]
+        {
+            let (back, t) = engine_decode(model, &prompts, sampling);
+            model = back;
+            println!(
+                "  Engine::step {mode:>16}: {:8.3} ms/step {:8.3} ms/token   {:+.1}% against Model::step",
+                t * 1e3,
+                t * 1e3 / batch as f64,
+                (t / s - 1.0) * 100.0
+            );
+        }
     }
+}
+
+/// `Engine::step` over one request per prompt (seeds 0.., 24 new tokens each, no stop
+/// tokens): the prompts in one step, then decode steps of a token per request; wall time per
+/// decode step, median of 20 after 3 warm-up steps. Returns the model and that time.
+fn engine_decode(model: Model<Cuda>, prompts: &[Vec<u32>], sampling: SamplingParams) -> (Model<Cuda>, f64) {
+    let mut engine = Engine::new(model);
+    for (r, p) in prompts.iter().enumerate() {
+        let sampling = SamplingParams { seed: r as u64, ..sampling };
+        engine.add(p, RequestParams { max_new_tokens: 24, sampling, stop_tokens: Vec::new() }).expect("a request");
+    }
+    let first = engine.step().expect("prompts");
+    assert_eq!(first.len(), prompts.len(), "every prompt gave its first token");
+    let mut times = Vec::new();
+    for step in 0..23 {
+        let t = Instant::now();
+        let events = engine.step().expect("decode");
+        let dt = t.elapsed().as_secs_f64();
+        assert_eq!(events.len(), prompts.len(), "a token per request");
+        if step >= 3 {
+            times.push(dt);
+        }
+    }
+    assert!(!engine.has_work(), "24 tokens each");
+    (engine.into_model(), median(times))
 }
 
 /// One decode step's launches in order (`--timeline`, PTX built with `NEMO_TIMELINE`): when

@@ -14,6 +14,8 @@
 //! written over the old in place ([`Backend::set_rows`]).
 
 use half::bf16;
+use host::sample::RowSampling;
+use kernels_gpu::sample::SampleOut;
 
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::Result;
@@ -133,6 +135,8 @@ pub trait Backend: Sized {
     type Rows;
     /// A recorded step (see [`Backend::record`]).
     type Graph;
+    /// A step's sampling rows and where their tokens go (see [`Backend::sample`]).
+    type Sampling;
 
     fn upload(&self, v: &[bf16]) -> Result<Self::Buf>;
     fn upload32(&self, v: &[f32]) -> Result<Self::Buf32>;
@@ -163,6 +167,17 @@ pub trait Backend: Sized {
     fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>>;
     /// Runs a recorded step again.
     fn replay(&self, graph: &Self::Graph) -> Result<()>;
+
+    /// Readies one sampling row per row of logits (checked as `host::sample::check_row`
+    /// does), with room for `capacity` penalty pairs in all.
+    fn sampling(&self, rows: &[RowSampling], vocab: usize, capacity: usize) -> Result<Self::Sampling>;
+    /// Writes `rows` over `into` in place (as many as before), for a recorded step.
+    fn set_sampling(&self, into: &mut Self::Sampling, rows: &[RowSampling]) -> Result<()>;
+    /// Picks each row's token from its row of `logits` (rows of `vocab`), where the logits
+    /// are (kernels-gpu's sample.rs has the math).
+    fn sample(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampling) -> Result<()>;
+    /// What the last [`Backend::sample`] into `s` picked, a row each.
+    fn sampled(&self, s: &Self::Sampling) -> Result<Vec<SampleOut>>;
 
     /// Rows `rows.tokens` of `table [vocab, width]` into `out`.
     fn embed(&self, table: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;

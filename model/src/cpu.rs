@@ -7,6 +7,8 @@ use host::cpu::conv1d::ConvRef;
 use host::cpu::moe::{Routing, route};
 use host::cpu::ssm::SsmRef;
 use host::cpu::{attn, gemm, norm};
+use host::sample::{RowSampling, check_row};
+use kernels_gpu::sample::{SampleOut, SampleRow};
 
 use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
@@ -138,6 +140,13 @@ pub struct CpuExperts {
     shared: Option<(CpuWeight, CpuWeight)>,
 }
 
+/// A step's sampling rows on the CPU, and what the last sampling picked.
+pub struct CpuSampling {
+    rows: Vec<(SampleRow, Vec<(u32, u32)>)>,
+    vocab: usize,
+    out: Vec<SampleOut>,
+}
+
 impl Backend for Cpu {
     type Buf = Vec<bf16>;
     type Buf32 = Vec<f32>;
@@ -145,6 +154,7 @@ impl Backend for Cpu {
     type Experts = CpuExperts;
     type Rows = StepRows;
     type Graph = ();
+    type Sampling = CpuSampling;
 
     fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
         Ok(v.to_vec())
@@ -205,6 +215,30 @@ impl Backend for Cpu {
 
     fn replay(&self, _graph: &()) -> Result<()> {
         Ok(())
+    }
+
+    fn sampling(&self, rows: &[RowSampling], vocab: usize, _capacity: usize) -> Result<CpuSampling> {
+        let mut s = CpuSampling { rows: Vec::new(), vocab, out: Vec::new() };
+        self.set_sampling(&mut s, rows)?;
+        Ok(s)
+    }
+
+    fn set_sampling(&self, into: &mut CpuSampling, rows: &[RowSampling]) -> Result<()> {
+        for r in rows {
+            check_row(r, into.vocab)?;
+        }
+        into.rows = rows.iter().map(|r| (r.row, r.penalties.to_vec())).collect();
+        Ok(())
+    }
+
+    fn sample(&self, logits: &Vec<bf16>, vocab: usize, s: &mut CpuSampling) -> Result<()> {
+        let rows = rows_f32(&logits[..s.rows.len() * vocab], vocab);
+        s.out = rows.iter().zip(&s.rows).map(|(x, (r, p))| host::cpu::sample::sample_row(x, r, p)).collect();
+        Ok(())
+    }
+
+    fn sampled(&self, s: &CpuSampling) -> Result<Vec<SampleOut>> {
+        Ok(s.out.clone())
     }
 
     fn embed(&self, table: &Vec<bf16>, width: usize, rows: &StepRows, out: Out<Vec<bf16>>) -> Result<()> {

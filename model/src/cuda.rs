@@ -34,9 +34,12 @@ use host::moe::{
     experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
+use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
+
+use kernels_gpu::sample::SampleOut;
 
 use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, StepRows, mamba_decode_apart, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
@@ -200,6 +203,12 @@ pub struct CudaRows {
     prefill: Option<Prefill>,
     attn: AttnRows,
     last: CudaSlice<u32>,
+}
+
+/// A step's sampling rows on the device and where the kernel writes their tokens.
+pub struct CudaSampling {
+    rows: SampleRows,
+    out: CudaSlice<u32>,
 }
 
 impl CudaRows {
@@ -377,6 +386,7 @@ impl Backend for Cuda {
     type Experts = CudaExperts;
     type Rows = CudaRows;
     type Graph = Graph;
+    type Sampling = CudaSampling;
 
     fn upload(&self, v: &[bf16]) -> Result<Buffer<bf16>> {
         if std::mem::size_of_val(v) < UPLOAD_STAGE_BYTES {
@@ -475,6 +485,25 @@ impl Backend for Cuda {
 
     fn replay(&self, graph: &Graph) -> Result<()> {
         Ok(graph.replay()?)
+    }
+
+    fn sampling(&self, rows: &[RowSampling], vocab: usize, capacity: usize) -> Result<CudaSampling> {
+        let g = &self.gpu;
+        Ok(CudaSampling { rows: SampleRows::new(g, rows, vocab, capacity)?, out: sample_out(g, rows.len())? })
+    }
+
+    fn set_sampling(&self, into: &mut CudaSampling, rows: &[RowSampling]) -> Result<()> {
+        Ok(into.rows.set(&self.gpu, rows)?)
+    }
+
+    fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {
+        Ok(host::sample::sample(&self.gpu, logits, vocab, &s.rows, &mut s.out)?)
+    }
+
+    fn sampled(&self, s: &CudaSampling) -> Result<Vec<SampleOut>> {
+        let mut out = read_out(&self.gpu.download(&s.out)?);
+        out.truncate(s.rows.len());
+        Ok(out)
     }
 
     fn embed(&self, table: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {

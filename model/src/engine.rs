@@ -1,9 +1,12 @@
 //! The engine: requests in, tokens out. Each step feeds waiting prompts (as prefill
 //! sequences) and running requests (one token each, as decode rows) to the model in one
-//! batch, samples each request's next token, and frees the slots of finished requests. A bad
+//! batch, samples each request's next token on the backend (on the GPU only the token ids come
+//! back), and frees the slots of finished requests. A bad
 //! request is refused when it is added, so it never disturbs the others. A step that fails
 //! anyway (out of device memory for a large batch, say) ends the requests that were in it,
-//! with [`Error::StepFailed`] naming them, and the engine serves the rest at the next step.
+//! with [`Error::StepFailed`] naming them, and the engine serves the rest at the next step. A
+//! request whose logits give no token (a NaN among them, or all `-inf`) ends with
+//! [`Finish::Failed`], the others in its step going on.
 //! [`Engine::set_max_step_tokens`] bounds the tokens of one step (and so its activation
 //! memory): prompts are then fed in chunks over several steps, oldest request first.
 
@@ -13,7 +16,7 @@ use crate::backend::Backend;
 use crate::cache::{Part, SlotPool};
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{SampleError, Sampler, SamplingParams};
 
 /// A request's handle.
 pub type RequestId = u64;
@@ -34,15 +37,19 @@ pub enum Finish {
     Length,
     /// It produced a stop token (included in its output).
     Stop,
+    /// Its logits gave no token (the event's token is `u32::MAX`).
+    Failed(SampleError),
 }
 
 /// One generated token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Event {
     pub id: RequestId,
     pub token: u32,
     /// Set on the request's last token.
     pub finished: Option<Finish>,
+    /// The token's log-probability, when its request asked for them.
+    pub logprob: Option<f32>,
 }
 
 struct Request {
@@ -122,6 +129,14 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
+    /// The model back, with the requests still in the engine dropped (their slots released).
+    pub fn into_model(mut self) -> Model<B> {
+        for s in self.requests.values().filter_map(|r| r.slot) {
+            self.model.release(s);
+        }
+        self.model
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         !self.requests.is_empty()
@@ -170,8 +185,10 @@ impl<B: Backend> Engine<B> {
                 Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending[..n] }
             })
             .collect();
-        let logits = match self.model.step(&parts) {
-            Ok(logits) => logits,
+        // A row for every part; those with prompt tokens left ignore theirs.
+        let sampling: Vec<_> = fed.iter().map(|(id, _)| self.requests[id].sampler.row()).collect();
+        let picks = match self.model.step_sampled(&parts, &sampling) {
+            Ok(picks) => picks,
             Err(source) => {
                 // The step may have updated some of these requests' states before it failed.
                 for id in &ids {
@@ -181,24 +198,29 @@ impl<B: Backend> Engine<B> {
             }
         };
         let mut events = Vec::new();
-        for (&(id, n), logits) in fed.iter().zip(logits) {
+        for (&(id, n), pick) in fed.iter().zip(picks) {
             let r = self.requests.get_mut(&id).expect("ids come from the map");
             r.computed += n;
             r.pending.drain(..n);
             if !r.pending.is_empty() {
                 continue;
             }
-            let token = r.sampler.sample(&logits)?;
-            r.generated += 1;
-            r.pending = vec![token];
-            let finished = if r.params.stop_tokens.contains(&token) {
-                Some(Finish::Stop)
-            } else if r.generated >= r.params.max_new_tokens {
-                Some(Finish::Length)
-            } else {
-                None
+            let event = match r.sampler.accept(pick) {
+                Ok(s) => {
+                    r.generated += 1;
+                    r.pending = vec![s.token];
+                    let finished = if r.params.stop_tokens.contains(&s.token) {
+                        Some(Finish::Stop)
+                    } else if r.generated >= r.params.max_new_tokens {
+                        Some(Finish::Length)
+                    } else {
+                        None
+                    };
+                    Event { id, token: s.token, finished, logprob: s.logprob }
+                }
+                Err(e) => Event { id, token: u32::MAX, finished: Some(Finish::Failed(e)), logprob: None },
             };
-            events.push(Event { id, token, finished });
+            events.push(event);
         }
         for e in events.iter().filter(|e| e.finished.is_some()) {
             self.cancel(e.id)?;

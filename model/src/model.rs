@@ -8,6 +8,9 @@
 
 use std::collections::HashMap;
 
+use host::sample::RowSampling;
+use kernels_gpu::sample::SampleOut;
+
 use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, PrefillSeqs, StepRows};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
@@ -86,7 +89,15 @@ struct Recorded<B: Backend> {
     graph: B::Graph,
     rows: B::Rows,
     logits: B::Buf,
+    /// The sampling rows of a step recorded with its sampling.
+    sampling: Option<B::Sampling>,
     counters: StepCounters,
+}
+
+/// What a step returns: every part's logits, or its sampled token.
+enum StepOut {
+    Logits(Vec<Vec<f32>>),
+    Sampled(Vec<SampleOut>),
 }
 
 /// A loaded model with its state cache.
@@ -100,7 +111,8 @@ pub struct Model<B: Backend> {
     max_len: usize,
     counters: StepCounters,
     /// Recorded decode steps by their number of rows.
-    recorded: HashMap<usize, Recorded<B>>,
+    /// By number of decode rows and whether the step samples.
+    recorded: HashMap<(usize, bool), Recorded<B>>,
 }
 
 fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
@@ -213,42 +225,82 @@ impl<B: Backend> Model<B> {
     /// them): release those slots ([`Model::release`]) before using them again, as the
     /// engine does by ending the step's requests.
     pub fn step(&mut self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
+        match self.run(parts, None)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Sampled(_) => unreachable!("a step without sampling rows returns logits"),
+        }
+    }
+
+    /// [`Model::step`], each part's token picked on the backend with its row of `sampling`
+    /// (one per part, in the order of `parts`) from the logits where the LM head left them:
+    /// only the picks come back (a recorded step records the sampling too).
+    pub fn step_sampled(&mut self, parts: &[Part], sampling: &[RowSampling]) -> Result<Vec<SampleOut>> {
+        if sampling.len() != parts.len() {
+            return Err(Error::Unsupported(format!(
+                "{} sampling rows for a step of {} parts",
+                sampling.len(),
+                parts.len()
+            )));
+        }
+        match self.run(parts, Some(sampling))? {
+            StepOut::Sampled(s) => Ok(s),
+            StepOut::Logits(_) => unreachable!("a step with sampling rows returns their picks"),
+        }
+    }
+
+    fn run(&mut self, parts: &[Part], sampling: Option<&[RowSampling]>) -> Result<StepOut> {
         let plan = StepPlan::new(parts)?;
         let rows = self.step_rows(parts, &plan)?;
         let vocab = self.config.vocab_size;
         let nd = plan.decode_tokens.len();
         let (slots, max_len) = (self.past.len(), self.max_len);
+        // The sampling rows in the order of the logits rows.
+        let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
         let Model { backend: b, config, weights, cache, recorded, counters, .. } = self;
         let b = &*b;
         let seqs = &plan.prefill_lens;
-        let logits = if let Some(r) = recorded.get_mut(&nd).filter(|_| seqs.is_empty()) {
+        let key = (nd, ordered.is_some());
+        let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty()) {
             b.set_rows(&mut r.rows, &rows)?;
+            if let (Some(s), Some(o)) = (r.sampling.as_mut(), &ordered) {
+                b.set_sampling(s, o)?;
+            }
             b.replay(&r.graph)?;
-            let out = b.download_rows(&r.logits, vocab)?;
             *counters = r.counters;
-            out
+            fetch(b, &r.logits, r.sampling.as_ref(), vocab)?
         } else {
             let step_rows = b.rows(&rows, slots, max_len)?;
             let mut logits = b.scratch(rows.last.len() * vocab)?;
-            let mut run = || forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits);
-            if !seqs.is_empty() {
-                let ran = run()?;
-                let out = b.download_rows(&logits, vocab)?;
-                *counters = ran;
-                out
+            // A recorded step's later rows may carry up to max_len penalty pairs each.
+            let capacity = match &ordered {
+                Some(o) if seqs.is_empty() => o.len() * max_len,
+                Some(o) => o.iter().map(|r| r.penalties.len()).sum(),
+                None => 0,
+            };
+            let mut sampling = ordered.as_ref().map(|o| b.sampling(o, vocab, capacity)).transpose()?;
+            let mut run = || {
+                let ran = forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits)?;
+                if let Some(s) = sampling.as_mut() {
+                    b.sample(&logits, vocab, s)?;
+                }
+                Ok(ran)
+            };
+            let mut ran = StepCounters::default();
+            let graph = if seqs.is_empty() {
+                b.record(nd, &mut || run().map(|c| ran = c))?
             } else {
-                let mut ran = StepCounters::default();
-                let out = match b.record(nd, &mut || run().map(|c| ran = c))? {
-                    Some(graph) => {
-                        b.replay(&graph)?;
-                        let out = b.download_rows(&logits, vocab)?;
-                        recorded.insert(nd, Recorded { graph, rows: step_rows, logits, counters: ran });
-                        out
-                    }
-                    None => b.download_rows(&logits, vocab)?,
-                };
-                *counters = ran;
-                out
+                ran = run()?;
+                None
+            };
+            *counters = ran;
+            match graph {
+                Some(graph) => {
+                    b.replay(&graph)?;
+                    let out = fetch(b, &logits, sampling.as_ref(), vocab)?;
+                    recorded.insert(key, Recorded { graph, rows: step_rows, logits, sampling, counters: ran });
+                    out
+                }
+                None => fetch(b, &logits, sampling.as_ref(), vocab)?,
             }
         };
 
@@ -258,11 +310,10 @@ impl<B: Backend> Model<B> {
         for ((&s, &l), &i) in plan.prefill_slots.iter().zip(&plan.prefill_lens).zip(&plan.prefill_initial) {
             self.past[s as usize] = if i { self.past[s as usize] } else { 0 } + l;
         }
-        let mut by_part = vec![Vec::new(); parts.len()];
-        for (row, &part) in logits.into_iter().zip(&plan.order) {
-            by_part[part] = row;
-        }
-        Ok(by_part)
+        Ok(match out {
+            StepOut::Logits(l) => StepOut::Logits(by_part(l, &plan.order)),
+            StepOut::Sampled(s) => StepOut::Sampled(by_part(s, &plan.order)),
+        })
     }
 
     /// Checks `parts` against the cache and the vocabulary; the step's rows.
@@ -350,6 +401,24 @@ impl<B: Backend> Model<B> {
     pub fn vocab(&self) -> usize {
         self.config.vocab_size
     }
+}
+
+/// What a step's logits buffer and sampling rows hold for the host: the sampled picks, or
+/// the logits rows.
+fn fetch<B: Backend>(b: &B, logits: &B::Buf, sampling: Option<&B::Sampling>, vocab: usize) -> Result<StepOut> {
+    Ok(match sampling {
+        Some(s) => StepOut::Sampled(b.sampled(s)?),
+        None => StepOut::Logits(b.download_rows(logits, vocab)?),
+    })
+}
+
+/// `rows` (row i is part `order[i]`'s) in the order of the parts.
+fn by_part<T: Clone + Default>(rows: Vec<T>, order: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); order.len()];
+    for (row, &part) in rows.into_iter().zip(order) {
+        out[part] = row;
+    }
+    out
 }
 
 /// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,

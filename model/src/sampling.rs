@@ -1,5 +1,19 @@
-//! Choosing the next token from logits: greedy, or temperature with optional top-k and top-p
-//! (nucleus) truncation, from a seeded generator so a request's output is reproducible.
+//! Choosing a request's next token: greedy, or temperature with top-k, top-p and min-p
+//! truncation, repetition / presence / frequency penalties over the request's generated
+//! tokens, and a per-request seed (a counter-based generator: a request's tokens do not
+//! depend on the requests beside it). On the CUDA backend the sampling runs on the device,
+//! where the LM head left the logits (kernels-gpu's sample.rs, whose module doc has the
+//! math); on the CPU backend the same math picks the same tokens (`host::cpu::sample`).
+//!
+//! Truncations never split equal logits: the tokens tied with the last one kept are kept.
+//! Infinite logits: a `+inf` logit takes all the probability (shared by the `+inf` ones), a
+//! `-inf` one none; a NaN logit, or every logit `-inf`, leaves the request without a token
+//! ([`SampleError`]).
+
+use std::collections::HashMap;
+
+use host::sample::RowSampling;
+use kernels_gpu::sample::{SAMPLE_ALL_NEG_INF, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow};
 
 use crate::error::{Error, Result};
 
@@ -12,16 +26,49 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (None: 1).
     pub top_p: Option<f32>,
+    /// Keep only tokens at least `min_p` times as likely as the most likely one (None: 0).
+    pub min_p: Option<f32>,
+    /// A generated token's positive logits are divided by it, negative ones multiplied (1: off).
+    pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token generated before (0: off).
+    pub presence_penalty: f32,
+    /// Subtracted once per earlier occurrence among the generated tokens (0: off).
+    pub frequency_penalty: f32,
     pub seed: u64,
+    /// Whether each token comes with its log-probability (under the penalized logits at
+    /// temperature 1).
+    pub logprobs: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> SamplingParams {
+        SamplingParams::greedy()
+    }
 }
 
 impl SamplingParams {
-    /// Greedy decoding.
+    /// Greedy decoding, no penalties.
     pub fn greedy() -> SamplingParams {
-        SamplingParams { temperature: 0.0, top_k: None, top_p: None, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+            logprobs: false,
+        }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Temperature `t` with nucleus `top_p`, seeded.
+    pub fn nucleus(t: f32, top_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams { temperature: t, top_p: Some(top_p), seed, ..SamplingParams::greedy() }
+    }
+
+    /// Refuses what no sampler can do, naming the parameter.
+    pub fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::Unsupported(format!("sampling: {what}")));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return bad(format!("temperature {} must be finite and >= 0", self.temperature));
@@ -32,66 +79,116 @@ impl SamplingParams {
         if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
             return bad(format!("top_p {p} must be in (0, 1]"));
         }
+        if let Some(p) = self.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return bad(format!("min_p {p} must be in [0, 1]"));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty {} must be finite and > 0", self.repetition_penalty));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !v.is_finite() {
+                return bad(format!("{name} {v} must be finite"));
+            }
+        }
         Ok(())
+    }
+
+    fn penalized(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }
 
-/// A request's sampler: its parameters and its random stream.
+/// Why a request got no token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleError {
+    /// Its logits held a NaN.
+    NanLogits,
+    /// Every logit was `-inf`.
+    AllNegInf,
+}
+
+impl std::fmt::Display for SampleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            SampleError::NanLogits => "its logits contain NaN",
+            SampleError::AllNegInf => "every logit is -inf",
+        })
+    }
+}
+
+/// A chosen token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// Its log-probability, when asked.
+    pub logprob: Option<f32>,
+}
+
+/// A request's sampler: its parameters, how often it generated each token (for the
+/// penalties), and how many tokens it generated (the generator's counter).
+#[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplingParams,
-    state: u64,
+    /// Pairs (token, times generated), in the order tokens first appeared.
+    pairs: Vec<(u32, u32)>,
+    /// Each generated token's pair.
+    index: HashMap<u32, usize>,
+    generated: u64,
 }
 
 impl Sampler {
     /// Checks the parameters.
     pub fn new(params: SamplingParams) -> Result<Sampler> {
         params.check()?;
-        Ok(Sampler { params, state: params.seed })
+        Ok(Sampler { params, pairs: Vec::new(), index: HashMap::new(), generated: 0 })
     }
 
-    /// Uniform in [0, 1) (SplitMix64).
-    fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
-    /// The next token id for `logits` (one per vocabulary entry).
-    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() || logits.iter().any(|v| v.is_nan()) {
-            return Err(Error::Unsupported("sampling: logits are empty or contain NaN".into()));
-        }
-        // Most likely first; equal logits in id order.
-        let mut ids: Vec<usize> = (0..logits.len()).collect();
-        ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    /// The next token's row for the backends.
+    pub fn row(&self) -> RowSampling<'_> {
         let p = &self.params;
-        if p.temperature == 0.0 {
-            return Ok(ids[0] as u32);
+        let row = SampleRow {
+            temperature: p.temperature,
+            top_k: p.top_k.map_or(0, |k| k.min(u32::MAX as usize) as u32),
+            top_p: p.top_p.unwrap_or(1.0),
+            min_p: p.min_p.unwrap_or(0.0),
+            repetition: p.repetition_penalty,
+            presence: p.presence_penalty,
+            frequency: p.frequency_penalty,
+            logprob: u32::from(p.logprobs),
+            seed: p.seed,
+            counter: self.generated,
+            ..SampleRow::GREEDY
+        };
+        RowSampling { row, penalties: if p.penalized() { &self.pairs } else { &[] } }
+    }
+
+    /// What a backend chose for [`Sampler::row`]: the token, counted for later penalties, or
+    /// why there is none.
+    pub fn accept(&mut self, out: SampleOut) -> std::result::Result<Sampled, SampleError> {
+        match out.status {
+            SAMPLE_OK => {}
+            SAMPLE_NAN => return Err(SampleError::NanLogits),
+            SAMPLE_ALL_NEG_INF => return Err(SampleError::AllNegInf),
+            s => unreachable!("sampling status {s}"),
         }
-        ids.truncate(p.top_k.unwrap_or(ids.len()));
-        let t = f64::from(p.temperature);
-        let top = f64::from(logits[ids[0]]);
-        let mut probs: Vec<f64> = ids.iter().map(|&i| ((f64::from(logits[i]) - top) / t).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= total);
-        if let Some(top_p) = p.top_p {
-            let mut cum = 0.0;
-            let keep = probs.iter().position(|q| {
-                cum += q;
-                cum >= f64::from(top_p) - 1e-12
-            });
-            probs.truncate(keep.map_or(probs.len(), |k| k + 1));
-        }
-        let total: f64 = probs.iter().sum();
-        let mut u = self.uniform() * total;
-        for (i, q) in probs.iter().enumerate() {
-            if u < *q {
-                return Ok(ids[i] as u32);
-            }
-            u -= q;
-        }
-        Ok(ids[probs.len() - 1] as u32)
+        self.generated += 1;
+        let at = *self.index.entry(out.token).or_insert_with(|| {
+            self.pairs.push((out.token, 0));
+            self.pairs.len() - 1
+        });
+        self.pairs[at].1 += 1;
+        Ok(Sampled { token: out.token, logprob: self.params.logprobs.then_some(out.logprob) })
+    }
+
+    /// The next token for `logits` (one per vocabulary entry) on the CPU.
+    pub fn sample(&mut self, logits: &[f32]) -> std::result::Result<Sampled, SampleError> {
+        let r = self.row();
+        let out = host::cpu::sample::sample_row(logits, &r.row, r.penalties);
+        self.accept(out)
     }
 }

@@ -311,3 +311,11 @@ fn cuda_engine_with_chunked_prompts_gives_transformers_tokens() {
     println!("CUDA engine, 7 tokens per step: {matched}/{total} greedy tokens as transformers");
     assert_eq!(matched, total);
 }
+
+/// As the CPU engine's test (tests/engine.rs): NaN logits end only their own request.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_nan_logits_end_only_their_request() {
+    let n = common::nan_logits_end_only_their_request(Cuda::new(0).unwrap());
+    println!("CUDA: {n} greedy tokens beside a request with NaN logits, as transformers");
+}

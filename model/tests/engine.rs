@@ -30,7 +30,7 @@ fn run<B: Backend>(e: &mut Engine<B>) -> BTreeMap<RequestId, (Vec<u32>, Option<F
     let mut out: BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> = BTreeMap::new();
     let mut steps = 0;
     while e.has_work() {
-        for Event { id, token, finished } in e.step().unwrap() {
+        for Event { id, token, finished, .. } in e.step().unwrap() {
             let o = out.entry(id).or_default();
             o.0.push(token);
             o.1 = finished;
@@ -77,11 +77,21 @@ fn bad_requests_are_refused_and_others_go_on() {
     assert!(err(&mut e, &[1, 64], greedy(4, vec![])).contains("token id 64 is outside the vocabulary of 64"));
     assert!(err(&mut e, &[1; 60], greedy(5, vec![])).contains("exceeds the maximum of 64 tokens"));
     assert!(err(&mut e, &[1], greedy(0, vec![])).contains("max_new_tokens must be at least 1"));
-    let bad = RequestParams {
-        sampling: SamplingParams { temperature: -1.0, ..SamplingParams::greedy() },
-        ..greedy(4, vec![])
-    };
-    assert!(err(&mut e, &[1], bad).contains("temperature"));
+    let g = SamplingParams::greedy();
+    for (sampling, named) in [
+        (SamplingParams { temperature: -1.0, ..g }, "temperature"),
+        (SamplingParams { temperature: f32::NAN, ..g }, "temperature"),
+        (SamplingParams { top_p: Some(0.0), ..g }, "top_p"),
+        (SamplingParams { top_p: Some(1.5), ..g }, "top_p"),
+        (SamplingParams { top_k: Some(0), ..g }, "top_k"),
+        (SamplingParams { min_p: Some(-0.5), ..g }, "min_p"),
+        (SamplingParams { min_p: Some(2.0), ..g }, "min_p"),
+        (SamplingParams { repetition_penalty: 0.0, ..g }, "repetition_penalty"),
+        (SamplingParams { frequency_penalty: f32::INFINITY, ..g }, "frequency_penalty"),
+    ] {
+        let msg = err(&mut e, &[1], RequestParams { sampling, ..greedy(4, vec![]) });
+        assert!(msg.contains(named), "{sampling:?}: {msg}");
+    }
     let cancelled = e.add(&[9, 9], greedy(4, vec![])).unwrap();
     e.step().unwrap();
     e.cancel(cancelled).unwrap();
@@ -132,4 +142,10 @@ fn a_step_token_bound_feeds_prompts_in_chunks() {
     for (c, id) in cases.iter().zip(&ids) {
         assert_eq!(out[id], (c.greedy.clone(), Some(Finish::Length)), "request {id}");
     }
+}
+
+#[test]
+fn nan_logits_end_only_their_request() {
+    let n = common::nan_logits_end_only_their_request(Cpu::default());
+    println!("CPU: {n} greedy tokens beside a request with NaN logits, as transformers");
 }

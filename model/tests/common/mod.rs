@@ -40,3 +40,54 @@ pub fn open() -> (Config, Checkpoint) {
 pub fn argmax<T: PartialOrd>(v: &[T]) -> u32 {
     (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
 }
+
+/// A copy of the fixture in a temporary directory whose token `t` has a NaN embedding row, so
+/// a request with `t` in its prompt gets NaN logits (and only it: every operation keeps rows,
+/// slots and tokens apart).
+pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
+    let dir = std::env::temp_dir().join(format!("nemotron-nan-fixture-{t}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "reference.json"] {
+        std::fs::copy(self::dir().join(f), dir.join(f)).unwrap();
+    }
+    let mut bytes = std::fs::read(self::dir().join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let e = &header["backbone.embeddings.weight"];
+    assert_eq!(e["dtype"], "BF16");
+    let width = e["shape"][1].as_u64().unwrap() as usize;
+    let at = 8 + n + e["data_offsets"][0].as_u64().unwrap() as usize + t * width * 2;
+    for v in bytes[at..at + width * 2].chunks_exact_mut(2) {
+        v.copy_from_slice(&half::bf16::NAN.to_bits().to_le_bytes());
+    }
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    (Config::from_dir(&dir).unwrap(), Checkpoint::open(&dir).unwrap())
+}
+
+/// On `backend`: a request whose prompt has a token with a NaN embedding ends with
+/// `Finish::Failed(NanLogits)` and no token, while the request beside it, in the same steps,
+/// gets transformers' greedy tokens. Returns the number of tokens compared.
+pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B) -> usize {
+    use model::engine::{Engine, Finish, RequestParams};
+    use model::sampling::{SampleError, SamplingParams};
+    let cases = cases();
+    let c = &cases[0];
+    let t = (0..64u32).find(|t| !c.prompt.contains(t) && !c.greedy.contains(t)).unwrap();
+    let (config, ck) = open_with_nan_embedding(t as usize);
+    let layout = model::layout::Layout::new(&config, &ck).unwrap();
+    let mut e = Engine::new(model::model::Model::load(backend, &config, &layout, 2, 64).unwrap());
+    let params = |n, sampling| RequestParams { max_new_tokens: n, sampling, stop_tokens: vec![] };
+    let good = e.add(&c.prompt, params(c.greedy.len(), SamplingParams::greedy())).unwrap();
+    let bad = e.add(&[t, t, 5], params(4, SamplingParams::nucleus(1.0, 0.9, 3))).unwrap();
+    let mut out: std::collections::BTreeMap<_, Vec<_>> = Default::default();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            out.entry(ev.id).or_default().push((ev.token, ev.finished));
+        }
+    }
+    assert_eq!(out[&bad], vec![(u32::MAX, Some(Finish::Failed(SampleError::NanLogits)))]);
+    let tokens: Vec<u32> = out[&good].iter().map(|e| e.0).collect();
+    assert_eq!(tokens, c.greedy, "the request beside the NaN one");
+    assert_eq!(out[&good].last().unwrap().1, Some(Finish::Length));
+    tokens.len()
+}

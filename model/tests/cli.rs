@@ -1,5 +1,7 @@
 //! The `generate` binary: the built-in model generates (on the GPU when there is one, else on
-//! the CPU, saying which), and a checkpoint without a tokenizer is a clear error.
+//! the CPU, saying which), its text streamed is the tokens decoded, the sampling flags reach
+//! the sampler and bad values are refused naming them, and a checkpoint without a tokenizer
+//! is a clear error.
 
 use std::process::Command;
 
@@ -43,4 +45,112 @@ fn cuda_backend_runs_or_says_why() {
     assert!(out.status.success() || stderr.contains("no CUDA driver found"), "{stderr}");
     let out = generate(&["--prompt", "Hi", "--backend", "tpu"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend `tpu`"));
+}
+
+/// The ids of the generated tokens from `--logprobs`'s lines on stderr, with the mean.
+fn logprob_ids(stderr: &str) -> (Vec<u32>, Option<f64>) {
+    let mut lines = stderr.lines().skip_while(|l| !l.starts_with("logprobs (token id")).skip(1);
+    let ids = lines.by_ref().map_while(|l| l.split_whitespace().next()?.parse().ok()).collect();
+    let mean = stderr.lines().find_map(|l| l.strip_prefix("logprob: mean ")?.split_whitespace().next()?.parse().ok());
+    (ids, mean)
+}
+
+#[test]
+fn sampling_flags_run_and_bad_values_are_refused() {
+    let flags = [
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "8",
+        "--backend",
+        "cpu",
+        "--min-p",
+        "0.1",
+        "--repetition-penalty",
+        "1.2",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.25",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--logprobs",
+    ];
+    let out = generate(&flags);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.starts_with("Hello") && stdout.len() > "Hello\n".len(), "{stdout}");
+    let (ids, mean) = logprob_ids(&stderr);
+    assert!(!ids.is_empty() && ids.len() <= 8, "{stderr}");
+    assert!(mean.is_some_and(|m| m < 0.0), "{stderr}");
+    // The seed makes it reproducible.
+    assert_eq!(generate(&flags).stdout, out.stdout);
+
+    // A huge presence penalty reaches the sampler: greedy never repeats a token.
+    let out = generate(&[
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "12",
+        "--backend",
+        "cpu",
+        "--presence-penalty",
+        "1000",
+        "--logprobs",
+    ]);
+    let (ids, _) = logprob_ids(&String::from_utf8_lossy(&out.stderr));
+    let distinct: std::collections::HashSet<_> = ids.iter().collect();
+    assert!(out.status.success() && !ids.is_empty() && distinct.len() == ids.len(), "{ids:?}");
+
+    for (flag, value, name) in [
+        ("--min-p", "2", "min_p"),
+        ("--min-p", "-0.1", "min_p"),
+        ("--repetition-penalty", "0", "repetition_penalty"),
+        ("--presence-penalty", "nan", "presence_penalty"),
+        ("--frequency-penalty", "inf", "frequency_penalty"),
+        ("--top-p", "1.5", "top_p"),
+        ("--top-k", "0", "top_k"),
+        ("--temperature", "-1", "temperature"),
+    ] {
+        let out = generate(&["--prompt", "Hello", "--backend", "cpu", flag, value]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} accepted");
+        assert!(stderr.contains(name), "{flag} {value}: {stderr}");
+        assert!(!stderr.contains("loading"), "{flag} {value}: refused before the model loads: {stderr}");
+    }
+    let out = generate(&["--prompt", "Hello", "--min-p", "abc"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--min-p"));
+    let out = generate(&["--prompt", "Hello", "--repetition-penalty"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--repetition-penalty needs a value"));
+}
+
+#[test]
+fn streamed_text_is_the_decoded_tokens() {
+    // The built-in model's random weights give random bytes (incomplete UTF-8 among them): what
+    // the decode stream printed is the tokens decoded at once.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/default/tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(path).unwrap();
+    for seed in ["1", "2", "3", "4", "5"] {
+        let out = generate(&[
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "24",
+            "--backend",
+            "cpu",
+            "--temperature",
+            "1.5",
+            "--seed",
+            seed,
+            "--logprobs",
+        ]);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{stderr}");
+        let (ids, _) = logprob_ids(&stderr);
+        assert!(!ids.is_empty(), "{stderr}");
+        let text = tokenizer.decode(&ids, true).unwrap();
+        assert_eq!(stdout, format!("Hello{text}\n"), "seed {seed}, tokens {ids:?}");
+    }
 }

@@ -1,9 +1,20 @@
 //! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-//! [--top-p P] [--seed S] [--backend auto|cpu|cuda] [--max-step-tokens N]`: generates text with a NemotronH
-//! checkpoint directory (config.json, safetensors, tokenizer.json), streaming the tokens, then
-//! prints prefill and decode speed. Without `--model` it runs the small built-in model (random
-//! weights: the text means nothing). The default backend, `auto`, is the GPU when one can be
-//! opened and the CPU reference otherwise (it says which and why); `cuda` insists on the GPU.
+//! [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P]
+//! [--frequency-penalty F] [--seed S] [--logprobs] [--backend auto|cpu|cuda]
+//! [--max-step-tokens N]`: generates text with a NemotronH checkpoint directory (config.json,
+//! safetensors, tokenizer.json), streaming the text as it comes (the tokenizer's decode stream:
+//! each token decoded against the few before it, a character split over tokens printed once
+//! complete), then prints prefill and decode speed. Without `--model` it runs the small
+//! built-in model (random weights: the text means nothing). The default backend, `auto`, is
+//! the GPU when one can be opened and the CPU reference otherwise (it says which and why);
+//! `cuda` insists on the GPU.
+//!
+//! Sampling (model::sampling): temperature 0 (the default) is greedy; otherwise top-k, top-p
+//! and min-p truncate, the repetition / presence / frequency penalties apply to the tokens
+//! generated so far, and the seed fixes the draws. Bad values are refused before the model
+//! loads, naming the parameter. `--logprobs` prints each generated token's log-probability
+//! (under the penalized logits at temperature 1) and their mean on stderr at the end. A
+//! request left without a token (its logits NaN, or all `-inf`) is an error: exit status 1.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -14,14 +25,16 @@ use model::backend::Backend;
 use model::config::Config;
 use model::cpu::Cpu;
 use model::cuda::Cuda;
-use model::engine::{Engine, RequestParams};
+use model::engine::{Engine, Finish, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
 use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
-const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--backend auto|cpu|cuda] [--max-step-tokens N]";
+const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] \
+[--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F] [--seed S] [--logprobs] \
+[--backend auto|cpu|cuda] [--max-step-tokens N]";
 
 /// The built-in model's files, embedded in the binary.
 const BUILT_IN: [(&str, &[u8]); 3] = [
@@ -81,7 +94,14 @@ fn parse() -> Result<Args> {
             "--temperature" => a.sampling.temperature = value()?.parse().context("--temperature")?,
             "--top-k" => a.sampling.top_k = Some(value()?.parse().context("--top-k")?),
             "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
+            "--min-p" => a.sampling.min_p = Some(value()?.parse().context("--min-p")?),
+            "--repetition-penalty" => {
+                a.sampling.repetition_penalty = value()?.parse().context("--repetition-penalty")?
+            }
+            "--presence-penalty" => a.sampling.presence_penalty = value()?.parse().context("--presence-penalty")?,
+            "--frequency-penalty" => a.sampling.frequency_penalty = value()?.parse().context("--frequency-penalty")?,
             "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
+            "--logprobs" => a.sampling.logprobs = true,
             "--max-step-tokens" => a.max_step_tokens = Some(value()?.parse().context("--max-step-tokens")?),
             "--backend" => {
                 a.backend = match value()?.as_str() {
@@ -99,6 +119,8 @@ fn parse() -> Result<Args> {
         }
     }
     a.prompt = prompt.with_context(|| format!("--prompt is required\n{USAGE}"))?;
+    // Refused here, before the model loads (the engine would refuse the request anyway).
+    a.sampling.check().map_err(|e| anyhow::anyhow!("{e}\n{USAGE}"))?;
     Ok(a)
 }
 
@@ -184,7 +206,23 @@ fn run<B: Backend>(
     )?;
 
     print!("{}", args.prompt);
-    let (mut generated, mut shown) = (Vec::new(), 0);
+    std::io::stdout().flush()?;
+    let detok = |e| anyhow::anyhow!("detokenizing: {e}");
+    // The prompt goes through the decode stream first, unprinted, so the first generated
+    // token is decoded in its context (a leading space kept, say).
+    let mut stream = tokenizer.decode_stream(true);
+    // All the stream gave (the prompt's text, then the generated text), for the final flush.
+    let mut emitted = String::new();
+    for &t in prompt {
+        if let Some(chunk) = stream.step(t).map_err(detok)? {
+            emitted.push_str(&chunk);
+        }
+    }
+    // Generated tokens the stream holds back (an incomplete character, a skipped special token).
+    let mut held = 0;
+    let mut generated = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut failed = None;
     // Decode steps after the first: the first records the step (a CUDA graph on the GPU),
     // which a one-off cost would blur into the per-token time.
     let (mut prefill_s, mut first_s, mut decode_s) = (0.0, 0.0, 0.0);
@@ -192,20 +230,42 @@ fn run<B: Backend>(
         let t = Instant::now();
         let events = engine.step()?;
         let dt = t.elapsed().as_secs_f64();
+        // A prompt fed in chunks (--max-step-tokens) takes several steps before its first token.
         match generated.len() {
-            0 => prefill_s = dt,
+            0 => prefill_s += dt,
             1 => first_s = dt,
             _ => decode_s += dt,
         }
-        generated.extend(events.iter().map(|e| e.token));
-        let text = tokenizer.decode(&generated, true).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
-        if !text.ends_with('\u{FFFD}') && text.len() > shown {
-            print!("{}", &text[shown..]);
-            shown = text.len();
-            std::io::stdout().flush()?;
+        for e in events {
+            if let Some(Finish::Failed(why)) = e.finished {
+                failed = Some((e.id, why));
+                continue;
+            }
+            generated.push(e.token);
+            logprobs.extend(e.logprob.map(|l| (e.token, l)));
+            match stream.step(e.token).map_err(detok)? {
+                Some(chunk) => {
+                    print!("{chunk}");
+                    emitted.push_str(&chunk);
+                    held = 0;
+                }
+                None => held += 1,
+            }
+        }
+        std::io::stdout().flush()?;
+    }
+    if held > 0 {
+        // What the stream still holds (bytes of a character never completed), decoded once, lossily.
+        let all: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        let text = tokenizer.decode(&all, true).map_err(detok)?;
+        if let Some(rest) = text.strip_prefix(emitted.as_str()) {
+            print!("{rest}");
         }
     }
     println!();
+    if let Some((id, why)) = failed {
+        bail!("request {id}: no token: {why}");
+    }
     let decoded = generated.len().saturating_sub(1);
     let timed = decoded.saturating_sub(1);
     eprintln!(
@@ -216,5 +276,22 @@ fn run<B: Backend>(
         if timed > 0 { decode_s * 1e3 / timed as f64 } else { 0.0 },
         first_s * 1e3
     );
+    if args.sampling.logprobs {
+        print_logprobs(tokenizer, &logprobs)?;
+    }
+    Ok(())
+}
+
+/// Each generated token's log-probability on stderr, then their mean (and the perplexity).
+fn print_logprobs(tokenizer: &Tokenizer, logprobs: &[(u32, f32)]) -> Result<()> {
+    eprintln!("logprobs (token id, log-probability, text):");
+    for &(id, l) in logprobs {
+        let text = tokenizer.decode(&[id], false).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
+        eprintln!("  {id:>7} {l:>10.4} {text:?}");
+    }
+    if !logprobs.is_empty() {
+        let mean = logprobs.iter().map(|&(_, l)| f64::from(l)).sum::<f64>() / logprobs.len() as f64;
+        eprintln!("logprob: mean {mean:.4} over {} tokens (perplexity {:.3})", logprobs.len(), (-mean).exp());
+    }
     Ok(())
 }

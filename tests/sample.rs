@@ -21,8 +21,8 @@ use host::Gpu;
 use host::cpu::sample::sample_row;
 use host::sample::{RowSampling, SampleRows, check_row, read_out, sample, sample_out};
 use kernels_gpu::sample::{
-    Q_ONE, SAMPLE_ALL_NEG_INF, SAMPLE_MAX_VOCAB, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow, keeps_min_p, keeps_top_p,
-    key, log2e_over, penalize, philox4x32, random, scaled, target, weight,
+    Q_ONE, SAMPLE_ALL_NEG_INF, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SAMPLE_NAN, SAMPLE_OK, SAMPLE_OUT_WORDS, SampleOut,
+    SampleRow, keeps_min_p, keeps_top_p, key, log2e_over, penalize, philox4x32, random, scaled, target, weight,
 };
 use nemotron_rs::{Rng, gpu};
 
@@ -123,6 +123,16 @@ impl Reference {
         let rel = |v: f32| if v == self.m { 0.0 } else { f64::from(v) - f64::from(self.m) };
         rel(self.x[t as usize]) - self.x.iter().map(|&v| rel(v).exp()).sum::<f64>().ln()
     }
+
+    /// Step 7's `n` most likely tokens: a full sort by logit (as f64: -0 and +0 equal), ties by
+    /// id.
+    fn top(&self, n: usize) -> Vec<u32> {
+        let mut ids: Vec<u32> = (0..self.x.len() as u32).collect();
+        let v = |i: u32| f64::from(self.x[i as usize]) + 0.0;
+        ids.sort_by(|&a, &b| v(b).total_cmp(&v(a)).then(a.cmp(&b)));
+        ids.truncate(n);
+        ids
+    }
 }
 
 /// Steps 4-5 by their definitions over a full sort by key (descending): the weights, then
@@ -168,7 +178,7 @@ fn check_against_reference(case: &Case, counters: &[u64]) -> usize {
             "{} at counter {counter}: (token, status, kept)",
             case.label
         );
-        if case.row.logprob != 0 && got.status == SAMPLE_OK {
+        if case.row.logprobs != 0 && got.status == SAMPLE_OK {
             let want = r.logprob(got.token);
             assert!(
                 (f64::from(got.logprob) - want).abs() <= 1e-4,
@@ -176,6 +186,13 @@ fn check_against_reference(case: &Case, counters: &[u64]) -> usize {
                 case.label,
                 got.logprob
             );
+            let n = case.row.logprobs.saturating_sub(1).min(SAMPLE_MAX_TOP) as usize;
+            let ids: Vec<u32> = got.top().iter().map(|e| e.0).collect();
+            assert_eq!(ids, r.top(n), "{} at counter {counter}: the top {n}", case.label);
+            for &(t, lp) in got.top() {
+                let want = r.logprob(t);
+                assert!((f64::from(lp) - want).abs() <= 1e-4, "{}: top token {t} logprob {lp} want {want}", case.label);
+            }
         } else {
             assert_eq!(got.logprob, 0.0, "{} at counter {counter}: a logprob not asked for", case.label);
         }
@@ -232,17 +249,20 @@ fn penalized_tokens(logits: &[f32], rng: &mut Rng) -> Vec<(u32, u32)> {
     tokens.into_iter().map(|t| (t, 1 + (rng.next_u64() % 4) as u32)).collect()
 }
 
-/// Settings covering each step alone and together (23 of them), each with its own seed, on
+/// Settings covering each step alone and together (26 of them), each with its own seed, on
 /// `logits` (labelled `kind`).
 fn settings(kind: &str, logits: &[f32], rng: &mut Rng) -> Vec<Case> {
     let v = logits.len() as u32;
     let t = |temperature| SampleRow { temperature, ..GREEDY };
     let list = [
         ("greedy", GREEDY, false),
-        ("greedy, logprob", SampleRow { logprob: 1, ..GREEDY }, false),
+        ("greedy, logprob", SampleRow { logprobs: 1, ..GREEDY }, false),
+        ("greedy, top 20 logprobs", SampleRow { logprobs: 21, ..GREEDY }, false),
         ("greedy ignores truncations", SampleRow { top_k: 3, top_p: 0.1, min_p: 0.9, ..GREEDY }, false),
         ("T 1", t(1.0), false),
-        ("T 0.6, logprob", SampleRow { logprob: 1, ..t(0.6) }, false),
+        ("T 0.6, logprob", SampleRow { logprobs: 1, ..t(0.6) }, false),
+        ("T 0.9, top 5 logprobs", SampleRow { logprobs: 6, ..t(0.9) }, false),
+        ("top-k 5, top 20 logprobs", SampleRow { top_k: 5, logprobs: 21, ..t(1.0) }, false),
         ("T 1.7", t(1.7), false),
         ("T 0.001", t(1e-3), false),
         ("top-k 1", SampleRow { top_k: 1, ..t(1.0) }, false),
@@ -259,12 +279,12 @@ fn settings(kind: &str, logits: &[f32], rng: &mut Rng) -> Vec<Case> {
         ("T 0.8, top-k 40, top-p 0.95, min-p 0.01", SampleRow { top_k: 40, top_p: 0.95, min_p: 0.01, ..t(0.8) }, false),
         (
             "T 1.3, top-k 1000, top-p 0.5, min-p 0.001, logprob",
-            SampleRow { top_k: 1000, top_p: 0.5, min_p: 1e-3, logprob: 1, ..t(1.3) },
+            SampleRow { top_k: 1000, top_p: 0.5, min_p: 1e-3, logprobs: 1, ..t(1.3) },
             false,
         ),
         (
-            "penalties, T 1, logprob",
-            SampleRow { repetition: 1.2, presence: 0.4, frequency: 0.1, logprob: 1, ..t(1.0) },
+            "penalties, T 1, top 3 logprobs",
+            SampleRow { repetition: 1.2, presence: 0.4, frequency: 0.1, logprobs: 4, ..t(1.0) },
             true,
         ),
         ("penalties, greedy", SampleRow { repetition: 1.5, frequency: 0.5, ..GREEDY }, true),
@@ -286,8 +306,8 @@ fn settings(kind: &str, logits: &[f32], rng: &mut Rng) -> Vec<Case> {
         .collect()
 }
 
-/// `n` rows of `vocab` logits: row r has logit kind r mod 5 and setting r mod 23 (coprime: up
-/// to 115 distinct pairs).
+/// `n` rows of `vocab` logits: row r has logit kind r mod 5 and setting r mod 26 (coprime: up
+/// to 130 distinct pairs).
 fn mixed_cases(rng: &mut Rng, vocab: usize, n: usize) -> Vec<Case> {
     let per_kind: Vec<Vec<Case>> =
         logit_kinds(rng, vocab).iter().map(|(kind, logits)| settings(kind, logits, rng)).collect();
@@ -634,8 +654,8 @@ fn assert_draws(case: &Case, expect: &Expect) {
 fn special_cases() -> Vec<(Case, Expect)> {
     use Expect::*;
     let (big, small) = (bf16::MAX.to_f32(), bf16::MIN.to_f32());
-    let t1 = SampleRow { temperature: 1.0, seed: 31, logprob: 1, ..GREEDY };
-    let greedy = SampleRow { logprob: 1, ..GREEDY };
+    let t1 = SampleRow { temperature: 1.0, seed: 31, logprobs: 1, ..GREEDY };
+    let greedy = SampleRow { logprobs: 1, ..GREEDY };
     let plus_inf = [1.0, INF, 3.0, NEG_INF];
     let two_inf = [INF, 0.0, INF, NEG_INF];
     let with_neg_inf = [NEG_INF, 2.0, NEG_INF, 1.0, NEG_INF];
@@ -729,7 +749,7 @@ fn penalties_apply_as_specified() {
     let pres = SampleRow { presence: 0.06, ..GREEDY };
     assert_eq!(greedy(&[1.0, 0.9], pres, &[(0, 5)]), 0, "1 - 0.06 > 0.9 at any count");
     // The log-probability is the penalized logits': [1, 1] after a presence of 1 on [2, 1].
-    let case = Case::new("penalized logprob", &[2.0, 1.0], SampleRow { presence: 1.0, logprob: 1, ..GREEDY })
+    let case = Case::new("penalized logprob", &[2.0, 1.0], SampleRow { presence: 1.0, logprobs: 1, ..GREEDY })
         .penalized(&[(0, 1)]);
     assert!((f64::from(case.cpu(0).logprob) + 2f64.ln()).abs() < 1e-6, "{:?}", case.cpu(0));
     // A huge presence keeps a token out of every draw.
@@ -754,7 +774,7 @@ fn draws_depend_on_seed_and_counter_only() {
     // The same (seed, counter, logits): the same token, whatever other settings that do not
     // change the kept set.
     let a = case(5);
-    let b = Case { row: SampleRow { logprob: 1, top_k: 5000, min_p: 1e-6, ..a.row }, ..case(5) };
+    let b = Case { row: SampleRow { logprobs: 1, top_k: 5000, min_p: 1e-6, ..a.row }, ..case(5) };
     for c in 0..256 {
         assert_eq!(a.cpu(c).token, a.cpu(c).token);
         assert_eq!(a.cpu(c).token, b.cpu(c).token);
@@ -861,7 +881,7 @@ fn gpu_run(gpu: &Gpu, cases: &[Case], stride: usize, launches: &[u64]) -> Vec<Ve
         .map(|&offset| {
             rows.set(gpu, &rows_at(offset)).unwrap();
             // Poisoned: every field of every row must be written.
-            let mut out = gpu.upload(&vec![0xDEAD_BEEFu32; cases.len() * 4]).unwrap();
+            let mut out = gpu.upload(&vec![0xDEAD_BEEFu32; cases.len() * SAMPLE_OUT_WORDS as usize]).unwrap();
             sample(gpu, &logits, stride, &rows, &mut out).unwrap();
             read_out(&gpu.download(&out).unwrap())
         })
@@ -869,8 +889,8 @@ fn gpu_run(gpu: &Gpu, cases: &[Case], stride: usize, launches: &[u64]) -> Vec<Ve
 }
 
 /// Compares the GPU's outputs `got` for `cases` at counter offset `offset` with `sample_row`'s:
-/// token, status and kept count exactly, the log-probability within 1e-3. Returns the rows
-/// compared.
+/// token, status, kept count and the top tokens' ids exactly, the log-probabilities within
+/// 1e-3. Returns the rows compared.
 fn compare_with_cpu(cases: &[Case], offset: u64, got: &[SampleOut]) -> usize {
     assert_eq!(got.len(), cases.len());
     let bad: Vec<String> = cases
@@ -878,8 +898,11 @@ fn compare_with_cpu(cases: &[Case], offset: u64, got: &[SampleOut]) -> usize {
         .zip(got)
         .filter_map(|(c, g)| {
             let want = c.cpu(c.row.counter.wrapping_add(offset));
-            let same = (g.token, g.status, g.kept) == (want.token, want.status, want.kept)
-                && (g.logprob - want.logprob).abs() <= 1e-3;
+            let ids = |o: &SampleOut| o.top().iter().map(|e| e.0).collect::<Vec<_>>();
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 || a == b;
+            let same = (g.token, g.status, g.kept, ids(g)) == (want.token, want.status, want.kept, ids(&want))
+                && close(g.logprob, want.logprob)
+                && g.top().iter().zip(want.top()).all(|(a, b)| close(a.1, b.1));
             (!same).then(|| {
                 format!("{} (counter {}): GPU {g:?}, CPU {want:?}", c.label, c.row.counter.wrapping_add(offset))
             })
@@ -904,8 +927,23 @@ fn gpu_matches_cpu_at_nano_vocab() {
     let cases = mixed_cases(&mut rng, NANO_VOCAB, 64);
     let launches = [0, 1, 2, 1 << 33];
     let compared = gpu_check(&gpu, &cases, NANO_VOCAB, &launches);
-    println!("GPU vs CPU, vocab {NANO_VOCAB}: {compared} rows compared (token, status, kept; logprob within 1e-3)");
+    println!(
+        "GPU vs CPU, vocab {NANO_VOCAB}: {compared} rows compared (token, status, kept, top ids; logprobs within 1e-3)"
+    );
     assert_eq!(compared, 64 * launches.len());
+}
+
+/// Every setting once at a small vocabulary, one launch: the GPU test compute-sanitizer runs
+/// (racecheck instruments every shared-memory access; the large suites take minutes there).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_small_rows_for_the_sanitizers() {
+    let gpu = gpu();
+    let mut rng = Rng::new(61);
+    let cases = mixed_cases(&mut rng, 4099, 25);
+    let compared = gpu_check(&gpu, &cases, 4099, &[3]);
+    println!("GPU vs CPU, vocab 4099: {compared} rows compared");
+    assert_eq!(compared, 25);
 }
 
 #[test]
@@ -954,10 +992,11 @@ fn gpu_rows_do_not_depend_on_the_batch() {
     let mixed = mixed_cases(&mut rng, NANO_VOCAB, 64);
     // Probes: rows of different settings (penalized ones among them), each alone and at
     // positions 0, 21, 42, 63 of a batch, then the reverse.
-    let probes: Vec<Case> = ["T 1", "top-p 0.3", "penalties, T 1, logprob", "boosting penalties, top-k 20, top-p 0.8"]
-        .iter()
-        .map(|what| mixed.iter().find(|c| c.label.ends_with(&format!(", {what}"))).unwrap().clone())
-        .collect();
+    let probes: Vec<Case> =
+        ["T 1", "top-p 0.3", "penalties, T 1, top 3 logprobs", "boosting penalties, top-k 20, top-p 0.8"]
+            .iter()
+            .map(|what| mixed.iter().find(|c| c.label.ends_with(&format!(", {what}"))).unwrap().clone())
+            .collect();
     let alone: Vec<SampleOut> =
         probes.iter().map(|p| gpu_run(&gpu, std::slice::from_ref(p), NANO_VOCAB, &[0])[0][0]).collect();
     let mut compared = 0;

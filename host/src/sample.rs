@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::sample::{
-    SAMPLE_BLOCK, SAMPLE_CLUSTER, SAMPLE_MAX_VOCAB, SampleOut, SampleParams, SampleRow, sample_smem,
+    SAMPLE_BLOCK, SAMPLE_CLUSTER, SAMPLE_MAX_VOCAB, SAMPLE_OUT_WORDS, SampleOut, SampleParams, SampleRow, sample_smem,
 };
 
 use crate::check::Check;
@@ -15,7 +15,7 @@ use crate::gpu::Gpu;
 /// Words of a [`SampleRow`] on the device.
 const ROW_WORDS: usize = 14;
 /// Words of a [`SampleOut`].
-const OUT_WORDS: usize = 4;
+const OUT_WORDS: usize = SAMPLE_OUT_WORDS as usize;
 
 /// One row's sampling: its settings (`penalties_at` and `penalties_len` are set from
 /// `penalties`) and its penalized tokens, pairs (token, times generated).
@@ -119,7 +119,7 @@ pub fn sample_out(gpu: &Gpu, rows: usize) -> Result<CudaSlice<u32>> {
 
 /// The [`SampleOut`]s of `words` (a [`sample_out`] buffer's contents).
 pub fn read_out(words: &[u32]) -> Vec<SampleOut> {
-    words.chunks_exact(OUT_WORDS).map(|w| SampleOut::from_words([w[0], w[1], w[2], w[3]])).collect()
+    words.chunks_exact(OUT_WORDS).map(SampleOut::from_words).collect()
 }
 
 /// Samples each row of `logits` (rows of `stride` elements, the first `rows.vocab` of each the
@@ -143,7 +143,7 @@ pub fn sample(
         logits: gpu.addr(k, "logits", logits)? as *const u16,
         rows: gpu.addr(k, "rows", &rows.rows)? as *const SampleRow,
         penalties: gpu.addr(k, "penalties", &rows.penalties)? as *const u32,
-        out: gpu.addr_mut(k, "out", out)? as *mut SampleOut,
+        out: gpu.addr_mut(k, "out", out)? as *mut u32,
         vocab: vocab as u32,
         stride: stride as u32,
     };

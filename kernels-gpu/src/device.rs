@@ -401,6 +401,17 @@ pub fn warp_sum_u64(mut v: u64) -> u64 {
     v
 }
 
+/// Max over the 32 lanes of a full warp; every lane gets it.
+#[inline(always)]
+pub fn warp_max_u64(mut v: u64) -> u64 {
+    let mut m = 16;
+    while m > 0 {
+        v = v.max(shfl_u64::<false>(v, m));
+        m >>= 1;
+    }
+    v
+}
+
 /// Inclusive prefix sum over the lanes of a full warp (wrapping): lane l gets lanes 0..=l.
 #[inline(always)]
 pub fn warp_inclusive_sum_u64(mut v: u64) -> u64 {

@@ -23,7 +23,9 @@
 //!    whose range of cumulative mass holds `floor(r * Q / 2^64)` ([`target`]), `Q` the kept
 //!    mass.
 //! 7. When asked, the chosen token's log-probability under the penalized logits at
-//!    temperature 1 (`x_t - m - ln sum_i e^(x_i - m)`).
+//!    temperature 1 (`x_t - m - ln sum_i e^(x_i - m)`), and those of the `n` most likely
+//!    tokens (at most [`SAMPLE_MAX_TOP`], by [`rank`]: the lowest id first among equal
+//!    logits).
 //!
 //! The kernel runs a row in a cluster of [`SAMPLE_CLUSTER`] blocks, each holding its slice of
 //! the row in shared memory; thresholds come from histograms merged through distributed
@@ -37,6 +39,10 @@ pub const SAMPLE_CLUSTER: u32 = 8;
 pub const SAMPLE_BLOCK: u32 = 512;
 /// Histogram bins of a threshold search (one per thread).
 pub const SAMPLE_BINS: u32 = SAMPLE_BLOCK;
+/// Most top log-probabilities a row returns besides its token's.
+pub const SAMPLE_MAX_TOP: u32 = 20;
+/// Words of a row's output ([`SampleOut::from_words`]).
+pub const SAMPLE_OUT_WORDS: u32 = 5 + 2 * SAMPLE_MAX_TOP;
 /// Most logits of a row: a block's slice lives in shared memory as f32.
 pub const SAMPLE_MAX_VOCAB: u32 = SAMPLE_CLUSTER * 32 * 1024;
 /// The fixed-point unit of token weights: the most likely token weighs `Q_ONE`.
@@ -71,8 +77,9 @@ pub struct SampleRow {
     /// distinct tokens below the vocabulary, counts >= 1.
     pub penalties_at: u32,
     pub penalties_len: u32,
-    /// Nonzero: write the chosen token's log-probability.
-    pub logprob: u32,
+    /// 0: no log-probabilities; otherwise the chosen token's, and those of the `logprobs - 1`
+    /// most likely tokens (at most [`SAMPLE_MAX_TOP`]).
+    pub logprobs: u32,
     pub seed: u64,
     /// The token's index among the request's generated tokens.
     pub counter: u64,
@@ -90,7 +97,7 @@ impl SampleRow {
         frequency: 0.0,
         penalties_at: 0,
         penalties_len: 0,
-        logprob: 0,
+        logprobs: 0,
         seed: 0,
         counter: 0,
     };
@@ -108,7 +115,7 @@ impl SampleRow {
             f(self.frequency),
             self.penalties_at,
             self.penalties_len,
-            self.logprob,
+            self.logprobs,
             self.seed as u32,
             (self.seed >> 32) as u32,
             self.counter as u32,
@@ -117,8 +124,8 @@ impl SampleRow {
     }
 }
 
-/// What the kernel writes for one row.
-#[repr(C)]
+/// What the kernel writes for one row (as [`SAMPLE_OUT_WORDS`] words: token, status, logprob,
+/// kept, top_len, then the top pairs).
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct SampleOut {
     /// The chosen token (`u32::MAX` unless the status is [`SAMPLE_OK`]).
@@ -128,12 +135,30 @@ pub struct SampleOut {
     pub logprob: f32,
     /// Tokens the truncations kept (1 for greedy).
     pub kept: u32,
+    /// The most likely tokens and their log-probabilities, most likely first: `top_len` of
+    /// them (as asked, or the vocabulary when smaller).
+    pub top_len: u32,
+    pub top: [(u32, f32); SAMPLE_MAX_TOP as usize],
 }
 
 impl SampleOut {
-    /// From the words of its layout.
-    pub fn from_words(w: [u32; 4]) -> SampleOut {
-        SampleOut { token: w[0], status: w[1], logprob: f32::from_bits(w[2]), kept: w[3] }
+    /// No token, for `status`.
+    pub fn failed(status: u32) -> SampleOut {
+        SampleOut { token: u32::MAX, status, ..SampleOut::default() }
+    }
+
+    /// From a row's words (at least [`SAMPLE_OUT_WORDS`]).
+    pub fn from_words(w: &[u32]) -> SampleOut {
+        let mut top = [(0, 0.0); SAMPLE_MAX_TOP as usize];
+        for (i, t) in top.iter_mut().enumerate() {
+            *t = (w[5 + 2 * i], f32::from_bits(w[6 + 2 * i]));
+        }
+        SampleOut { token: w[0], status: w[1], logprob: f32::from_bits(w[2]), kept: w[3], top_len: w[4], top }
+    }
+
+    /// The top pairs given.
+    pub fn top(&self) -> &[(u32, f32)] {
+        &self.top[..(self.top_len as usize).min(self.top.len())]
     }
 }
 
@@ -146,8 +171,8 @@ pub struct SampleParams {
     pub rows: *const SampleRow,
     /// Pairs (token, count), see [`SampleRow::penalties_at`].
     pub penalties: *const u32,
-    /// `[rows]`.
-    pub out: *mut SampleOut,
+    /// `[rows * SAMPLE_OUT_WORDS]`.
+    pub out: *mut u32,
     pub vocab: u32,
     pub stride: u32,
 }
@@ -166,8 +191,8 @@ pub const fn slice(vocab: u32) -> u32 {
 }
 
 /// Shared memory before a block's slice: bin counts and masses (u64), per-warp
-/// scratch (u64 pairs) and broadcast words (u64).
-const SMEM_FIXED: u32 = SAMPLE_BINS * 16 + (SAMPLE_BLOCK / 32) * 16 + WORDS * 8;
+/// scratch (u64 pairs), broadcast words (u64) and the block's top ranks (u64).
+const SMEM_FIXED: u32 = SAMPLE_BINS * 16 + (SAMPLE_BLOCK / 32) * 16 + WORDS * 8 + SAMPLE_MAX_TOP * 8;
 /// Broadcast words of a block.
 const WORDS: u32 = 16;
 
@@ -183,6 +208,24 @@ pub fn penalize(x: f32, count: u32, r: &SampleRow) -> f32 {
 pub fn key(x: f32) -> u32 {
     let b = (x + 0.0).to_bits();
     if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+}
+
+/// The logit of key `k` ([`key`]'s inverse; -0 comes back as +0).
+#[inline(always)]
+pub fn from_key(k: u32) -> f32 {
+    f32::from_bits(if k & 0x8000_0000 != 0 { k & 0x7fff_ffff } else { !k })
+}
+
+/// Step 7's order of tokens: larger logit first, then lower id (as one integer, larger first).
+#[inline(always)]
+pub fn rank(x: f32, id: u32) -> u64 {
+    (u64::from(key(x)) << 32) | u64::from(!id)
+}
+
+/// The token and logit of a [`rank`].
+#[inline(always)]
+pub fn unrank(r: u64) -> (u32, f32) {
+    (!(r as u32), from_key((r >> 32) as u32))
 }
 
 /// `log2(e) / T`, the factor of [`scaled`].
@@ -292,6 +335,8 @@ mod kernels {
         /// Per-warp pairs.
         scratch: *mut u64,
         words: *mut u64,
+        /// The block's best ranks (step 7).
+        top: *mut u64,
         x: *mut f32,
     }
 
@@ -304,6 +349,7 @@ mod kernels {
                 mass: at(BINS * 8),
                 scratch: at(BINS * 16),
                 words: at(BINS * 16 + WARPS * 16),
+                top: at(BINS * 16 + WARPS * 16 + WORDS as usize * 8),
                 x: base.wrapping_add(SMEM_FIXED as usize) as *mut f32,
             }
         }
@@ -333,6 +379,19 @@ mod kernels {
         /// Word `i` summed over the cluster's blocks (as [`Smem::remote_word`]).
         fn cluster_word_sum(&self, i: usize) -> u64 {
             (0..SAMPLE_CLUSTER).map(|r| self.remote_word(i, r)).sum()
+        }
+
+        /// The largest `v` of the block's threads; every thread gets it. Barriers inside:
+        /// uniform flow.
+        fn block_max_u64(&self, v: u64) -> u64 {
+            let v = warp_max_u64(v);
+            if lane_id() == 0 {
+                self.set_pair(warp_id() as usize, (v, 0));
+            }
+            sync_threads();
+            let best = (0..WARPS).map(|w| self.pair(w).0).max().unwrap_or(0);
+            sync_threads();
+            best
         }
 
         /// Pair `w` of the scratch.
@@ -606,20 +665,23 @@ mod kernels {
             nan |= s.remote_word(W_NAN, q) != 0;
         }
         cluster_sync();
-        let out = p.out.wrapping_add(row);
+        let out = p.out.wrapping_add(row * SAMPLE_OUT_WORDS as usize);
+        // SAFETY: row < rows (launcher); each word of a row's out has one writer.
+        let put = |i: usize, v: u32| unsafe { st(out, i, v) };
         let lead = rank == 0 && t == 0;
         if nan || m == f32::NEG_INFINITY {
             if lead {
                 let status = if nan { SAMPLE_NAN } else { SAMPLE_ALL_NEG_INF };
-                // SAFETY: row < rows (launcher); this thread alone writes the row's out.
-                unsafe { *out = SampleOut { token: u32::MAX, status, logprob: 0.0, kept: 0 } };
+                for (i, v) in [u32::MAX, status, 0, 0, 0].into_iter().enumerate() {
+                    put(i, v);
+                }
             }
             return;
         }
         let cx = Ctx { s, n, m, c: log2e_over(r!(temperature)) };
         // ln sum_i e^(x_i - m), when asked.
-        let want_logprob = r!(logprob) != 0;
-        let lse = if want_logprob {
+        let logprobs = r!(logprobs);
+        let lse = if logprobs != 0 {
             let mut sum = 0.0f32;
             let mut j = t;
             while j < n {
@@ -639,7 +701,7 @@ mod kernels {
             0.0
         };
         let logprob = |x: f32| {
-            if !want_logprob {
+            if logprobs == 0 {
                 0.0
             } else if x == m {
                 -lse
@@ -647,10 +709,57 @@ mod kernels {
                 x - m - lse
             }
         };
+        // The most likely tokens: each block's best ranks, then rank 0 merges the lists.
+        let n_top = logprobs.saturating_sub(1).min(SAMPLE_MAX_TOP) as usize;
+        let mut top_len = 0u32;
+        if n_top > 0 {
+            let mut prev = u64::MAX;
+            for i in 0..n_top {
+                let mut best = 0;
+                let mut j = t;
+                while j < n {
+                    let v = super::rank(cx.x(j), (base + j) as u32);
+                    if v < prev && v > best {
+                        best = v;
+                    }
+                    j += BLOCK;
+                }
+                prev = s.block_max_u64(best);
+                if t == 0 {
+                    // SAFETY: i < SAMPLE_MAX_TOP; this thread alone writes the list.
+                    unsafe { st(s.top, i, prev) };
+                }
+            }
+            cluster_sync();
+            let gather = rank == 0 && t < SAMPLE_CLUSTER as usize * n_top;
+            // SAFETY: entry t % n_top of block t / n_top's list, complete since the barrier.
+            let mine =
+                if gather { unsafe { ld_cluster_u64(s.top.wrapping_add(t % n_top), (t / n_top) as u32) } } else { 0 };
+            cluster_sync();
+            if rank == 0 {
+                let mut prev = u64::MAX;
+                while (top_len as usize) < n_top {
+                    let best = s.block_max_u64(if mine < prev { mine } else { 0 });
+                    if best == 0 {
+                        break;
+                    }
+                    if t == 0 {
+                        let (id, x) = unrank(best);
+                        put(5 + 2 * top_len as usize, id);
+                        put(6 + 2 * top_len as usize, logprob(x).to_bits());
+                    }
+                    (prev, top_len) = (best, top_len + 1);
+                }
+            }
+        }
+        if lead {
+            put(4, top_len);
+        }
         if r!(temperature) == 0.0 {
             if lead {
-                // SAFETY: as above.
-                unsafe { *out = SampleOut { token: arg, status: SAMPLE_OK, logprob: logprob(m), kept: 1 } };
+                for (i, v) in [arg, SAMPLE_OK, logprob(m).to_bits(), 1].into_iter().enumerate() {
+                    put(i, v);
+                }
             }
             return;
         }
@@ -701,8 +810,7 @@ mod kernels {
         let goal = target(random(r!(seed), r!(counter)), total);
         let own = s.word(W_KEPT_MASS);
         if lead {
-            // SAFETY: as above; the fields the chosen lane writes are others.
-            unsafe { (*out).kept = kept as u32 };
+            put(3, kept as u32);
         }
         if goal < before || goal >= before + own {
             return;
@@ -730,11 +838,9 @@ mod kernels {
             let chunk = warp_read_u64(incl, 31);
             if rel < chunk {
                 if incl > rel && incl - q <= rel {
-                    // SAFETY: as above; exactly one lane of the row gets here.
-                    unsafe {
-                        (*out).token = (base + j) as u32;
-                        (*out).status = SAMPLE_OK;
-                        (*out).logprob = logprob(cx.x(j));
+                    // Exactly one lane of the row gets here.
+                    for (i, v) in [(base + j) as u32, SAMPLE_OK, logprob(cx.x(j)).to_bits()].into_iter().enumerate() {
+                        put(i, v);
                     }
                 }
                 return;

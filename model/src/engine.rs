@@ -42,7 +42,7 @@ pub enum Finish {
 }
 
 /// One generated token.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Event {
     pub id: RequestId,
     pub token: u32,
@@ -50,6 +50,8 @@ pub struct Event {
     pub finished: Option<Finish>,
     /// The token's log-probability, when its request asked for them.
     pub logprob: Option<f32>,
+    /// The most likely tokens and their log-probabilities, when its request asked for them.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 struct Request {
@@ -216,9 +218,15 @@ impl<B: Backend> Engine<B> {
                     } else {
                         None
                     };
-                    Event { id, token: s.token, finished, logprob: s.logprob }
+                    Event { id, token: s.token, finished, logprob: s.logprob, top_logprobs: s.top_logprobs }
                 }
-                Err(e) => Event { id, token: u32::MAX, finished: Some(Finish::Failed(e)), logprob: None },
+                Err(e) => Event {
+                    id,
+                    token: u32::MAX,
+                    finished: Some(Finish::Failed(e)),
+                    logprob: None,
+                    top_logprobs: vec![],
+                },
             };
             events.push(event);
         }

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 use host::sample::RowSampling;
-use kernels_gpu::sample::{SAMPLE_ALL_NEG_INF, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow};
+use kernels_gpu::sample::{SAMPLE_ALL_NEG_INF, SAMPLE_MAX_TOP, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow};
 
 use crate::error::{Error, Result};
 
@@ -38,6 +38,9 @@ pub struct SamplingParams {
     /// Whether each token comes with its log-probability (under the penalized logits at
     /// temperature 1).
     pub logprobs: bool,
+    /// Each token also comes with the `top_logprobs` most likely tokens and their
+    /// log-probabilities (at most 20; more than 0 implies `logprobs`).
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +62,7 @@ impl SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
             logprobs: false,
+            top_logprobs: 0,
         }
     }
 
@@ -84,6 +88,9 @@ impl SamplingParams {
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return bad(format!("repetition_penalty {} must be finite and > 0", self.repetition_penalty));
+        }
+        if self.top_logprobs > SAMPLE_MAX_TOP as usize {
+            return bad(format!("top_logprobs {} must be at most {SAMPLE_MAX_TOP}", self.top_logprobs));
         }
         for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !v.is_finite() {
@@ -117,11 +124,13 @@ impl std::fmt::Display for SampleError {
 }
 
 /// A chosen token.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
     pub token: u32,
     /// Its log-probability, when asked.
     pub logprob: Option<f32>,
+    /// The most likely tokens and their log-probabilities, most likely first, when asked.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// A request's sampler: its parameters, how often it generated each token (for the
@@ -159,7 +168,7 @@ impl Sampler {
             repetition: p.repetition_penalty,
             presence: p.presence_penalty,
             frequency: p.frequency_penalty,
-            logprob: u32::from(p.logprobs),
+            logprobs: if p.logprobs || p.top_logprobs > 0 { 1 + p.top_logprobs as u32 } else { 0 },
             seed: p.seed,
             counter: self.generated,
             ..SampleRow::GREEDY
@@ -182,7 +191,8 @@ impl Sampler {
             self.pairs.len() - 1
         });
         self.pairs[at].1 += 1;
-        Ok(Sampled { token: out.token, logprob: self.params.logprobs.then_some(out.logprob) })
+        let asked = self.params.logprobs || self.params.top_logprobs > 0;
+        Ok(Sampled { token: out.token, logprob: asked.then_some(out.logprob), top_logprobs: out.top().to_vec() })
     }
 
     /// The next token for `logits` (one per vocabulary entry) on the CPU.

@@ -50,7 +50,11 @@ fn cuda_backend_runs_or_says_why() {
 /// The ids of the generated tokens from `--logprobs`'s lines on stderr, with the mean.
 fn logprob_ids(stderr: &str) -> (Vec<u32>, Option<f64>) {
     let mut lines = stderr.lines().skip_while(|l| !l.starts_with("logprobs (token id")).skip(1);
-    let ids = lines.by_ref().map_while(|l| l.split_whitespace().next()?.parse().ok()).collect();
+    let ids = lines
+        .by_ref()
+        .filter(|l| !l.trim_start().starts_with('~'))
+        .map_while(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
     let mean = stderr.lines().find_map(|l| l.strip_prefix("logprob: mean ")?.split_whitespace().next()?.parse().ok());
     (ids, mean)
 }
@@ -113,12 +117,27 @@ fn sampling_flags_run_and_bad_values_are_refused() {
         ("--top-p", "1.5", "top_p"),
         ("--top-k", "0", "top_k"),
         ("--temperature", "-1", "temperature"),
+        ("--top-logprobs", "21", "top_logprobs"),
     ] {
         let out = generate(&["--prompt", "Hello", "--backend", "cpu", flag, value]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{flag} {value} accepted");
         assert!(stderr.contains(name), "{flag} {value}: {stderr}");
         assert!(!stderr.contains("loading"), "{flag} {value}: refused before the model loads: {stderr}");
+    }
+    // --top-logprobs: each token's line, then its three most likely tokens', the most likely
+    // first (the greedy token itself first, with the same logprob).
+    let out = generate(&["--prompt", "Hi", "--max-new-tokens", "4", "--backend", "cpu", "--top-logprobs", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().skip_while(|l| !l.starts_with("logprobs (token id")).skip(1).collect();
+    let fields = |l: &str| -> (String, String) {
+        let mut w = l.trim_start().trim_start_matches('~').split_whitespace();
+        (w.next().unwrap_or_default().into(), w.next().unwrap_or_default().into())
+    };
+    assert!(out.status.success() && lines.len() >= 4 * 4, "{stderr}");
+    for token in lines[..16].chunks(4) {
+        assert!(token[1..].iter().all(|l| l.trim_start().starts_with('~')), "{stderr}");
+        assert_eq!(fields(token[0]), fields(token[1]), "greedy: the token is the most likely one: {stderr}");
     }
     let out = generate(&["--prompt", "Hello", "--min-p", "abc"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--min-p"));

@@ -60,7 +60,7 @@ const N: usize = 60_000;
 #[test]
 fn greedy_takes_the_highest_lowest_id_on_ties() {
     let mut s = sampler(SamplingParams::greedy());
-    assert_eq!(s.sample(&logits()).unwrap(), Sampled { token: 2, logprob: None });
+    assert_eq!(s.sample(&logits()).unwrap(), Sampled { token: 2, logprob: None, top_logprobs: vec![] });
     assert_eq!(token(&mut s, &[1.0, 5.0, 5.0, 0.0]), 1);
     assert_eq!(token(&mut s, &[-3.0, -1.0, -2.0]), 1, "negative logits");
     assert_eq!(token(&mut s, &[7.0; 5]), 0, "all equal");
@@ -200,7 +200,7 @@ fn logprobs_are_under_the_penalized_logits_at_temperature_1() {
     let mut s = sampler(SamplingParams { logprobs: true, ..params(2.0, None, Some(0.9), 1) });
     let mut seen = [false; 3];
     for _ in 0..200 {
-        let Sampled { token, logprob } = s.sample(&logits()).unwrap();
+        let Sampled { token, logprob, .. } = s.sample(&logits()).unwrap();
         close(logprob, (f64::from(token + 1) / 6.0).ln());
         seen[token as usize] = true;
     }
@@ -213,6 +213,20 @@ fn logprobs_are_under_the_penalized_logits_at_temperature_1() {
     let second = s.sample(&[0.0; 4]).unwrap();
     assert_eq!(second.token, 1);
     close(second.logprob, -(10.0f64 / 3.0).ln());
+    // The most likely tokens: ties by id, the penalized ones last; top_logprobs alone implies
+    // logprobs.
+    let mut s = sampler(SamplingParams { top_logprobs: 3, ..params(1.0, None, None, 9) });
+    let got = s.sample(&[1.0, 3.0, 2.0, 3.0, 0.0]).unwrap();
+    assert!(got.logprob.is_some());
+    let ids: Vec<u32> = got.top_logprobs.iter().map(|e| e.0).collect();
+    assert_eq!(ids, vec![1, 3, 2]);
+    let total: f64 = [1.0f64, 3.0, 2.0, 3.0, 0.0].iter().map(|v| (v - 3.0).exp()).sum();
+    for (&(t, lp), v) in got.top_logprobs.iter().zip([3.0, 3.0, 2.0]) {
+        assert!((f64::from(lp) - (v - 3.0 - total.ln())).abs() < 1e-5, "token {t}: {lp}");
+    }
+    let many = sampler(SamplingParams { top_logprobs: 20, ..SamplingParams::greedy() }).sample(&[0.5; 4]).unwrap();
+    assert_eq!(many.top_logprobs.len(), 4, "no more than the vocabulary");
+    assert!(Sampler::new(SamplingParams { top_logprobs: 21, ..SamplingParams::greedy() }).is_err());
     // Not asked: none.
     assert_eq!(sampler(params(1.0, None, None, 1)).sample(&logits()).unwrap().logprob, None);
 }
@@ -317,7 +331,7 @@ fn pos_inf_logits_take_all_the_probability() {
     let lp = s.sample(&[0.0, inf, 5.0, inf]).unwrap().logprob.unwrap();
     assert!((lp - -(2f32.ln())).abs() < 1e-6, "{lp}");
     let mut s = sampler(SamplingParams { logprobs: true, ..SamplingParams::greedy() });
-    assert_eq!(s.sample(&[0.0, inf, 5.0]).unwrap(), Sampled { token: 1, logprob: Some(0.0) });
+    assert_eq!(s.sample(&[0.0, inf, 5.0]).unwrap(), Sampled { token: 1, logprob: Some(0.0), top_logprobs: vec![] });
     // Penalties keep it infinite.
     let p = SamplingParams { presence_penalty: 1e6, repetition_penalty: 3.0, ..SamplingParams::greedy() };
     assert_eq!(draws(p, &[0.0, inf, 5.0], 5), vec![1; 5]);

@@ -4,8 +4,8 @@
 //! of the weighted candidates only for top-p.
 
 use kernels_gpu::sample::{
-    SAMPLE_ALL_NEG_INF, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow, keeps_min_p, keeps_top_p, key, log2e_over,
-    penalize, random, scaled, target, weight,
+    SAMPLE_ALL_NEG_INF, SAMPLE_MAX_TOP, SAMPLE_NAN, SAMPLE_OK, SampleOut, SampleRow, keeps_min_p, keeps_top_p, key,
+    log2e_over, penalize, random, rank, scaled, target, unrank, weight,
 };
 
 /// The token `row` picks from `logits` (f32 values of the bf16 logits), its penalized tokens
@@ -15,26 +15,40 @@ pub fn sample_row(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)]) -> 
     for &(t, n) in penalties {
         x[t as usize] = penalize(x[t as usize], n, row);
     }
-    let fail = |status| SampleOut { token: u32::MAX, status, logprob: 0.0, kept: 0 };
     if x.iter().any(|v| v.is_nan()) {
-        return fail(SAMPLE_NAN);
+        return SampleOut::failed(SAMPLE_NAN);
     }
     // The maximum at its lowest id.
     let (arg, m) =
         x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(a, m), (i, &v)| if v > m { (i, v) } else { (a, m) });
     if m == f32::NEG_INFINITY {
-        return fail(SAMPLE_ALL_NEG_INF);
+        return SampleOut::failed(SAMPLE_ALL_NEG_INF);
     }
-    let logprob = |t: usize| {
-        if row.logprob == 0 {
-            return 0.0;
+    let rel = |v: f32| if v == m { 0.0 } else { f64::from(v) - f64::from(m) };
+    let lse = if row.logprobs == 0 { 0.0 } else { x.iter().map(|&v| rel(v).exp()).sum::<f64>().ln() };
+    let logprob = |v: f32| if row.logprobs == 0 { 0.0 } else { (rel(v) - lse) as f32 };
+    // The most likely tokens, by rank.
+    let n_top = (row.logprobs.saturating_sub(1).min(SAMPLE_MAX_TOP) as usize).min(x.len());
+    let mut top = [(0, 0.0); SAMPLE_MAX_TOP as usize];
+    if n_top > 0 {
+        let mut ranks: Vec<u64> = x.iter().enumerate().map(|(i, &v)| rank(v, i as u32)).collect();
+        ranks.select_nth_unstable_by(n_top - 1, |a, b| b.cmp(a));
+        ranks[..n_top].sort_unstable_by(|a, b| b.cmp(a));
+        for (t, &r) in top.iter_mut().zip(&ranks[..n_top]) {
+            let (id, v) = unrank(r);
+            *t = (id, logprob(v));
         }
-        let rel = |v: f32| if v == m { 0.0 } else { f64::from(v) - f64::from(m) };
-        let lse = x.iter().map(|&v| rel(v).exp()).sum::<f64>().ln();
-        (rel(x[t]) - lse) as f32
+    }
+    let pick = |token: usize, kept| SampleOut {
+        token: token as u32,
+        status: SAMPLE_OK,
+        logprob: logprob(x[token]),
+        kept,
+        top_len: n_top as u32,
+        top,
     };
     if row.temperature == 0.0 {
-        return SampleOut { token: arg as u32, status: SAMPLE_OK, logprob: logprob(arg), kept: 1 };
+        return pick(arg, 1);
     }
     let c = log2e_over(row.temperature);
     let q: Vec<u64> = x.iter().map(|&v| weight(scaled(v, m, c))).collect();
@@ -61,8 +75,7 @@ pub fn sample_row(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)]) -> 
             break;
         }
     }
-    let count = (0..x.len()).filter(|&i| kept(i)).count() as u32;
-    SampleOut { token: token as u32, status: SAMPLE_OK, logprob: logprob(token), kept: count }
+    pick(token, (0..x.len()).filter(|&i| kept(i)).count() as u32)
 }
 
 /// The smallest key at or above `floor` whose mass strictly above it (among keys >= floor)

@@ -1,7 +1,7 @@
 //! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
 //! [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P]
-//! [--frequency-penalty F] [--seed S] [--logprobs] [--backend auto|cpu|cuda]
-//! [--max-step-tokens N]`: generates text with a NemotronH checkpoint directory (config.json,
+//! [--frequency-penalty F] [--seed S] [--logprobs] [--top-logprobs N]
+//! [--backend auto|cpu|cuda] [--max-step-tokens N]`: generates text with a NemotronH checkpoint directory (config.json,
 //! safetensors, tokenizer.json), streaming the text as it comes (the tokenizer's decode stream:
 //! each token decoded against the few before it, a character split over tokens printed once
 //! complete), then prints prefill and decode speed. Without `--model` it runs the small
@@ -13,7 +13,8 @@
 //! and min-p truncate, the repetition / presence / frequency penalties apply to the tokens
 //! generated so far, and the seed fixes the draws. Bad values are refused before the model
 //! loads, naming the parameter. `--logprobs` prints each generated token's log-probability
-//! (under the penalized logits at temperature 1) and their mean on stderr at the end. A
+//! (under the penalized logits at temperature 1) and their mean on stderr at the end;
+//! `--top-logprobs N` (at most 20) also the N most likely tokens' at each step. A
 //! request left without a token (its logits NaN, or all `-inf`) is an error: exit status 1.
 
 use std::io::Write;
@@ -33,7 +34,7 @@ use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
 const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] \
-[--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F] [--seed S] [--logprobs] \
+[--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F] [--seed S] [--logprobs] [--top-logprobs N] \
 [--backend auto|cpu|cuda] [--max-step-tokens N]";
 
 /// The built-in model's files, embedded in the binary.
@@ -102,6 +103,7 @@ fn parse() -> Result<Args> {
             "--frequency-penalty" => a.sampling.frequency_penalty = value()?.parse().context("--frequency-penalty")?,
             "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
             "--logprobs" => a.sampling.logprobs = true,
+            "--top-logprobs" => a.sampling.top_logprobs = value()?.parse().context("--top-logprobs")?,
             "--max-step-tokens" => a.max_step_tokens = Some(value()?.parse().context("--max-step-tokens")?),
             "--backend" => {
                 a.backend = match value()?.as_str() {
@@ -242,7 +244,7 @@ fn run<B: Backend>(
                 continue;
             }
             generated.push(e.token);
-            logprobs.extend(e.logprob.map(|l| (e.token, l)));
+            logprobs.extend(e.logprob.map(|l| (e.token, l, e.top_logprobs.clone())));
             match stream.step(e.token).map_err(detok)? {
                 Some(chunk) => {
                     print!("{chunk}");
@@ -276,21 +278,28 @@ fn run<B: Backend>(
         if timed > 0 { decode_s * 1e3 / timed as f64 } else { 0.0 },
         first_s * 1e3
     );
-    if args.sampling.logprobs {
+    if !logprobs.is_empty() {
         print_logprobs(tokenizer, &logprobs)?;
     }
     Ok(())
 }
 
-/// Each generated token's log-probability on stderr, then their mean (and the perplexity).
-fn print_logprobs(tokenizer: &Tokenizer, logprobs: &[(u32, f32)]) -> Result<()> {
-    eprintln!("logprobs (token id, log-probability, text):");
-    for &(id, l) in logprobs {
-        let text = tokenizer.decode(&[id], false).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
-        eprintln!("  {id:>7} {l:>10.4} {text:?}");
+/// A generated token, its log-probability and the most likely tokens' (id, log-probability).
+type TokenLogprobs = (u32, f32, Vec<(u32, f32)>);
+
+/// Each generated token's log-probability on stderr (with the most likely tokens' after it,
+/// when asked), then their mean (and the perplexity).
+fn print_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprobs]) -> Result<()> {
+    eprintln!("logprobs (token id, log-probability, text; the most likely tokens after `~`):");
+    let text = |id| tokenizer.decode(&[id], false).map_err(|e| anyhow::anyhow!("detokenizing: {e}"));
+    for (id, l, top) in logprobs {
+        eprintln!("  {id:>7} {l:>10.4} {:?}", text(*id)?);
+        for &(t, lt) in top {
+            eprintln!("    ~ {t:>7} {lt:>10.4} {:?}", text(t)?);
+        }
     }
     if !logprobs.is_empty() {
-        let mean = logprobs.iter().map(|&(_, l)| f64::from(l)).sum::<f64>() / logprobs.len() as f64;
+        let mean = logprobs.iter().map(|(_, l, _)| f64::from(*l)).sum::<f64>() / logprobs.len() as f64;
         eprintln!("logprob: mean {mean:.4} over {} tokens (perplexity {:.3})", logprobs.len(), (-mean).exp());
     }
     Ok(())

@@ -140,6 +140,16 @@ pub struct CpuExperts {
     shared: Option<(CpuWeight, CpuWeight)>,
 }
 
+/// `n` zeros, or an error where the host cannot hold them (never an abort).
+fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        Error::Capacity(format!("{n} elements of {} bytes do not fit in host memory: {e}", std::mem::size_of::<T>()))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 /// A step's sampling rows on the CPU, and what the last sampling picked.
 pub struct CpuSampling {
     rows: Vec<(SampleRow, Vec<(u32, u32)>)>,
@@ -163,10 +173,10 @@ impl Backend for Cpu {
         Ok(v.to_vec())
     }
     fn zeros(&self, n: usize) -> Result<Vec<bf16>> {
-        Ok(vec![bf16::ZERO; n])
+        zeroed(n)
     }
     fn zeros32(&self, n: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; n])
+        zeroed(n)
     }
     fn scratch(&self, n: usize) -> Result<Vec<bf16>> {
         self.zeros(n)

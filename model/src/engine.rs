@@ -111,7 +111,7 @@ impl<B: Backend> Engine<B> {
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(Error::Unsupported(format!("token id {t} is outside the vocabulary of {}", self.vocab)));
         }
-        if prompt.len() + params.max_new_tokens > self.max_len {
+        if prompt.len().saturating_add(params.max_new_tokens) > self.max_len {
             return Err(Error::Capacity(format!(
                 "prompt of {} tokens plus {} new ones exceeds the maximum of {} tokens",
                 prompt.len(),

@@ -141,13 +141,14 @@ impl<B: Backend> Model<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model<B>> {
         let b = &backend;
+        let sizes = CacheSizes::new(config, slots, max_len)?;
         let mut layers = Vec::new();
         let mut cache = Vec::new();
         let total = layout.layers.len();
         for layer in &layout.layers {
             let (mix, lc) = match &layer.mixer {
                 Mixer::Mamba(m) => {
-                    let c = config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
+                    config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
                     let a: Vec<f32> = m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect();
                     let w = MambaW {
                         in_proj: b.weight(&m.in_proj)?,
@@ -159,10 +160,7 @@ impl<B: Backend> Model<B> {
                         norm: bf16s(b, &m.norm)?,
                         out_proj: b.weight(&m.out_proj)?,
                     };
-                    let lc = LayerCache::Mamba {
-                        conv: b.zeros(slots * c.conv_dim() * (c.conv_kernel - 1))?,
-                        ssm: b.zeros32(slots * c.inner() * c.state_size)?,
-                    };
+                    let lc = LayerCache::Mamba { conv: b.zeros(sizes.conv)?, ssm: b.zeros32(sizes.ssm)? };
                     (MixW::Mamba(Box::new(w)), lc)
                 }
                 Mixer::Moe(m) => {
@@ -179,13 +177,9 @@ impl<B: Backend> Model<B> {
                     (MixW::Moe(w), LayerCache::Stateless)
                 }
                 Mixer::Attention(a) => {
-                    let c = config
-                        .attention
-                        .as_ref()
-                        .ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
-                    let kv = slots * max_len * c.kv_heads * c.head_dim;
+                    config.attention.as_ref().ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
                     let w = MixW::Attention { qkv: Qkv::new(b, a)?, o: b.weight(&a.o)? };
-                    (w, LayerCache::Attention { k: b.zeros(kv)?, v: b.zeros(kv)? })
+                    (w, LayerCache::Attention { k: b.zeros(sizes.kv)?, v: b.zeros(sizes.kv)? })
                 }
                 Mixer::Mlp(m) => {
                     let (up, down) = mlp(b, m)?;
@@ -400,6 +394,41 @@ impl<B: Backend> Model<B> {
     /// Vocabulary size.
     pub fn vocab(&self) -> usize {
         self.config.vocab_size
+    }
+}
+
+/// Elements of one layer's state cache per kind, for `slots` slots of `max_len` tokens, each
+/// product checked: an overflow is an error naming the load parameters, never a wrapped size.
+struct CacheSizes {
+    conv: usize,
+    ssm: usize,
+    kv: usize,
+}
+
+impl CacheSizes {
+    fn new(config: &Config, slots: usize, max_len: usize) -> Result<CacheSizes> {
+        if slots == 0 || max_len == 0 {
+            return Err(Error::Capacity(format!(
+                "a state cache needs at least one slot of at least one token (slots {slots}, max_len {max_len})"
+            )));
+        }
+        let product = |what: &str, factors: &[usize]| {
+            factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f)).ok_or_else(|| {
+                Error::Capacity(format!(
+                    "the {what} cache of {slots} slots of {max_len} tokens overflows ({} elements)",
+                    factors.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" x ")
+                ))
+            })
+        };
+        let (mut conv, mut ssm, mut kv) = (0, 0, 0);
+        if let Some(c) = &config.mamba {
+            conv = product("conv", &[slots, c.conv_dim(), c.conv_kernel.saturating_sub(1)])?;
+            ssm = product("SSM state", &[slots, c.inner(), c.state_size])?;
+        }
+        if let Some(c) = &config.attention {
+            kv = product("KV", &[slots, max_len, c.kv_heads, c.head_dim])?;
+        }
+        Ok(CacheSizes { conv, ssm, kv })
     }
 }
 

@@ -128,6 +128,11 @@ impl Checkpoint {
 
     /// Maps one safetensors file and records its tensors.
     fn add_file(&mut self, path: &Path) -> Result<()> {
+        // Only regular files: opening a FIFO would block, a device file map whatever it holds.
+        let meta = std::fs::metadata(path).map_err(|e| err(path, "", format!("cannot be opened: {e}")))?;
+        if !meta.is_file() {
+            return Err(err(path, "", "is not a regular file"));
+        }
         let file = File::open(path).map_err(|e| err(path, "", format!("cannot be opened: {e}")))?;
         // SAFETY: the mapping is read-only; the checkpoint's files must not be modified while
         // a Checkpoint is alive (documented on `open`'s caller side: weights are read at load).

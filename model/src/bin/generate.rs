@@ -160,7 +160,9 @@ fn main() -> Result<()> {
         .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
         .get_ids()
         .to_vec();
-    let max_len = prompt.len() + args.max_new;
+    let max_len = prompt.len().checked_add(args.max_new).with_context(|| {
+        format!("a prompt of {} tokens plus --max-new-tokens {} overflows", prompt.len(), args.max_new)
+    })?;
     let gpu = match args.backend {
         Choice::Cpu => None,
         Choice::Cuda => Some(Cuda::new(0)?),

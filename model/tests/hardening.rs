@@ -1,0 +1,82 @@
+//! Inputs a hostile or careless user gives, each an error naming the problem (never an abort,
+//! a wrapped size or a hang): load parameters whose cache sizes overflow or do not fit in
+//! memory, zero slots, a request whose lengths overflow, a checkpoint file that is no regular
+//! file, and the CLI's huge `--max-new-tokens`.
+
+mod common;
+
+use std::process::Command;
+
+use common::open;
+use model::cpu::Cpu;
+use model::engine::{Engine, RequestParams};
+use model::layout::Layout;
+use model::model::Model;
+use model::sampling::SamplingParams;
+
+fn load(slots: usize, max_len: usize) -> model::Result<Model<Cpu>> {
+    let (config, ck) = open();
+    let layout = Layout::new(&config, &ck).unwrap();
+    Model::load(Cpu::default(), &config, &layout, slots, max_len)
+}
+
+fn load_error(slots: usize, max_len: usize) -> String {
+    load(slots, max_len).err().map(|e| e.to_string()).unwrap_or_else(|| panic!("({slots}, {max_len}) loaded"))
+}
+
+#[test]
+fn cache_sizes_that_overflow_or_do_not_fit_are_errors() {
+    let cases = [
+        (0, 64, "at least one slot"),
+        (2, 0, "at least one token"),
+        (usize::MAX / 2, 64, "overflows"),
+        (2, usize::MAX / 4, "overflows"),
+        (1, 1 << 40, "do not fit in host memory"),
+    ];
+    for (slots, max_len, want) in cases {
+        let e = load_error(slots, max_len);
+        assert!(e.contains(want), "slots {slots}, max_len {max_len}: {e}");
+        println!("slots {slots}, max_len {max_len}: {e}");
+    }
+    assert!(load(2, 64).is_ok(), "the fixture's own sizes load");
+}
+
+#[test]
+fn request_lengths_that_overflow_are_refused() {
+    let mut e = Engine::new(load(1, 64).unwrap());
+    for n in [usize::MAX, usize::MAX - 1, 1 << 60] {
+        let params = RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![] };
+        let err = e.add(&[1, 2, 3], params).unwrap_err().to_string();
+        assert!(err.contains("exceeds the maximum of 64 tokens"), "max_new_tokens {n}: {err}");
+    }
+    assert!(!e.has_work());
+}
+
+#[test]
+fn a_checkpoint_file_that_is_not_a_regular_file_is_an_error() {
+    let dir = std::env::temp_dir().join(format!("nemotron-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("model.safetensors");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status().map(|s| s.success()).unwrap_or(false);
+    // A directory in its place stands for the special files where mkfifo is missing.
+    if !made {
+        std::fs::create_dir_all(&fifo).unwrap();
+    }
+    let e = model::weights::Checkpoint::open(&dir).err().expect("opened a special file").to_string();
+    assert!(e.contains("is not a regular file"), "{e}");
+    println!("{}: {e}", if made { "FIFO" } else { "directory" });
+}
+
+#[test]
+fn huge_max_new_tokens_in_the_cli_is_an_error_not_an_abort() {
+    for n in ["1000000000000", "1152921504606846976", &usize::MAX.to_string()] {
+        let out = Command::new(env!("CARGO_BIN_EXE_generate"))
+            .args(["--prompt", "hi", "--backend", "cpu", "--max-new-tokens", n])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "--max-new-tokens {n}: {stderr}");
+        assert!(stderr.contains("overflows") || stderr.contains("do not fit"), "--max-new-tokens {n}: {stderr}");
+    }
+}

@@ -415,6 +415,19 @@ fn weight_is_two_to_the_z_in_q_one_units() {
     println!("weight: monotone over {} points", zs.len());
 }
 
+/// A row's output words: the top pairs past `top_len` (left as they were by the kernel; the
+/// host poisons a fresh buffer) read as (0, 0), so outputs compare equal whatever they held.
+#[test]
+fn out_words_past_top_len_are_not_read() {
+    let mut w = vec![u32::MAX; SAMPLE_OUT_WORDS as usize];
+    w[..7].copy_from_slice(&[5, SAMPLE_OK, (-0.5f32).to_bits(), 3, 1, 9, (-0.25f32).to_bits()]);
+    let out = SampleOut::from_words(&w);
+    assert_eq!((out.token, out.status, out.logprob, out.kept), (5, SAMPLE_OK, -0.5, 3));
+    assert_eq!(out.top(), &[(9, -0.25)]);
+    assert!(out.top[1..].iter().all(|&t| t == (0, 0.0)), "{:?}", out.top);
+    assert_eq!(out, SampleOut::from_words(&w), "equal to itself: no NaN left in it");
+}
+
 #[test]
 fn target_scales_the_draw_into_the_kept_mass() {
     for total in [1, 3, Q_ONE, 5 * Q_ONE + 7, u64::MAX] {

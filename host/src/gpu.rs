@@ -634,6 +634,11 @@ impl Gpu {
         unsafe { self.launch_clusters(kernel, grid, 1, block, smem, params) }
     }
 
+    /// Most bytes of dynamic shared memory a block of `kernel` can have on this device.
+    pub(crate) fn max_smem(&self, kernel: Kernel) -> u32 {
+        self.max_smem[kernel as usize]
+    }
+
     /// [`Gpu::launch`] in clusters of `cluster` blocks along x (thread block clusters, sm_90+;
     /// 1: none), grid.0 a multiple of it.
     ///

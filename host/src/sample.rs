@@ -60,8 +60,16 @@ impl SampleRows {
     /// Checks `rows` (each with [`check_row`]) and uploads them, with room for `capacity`
     /// penalty pairs in all.
     pub fn new(gpu: &Gpu, rows: &[RowSampling], vocab: usize, capacity: usize) -> Result<SampleRows> {
-        let c = Check(Kernel::Sample.name());
+        let k = Kernel::Sample;
+        let c = Check(k.name());
         c.count("vocab", SAMPLE_MAX_VOCAB as usize, vocab)?;
+        let (need, have) = (sample_smem(vocab as u32), gpu.max_smem(k));
+        c.that(
+            "vocab",
+            need <= have,
+            format!("a vocabulary whose slices fit this GPU's {have} bytes of shared memory a block"),
+            format!("{vocab}, needing {need}"),
+        )?;
         c.count("rows", 65535, rows.len())?;
         let mut s = SampleRows {
             rows: gpu.zeros(rows.len() * ROW_WORDS)?,
@@ -101,6 +109,11 @@ impl SampleRows {
         Ok(())
     }
 
+    /// Penalty pairs these rows have room for, in all.
+    pub fn capacity(&self) -> usize {
+        self.penalties.len() / 2
+    }
+
     /// Rows.
     pub fn len(&self) -> usize {
         self.len
@@ -114,7 +127,8 @@ impl SampleRows {
 
 /// A device buffer for `rows` rows' [`SampleOut`]s.
 pub fn sample_out(gpu: &Gpu, rows: usize) -> Result<CudaSlice<u32>> {
-    gpu.zeros(rows.max(1) * OUT_WORDS)
+    // Every word u32::MAX: a row the kernel did not write reads as no status at all.
+    gpu.upload(&vec![u32::MAX; rows.max(1) * OUT_WORDS])
 }
 
 /// The [`SampleOut`]s of `words` (a [`sample_out`] buffer's contents).
@@ -135,7 +149,7 @@ pub fn sample(
     let k = Kernel::Sample;
     let c = Check(k.name());
     let (n, vocab) = (rows.len, rows.vocab);
-    c.that("stride", stride >= vocab, format!(">= the vocabulary ({vocab})"), stride)?;
+    c.that("stride", stride >= vocab && stride <= u32::MAX as usize, format!("{vocab}..=2^32-1"), stride)?;
     let need = (n.max(1) - 1) * stride + vocab;
     c.len_at_least("logits", need, logits.len())?;
     c.len_at_least("out", n * OUT_WORDS, out.len())?;

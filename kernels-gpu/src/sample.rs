@@ -147,10 +147,11 @@ impl SampleOut {
         SampleOut { token: u32::MAX, status, ..SampleOut::default() }
     }
 
-    /// From a row's words (at least [`SAMPLE_OUT_WORDS`]).
+    /// From a row's words (at least [`SAMPLE_OUT_WORDS`]); the top pairs past `top_len`,
+    /// which the kernel leaves as they were, read as (0, 0).
     pub fn from_words(w: &[u32]) -> SampleOut {
         let mut top = [(0, 0.0); SAMPLE_MAX_TOP as usize];
-        for (i, t) in top.iter_mut().enumerate() {
+        for (i, t) in top.iter_mut().enumerate().take(w[4] as usize) {
             *t = (w[5 + 2 * i], f32::from_bits(w[6 + 2 * i]));
         }
         SampleOut { token: w[0], status: w[1], logprob: f32::from_bits(w[2]), kept: w[3], top_len: w[4], top }
@@ -570,8 +571,8 @@ mod kernels {
     /// the other blocks' shared memory after a cluster barrier, each block computing the
     /// same result. A threshold search: a histogram of the candidates by z (512 bins), the
     /// last bin whose mass or count above it keeps it, the key range inside that bin, then
-    /// histograms linear in the key over that range (usually none: bf16 logits are one or two
-    /// values a bin) until one key is left. The draw: each block's kept mass, the block
+    /// histograms linear in the key over that range (often none: a bin is about 0.05 T wide in
+    /// logit, a few bf16 values where logits are of magnitude 2 or more) until one key is left. The draw: each block's kept mass, the block
     /// whose range holds the target, its warp (each warp holds a contiguous run of ids), its
     /// lane.
     #[unsafe(no_mangle)]

@@ -241,6 +241,10 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn sampling_fits(&self, _s: &CpuSampling, _rows: &[RowSampling]) -> bool {
+        true
+    }
+
     fn sample(&self, logits: &Vec<bf16>, vocab: usize, s: &mut CpuSampling) -> Result<()> {
         let rows = rows_f32(&logits[..s.rows.len() * vocab], vocab);
         s.out = rows.iter().zip(&s.rows).map(|(x, (r, p))| host::cpu::sample::sample_row(x, r, p)).collect();

@@ -496,6 +496,10 @@ impl Backend for Cuda {
         Ok(into.rows.set(&self.gpu, rows)?)
     }
 
+    fn sampling_fits(&self, s: &CudaSampling, rows: &[RowSampling]) -> bool {
+        rows.iter().map(|r| r.penalties.len()).sum::<usize>() <= s.rows.capacity()
+    }
+
     fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {
         Ok(host::sample::sample(&self.gpu, logits, vocab, &s.rows, &mut s.out)?)
     }

@@ -12,6 +12,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use host::sample::RowSampling;
+use kernels_gpu::sample::SampleRow;
+
 use crate::backend::Backend;
 use crate::cache::{Part, SlotPool};
 use crate::error::{Error, Result};
@@ -187,8 +190,19 @@ impl<B: Backend> Engine<B> {
                 Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending[..n] }
             })
             .collect();
-        // A row for every part; those with prompt tokens left ignore theirs.
-        let sampling: Vec<_> = fed.iter().map(|(id, _)| self.requests[id].sampler.row()).collect();
+        // A row for every part; those with prompt tokens left take none of theirs (greedy:
+        // the least work).
+        let sampling: Vec<_> = fed
+            .iter()
+            .map(|&(id, n)| {
+                let r = &self.requests[&id];
+                if n == r.pending.len() {
+                    r.sampler.row()
+                } else {
+                    RowSampling { row: SampleRow::GREEDY, penalties: &[] }
+                }
+            })
+            .collect();
         let picks = match self.model.step_sampled(&parts, &sampling) {
             Ok(picks) => picks,
             Err(source) => {

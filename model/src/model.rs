@@ -227,7 +227,8 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::step`], each part's token picked on the backend with its row of `sampling`
     /// (one per part, in the order of `parts`) from the logits where the LM head left them:
-    /// only the picks come back (a recorded step records the sampling too).
+    /// only the picks come back (a recorded step records the sampling too, with room for
+    /// twice its penalty pairs, and is recorded again when a later step's outgrow it).
     pub fn step_sampled(&mut self, parts: &[Part], sampling: &[RowSampling]) -> Result<Vec<SampleOut>> {
         if sampling.len() != parts.len() {
             return Err(Error::Unsupported(format!(
@@ -254,6 +255,13 @@ impl<B: Backend> Model<B> {
         let b = &*b;
         let seqs = &plan.prefill_lens;
         let key = (nd, ordered.is_some());
+        // A recording whose penalty pairs would not fit is recorded again, with more room.
+        let pairs: usize = ordered.iter().flatten().map(|r| r.penalties.len()).sum();
+        if let (Some(r), Some(o)) = (recorded.get(&key), &ordered)
+            && r.sampling.as_ref().is_some_and(|s| !b.sampling_fits(s, o))
+        {
+            recorded.remove(&key);
+        }
         let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty()) {
             b.set_rows(&mut r.rows, &rows)?;
             if let (Some(s), Some(o)) = (r.sampling.as_mut(), &ordered) {
@@ -265,12 +273,9 @@ impl<B: Backend> Model<B> {
         } else {
             let step_rows = b.rows(&rows, slots, max_len)?;
             let mut logits = b.scratch(rows.last.len() * vocab)?;
-            // A recorded step's later rows may carry up to max_len penalty pairs each.
-            let capacity = match &ordered {
-                Some(o) if seqs.is_empty() => o.len() * max_len,
-                Some(o) => o.iter().map(|r| r.penalties.len()).sum(),
-                None => 0,
-            };
+            // Room for a recorded step's later rows to carry more pairs: twice today's, at
+            // least PAIRS_PER_ROW a row (grown by recording again when they outgrow it).
+            let capacity = if seqs.is_empty() { (2 * pairs).max(nd * PAIRS_PER_ROW) } else { pairs };
             let mut sampling = ordered.as_ref().map(|o| b.sampling(o, vocab, capacity)).transpose()?;
             let mut run = || {
                 let ran = forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits)?;
@@ -431,6 +436,9 @@ impl CacheSizes {
         Ok(CacheSizes { conv, ssm, kv })
     }
 }
+
+/// Penalty pairs a row of a recorded step has room for at first.
+const PAIRS_PER_ROW: usize = 64;
 
 /// What a step's logits buffer and sampling rows hold for the host: the sampled picks, or
 /// the logits rows.

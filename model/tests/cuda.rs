@@ -319,3 +319,49 @@ fn cuda_nan_logits_end_only_their_request() {
     let n = common::nan_logits_end_only_their_request(Cuda::new(0).unwrap());
     println!("CUDA: {n} greedy tokens beside a request with NaN logits, as transformers");
 }
+
+/// Penalized, seeded requests through the engine on the GPU give the same tokens with decode
+/// steps recorded as graphs as with every operation launched directly: a recording's sampling
+/// rows are rewritten in place each step, and the step recorded again when the penalty pairs
+/// outgrow their room (200 tokens a request at temperature 1.5: far past the first 64 pairs
+/// a row).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_recorded_sampling_with_growing_penalties_matches_direct_launches() {
+    use model::engine::{Engine, RequestParams};
+    use model::sampling::SamplingParams;
+    let (config, ck) = hybrid("penalties", 17);
+    let layout = Layout::new(&config, &ck).unwrap();
+    let run = |graphs: bool| {
+        let cuda = Cuda::new(0).unwrap().with_graphs(graphs);
+        let mut e = Engine::new(Model::load(cuda, &config, &layout, 2, 256).unwrap());
+        for (first, seed) in [(1u32, 5u64), (2, 6)] {
+            let sampling = SamplingParams {
+                temperature: 1.5,
+                presence_penalty: 0.5,
+                frequency_penalty: 0.3,
+                repetition_penalty: 1.1,
+                seed,
+                ..SamplingParams::greedy()
+            };
+            e.add(&[first, 7, 9], RequestParams { max_new_tokens: 200, sampling, stop_tokens: vec![] }).unwrap();
+        }
+        let mut out: std::collections::BTreeMap<_, Vec<u32>> = Default::default();
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                out.entry(ev.id).or_default().push(ev.token);
+            }
+        }
+        out
+    };
+    let (recorded, direct) = (run(true), run(false));
+    let mut pairs = 0;
+    for tokens in recorded.values() {
+        let distinct: std::collections::BTreeSet<_> = tokens.iter().collect();
+        println!("{} tokens, {} distinct (penalty pairs)", tokens.len(), distinct.len());
+        assert_eq!(tokens.len(), 200);
+        pairs += distinct.len();
+    }
+    assert!(pairs > 2 * 64, "the pairs ({pairs}) must outgrow the first room of the two rows");
+    assert_eq!(recorded, direct, "graph replays and direct launches");
+}

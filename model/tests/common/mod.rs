@@ -41,11 +41,16 @@ pub fn argmax<T: PartialOrd>(v: &[T]) -> u32 {
     (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
 }
 
+/// Where [`open_with_nan_embedding`] writes its copy of the fixture.
+fn nan_dir(t: usize) -> PathBuf {
+    std::env::temp_dir().join(format!("nemotron-nan-fixture-{t}-{}", std::process::id()))
+}
+
 /// A copy of the fixture in a temporary directory whose token `t` has a NaN embedding row, so
 /// a request with `t` in its prompt gets NaN logits (and only it: every operation keeps rows,
 /// slots and tokens apart).
 pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
-    let dir = std::env::temp_dir().join(format!("nemotron-nan-fixture-{t}-{}", std::process::id()));
+    let dir = nan_dir(t);
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["config.json", "reference.json"] {
         std::fs::copy(self::dir().join(f), dir.join(f)).unwrap();
@@ -66,12 +71,13 @@ pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
 
 /// On `backend`: a request whose prompt has a token with a NaN embedding ends with
 /// `Finish::Failed(NanLogits)` and no token, while the request beside it, in the same steps,
-/// gets transformers' greedy tokens. Returns the number of tokens compared.
+/// gets transformers' greedy tokens, and so does a request that takes the failed one's slot
+/// after it (no NaN left in that slot's state). Returns the number of tokens compared.
 pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B) -> usize {
     use model::engine::{Engine, Finish, RequestParams};
     use model::sampling::{SampleError, SamplingParams};
     let cases = cases();
-    let c = &cases[0];
+    let (c, next) = (&cases[0], &cases[1]);
     let t = (0..64u32).find(|t| !c.prompt.contains(t) && !c.greedy.contains(t)).unwrap();
     let (config, ck) = open_with_nan_embedding(t as usize);
     let layout = model::layout::Layout::new(&config, &ck).unwrap();
@@ -79,15 +85,21 @@ pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B)
     let params = |n, sampling| RequestParams { max_new_tokens: n, sampling, stop_tokens: vec![] };
     let good = e.add(&c.prompt, params(c.greedy.len(), SamplingParams::greedy())).unwrap();
     let bad = e.add(&[t, t, 5], params(4, SamplingParams::nucleus(1.0, 0.9, 3))).unwrap();
+    let mut after = None;
     let mut out: std::collections::BTreeMap<_, Vec<_>> = Default::default();
     while e.has_work() {
         for ev in e.step().unwrap() {
+            if ev.id == bad {
+                after = Some(e.add(&next.prompt, params(next.greedy.len(), SamplingParams::greedy())).unwrap());
+            }
             out.entry(ev.id).or_default().push((ev.token, ev.finished));
         }
     }
     assert_eq!(out[&bad], vec![(u32::MAX, Some(Finish::Failed(SampleError::NanLogits)))]);
-    let tokens: Vec<u32> = out[&good].iter().map(|e| e.0).collect();
-    assert_eq!(tokens, c.greedy, "the request beside the NaN one");
+    let tokens = |id| out[&id].iter().map(|e: &(u32, _)| e.0).collect::<Vec<u32>>();
+    assert_eq!(tokens(good), c.greedy, "the request beside the NaN one");
     assert_eq!(out[&good].last().unwrap().1, Some(Finish::Length));
-    tokens.len()
+    assert_eq!(tokens(after.unwrap()), next.greedy, "the request in the failed one's slot");
+    std::fs::remove_dir_all(nan_dir(t as usize)).ok();
+    c.greedy.len() + next.greedy.len()
 }

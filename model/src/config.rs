@@ -166,12 +166,27 @@ fn need<T>(field: &str, v: Option<T>) -> Result<T> {
     v.ok_or_else(|| bad(field, "is missing"))
 }
 
-/// A size that must be at least 1.
+/// Most elements of any width the model derives from a config (a row of activations, of a
+/// cache slot): the kernels index with 32-bit arithmetic.
+pub const MAX_WIDTH: usize = i32::MAX as usize;
+/// Most layers a config may name.
+pub const MAX_LAYERS: usize = 4096;
+
+/// A size that must be at least 1 and at most [`MAX_WIDTH`].
 fn size(field: &str, v: Option<usize>) -> Result<usize> {
     match need(field, v)? {
         0 => Err(bad(field, "must be at least 1")),
+        n if n > MAX_WIDTH => Err(bad(field, format!("{n} is above the largest width, {MAX_WIDTH}"))),
         n => Ok(n),
     }
+}
+
+/// `a * b + c`, named `field` in the error when it overflows or passes [`MAX_WIDTH`].
+fn width(field: &str, a: usize, b: usize, c: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .and_then(|v| v.checked_add(c))
+        .filter(|&v| v <= MAX_WIDTH)
+        .ok_or_else(|| bad(field, format!("{a} x {b} + {c} is above the largest width, {MAX_WIDTH}")))
 }
 
 /// A float written as a number or as `{"__float__": "Infinity" | "-Infinity" | "NaN"}`.
@@ -188,6 +203,10 @@ fn float(field: &str, v: &Value) -> Result<f64> {
 }
 
 fn layer_kinds(raw: &Raw) -> Result<Vec<LayerKind>> {
+    let n = raw.hybrid_override_pattern.as_ref().map(|p| p.len()).or(raw.layers_block_type.as_ref().map(Vec::len));
+    if let Some(n) = n.filter(|&n| n > MAX_LAYERS) {
+        return Err(bad("hybrid_override_pattern", format!("names {n} layers; at most {MAX_LAYERS} are supported")));
+    }
     match (&raw.hybrid_override_pattern, &raw.layers_block_type) {
         (Some(p), _) => p
             .chars()
@@ -244,10 +263,16 @@ fn mamba(raw: &Raw) -> Result<MambaConfig> {
         Some("bfloat16") => CacheDtype::Bf16,
         Some(d) => return Err(bad("mamba_ssm_cache_dtype", format!("\"{d}\" is not supported (float32, bfloat16)"))),
     };
+    let (head_dim, state_size) =
+        (size("mamba_head_dim", raw.mamba_head_dim)?, size("ssm_state_size", raw.ssm_state_size)?);
+    // inner, conv_dim and in_proj_width, each within MAX_WIDTH (their methods then cannot overflow).
+    let inner = width("mamba_head_dim", heads, head_dim, 0)?;
+    let conv_dim = width("ssm_state_size", 2 * groups, state_size, inner)?;
+    width("mamba_num_heads", 1, inner + conv_dim, heads)?;
     Ok(MambaConfig {
         heads,
-        head_dim: size("mamba_head_dim", raw.mamba_head_dim)?,
-        state_size: size("ssm_state_size", raw.ssm_state_size)?,
+        head_dim,
+        state_size,
         groups,
         conv_kernel,
         conv_bias: raw.use_conv_bias.unwrap_or(true),
@@ -303,12 +328,11 @@ fn attention(raw: &Raw) -> Result<AttentionConfig> {
     if heads % kv_heads != 0 {
         return Err(bad("num_key_value_heads", format!("{kv_heads} does not divide num_attention_heads {heads}")));
     }
-    Ok(AttentionConfig {
-        heads,
-        kv_heads,
-        head_dim: size("head_dim", raw.head_dim)?,
-        bias: raw.attention_bias.unwrap_or(false),
-    })
+    let head_dim = size("head_dim", raw.head_dim)?;
+    // q, k and v side by side (the fused projection's rows).
+    let q = width("head_dim", heads, head_dim, 0)?;
+    width("num_key_value_heads", 2 * kv_heads, head_dim, q)?;
+    Ok(AttentionConfig { heads, kv_heads, head_dim, bias: raw.attention_bias.unwrap_or(false) })
 }
 
 impl Config {

@@ -105,3 +105,47 @@ fn missing_file_is_an_error() {
     let got = Config::from_dir(std::path::Path::new("/nonexistent/checkpoint")).unwrap_err().to_string();
     assert!(got.contains("cannot read /nonexistent/checkpoint/config.json"), "{got}");
 }
+
+/// Sizes past the largest width the kernels index (2^31 - 1), alone or multiplied (a product
+/// that wrapped past 2^64 once loaded a checkpoint written for the wrapped shapes), and a
+/// million-layer pattern: short errors naming the field, before any allocation.
+#[test]
+fn sizes_past_the_largest_width_and_huge_patterns_are_errors() {
+    let big = |f: &'static str, n: u64| (f, n, with(|v| v[f] = n.into()));
+    let two = |a: &'static str, b: &'static str, n: u64| {
+        (
+            b,
+            n,
+            with(|v| {
+                v[a] = n.into();
+                v[b] = n.into();
+            }),
+        )
+    };
+    for (field, n, text) in [
+        big("vocab_size", 1 << 33),
+        big("mamba_head_dim", 1 << 40),
+        big("ssm_state_size", 1 << 62),
+        big("head_dim", 1 << 60),
+        two("mamba_num_heads", "mamba_head_dim", 1 << 20),
+        (
+            "ssm_state_size",
+            1 << 16,
+            with(|v| {
+                for f in ["mamba_num_heads", "n_groups", "ssm_state_size"] {
+                    v[f] = (1u64 << 16).into();
+                }
+            }),
+        ),
+        two("num_attention_heads", "head_dim", 1 << 20),
+    ] {
+        let e = err(&text);
+        assert!(e.contains(field) && e.len() < 300, "{field} = {n}: {e}");
+        println!("{field} = {n}: {e}");
+    }
+    let e = err(&with(|v| {
+        v["hybrid_override_pattern"] = "M".repeat(1_000_000).into();
+        v["num_hidden_layers"] = 1_000_000.into();
+    }));
+    assert!(e.contains("names 1000000 layers") && e.len() < 200, "{e}");
+}

@@ -106,6 +106,8 @@ pub struct Layout<'a> {
 struct Finder<'a> {
     ck: &'a Checkpoint,
     problems: Vec<String>,
+    /// Whether every tensor's values are read for NaN and infinities.
+    scan: bool,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -133,7 +135,13 @@ impl<'a> Finder<'a> {
                 self.problems.push(format!("`{name}` has shape {:?}, expected {shape:?}", t.shape));
                 None
             }
-            Ok(t) => Some(t),
+            Ok(t) => match t.first_non_finite().filter(|_| self.scan) {
+                Some((i, bits)) => {
+                    self.problems.push(format!("`{name}` holds a NaN or infinite value (element {i}, bits {bits:#x})"));
+                    None
+                }
+                None => Some(t),
+            },
         }
     }
 
@@ -184,9 +192,21 @@ impl<'a> Finder<'a> {
 }
 
 impl<'a> Layout<'a> {
-    /// Finds and checks every tensor `config` needs in `ck`.
+    /// Finds and checks every tensor `config` needs in `ck`: present, of its shape and dtype,
+    /// and without NaN or infinite values (every value read once; see
+    /// [`Layout::trusting_values`]). Every problem found is in the error, by tensor name.
     pub fn new(config: &Config, ck: &'a Checkpoint) -> Result<Layout<'a>> {
-        let mut f = Finder { ck, problems: Vec::new() };
+        Layout::find(config, ck, true)
+    }
+
+    /// [`Layout::new`] without reading the values for NaN and infinities (a trusted
+    /// checkpoint; the scan reads every byte once).
+    pub fn trusting_values(config: &Config, ck: &'a Checkpoint) -> Result<Layout<'a>> {
+        Layout::find(config, ck, false)
+    }
+
+    fn find(config: &Config, ck: &'a Checkpoint, scan: bool) -> Result<Layout<'a>> {
+        let mut f = Finder { ck, problems: Vec::new(), scan };
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
         let embeddings = f.float("backbone.embeddings.weight", &[vocab, hidden]);
         let mut layers = Vec::new();

@@ -238,6 +238,22 @@ impl Tensor<'_> {
         })
     }
 
+    /// The first element that is NaN or infinite (an e4m3 NaN code for FP8), with its bits,
+    /// if any.
+    pub fn first_non_finite(&self) -> Option<(usize, u32)> {
+        let b = self.bytes;
+        let u16s = || b.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])));
+        match self.dtype {
+            Dtype::Bf16 => u16s().position(|v| v & 0x7F80 == 0x7F80).map(|i| (i, u16s().nth(i).unwrap_or(0))),
+            Dtype::F16 => u16s().position(|v| v & 0x7C00 == 0x7C00).map(|i| (i, u16s().nth(i).unwrap_or(0))),
+            Dtype::F32 => {
+                let f = || b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                f().position(|v| v & 0x7F80_0000 == 0x7F80_0000).map(|i| (i, f().nth(i).unwrap_or(0)))
+            }
+            Dtype::F8E4M3 => b.iter().position(|&v| v & 0x7F == 0x7F).map(|i| (i, u32::from(b[i]))),
+        }
+    }
+
     /// The values as bf16 (bf16 as stored; f16 and f32 rounded to nearest even).
     pub fn to_bf16(&self) -> Result<Vec<bf16>> {
         match self.dtype {

@@ -80,3 +80,34 @@ fn huge_max_new_tokens_in_the_cli_is_an_error_not_an_abort() {
         assert!(stderr.contains("overflows") || stderr.contains("do not fit"), "--max-new-tokens {n}: {stderr}");
     }
 }
+
+/// A NaN or infinite weight is an error at layout time naming the tensor and the element,
+/// for each float dtype and for FP8 codes; `trusting_values` skips the scan.
+#[test]
+fn non_finite_weights_are_found_by_name_at_load() {
+    use model::weights::{Dtype, Tensor};
+    let path = std::path::Path::new("x.safetensors");
+    let cases: [(Dtype, Vec<u8>, Option<usize>); 8] = [
+        (Dtype::Bf16, [1.0f32, 2.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(), None),
+        (Dtype::Bf16, [0.0, f32::NAN].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(), Some(1)),
+        (
+            Dtype::Bf16,
+            [f32::NEG_INFINITY].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+            Some(0),
+        ),
+        (Dtype::F16, [0.5f32, 1e9].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(), Some(1)),
+        (Dtype::F32, [3.0f32, 4.0, f32::INFINITY].iter().flat_map(|v| v.to_le_bytes()).collect(), Some(2)),
+        (Dtype::F32, [f32::MAX, -f32::MAX].iter().flat_map(|v| v.to_le_bytes()).collect(), None),
+        (Dtype::F8E4M3, vec![0x7E, 0xFE, 0x00], None),
+        (Dtype::F8E4M3, vec![0x10, 0xFF], Some(1)),
+    ];
+    for (dtype, bytes, want) in &cases {
+        let shape = [bytes.len() / dtype.size()];
+        let t = Tensor { name: "w", path, dtype: *dtype, shape: &shape, bytes };
+        assert_eq!(t.first_non_finite().map(|e| e.0), *want, "{dtype:?} {bytes:?}");
+    }
+    let (config, ck) = common::open_with_nan_embedding(3);
+    let e = Layout::new(&config, &ck).unwrap_err().to_string();
+    assert!(e.contains("`backbone.embeddings.weight` holds a NaN or infinite value (element 96"), "{e}");
+    assert!(Layout::trusting_values(&config, &ck).is_ok());
+}

@@ -7,7 +7,20 @@
 use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
 use host::cpu::attn::attend;
+use kernels_gpu::attn::{ATTN_BLOCK, smem_bytes};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+
+/// The shared memory an attention launch asks for never wraps (it did in u32 for caches of
+/// 2^30 positions): the exact size below that, u32::MAX (which every launch refuses) above.
+#[test]
+fn attention_shared_memory_does_not_wrap() {
+    let warps = ATTN_BLOCK / 32;
+    assert_eq!(smem_bytes(128, 256), (256 + warps + warps * 128) * 4);
+    assert_eq!(smem_bytes(256, 4096), (4096 + warps + warps * 256) * 4);
+    for max_len in [1 << 30, (1 << 31) - 1, u32::MAX] {
+        assert_eq!(smem_bytes(128, max_len), u32::MAX, "max_len {max_len}");
+    }
+}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

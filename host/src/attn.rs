@@ -121,8 +121,9 @@ pub fn attention(
     c.len_at_least("k", extent(kv_stride, kw), k.len())?;
     c.len_at_least("v", extent(kv_stride, kw), v.len())?;
     c.len("out", n * qw, out.len())?;
-    let per_slot = s.max_len * kw;
-    c.len("k_cache", rows.num_slots * per_slot, k_cache.len())?;
+    let cache = rows.num_slots.checked_mul(s.max_len).and_then(|v| v.checked_mul(kw));
+    c.that("max_len", cache.is_some(), "a cache whose size fits in memory", s.max_len)?;
+    c.len("k_cache", cache.unwrap_or(usize::MAX), k_cache.len())?;
     c.len("v_cache", k_cache.len(), v_cache.len())?;
     let p = AttnParams {
         q: gpu.addr(kn, "q", q)? as *const u16,

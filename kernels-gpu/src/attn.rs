@@ -52,7 +52,9 @@ pub const MAX_HEAD_DIM: u32 = 256;
 /// Dynamic shared memory of `attn_bf16`: a score per key, reduction scratch, and each warp's
 /// partial output head.
 pub const fn smem_bytes(head_dim: u32, max_len: u32) -> u32 {
-    (max_len + ATTN_BLOCK / 32 + ATTN_BLOCK / 32 * head_dim) * 4
+    // Saturating: a cache of 2^30 positions or more asks for u32::MAX bytes, which the launch
+    // refuses, rather than a wrapped small size.
+    max_len.saturating_add(ATTN_BLOCK / 32).saturating_add((ATTN_BLOCK / 32).saturating_mul(head_dim)).saturating_mul(4)
 }
 
 #[cfg(target_arch = "nvptx64")]

@@ -110,4 +110,9 @@ fn non_finite_weights_are_found_by_name_at_load() {
     let e = Layout::new(&config, &ck).unwrap_err().to_string();
     assert!(e.contains("`backbone.embeddings.weight` holds a NaN or infinite value (element 96"), "{e}");
     assert!(Layout::trusting_values(&config, &ck).is_ok());
+    // An infinite router bias (it made the GPU's grouped routing trap) is refused at load.
+    let bias = "backbone.layers.1.mixer.gate.e_score_correction_bias";
+    let (config, ck) = common::open_patched("inf-bias", bias, 2..3, half::bf16::INFINITY);
+    let e = Layout::new(&config, &ck).unwrap_err().to_string();
+    assert!(e.contains(&format!("`{bias}` holds a NaN or infinite value (element 2")), "{e}");
 }

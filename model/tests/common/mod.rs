@@ -41,16 +41,15 @@ pub fn argmax<T: PartialOrd>(v: &[T]) -> u32 {
     (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
 }
 
-/// Where [`open_with_nan_embedding`] writes its copy of the fixture.
-fn nan_dir(t: usize) -> PathBuf {
-    std::env::temp_dir().join(format!("nemotron-nan-fixture-{t}-{}", std::process::id()))
+/// Where [`open_patched`] writes its copy of the fixture.
+fn patched_dir(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nemotron-patched-fixture-{tag}-{}", std::process::id()))
 }
 
-/// A copy of the fixture in a temporary directory whose token `t` has a NaN embedding row, so
-/// a request with `t` in its prompt gets NaN logits (and only it: every operation keeps rows,
-/// slots and tokens apart).
-pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
-    let dir = nan_dir(t);
+/// A copy of the fixture in a temporary directory (named by `tag`) with elements `range` of
+/// the bf16 tensor `name` set to `value`.
+pub fn open_patched(tag: &str, name: &str, range: std::ops::Range<usize>, value: half::bf16) -> (Config, Checkpoint) {
+    let dir = patched_dir(tag);
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["config.json", "reference.json"] {
         std::fs::copy(self::dir().join(f), dir.join(f)).unwrap();
@@ -58,15 +57,22 @@ pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
     let mut bytes = std::fs::read(self::dir().join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let e = &header["backbone.embeddings.weight"];
-    assert_eq!(e["dtype"], "BF16");
-    let width = e["shape"][1].as_u64().unwrap() as usize;
-    let at = 8 + n + e["data_offsets"][0].as_u64().unwrap() as usize + t * width * 2;
-    for v in bytes[at..at + width * 2].chunks_exact_mut(2) {
-        v.copy_from_slice(&half::bf16::NAN.to_bits().to_le_bytes());
+    let e = &header[name];
+    assert_eq!(e["dtype"], "BF16", "{name}");
+    let at = 8 + n + e["data_offsets"][0].as_u64().unwrap() as usize;
+    for v in bytes[at + 2 * range.start..at + 2 * range.end].chunks_exact_mut(2) {
+        v.copy_from_slice(&value.to_bits().to_le_bytes());
     }
     std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
     (Config::from_dir(&dir).unwrap(), Checkpoint::open(&dir).unwrap())
+}
+
+/// A copy of the fixture whose token `t` has a NaN embedding row, so a request with `t` in
+/// its prompt gets NaN logits (and only it: every operation keeps rows, slots and tokens
+/// apart).
+pub fn open_with_nan_embedding(t: usize) -> (Config, Checkpoint) {
+    let width = open().0.hidden_size;
+    open_patched(&format!("nan-{t}"), "backbone.embeddings.weight", t * width..(t + 1) * width, half::bf16::NAN)
 }
 
 /// On `backend`: a request whose prompt has a token with a NaN embedding ends with
@@ -101,6 +107,6 @@ pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B)
     assert_eq!(tokens(good), c.greedy, "the request beside the NaN one");
     assert_eq!(out[&good].last().unwrap().1, Some(Finish::Length));
     assert_eq!(tokens(after.unwrap()), next.greedy, "the request in the failed one's slot");
-    std::fs::remove_dir_all(nan_dir(t as usize)).ok();
+    std::fs::remove_dir_all(patched_dir(&format!("nan-{t}"))).ok();
     c.greedy.len() + next.greedy.len()
 }

@@ -291,8 +291,15 @@ fn moe(raw: &Raw) -> Result<MoeConfig> {
             format!("top-{top_k} of {experts} experts is not supported (<= 16 of <= 256)"),
         ));
     }
-    let n_group = raw.n_group.unwrap_or(1).max(1);
-    let topk_group = raw.topk_group.unwrap_or(1).max(1);
+    // Absent: one group; present: at least 1 (a 0 is an error, not a silent 1).
+    let n_group = match raw.n_group {
+        None => 1,
+        g => size("n_group", g)?,
+    };
+    let topk_group = match raw.topk_group {
+        None => 1,
+        g => size("topk_group", g)?,
+    };
     if experts % n_group != 0 || topk_group > n_group || top_k > topk_group * (experts / n_group) {
         return Err(bad(
             "topk_group",
@@ -310,6 +317,9 @@ fn moe(raw: &Raw) -> Result<MoeConfig> {
         None | Some(Value::Null) => 1.0,
         Some(v) => float("routed_scaling_factor", v)? as f32,
     };
+    if !(scaling.is_finite() && scaling > 0.0) {
+        return Err(bad("routed_scaling_factor", format!("{scaling} must be finite and > 0")));
+    }
     Ok(MoeConfig {
         experts,
         top_k,

@@ -149,3 +149,26 @@ fn sizes_past_the_largest_width_and_huge_patterns_are_errors() {
     }));
     assert!(e.contains("names 1000000 layers") && e.len() < 200, "{e}");
 }
+
+/// Values present in config.json are checked, never silently replaced: a group count of 0
+/// (it became 1), a scaling factor that is not finite and positive.
+#[test]
+fn present_values_are_checked_not_defaulted() {
+    for (field, value) in [
+        ("n_group", serde_json::json!(0)),
+        ("topk_group", serde_json::json!(0)),
+        ("routed_scaling_factor", serde_json::json!(-1.0)),
+        ("routed_scaling_factor", serde_json::json!(0.0)),
+        ("routed_scaling_factor", serde_json::json!({"__float__": "NaN"})),
+        ("routed_scaling_factor", serde_json::json!({"__float__": "Infinity"})),
+    ] {
+        let e = err(&with(|v| v[field] = value.clone()));
+        assert!(e.contains(field), "{field} = {value}: {e}");
+    }
+    let c = Config::from_json(&with(|v| {
+        v.as_object_mut().unwrap().remove("n_group");
+        v.as_object_mut().unwrap().remove("topk_group");
+    }))
+    .unwrap();
+    assert_eq!(c.moe.as_ref().map(|m| (m.n_group, m.topk_group)), Some((1, 1)), "absent: one group");
+}

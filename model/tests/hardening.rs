@@ -106,6 +106,19 @@ fn non_finite_weights_are_found_by_name_at_load() {
         let t = Tensor { name: "w", path, dtype: *dtype, shape: &shape, bytes };
         assert_eq!(t.first_non_finite().map(|e| e.0), *want, "{dtype:?} {bytes:?}");
     }
+    // Past the scan's first blocks (8192 bytes each): the element's index, not the block's.
+    for (dtype, width, at) in [(Dtype::Bf16, 2, 9000), (Dtype::F32, 4, 4095), (Dtype::F8E4M3, 1, 20000)] {
+        let mut bytes = vec![0u8; 30000];
+        let bits: &[u8] = match width {
+            1 => &[0xFF],
+            2 => &[0x80, 0x7F],
+            _ => &[0, 0, 0xC0, 0x7F],
+        };
+        bytes[at * width..(at + 1) * width].copy_from_slice(bits);
+        let shape = [bytes.len() / width];
+        let t = Tensor { name: "w", path, dtype, shape: &shape, bytes: &bytes };
+        assert_eq!(t.first_non_finite().map(|e| e.0), Some(at), "{dtype:?}");
+    }
     let (config, ck) = common::open_with_nan_embedding(3);
     let e = Layout::new(&config, &ck).unwrap_err().to_string();
     assert!(e.contains("`backbone.embeddings.weight` holds a NaN or infinite value (element 96"), "{e}");

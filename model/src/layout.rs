@@ -135,7 +135,7 @@ impl<'a> Finder<'a> {
                 self.problems.push(format!("`{name}` has shape {:?}, expected {shape:?}", t.shape));
                 None
             }
-            Ok(t) => match t.first_non_finite().filter(|_| self.scan) {
+            Ok(t) => match self.scan.then(|| t.first_non_finite()).flatten() {
                 Some((i, bits)) => {
                     self.problems.push(format!("`{name}` holds a NaN or infinite value (element {i}, bits {bits:#x})"));
                     None

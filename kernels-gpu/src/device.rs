@@ -375,41 +375,53 @@ pub fn warp_argmax(mut v: f32, mut i: u32) -> (f32, u32) {
     (v, i)
 }
 
-/// A u64 shuffled as its two halves: lane `lane ^ m` (`UP`: `lane - m`, own value below m).
+/// How [`shfl_u64`] picks the lane it reads.
+#[derive(Clone, Copy, PartialEq)]
+enum Shfl {
+    /// Lane `lane ^ m`.
+    Bfly,
+    /// Lane `lane - m` (a lane below m keeps its own value).
+    Up,
+    /// Lane `m`.
+    Idx,
+}
+
+/// A u64 shuffled as its two halves, from the lane `mode` and `m` name.
 #[inline(always)]
-fn shfl_u64<const UP: bool>(v: u64, m: u32) -> u64 {
+fn shfl_u64(mode: Shfl, v: u64, m: u32) -> u64 {
     let (lo, hi) = (v as u32 as i32, (v >> 32) as u32 as i32);
     // SAFETY: all 32 lanes take part (full mask); callers run full warps.
     let (lo, hi) = unsafe {
-        if UP {
-            (shfl_up_i32(u32::MAX, lo, m, 0), shfl_up_i32(u32::MAX, hi, m, 0))
-        } else {
-            (shfl_bfly_i32(u32::MAX, lo, m, 0x1f), shfl_bfly_i32(u32::MAX, hi, m, 0x1f))
+        match mode {
+            Shfl::Bfly => (shfl_bfly_i32(u32::MAX, lo, m, 0x1f), shfl_bfly_i32(u32::MAX, hi, m, 0x1f)),
+            Shfl::Up => (shfl_up_i32(u32::MAX, lo, m, 0), shfl_up_i32(u32::MAX, hi, m, 0)),
+            Shfl::Idx => (shfl_idx_i32(u32::MAX, lo, m, 0x1f), shfl_idx_i32(u32::MAX, hi, m, 0x1f)),
         }
     };
     u64::from(lo as u32) | (u64::from(hi as u32) << 32)
 }
 
-/// Sum over the 32 lanes of a full warp (wrapping); every lane gets the total.
+/// `op` over the 32 lanes of a full warp, by butterfly steps; every lane gets the result.
 #[inline(always)]
-pub fn warp_sum_u64(mut v: u64) -> u64 {
+fn warp_reduce_u64(mut v: u64, op: impl Fn(u64, u64) -> u64) -> u64 {
     let mut m = 16;
     while m > 0 {
-        v = v.wrapping_add(shfl_u64::<false>(v, m));
+        v = op(v, shfl_u64(Shfl::Bfly, v, m));
         m >>= 1;
     }
     v
 }
 
+/// Sum over the 32 lanes of a full warp (wrapping); every lane gets the total.
+#[inline(always)]
+pub fn warp_sum_u64(v: u64) -> u64 {
+    warp_reduce_u64(v, u64::wrapping_add)
+}
+
 /// Max over the 32 lanes of a full warp; every lane gets it.
 #[inline(always)]
-pub fn warp_max_u64(mut v: u64) -> u64 {
-    let mut m = 16;
-    while m > 0 {
-        v = v.max(shfl_u64::<false>(v, m));
-        m >>= 1;
-    }
-    v
+pub fn warp_max_u64(v: u64) -> u64 {
+    warp_reduce_u64(v, u64::max)
 }
 
 /// Inclusive prefix sum over the lanes of a full warp (wrapping): lane l gets lanes 0..=l.
@@ -418,7 +430,7 @@ pub fn warp_inclusive_sum_u64(mut v: u64) -> u64 {
     let lane = lane_id();
     let mut d = 1;
     while d < 32 {
-        let up = shfl_u64::<true>(v, d);
+        let up = shfl_u64(Shfl::Up, v, d);
         if lane >= d {
             v = v.wrapping_add(up);
         }
@@ -430,10 +442,7 @@ pub fn warp_inclusive_sum_u64(mut v: u64) -> u64 {
 /// Lane `from`'s `v`, by a full warp.
 #[inline(always)]
 pub fn warp_read_u64(v: u64, from: u32) -> u64 {
-    let (lo, hi) = (v as u32 as i32, (v >> 32) as u32 as i32);
-    // SAFETY: as in `warp_sum`.
-    let (lo, hi) = unsafe { (shfl_idx_i32(u32::MAX, lo, from, 0x1f), shfl_idx_i32(u32::MAX, hi, from, 0x1f)) };
-    u64::from(lo as u32) | (u64::from(hi as u32) << 32)
+    shfl_u64(Shfl::Idx, v, from)
 }
 
 /// Lane `from`'s `v` (each lane may name its own), by a full warp.

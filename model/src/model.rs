@@ -110,8 +110,7 @@ pub struct Model<B: Backend> {
     past: Vec<usize>,
     max_len: usize,
     counters: StepCounters,
-    /// Recorded decode steps by their number of rows.
-    /// By number of decode rows and whether the step samples.
+    /// Recorded decode steps by their number of rows and whether they sample.
     recorded: HashMap<(usize, bool), Recorded<B>>,
 }
 

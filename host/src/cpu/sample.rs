@@ -63,19 +63,14 @@ pub fn sample_row(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)]) -> 
     if row.top_p < 1.0 {
         floor = top_p_floor(&keys, &q, floor, row.top_p);
     }
-    let kept = |i: usize| keys[i] >= floor && keeps_min_p(q[i], row.min_p);
-    let total: u64 = (0..x.len()).filter(|&i| kept(i)).map(|i| q[i]).sum();
-    let goal = target(random(row.seed, row.counter), total);
+    let kept: Vec<usize> = (0..x.len()).filter(|&i| keys[i] >= floor && keeps_min_p(q[i], row.min_p)).collect();
+    let goal = target(random(row.seed, row.counter), kept.iter().map(|&i| q[i]).sum());
     let mut cum = 0;
-    let mut token = arg;
-    for i in (0..x.len()).filter(|&i| kept(i)) {
+    let token = kept.iter().copied().find(|&i| {
         cum += q[i];
-        if cum > goal {
-            token = i;
-            break;
-        }
-    }
-    pick(token, (0..x.len()).filter(|&i| kept(i)).count() as u32)
+        cum > goal
+    });
+    pick(token.unwrap_or(arg), kept.len() as u32)
 }
 
 /// The smallest key at or above `floor` whose mass strictly above it (among keys >= floor)

@@ -29,6 +29,12 @@ pub struct RowSampling<'a> {
 /// in (0, 1], min-p in [0, 1], repetition finite and > 0, presence and frequency finite;
 /// penalized tokens distinct, below `vocab`, counts >= 1.
 pub fn check_row(r: &RowSampling, vocab: usize) -> Result<()> {
+    check_row_in(r, vocab, &mut Vec::new())
+}
+
+/// [`check_row`] with `seen`, a bitmap of the vocabulary the caller keeps between calls
+/// (left all clear), so the distinct-token check of a step's rows allocates nothing.
+fn check_row_in(r: &RowSampling, vocab: usize, seen: &mut Vec<u64>) -> Result<()> {
     let c = Check(Kernel::Sample.name());
     let s = &r.row;
     c.that("temperature", s.temperature.is_finite() && s.temperature >= 0.0, "a finite value >= 0", s.temperature)?;
@@ -37,13 +43,28 @@ pub fn check_row(r: &RowSampling, vocab: usize) -> Result<()> {
     c.positive("repetition_penalty", s.repetition)?;
     c.that("presence_penalty", s.presence.is_finite(), "a finite value", s.presence)?;
     c.that("frequency_penalty", s.frequency.is_finite(), "a finite value", s.frequency)?;
-    let mut seen = std::collections::HashSet::with_capacity(r.penalties.len());
-    for &(t, n) in r.penalties {
-        c.that("penalties", (t as usize) < vocab, format!("tokens below {vocab}"), t)?;
-        c.that("penalties", n >= 1, "counts >= 1", n)?;
-        c.that("penalties", seen.insert(t), "distinct tokens", format!("{t} twice"))?;
+    if r.penalties.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    seen.resize(vocab.div_ceil(64), 0);
+    let mut check = || {
+        for &(t, n) in r.penalties {
+            c.that("penalties", (t as usize) < vocab, format!("tokens below {vocab}"), t)?;
+            c.that("penalties", n >= 1, "counts >= 1", n)?;
+            let (word, bit) = (t as usize / 64, 1u64 << (t % 64));
+            c.that("penalties", seen[word] & bit == 0, "distinct tokens", format!("{t} twice"))?;
+            seen[word] |= bit;
+        }
+        Ok(())
+    };
+    let checked = check();
+    // Clear again every word a token may have marked.
+    for &(t, _) in r.penalties {
+        if let Some(w) = seen.get_mut(t as usize / 64) {
+            *w = 0;
+        }
+    }
+    checked
 }
 
 /// A step's sampling rows on the device, checked: the rows' settings and their penalty pairs
@@ -54,6 +75,8 @@ pub struct SampleRows {
     penalties: CudaSlice<u32>,
     len: usize,
     vocab: usize,
+    /// The vocabulary bitmap of [`check_row_in`].
+    seen: Vec<u64>,
 }
 
 impl SampleRows {
@@ -76,6 +99,7 @@ impl SampleRows {
             penalties: gpu.zeros(2 * capacity.max(1))?,
             len: rows.len(),
             vocab,
+            seen: Vec::new(),
         };
         s.set(gpu, rows)?;
         Ok(s)
@@ -90,7 +114,7 @@ impl SampleRows {
         let mut words = Vec::with_capacity(rows.len() * ROW_WORDS);
         let mut pairs = Vec::new();
         for r in rows {
-            check_row(r, self.vocab)?;
+            check_row_in(r, self.vocab, &mut self.seen)?;
             let row =
                 SampleRow { penalties_at: (pairs.len() / 2) as u32, penalties_len: r.penalties.len() as u32, ..r.row };
             words.extend(row.words());
@@ -176,5 +200,31 @@ pub fn sample(
             sample_smem(vocab as u32),
             p,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kernels_gpu::sample::SampleRow;
+
+    use super::{RowSampling, check_row_in};
+
+    /// The bitmap `SampleRows` keeps across rows and steps is clear again after every row,
+    /// refused or not: the same tokens in the next row are no repeats.
+    #[test]
+    fn the_distinct_token_bitmap_is_left_clear() {
+        let row = |penalties| RowSampling { row: SampleRow::GREEDY, penalties };
+        let mut seen = Vec::new();
+        let ok: &[(u32, u32)] = &[(0, 1), (63, 2), (64, 1), (999, 4)];
+        for _ in 0..3 {
+            check_row_in(&row(ok), 1000, &mut seen).unwrap();
+        }
+        for bad in [&[(5, 1), (64, 1), (5, 2)][..], &[(7, 1), (1000, 1)], &[(9, 1), (10, 0)]] {
+            assert!(check_row_in(&row(bad), 1000, &mut seen).is_err(), "{bad:?}");
+            assert!(seen.iter().all(|&w| w == 0), "{bad:?} left bits set");
+            check_row_in(&row(ok), 1000, &mut seen).unwrap();
+        }
+        let e = check_row_in(&row(&[(3, 1), (3, 1)]), 1000, &mut seen).unwrap_err().to_string();
+        assert!(e.contains("distinct tokens") && e.contains("3 twice"), "{e}");
     }
 }

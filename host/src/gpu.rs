@@ -129,6 +129,18 @@ pub struct Launch {
     pub block: u32,
 }
 
+/// A point in a [`Gpu`]'s stream ([`Gpu::stamp`]): a CUDA event with timing, for the GPU time
+/// between two points of one stream's work.
+pub struct Stamp(CudaEvent);
+
+impl Stamp {
+    /// Milliseconds of GPU time from `earlier` to this stamp; waits until the work before both
+    /// is done. The events' resolution is about half a microsecond.
+    pub fn ms_since(&self, earlier: &Stamp) -> Result<f32> {
+        earlier.0.elapsed_ms(&self.0).during("reading a timing event")
+    }
+}
+
 /// Bytes of the scratch arena that captures take their temporaries from (see
 /// [`Gpu::scratch`]); past it they fall back to allocations in the graph.
 pub const ARENA_BYTES: usize = 512 << 20;
@@ -515,6 +527,14 @@ impl Gpu {
         let end = self.stream.record_event(flags).during("recording a timing event")?;
         end.synchronize().during("waiting for a timing event")?;
         start.elapsed_ms(&end).during("reading a timing event")
+    }
+
+    /// A timing event recorded on the stream after the work queued so far (see [`Stamp`]);
+    /// refused while a capture records (an event in a graph times nothing).
+    pub fn stamp(&self) -> Result<Stamp> {
+        self.not_capturing("a timing event")?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        Ok(Stamp(self.stream.record_event(flags).during("recording a timing event")?))
     }
 
     /// Records the work `f` queues into a CUDA graph instead of running it; replay it with

@@ -35,5 +35,5 @@ pub mod ssm;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::{Error, Result};
-pub use gpu::{Arch, Buffer, Gpu, Graph, Launch, Timeline, UPLOAD_STAGE_BYTES};
+pub use gpu::{Arch, Buffer, Gpu, Graph, Launch, Stamp, Timeline, UPLOAD_STAGE_BYTES};
 pub use kernels_gpu::Kernel;

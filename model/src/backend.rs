@@ -137,6 +137,8 @@ pub trait Backend: Sized {
     type Graph;
     /// A step's sampling rows and where their tokens go (see [`Backend::sample`]).
     type Sampling;
+    /// A point in the queue of work, for profiles (see [`Backend::stamp`]).
+    type Stamp;
 
     fn upload(&self, v: &[bf16]) -> Result<Self::Buf>;
     fn upload32(&self, v: &[f32]) -> Result<Self::Buf32>;
@@ -180,6 +182,13 @@ pub trait Backend: Sized {
     fn sample(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampling) -> Result<()>;
     /// What the last [`Backend::sample`] into `s` picked, a row each.
     fn sampled(&self, s: &Self::Sampling) -> Result<Vec<SampleOut>>;
+
+    /// A point after the work queued so far, for profiles ([`crate::profile`]); outside a
+    /// recording ([`Backend::record`]) only.
+    fn stamp(&self) -> Result<Self::Stamp>;
+    /// Milliseconds from stamp `from` to stamp `to` (made after it), once the work before
+    /// `to` is done (a backend may wait for it).
+    fn ms_between(&self, from: &Self::Stamp, to: &Self::Stamp) -> Result<f64>;
 
     /// Rows `rows.tokens` of `table [vocab, width]` into `out`.
     fn embed(&self, table: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;

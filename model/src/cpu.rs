@@ -165,6 +165,7 @@ impl Backend for Cpu {
     type Rows = StepRows;
     type Graph = ();
     type Sampling = CpuSampling;
+    type Stamp = std::time::Instant;
 
     fn upload(&self, v: &[bf16]) -> Result<Vec<bf16>> {
         Ok(v.to_vec())
@@ -253,6 +254,15 @@ impl Backend for Cpu {
 
     fn sampled(&self, s: &CpuSampling) -> Result<Vec<SampleOut>> {
         Ok(s.out.clone())
+    }
+
+    /// The host clock: each operation has run when its call returns.
+    fn stamp(&self) -> Result<std::time::Instant> {
+        Ok(std::time::Instant::now())
+    }
+
+    fn ms_between(&self, from: &std::time::Instant, to: &std::time::Instant) -> Result<f64> {
+        Ok(to.saturating_duration_since(*from).as_secs_f64() * 1e3)
     }
 
     fn embed(&self, table: &Vec<bf16>, width: usize, rows: &StepRows, out: Out<Vec<bf16>>) -> Result<()> {

@@ -37,7 +37,7 @@ use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, UPLOAD_STAGE_BYTES};
+use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
@@ -387,6 +387,7 @@ impl Backend for Cuda {
     type Rows = CudaRows;
     type Graph = Graph;
     type Sampling = CudaSampling;
+    type Stamp = Stamp;
 
     fn upload(&self, v: &[bf16]) -> Result<Buffer<bf16>> {
         if std::mem::size_of_val(v) < UPLOAD_STAGE_BYTES {
@@ -508,6 +509,14 @@ impl Backend for Cuda {
         let mut out = read_out(&self.gpu.download(&s.out)?);
         out.truncate(s.rows.len());
         Ok(out)
+    }
+
+    fn stamp(&self) -> Result<Stamp> {
+        Ok(self.gpu.stamp()?)
+    }
+
+    fn ms_between(&self, from: &Stamp, to: &Stamp) -> Result<f64> {
+        Ok(f64::from(to.ms_since(from)?))
     }
 
     fn embed(&self, table: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {

@@ -16,6 +16,7 @@ mod error;
 pub mod fp8;
 pub mod layout;
 pub mod model;
+pub mod profile;
 pub mod reference;
 pub mod sampling;
 pub mod synthetic;

@@ -16,6 +16,7 @@ use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
 use crate::layout::{self, Layout, Linear, Mixer, Mlp};
+use crate::profile::{Part as P, Profile, Span, Stage};
 use crate::weights::Dtype;
 
 struct MambaW<B: Backend> {
@@ -112,6 +113,44 @@ pub struct Model<B: Backend> {
     counters: StepCounters,
     /// Recorded decode steps by their number of rows and whether they sample.
     recorded: HashMap<(usize, bool), Recorded<B>>,
+    /// Whether steps are profiled (see [`Model::set_profiling`]), and the last one's profile.
+    profiling: bool,
+    profile: Option<Profile>,
+}
+
+/// The stamps of a profiled step, or `None` unless profiling: then marking does nothing.
+struct Marks<B: Backend>(Option<Stamps<B>>);
+
+/// The first stamp of a step, then one after each stage with the stage it ends.
+struct Stamps<B: Backend> {
+    first: B::Stamp,
+    ends: Vec<(Stage, B::Stamp)>,
+}
+
+impl<B: Backend> Marks<B> {
+    fn new(b: &B, on: bool) -> Result<Marks<B>> {
+        Ok(Marks(if on { Some(Stamps { first: b.stamp()?, ends: Vec::new() }) } else { None }))
+    }
+
+    /// The work queued since the last stamp was `stage`.
+    fn end(&mut self, b: &B, stage: Stage) -> Result<()> {
+        if let Some(s) = &mut self.0 {
+            s.ends.push((stage, b.stamp()?));
+        }
+        Ok(())
+    }
+
+    /// Each stage's time, from the stamp before it to its own (waits for the last).
+    fn profile(self, b: &B) -> Result<Option<Profile>> {
+        let Some(Stamps { first, ends }) = self.0 else { return Ok(None) };
+        let mut spans = Vec::with_capacity(ends.len());
+        let mut from = &first;
+        for (stage, to) in &ends {
+            spans.push(Span { stage: *stage, ms: b.ms_between(from, to)? });
+            from = to;
+        }
+        Ok(Some(Profile { spans }))
+    }
 }
 
 fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
@@ -203,6 +242,8 @@ impl<B: Backend> Model<B> {
             config: config.clone(),
             counters: StepCounters::default(),
             recorded: HashMap::new(),
+            profiling: false,
+            profile: None,
             backend,
         })
     }
@@ -210,6 +251,20 @@ impl<B: Backend> Model<B> {
     /// What the last step ran.
     pub fn counters(&self) -> StepCounters {
         self.counters
+    }
+
+    /// Whether the next steps are profiled: the backend's queue of work stamped after each
+    /// part of the step ([`crate::profile`]; on the CUDA backend a CUDA event each). A
+    /// profiled step is neither recorded nor replayed: its operations are launched one by
+    /// one, so a profile of a decode step is not the recorded step's. Off by default; off,
+    /// a step makes no stamps.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+    }
+
+    /// The last profiled step's profile (kept until the next profiled step ends).
+    pub fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
     }
 
     /// Runs one step over `parts` (requests' new tokens, each at its slot) and returns the
@@ -250,7 +305,8 @@ impl<B: Backend> Model<B> {
         let (slots, max_len) = (self.past.len(), self.max_len);
         // The sampling rows in the order of the logits rows.
         let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
-        let Model { backend: b, config, weights, cache, recorded, counters, .. } = self;
+        let Model { backend: b, config, weights, cache, recorded, counters, profiling, profile, .. } = self;
+        let profiling = *profiling;
         let b = &*b;
         let seqs = &plan.prefill_lens;
         let key = (nd, ordered.is_some());
@@ -261,7 +317,7 @@ impl<B: Backend> Model<B> {
         {
             recorded.remove(&key);
         }
-        let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty()) {
+        let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty() && !profiling) {
             b.set_rows(&mut r.rows, &rows)?;
             if let (Some(s), Some(o)) = (r.sampling.as_mut(), &ordered) {
                 b.set_sampling(s, o)?;
@@ -276,15 +332,18 @@ impl<B: Backend> Model<B> {
             // least PAIRS_PER_ROW a row (grown by recording again when they outgrow it).
             let capacity = if seqs.is_empty() { (2 * pairs).max(nd * PAIRS_PER_ROW) } else { pairs };
             let mut sampling = ordered.as_ref().map(|o| b.sampling(o, vocab, capacity)).transpose()?;
+            let mut marks = Marks::new(b, profiling)?;
             let mut run = || {
-                let ran = forward(b, config, weights, (&mut *cache, max_len), nd, seqs, &step_rows, &mut logits)?;
+                let (rows, marks) = (&step_rows, &mut marks);
+                let ran = forward(b, config, weights, (&mut *cache, max_len), (nd, seqs), rows, &mut logits, marks)?;
                 if let Some(s) = sampling.as_mut() {
                     b.sample(&logits, vocab, s)?;
+                    marks.end(b, Stage::Sample)?;
                 }
                 Ok(ran)
             };
             let mut ran = StepCounters::default();
-            let graph = if seqs.is_empty() {
+            let graph = if seqs.is_empty() && !profiling {
                 b.record(nd, &mut || run().map(|c| ran = c))?
             } else {
                 ran = run()?;
@@ -298,7 +357,13 @@ impl<B: Backend> Model<B> {
                     recorded.insert(key, Recorded { graph, rows: step_rows, logits, sampling, counters: ran });
                     out
                 }
-                None => fetch(b, &logits, sampling.as_ref(), vocab)?,
+                None => {
+                    let out = fetch(b, &logits, sampling.as_ref(), vocab)?;
+                    if let Some(p) = marks.profile(b)? {
+                        *profile = Some(p);
+                    }
+                    out
+                }
             }
         };
 
@@ -459,17 +524,18 @@ fn by_part<T: Clone + Default>(rows: Vec<T>, order: &[usize]) -> Vec<T> {
 
 /// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,
 /// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of
-/// the rows `rows.last` names go to `logits` (without prefill, every row's, in order).
+/// the rows `rows.last` names go to `logits` (without prefill, every row's, in order). Marks
+/// each stage's end in `marks` (nothing when they are off).
 #[allow(clippy::too_many_arguments)]
 fn forward<B: Backend>(
     b: &B,
     config: &Config,
     w: &Weights<B>,
     (cache, max_len): (&mut [LayerCache<B>], usize),
-    nd: usize,
-    seqs: &[usize],
+    (nd, seqs): (usize, &[usize]),
     rows: &B::Rows,
     logits: &mut B::Buf,
+    marks: &mut Marks<B>,
 ) -> Result<StepCounters> {
     let hidden = config.hidden_size;
     let eps = config.norm_eps;
@@ -483,13 +549,16 @@ fn forward<B: Backend>(
     if let Some((norm, _)) = w.layers.first() {
         b.rms_norm(In::rows(&h, hidden), norm, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
     }
+    marks.end(b, Stage::Embed)?;
     for (i, (((_, mix), lc), kind)) in w.layers.iter().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
+        let mut done = |part| marks.end(b, Stage::Layer { index: i, kind: *kind, part });
         match (mix, lc) {
             (MixW::Mamba(m), LayerCache::Mamba { conv, ssm }) => {
                 let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
                 let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
                 let mut zx = b.scratch(n * wd)?;
                 b.linear(In::rows(&x, hidden), n, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
+                done(P::InProj)?;
                 let zxr = In::rows(&zx, wd);
                 let heads = (&m.dt_bias, &m.a, &m.d);
                 let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
@@ -499,6 +568,7 @@ fn forward<B: Backend>(
                     let md =
                         MambaDecode { conv: (cw, cb, &mut *conv), heads, state: &mut *ssm, norm: (&m.norm, eps), rows };
                     b.mamba_decode(c, zxr, nd, md, Out { buf: &mut yn, offset: 0 })?;
+                    done(P::Decode)?;
                     counters.conv_updates += 1;
                     counters.state_updates += 1;
                 }
@@ -506,19 +576,24 @@ fn forward<B: Backend>(
                     let np = n - nd;
                     let mut xbc = b.scratch(np * cd)?;
                     b.conv_prefill(c, zxr.at(nd, inner), cw, cb, conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    done(P::Conv)?;
                     let mut y = b.scratch(np * inner)?;
                     let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
                     b.ssm_prefill(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: 0 })?;
+                    done(P::Scan)?;
                     let yo = Out { buf: &mut yn, offset: nd * inner };
                     b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), &m.norm, np, inner, c.groups, eps, yo)?;
+                    done(P::GatedNorm)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
                 }
                 b.linear(In::rows(&yn, inner), n, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
+                done(P::OutProj)?;
             }
             (MixW::Moe(mw), _) => {
                 let c = config.moe.as_ref().expect("moe layers come with moe settings");
                 b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
+                done(P::Moe)?;
                 counters.moe_calls += 1;
             }
             (MixW::Attention { qkv, o }, LayerCache::Attention { k: kc, v: vc }) => {
@@ -542,19 +617,24 @@ fn forward<B: Backend>(
                     }
                     Some((kb, vb)) => (In::rows(&qb, qw), In::rows(kb, kw), In::rows(vb, kw)),
                 };
+                done(P::Qkv)?;
                 let mut att = b.scratch(n * qw)?;
                 b.attention(c, qr, kr, vr, (kc, vc), max_len, rows, Out { buf: &mut att, offset: 0 })?;
+                done(P::Attend)?;
                 b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
+                done(P::OProj)?;
                 counters.attention_calls += 1;
             }
             (MixW::Mlp { up, down }, _) => {
                 b.mlp(In::rows(&x, hidden), n, up, down, Out { buf: &mut out, offset: 0 })?;
+                done(P::Mlp)?;
             }
             _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
         }
         // The residual, and the next layer's norm (the final norm after the last layer).
         let next = w.layers.get(i + 1).map_or(&w.norm_f, |(norm, _)| norm);
         b.add_rms_norm(&mut h, &out, next, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+        done(P::Residual)?;
     }
     if w.layers.is_empty() {
         b.rms_norm(In::rows(&h, hidden), &w.norm_f, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
@@ -562,11 +642,13 @@ fn forward<B: Backend>(
     if seqs.is_empty() {
         // Decode rows only: every row is its part's last, in order (`rows.last` is 0..nd).
         b.linear(In::rows(&x, hidden), n, &w.lm_head, Out { buf: logits, offset: 0 })?;
+        marks.end(b, Stage::Head)?;
         return Ok(counters);
     }
     let picked = nd + seqs.len();
     let mut sel = b.scratch(picked * hidden)?;
     b.last_rows(&x, hidden, rows, Out { buf: &mut sel, offset: 0 })?;
     b.linear(In::rows(&sel, hidden), picked, &w.lm_head, Out { buf: logits, offset: 0 })?;
+    marks.end(b, Stage::Head)?;
     Ok(counters)
 }

@@ -5,10 +5,14 @@
 mod common;
 
 use common::{argmax, cases, open};
+use host::sample::RowSampling;
+use kernels_gpu::sample::SampleRow;
 use model::cache::Part;
+use model::config::{Config, LayerKind};
 use model::cpu::Cpu;
 use model::layout::Layout;
 use model::model::{Model, StepCounters};
+use model::profile::{Group, Part as P, Stage};
 use model::reference::Reference;
 use nemotron_rs::assert_close;
 
@@ -139,3 +143,68 @@ fn bad_steps_are_errors() {
     assert!(err(&mut m, &[Part { slot: 0, computed: 0, tokens: &[1; 9] }]).contains("exceeds the KV cache's 8"));
     assert!(err(&mut m, &[Part { slot: 0, computed: 0, tokens: &[] }]).contains("no new tokens"));
 }
+
+/// The stages a profiled step runs, in order: the embedding, each layer's parts (Mamba's for
+/// prefill sequences, or for decode rows), the LM head, the sampling where it samples.
+fn stages(config: &Config, decode: bool, sampled: bool) -> Vec<Stage> {
+    use LayerKind::*;
+    let mut want = vec![Stage::Embed];
+    for (index, &kind) in config.layers.iter().enumerate() {
+        let parts: &[P] = match kind {
+            Mamba if decode => &[P::InProj, P::Decode, P::OutProj, P::Residual],
+            Mamba => &[P::InProj, P::Conv, P::Scan, P::GatedNorm, P::OutProj, P::Residual],
+            Moe => &[P::Moe, P::Residual],
+            Attention => &[P::Qkv, P::Attend, P::OProj, P::Residual],
+            Mlp => &[P::Mlp, P::Residual],
+        };
+        want.extend(parts.iter().map(|&part| Stage::Layer { index, kind, part }));
+    }
+    want.push(Stage::Head);
+    want.extend(sampled.then_some(Stage::Sample));
+    want
+}
+
+/// A profiled step returns what an unprofiled one does and times each stage once, in order;
+/// the groups count each kind's layers; with profiling off a step leaves the last profile.
+#[test]
+fn profiled_steps_time_every_stage_and_change_nothing() {
+    let (config, ck) = open();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let prompt = &cases()[0].prompt;
+    let mut plain = Model::load(Cpu::default(), &config, &layout, 2, 64).unwrap();
+    let mut profiled = Model::load(Cpu::default(), &config, &layout, 2, 64).unwrap();
+    assert!(profiled.profile().is_none());
+    profiled.set_profiling(true);
+    let prefill = [Part { slot: 0, computed: 0, tokens: prompt }];
+    assert_eq!(profiled.step(&prefill).unwrap(), plain.step(&prefill).unwrap());
+    let p = profiled.profile().expect("a profiled step's profile").clone();
+    let got: Vec<Stage> = p.spans.iter().map(|s| s.stage).collect();
+    assert_eq!(got, stages(&config, false, false));
+    assert!(p.spans.iter().all(|s| s.ms.is_finite() && s.ms >= 0.0), "{p:?}");
+    let groups = p.by_group();
+    let kinds: Vec<Group> = groups.iter().map(|g| g.group).collect();
+    assert_eq!(kinds.first(), Some(&Group::Embed));
+    assert_eq!(kinds.last(), Some(&Group::Head));
+    for g in &groups[1..groups.len() - 1] {
+        let Group::Layers(kind) = g.group else { panic!("{:?} between the embedding and the head", g.group) };
+        assert_eq!(g.layers, config.layers.iter().filter(|&&k| k == kind).count(), "{kind:?} layers");
+    }
+    let kinds_in_config = LAYER_KINDS.iter().filter(|k| config.layers.contains(k)).count();
+    assert_eq!(groups.len(), 2 + kinds_in_config, "{kinds:?}");
+    assert!((groups.iter().map(|g| g.ms).sum::<f64>() - p.total_ms()).abs() < 1e-9);
+
+    // A decode step, sampled: the decode mixer's part, then the sampling.
+    let n = prompt.len();
+    let decode = [Part { slot: 0, computed: n, tokens: &[3] }];
+    let greedy = [RowSampling { row: SampleRow::GREEDY, penalties: &[] }];
+    assert_eq!(profiled.step_sampled(&decode, &greedy).unwrap(), plain.step_sampled(&decode, &greedy).unwrap());
+    let d = profiled.profile().unwrap().clone();
+    assert_eq!(d.spans.iter().map(|s| s.stage).collect::<Vec<_>>(), stages(&config, true, true));
+
+    profiled.set_profiling(false);
+    let next = [Part { slot: 0, computed: n + 1, tokens: &[5] }];
+    assert_eq!(profiled.step(&next).unwrap(), plain.step(&next).unwrap());
+    assert_eq!(profiled.profile(), Some(&d), "an unprofiled step leaves the last profile");
+}
+
+const LAYER_KINDS: [LayerKind; 4] = [LayerKind::Mamba, LayerKind::Moe, LayerKind::Attention, LayerKind::Mlp];

@@ -2,7 +2,17 @@
 //! `model/assets/nano-30b-a3b.json`; random bf16 weights generated in-process by
 //! `model::synthetic::in_memory`, 63 GB on the device) on the CUDA backend.
 //! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
-//!   returns the last row's logits, so it includes the synchronization); median of 3.
+//!   returns the last row's logits, so it includes the synchronization); median of 3. Then
+//!   where that step's time goes: 3 more runs of it with profiling on (`Model::set_profiling`:
+//!   a CUDA event on the stream after each stage; the plain runs record none), each stage's
+//!   median summed by group (embedding, each layer kind with its number of layers, LM head),
+//!   as ms, % of the timed total and ms per layer, and each layer kind by part (Mamba:
+//!   in_proj, conv1d, chunked scan, gated norm, out_proj; attention: qkv_proj, attention,
+//!   o_proj; MoE: routing + experts as one; each kind's residual add with the next norm,
+//!   which after the last layer is the final norm). The timed total (from before the
+//!   embedding to after the LM head) is printed beside the profiled and the plain step's wall
+//!   times: their gaps are the step's host work outside the stamps (rows and logits copies)
+//!   and the events' overhead. `--no-breakdown` leaves the profiled runs out.
 //! - decode: `batch` requests of 16 prompt tokens each, then steps of one token per request;
 //!   wall time per step, median of 20 after 3 warm-up steps: `Model::step` (every row's
 //!   logits copied back), then what a user gets, `Engine::step` (sampling on the device, the
@@ -15,6 +25,24 @@
 //! launches, each with when it started and when its wait on the kernel before returned (needs
 //! the PTX built with `NEMO_TIMELINE` set, e.g. `NEMO_TIMELINE=1 cargo bench --bench nano --
 //! "decode batch 1" --timeline`).
+//!
+//! A prefill breakdown looks like this (numbers made up):
+//! ```text
+//!   breakdown: 480.00 ms timed (CUDA events between stages, each stage's median of 3 profiled steps)
+//!     wall time: profiled step 482.40 ms (timed 99.5% of it), plain step 481.90 ms
+//!     stage                    layers         ms   % step   ms/layer
+//!     embedding                     -      0.050     0.0%
+//!     mamba                        23    200.000    41.7%      8.696
+//!       in_proj                           50.000    10.4%      2.174
+//!       chunked scan                     100.000    20.8%      4.348
+//!       ...
+//!     moe                          23    240.000    50.0%     10.435
+//!       routing + experts                235.000    49.0%     10.217
+//!       residual + norm                    5.000     1.0%      0.217
+//!     attention                     6     38.950     8.1%      6.492
+//!       ...
+//!     lm head                       -      1.000     0.2%
+//! ```
 //!
 //! Beside each time: the bytes the step must read at least (every weight it uses once, the
 //! SSM state read and written, for decode at batch > 1 the experts that uniform routing is
@@ -29,6 +57,7 @@ use model::cuda::Cuda;
 use model::engine::{Engine, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
+use model::profile::{Group, Profile};
 use model::sampling::SamplingParams;
 use nemotron_rs::BenchGpu;
 
@@ -101,6 +130,9 @@ fn main() {
             floor / bw * 1e3,
             bw / 1e9
         );
+        if !flag("--no-breakdown") {
+            prefill_breakdown(&mut model, &prompt, s);
+        }
     }
     for batch in [1usize, 8, 64].into_iter().filter(|b| wanted(&format!("decode batch {b}"))) {
         let prompts: Vec<Vec<u32>> =
@@ -178,6 +210,45 @@ fn engine_decode(model: Model<Cuda>, prompts: &[Vec<u32>], sampling: SamplingPar
     }
     assert!(!engine.has_work(), "24 tokens each");
     (engine.into_model(), median(times))
+}
+
+/// The same prefill step as the plain runs, 3 times more with profiling on (a CUDA event on the
+/// stream after each stage): each stage's median time, summed by layer kind and by part of a
+/// layer, beside the profiled and the plain (`plain_s`) steps' median wall times.
+fn prefill_breakdown(model: &mut Model<Cuda>, prompt: &[u32], plain_s: f64) {
+    model.set_profiling(true);
+    let (mut walls, mut runs) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = Instant::now();
+        model.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).expect("a profiled prefill");
+        walls.push(t.elapsed().as_secs_f64());
+        runs.extend(model.profile().cloned());
+    }
+    model.set_profiling(false);
+    let p = match Profile::median(&runs) {
+        Ok(p) => p,
+        Err(e) => return println!("  breakdown: none ({e})"),
+    };
+    let (total, wall) = (p.total_ms(), median(walls) * 1e3);
+    println!("  breakdown: {total:.2} ms timed (CUDA events between stages, each stage's median of 3 profiled steps)");
+    println!(
+        "    wall time: profiled step {wall:.2} ms (timed {:.1}% of it), plain step {:.2} ms",
+        total / wall * 100.0,
+        plain_s * 1e3
+    );
+    println!("    {:24} {:>6} {:>10} {:>8} {:>10}", "stage", "layers", "ms", "% step", "ms/layer");
+    let share = |ms: f64| ms / total * 100.0;
+    for g in p.by_group() {
+        let Group::Layers(kind) = g.group else {
+            println!("    {:24} {:>6} {:10.3} {:7.1}%", g.group.name(), "-", g.ms, share(g.ms));
+            continue;
+        };
+        let each = |ms: f64| ms / g.layers as f64;
+        println!("    {:24} {:>6} {:10.3} {:7.1}% {:10.3}", g.group.name(), g.layers, g.ms, share(g.ms), each(g.ms));
+        for (part, ms) in p.parts(kind) {
+            println!("      {:22} {:>6} {ms:10.3} {:7.1}% {:10.3}", part.name(), "", share(ms), each(ms));
+        }
+    }
 }
 
 /// One decode step's launches in order (`--timeline`, PTX built with `NEMO_TIMELINE`): when

@@ -74,19 +74,28 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 
 /// Kernels whose launches need a bound on their registers (64K registers an SM: a block of
 /// 512 threads fits only at 128 or fewer each, which ptxas does not assume), their threads per
-/// block, and whether ptxas is told that one block an SM is enough (`.minnctapersm 1`: for
-/// sm_121a ptxas otherwise kept `sample_bf16` at 64 registers, and spilled).
-const LAUNCH_BOUNDS: [(&str, u32, bool); 2] = [("mamba_decode_bf16", 512, false), ("sample_bf16", 512, true)];
+/// block, and the blocks an SM should hold at once (`.minnctapersm`, 0: not said). One block
+/// for `sample_bf16` (for sm_121a ptxas otherwise kept it at 64 registers, and spilled); the
+/// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
+/// staging of some blocks overlaps the products of others.
+const LAUNCH_BOUNDS: [(&str, u32, u32); 6] = [
+    ("mamba_decode_bf16", 512, 0),
+    ("sample_bf16", 512, 1),
+    ("ssd_chunk_state_f32", 256, 3),
+    ("ssd_state_pass_f32", 256, 2),
+    ("ssd_state_pass_bf16", 256, 2),
+    ("ssd_scan_bf16", 256, 2),
+];
 
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
 /// [`LAUNCH_BOUNDS`] (rustc has no attribute for them), so ptxas keeps their registers within
 /// what the block size allows.
 fn with_launch_bounds(ptx: &str) -> Result<String, String> {
     let mut text = ptx.to_string();
-    for (name, threads, one_block) in LAUNCH_BOUNDS {
+    for (name, threads, blocks) in LAUNCH_BOUNDS {
         let at = text.find(&format!(".entry {name}(")).ok_or(format!("no entry {name} in the PTX"))?;
         let body = at + text[at..].find("\n{").ok_or(format!("entry {name} has no body"))?;
-        let min = if one_block { "\n.minnctapersm 1" } else { "" };
+        let min = if blocks > 0 { format!("\n.minnctapersm {blocks}") } else { String::new() };
         text.insert_str(body, &format!("\n.maxntid {threads}, 1, 1{min}"));
     }
     Ok(text)

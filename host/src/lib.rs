@@ -26,6 +26,7 @@ mod error;
 pub mod gemm;
 mod gpu;
 pub mod mamba;
+pub mod mma;
 pub mod moe;
 pub mod norm;
 pub mod quant;

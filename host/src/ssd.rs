@@ -3,8 +3,8 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::ssd::{
-    SSD_BLOCK, SSD_CHUNK, SSD_I_TILE, SSD_MAX_HEAD_DIM, SSD_MAX_HEAD_STATE, SSD_MAX_STATE, SsdChunk, SsdParams,
-    SsdPassParams, chunk_state_smem_bytes, scan_smem_bytes,
+    SSD_CHUNK, SSD_MAX_HEAD_DIM, SSD_MAX_STATE, SSD_PASS_BLOCK, SSD_PASS_PER_THREAD, SSD_SCAN_BLOCK, SSD_STATE_BLOCK,
+    SsdChunk, SsdParams, SsdPassParams, chunk_state_smem_bytes, scan_smem_bytes,
 };
 use kernels_gpu::{Kernel, KernelParams};
 
@@ -22,6 +22,7 @@ pub struct SsdPlan {
     delta: CudaSlice<f32>,
     acum: CudaSlice<f32>,
     states: CudaSlice<f32>,
+    starts: CudaSlice<u16>,
     nchunks: usize,
     tokens: usize,
     lens: Vec<usize>,
@@ -57,7 +58,6 @@ impl SsdPlan {
         let c = Check(Kernel::SsdScan.name());
         c.count("head_dim", SSD_MAX_HEAD_DIM as usize, head_dim)?;
         c.count("state_size", SSD_MAX_STATE as usize, state_size)?;
-        c.count("head_dim * state_size", SSD_MAX_HEAD_STATE as usize, head_dim * state_size)?;
         let (chunks, first) = chunk_table(&seqs.lens);
         let n = chunks.len();
         let repr: Vec<SsdChunkRepr> = chunks.iter().map(|&c| SsdChunkRepr(c)).collect();
@@ -67,6 +67,7 @@ impl SsdPlan {
             delta: gpu.zeros(n * heads * SSD_CHUNK as usize)?,
             acum: gpu.zeros(n * heads * SSD_CHUNK as usize)?,
             states: gpu.zeros(n * heads * head_dim * state_size)?,
+            starts: gpu.zeros(n * heads * head_dim * state_size)?,
             nchunks: n,
             tokens: seqs.tokens(),
             lens: seqs.lens.clone(),
@@ -80,9 +81,9 @@ impl SsdPlan {
     }
 }
 
-/// Chunked scan (SPEC.md section 3) over the sequences of `seqs`: writes `y [tokens, heads *
-/// head_dim]` and each sequence's final state to its slot (read first where it has an
-/// initial state; pad sequences start from zero and write nothing). Four launches.
+/// Chunked scan (kernels-gpu/src/ssd.rs has the math) over the sequences of `seqs`: writes
+/// `y [tokens, heads * head_dim]` and each sequence's final state to its slot (read first where
+/// it has an initial state; pad sequences start from zero and write nothing). Three launches.
 #[allow(clippy::too_many_arguments)]
 pub fn ssd_scan<T: StateDtype>(
     gpu: &Gpu,
@@ -106,11 +107,23 @@ where
     c.count("sequences", 65535, seqs.nseq())?;
     let (tokens, w, gn) = (plan.tokens, shape.width(), shape.groups * shape.state_size);
     c.len("y", tokens * w, y.len())?;
+    let (x, b, cc) = (
+        inputs.x.addr(gpu, k, "x", tokens, w)?,
+        inputs.b.addr(gpu, k, "b", tokens, gn)?,
+        inputs.c.addr(gpu, k, "c", tokens, gn)?,
+    );
+    // 16-byte staging: every row of x, B and C starts aligned, whole 8-element groups.
+    let aligned = |a: *const u16, stride: usize| (a as usize).is_multiple_of(16) && stride.is_multiple_of(8);
+    let vec = aligned(x, inputs.x.stride)
+        && aligned(b, inputs.b.stride)
+        && aligned(cc, inputs.c.stride)
+        && shape.head_dim.is_multiple_of(8)
+        && shape.state_size.is_multiple_of(8);
     let p = SsdParams {
-        x: inputs.x.addr(gpu, k, "x", tokens, w)?,
+        x,
         dt: inputs.dt.addr(gpu, k, "dt", tokens, shape.heads)?,
-        b: inputs.b.addr(gpu, k, "b", tokens, gn)?,
-        c: inputs.c.addr(gpu, k, "c", tokens, gn)?,
+        b,
+        c: cc,
         dt_bias: gpu.addr(k, "dt_bias", heads.dt_bias)? as *const f32,
         a: gpu.addr(k, "a", heads.a)? as *const f32,
         d: heads.d.map_or(Ok(0), |d| gpu.addr(k, "d", d))? as *const f32,
@@ -118,6 +131,7 @@ where
         delta: gpu.addr_mut(k, "plan", &mut plan.delta)? as *mut f32,
         acum: gpu.addr_mut(k, "plan", &mut plan.acum)? as *mut f32,
         states: gpu.addr_mut(k, "plan", &mut plan.states)? as *mut f32,
+        starts: gpu.addr_mut(k, "plan", &mut plan.starts)? as *mut u16,
         y: gpu.addr_mut(k, "y", y)? as *mut u16,
         nchunks: plan.nchunks as u32,
         heads: shape.heads as u32,
@@ -130,6 +144,7 @@ where
         c_stride: inputs.c.stride as u32,
         dt_min: shape.dt_min,
         dt_max: shape.dt_max,
+        vec: u32::from(vec),
     };
     let q = SsdPassParams::<T::Raw> {
         base: p,
@@ -141,17 +156,18 @@ where
     };
     let (nc, h) = (plan.nchunks as u32, shape.heads as u32);
     let (hd, n) = (shape.head_dim as u32, shape.state_size as u32);
-    let hn_blocks = (hd * n).div_ceil(SSD_BLOCK);
+    let hn_blocks = (hd * n).div_ceil(SSD_PASS_BLOCK * SSD_PASS_PER_THREAD);
     // SAFETY: `check`, `Rows::addr` and the plan checks proved every input covers the batch's
     // tokens, the per-head arrays `heads`, the cache `num_slots` slots and the workspaces the
     // plan's chunks; the chunk table comes from the same lengths as Prefill's cu_seqlens, so
     // chunks lie inside their sequences; Prefill's slots are PAD_SLOT or distinct in range;
     // head_dim, state_size are within the kernels' limits (SsdPlan::new); launches are
-    // ordered on the stream; grids, blocks and shared memory as each kernel documents.
+    // ordered on the stream; `vec` only where every staged row is 16-byte aligned (the
+    // workspaces' rows are whole 8-element groups then too); grids, blocks and shared memory
+    // as each kernel documents.
     unsafe {
-        gpu.launch(Kernel::SsdCumsum, (nc, h, 1), SSD_CHUNK, 16, p)?;
-        gpu.launch(Kernel::SsdChunkState, (nc, h, 1), SSD_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
-        gpu.launch(T::PASS, (hn_blocks, h, seqs.nseq() as u32), SSD_BLOCK, 0, q)?;
-        gpu.launch(k, (nc, h, SSD_CHUNK / SSD_I_TILE), SSD_BLOCK, scan_smem_bytes(hd, n), p)
+        gpu.launch(Kernel::SsdChunkState, (nc, h, 1), SSD_STATE_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
+        gpu.launch(T::PASS, (hn_blocks, h, seqs.nseq() as u32), SSD_PASS_BLOCK, 0, q)?;
+        gpu.launch(k, (nc, h, 1), SSD_SCAN_BLOCK, scan_smem_bytes(hd, n), p)
     }
 }

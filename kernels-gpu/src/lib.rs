@@ -22,6 +22,7 @@ pub mod act;
 pub mod attn;
 pub mod conv1d;
 pub mod mamba;
+pub mod mma;
 pub mod moe;
 pub mod norm;
 pub mod quant;
@@ -106,9 +107,7 @@ kernels! {
     SsmUpdateF32 = "ssm_update_f32",
     /// [`ssm::SsmUpdateParams`]`<u16>`: selective state update, bf16 state.
     SsmUpdateBf16 = "ssm_update_bf16",
-    /// [`ssd::SsdParams`]: chunk cumsum of the chunked scan.
-    SsdCumsum = "ssd_cumsum_f32",
-    /// [`ssd::SsdParams`]: per-chunk states of the chunked scan.
+    /// [`ssd::SsdParams`]: chunk cumsum and per-chunk states of the chunked scan.
     SsdChunkState = "ssd_chunk_state_f32",
     /// [`ssd::SsdPassParams`]`<f32>`: state passing, f32 state cache.
     SsdStatePassF32 = "ssd_state_pass_f32",
@@ -116,6 +115,8 @@ kernels! {
     SsdStatePassBf16 = "ssd_state_pass_bf16",
     /// [`ssd::SsdParams`]: chunk scan outputs.
     SsdScan = "ssd_scan_bf16",
+    /// [`mma::MatmulParams`]: a matrix product on tensor cores (the test of the `mma` module).
+    TcMatmul = "tc_matmul_bf16",
     /// [`act::Relu2Params`]: relu^2 in place.
     ActRelu2 = "act_relu2_bf16",
     /// [`act::GatherParams`]: rows gathered by index.

@@ -76,7 +76,14 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// 512 threads fits only at 128 or fewer each, which ptxas does not assume), their threads per
 /// block, and whether ptxas is told that one block an SM is enough (`.minnctapersm 1`: for
 /// sm_121a ptxas otherwise kept `sample_bf16` at 64 registers, and spilled).
-const LAUNCH_BOUNDS: [(&str, u32, bool); 2] = [("mamba_decode_bf16", 512, false), ("sample_bf16", 512, true)];
+/// The norms launch up to 1024 threads (rows wider than 8192), so at most 64 registers.
+const LAUNCH_BOUNDS: [(&str, u32, bool); 5] = [
+    ("mamba_decode_bf16", 512, false),
+    ("sample_bf16", 512, true),
+    ("norm_rms_bf16", 1024, false),
+    ("norm_gated_bf16", 1024, false),
+    ("norm_gated_fp8_bf16", 1024, false),
+];
 
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
 /// [`LAUNCH_BOUNDS`] (rustc has no attribute for them), so ptxas keeps their registers within

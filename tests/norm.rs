@@ -243,6 +243,7 @@ fn gpu_norms_many_rows_path_matches_reference_and_few_rows_path() {
         (MANY_ROWS + 3, 1001, 1),
         (300, 1000, 5),
         (257, 24, 3),
+        (2051, 24, 3),
         (260, 10304, 1),
         (1, 4096, 8),
         (1, 1, 1),

@@ -153,7 +153,7 @@ fn gpu_quant_token_many_rows_path_bit_exact() {
     let mut rng = Rng::new(14);
     let mut compared = 0;
     let cases: &[(usize, usize)] =
-        &[(4096, 2688), (MANY_ROWS, 257), (MANY_ROWS + 1, 1001), (1, 2688), (1, 1), (3, 32768)];
+        &[(4096, 2688), (MANY_ROWS, 257), (MANY_ROWS + 1, 1001), (2051, 257), (1, 2688), (1, 1), (3, 32768)];
     for &(rows, width) in cases {
         for ub in [None, Some(3.0)] {
             let x = inputs(&mut rng, rows, width);

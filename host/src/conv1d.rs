@@ -100,8 +100,9 @@ pub enum ConvPath {
     Tiled,
 }
 
-/// Tokens from which [`conv_fwd`] takes [`ConvPath::Tiled`] where the shape allows it.
-pub const TILED_TOKENS: usize = 256;
+/// Tokens from which [`conv_fwd`] takes [`ConvPath::Tiled`] where the shape allows it (H200,
+/// 64 tokens of 6144 channels: 5.3 us tiled, 6.6 per token).
+pub const TILED_TOKENS: usize = 64;
 
 /// Tokens per thread of the tiled forward: two batches once there are tiles enough to fill
 /// the GPU with them, one below.

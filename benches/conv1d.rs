@@ -1,12 +1,14 @@
 //! `cargo bench --bench conv1d`: causal conv1d at NemotronH shapes (conv_dim 6144, K 4, inputs
 //! inside in_proj rows of 10304): the decode update at batch 1/8/64/256 and the prefill
-//! forward at 512/4096/16384 tokens (one sequence). Method as in benches/norm.rs; bytes: x read,
-//! y written, the slots' states read and written, weights once.
+//! forward at 1/64/512/4096/16384 tokens (one sequence; as the launcher picks its kernel, and
+//! with each kernel forced: `fwd-tiled`, `fwd-token`), and 4096 tokens as 64 sequences of 64
+//! with initial states. Method as in benches/norm.rs; bytes: x read, y written, the slots'
+//! states read and written, weights once.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use host::batch::{Prefill, Slots};
-use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::conv1d::{ConvPath, ConvShape, conv_fwd_on, conv_update};
 use nemotron_rs::{BenchGpu, Rng};
 use std::time::Duration;
 
@@ -25,9 +27,17 @@ fn benches(c: &mut Criterion) {
         ("update", 8),
         ("update", 64),
         ("update", 256),
+        ("fwd", 1),
+        ("fwd", 64),
         ("fwd", 512),
         ("fwd", 4096),
         ("fwd", 16384),
+        ("fwd-token", 64),
+        ("fwd-token", 512),
+        ("fwd-token", 4096),
+        ("fwd-tiled", 64),
+        ("fwd-tiled", 512),
+        ("fwd-varlen64", 4096),
     ] {
         let name = format!("{variant}/bf16/6144x4/{}{n}", if variant == "update" { "b" } else { "t" });
         if !BenchGpu::selected(&name) {
@@ -35,16 +45,32 @@ fn benches(c: &mut Criterion) {
         }
         let x = gpu.upload(&rng.bf16s(n * 10304, -1.0, 1.0)).unwrap();
         let mut y = gpu.zeros::<bf16>(n * 6144).unwrap();
-        let slots_n = if variant == "update" { n } else { 1 };
+        let varlen = variant == "fwd-varlen64";
+        let slots_n = if variant == "update" {
+            n
+        } else if varlen {
+            64
+        } else {
+            1
+        };
         let state_bytes = slots_n * 6144 * 3 * 2;
         let bytes = n * 6144 * 4 + wbytes + 2 * state_bytes;
         let sets = BenchGpu::cold_sets(bytes);
         let mut states: Vec<_> = (0..sets).map(|_| gpu.zeros::<bf16>(slots_n * 6144 * 3).unwrap()).collect();
         let slots = Slots::new(gpu, &(0..n as i32).collect::<Vec<_>>(), n).unwrap();
-        let seqs = Prefill::new(gpu, &[n], &[0], &[true], 1).unwrap();
+        let seqs = if varlen {
+            Prefill::new(gpu, &[n / 64; 64], &(0..64).collect::<Vec<_>>(), &[true; 64], 64).unwrap()
+        } else {
+            Prefill::new(gpu, &[n], &[0], &[true], 1).unwrap()
+        };
+        let path = match variant {
+            "fwd-token" => Some(ConvPath::PerToken),
+            "fwd-tiled" => Some(ConvPath::Tiled),
+            _ => None,
+        };
         let mut launch = |i: usize| match variant {
             "update" => conv_update(gpu, shape, &x, &w, Some(&bias), &mut states[i % sets], &slots, &mut y),
-            _ => conv_fwd(gpu, shape, &x, &w, Some(&bias), &mut states[i % sets], &seqs, &mut y),
+            _ => conv_fwd_on(gpu, path, shape, &x, &w, Some(&bias), &mut states[i % sets], &seqs, &mut y),
         };
         let timed = b.capture(sets, &mut launch);
         timed.report(&format!("conv1d/{name}"), bytes);

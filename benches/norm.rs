@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use host::norm::{NormShape, gated_norm, gated_norm_fp8, rms_norm};
+use host::norm::{NormShape, RowPath, gated_norm, gated_norm_fp8, rms_norm};
 use nemotron_rs::{BenchGpu, Rng};
 
 struct Set {
@@ -26,8 +26,18 @@ fn benches(c: &mut Criterion) {
     let mut group = c.benchmark_group("norm");
     group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
     // (variant, rows, width, groups): the block pre-norm at hidden 2688, the mixer's gated
-    // norm at D_in 4096 with 8 groups; decode batches 1 and 64, prefill 4096 and 16384 tokens.
+    // norm at D_in 4096 with 8 groups; decode batches 1 and 64, prefill 4096 and 16384 tokens;
+    // as the launchers pick the block shape, and with it forced (`-few`, `-many`) around the
+    // switch.
     let cases: &[(&str, usize, usize, usize)] = &[
+        ("gated-few", 64, 4096, 8),
+        ("gated-many", 64, 4096, 8),
+        ("gated-few", 256, 4096, 8),
+        ("gated-many", 256, 4096, 8),
+        ("gated-few", 512, 4096, 8),
+        ("gated-many", 512, 4096, 8),
+        ("rms-few", 256, 2688, 1),
+        ("rms-many", 256, 2688, 1),
         ("rms", 1, 2688, 1),
         ("rms", 64, 2688, 1),
         ("rms", 4096, 2688, 1),
@@ -46,6 +56,11 @@ fn benches(c: &mut Criterion) {
             continue;
         }
         let n = rows * width;
+        let (variant, path) = match variant.split_once('-') {
+            Some((v, "few")) => (v, Some(RowPath::Few)),
+            Some((v, _)) => (v, Some(RowPath::Many)),
+            None => (variant, None),
+        };
         let gated = variant != "rms";
         let out_bytes = if variant == "gated_fp8" { n + 4 * rows } else { 2 * n };
         let bytes = 2 * n * if gated { 2 } else { 1 } + 2 * width + out_bytes;
@@ -59,7 +74,7 @@ fn benches(c: &mut Criterion) {
             })
             .collect();
         let w = gpu.upload(&rng.bf16s(width, -1.0, 1.0)).unwrap();
-        let shape = NormShape::new(rows, width, groups, 1e-5);
+        let shape = NormShape { path, ..NormShape::new(rows, width, groups, 1e-5) };
         let mut sets = sets;
         let nsets = sets.len();
         let mut launch = |i: usize| {
@@ -70,7 +85,8 @@ fn benches(c: &mut Criterion) {
                 _ => gated_norm_fp8(gpu, shape, &s.x, &s.z, &w, None, &mut s.q, &mut s.s),
             }
         };
-        let name = format!("norm/{variant}/bf16/{rows}x{width}");
+        let tag = path.map_or(String::new(), |p| format!("-{p:?}").to_lowercase());
+        let name = format!("norm/{variant}{tag}/bf16/{rows}x{width}");
         let timed = b.capture(nsets, &mut launch);
         timed.report(&name, bytes);
         group.throughput(Throughput::Bytes(bytes as u64));

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use host::quant::{quant_static, quant_tensor, quant_token};
+use host::norm::RowPath;
+use host::quant::{quant_static, quant_tensor, quant_token, quant_token_on};
 use nemotron_rs::{BenchGpu, Rng};
 
 struct Set {
@@ -22,19 +23,20 @@ fn benches(c: &mut Criterion) {
     let mut group = c.benchmark_group("quant");
     group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
     let width = 2688;
-    for variant in ["token", "tensor", "static"] {
-        for rows in [1, 64, 4096, 16384] {
+    for variant in ["token", "tensor", "static", "token-few", "token-many"] {
+        let rows_of: &[usize] = if variant.contains('-') { &[64, 256, 512] } else { &[1, 64, 4096, 16384] };
+        for &rows in rows_of {
             if !BenchGpu::selected(&format!("{variant}/bf16/{rows}x{width}")) {
                 continue;
             }
             let n = rows * width;
             // Minimal bytes: x read once, codes written, one scale per row (token).
-            let bytes = 2 * n + n + if variant == "token" { 4 * rows } else { 4 };
+            let bytes = 2 * n + n + if variant.starts_with("token") { 4 * rows } else { 4 };
             let mut sets: Vec<Set> = (0..BenchGpu::cold_sets(bytes))
                 .map(|_| Set {
                     x: gpu.upload(&rng.bf16s(n, -3.0, 3.0)).unwrap(),
                     q: gpu.zeros(n).unwrap(),
-                    s: gpu.zeros(if variant == "token" { rows } else { 1 }).unwrap(),
+                    s: gpu.zeros(if variant.starts_with("token") { rows } else { 1 }).unwrap(),
                     amax: gpu.zeros(1).unwrap(),
                 })
                 .collect();
@@ -43,6 +45,8 @@ fn benches(c: &mut Criterion) {
                 let s = &mut sets[i % nsets];
                 match variant {
                     "token" => quant_token(gpu, width, &s.x, None, &mut s.q, &mut s.s),
+                    "token-few" => quant_token_on(gpu, RowPath::Few, width, &s.x, None, &mut s.q, &mut s.s),
+                    "token-many" => quant_token_on(gpu, RowPath::Many, width, &s.x, None, &mut s.q, &mut s.s),
                     "tensor" => quant_tensor(gpu, &s.x, &mut s.q, &mut s.amax, &mut s.s),
                     _ => quant_static(gpu, &s.x, 0.0173, &mut s.q),
                 }

@@ -77,14 +77,18 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// block, and the blocks an SM should hold at once (`.minnctapersm`, 0: not said). One block
 /// for `sample_bf16` (for sm_121a ptxas otherwise kept it at 64 registers, and spilled); the
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
-/// staging of some blocks overlaps the products of others.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 6] = [
+/// staging of some blocks overlaps the products of others. The norms launch up to 1024
+/// threads (rows wider than 8192), so at most 64 registers.
+const LAUNCH_BOUNDS: [(&str, u32, u32); 9] = [
     ("mamba_decode_bf16", 512, 0),
     ("sample_bf16", 512, 1),
     ("ssd_chunk_state_f32", 256, 3),
     ("ssd_state_pass_f32", 256, 2),
     ("ssd_state_pass_bf16", 256, 2),
     ("ssd_scan_bf16", 256, 2),
+    ("norm_rms_bf16", 1024, 0),
+    ("norm_gated_bf16", 1024, 0),
+    ("norm_gated_fp8_bf16", 1024, 0),
 ];
 
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use host::batch::{Prefill, Slots};
-use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::conv1d::{ConvPath, ConvShape, TILED_TOKENS, conv_fwd, conv_fwd_on, conv_update};
 use host::cpu::conv1d::ConvRef;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu};
 
@@ -149,4 +149,107 @@ fn gpu_conv_fwd_matches_reference() {
         compared += assert_same(&format!("{label} states"), &gpu.download(&dstate).unwrap(), &state);
     }
     println!("conv_fwd: {compared} values compared");
+}
+
+/// The tiled forward (4 channels by a run of tokens a thread), forced, against the reference
+/// and bit for bit against the per-token kernel: NemotronH geometry at prefill sizes (one
+/// sequence of 4097 tokens, crossing tiles of 16 at odd places), varlen batches of many short
+/// sequences (length 1, 2, 3, tile-crossing lengths) with initial states and pad sequences,
+/// k 2 and 3, a dim that is a multiple of 4 but not 8, one token; states bit-exact too.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_conv_fwd_tiled_matches_reference_and_per_token() {
+    let gpu = gpu();
+    let mut rng = Rng::new(24);
+    let mut compared = 0;
+    let many: Vec<usize> = (0..40).map(|i| [1, 2, 3, 1, 15, 17, 1, 33, 4, 100][i % 10]).collect();
+    let cases: &[(usize, usize, usize, &[usize])] = &[
+        (6144, 4, 10304, &[4097]),
+        (6144, 4, 10304, &many),
+        (6144, 4, 10304, &[1]),
+        (6144, 4, 10304, &[300, 1, 1, 2, 1000]),
+        (12, 3, 20, &many),
+        (1028, 2, 1032, &[1, 260, 3]),
+        (4, 4, 4, &[2, 1, 5]),
+    ];
+    for &(dim, k, x_stride, lens) in cases {
+        let nseq = lens.len();
+        let num_slots = nseq + 2;
+        let mut slots: Vec<i32> = (0..nseq).map(|s| (num_slots - 1 - s) as i32).collect();
+        let mut has_initial: Vec<bool> = (0..nseq).map(|s| s % 3 != 1).collect();
+        for s in (2..nseq).step_by(5) {
+            slots[s] = -1;
+            has_initial[s] = false;
+        }
+        let tokens: usize = lens.iter().sum();
+        let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
+        let x = rng.bf16s(tokens * x_stride, -3.0, 3.0);
+        let state0 = rng.bf16s(num_slots * dim * (k - 1), -3.0, 3.0);
+        let shape = ConvShape { dim, k, x_stride };
+        let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
+        let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
+        let mut runs = Vec::new();
+        for path in [ConvPath::Tiled, ConvPath::PerToken] {
+            for with_bias in [true, false] {
+                let mut dstate = gpu.upload(&state0).unwrap();
+                let mut dy = gpu.upload(&vec![POISON_BF16; tokens * dim]).unwrap();
+                let b = with_bias.then_some(&db);
+                conv_fwd_on(&gpu, Some(path), shape, &dx, &dw, b, &mut dstate, &seqs, &mut dy).unwrap();
+                runs.push((path, with_bias, gpu.download(&dy).unwrap(), gpu.download(&dstate).unwrap()));
+            }
+        }
+        let nlens = if nseq > 6 { format!("{nseq} sequences") } else { format!("{lens:?}") };
+        for (path, with_bias, y, st) in &runs[..2] {
+            let mut state = state0.clone();
+            let conv = ConvRef { dim, k, w: &w, bias: with_bias.then_some(&bias[..]) };
+            let want = conv.forward(&x, x_stride, &mut state, lens, &slots, &has_initial);
+            let label = format!("{path:?} dim{dim} k{k} bias {with_bias} lens {nlens}");
+            compared += compare_rows(&label, y, &want, dim);
+            compared += assert_same(&format!("{label} states"), st, &state);
+        }
+        for i in 0..2 {
+            let (t, p) = (&runs[i], &runs[i + 2]);
+            let label = format!("tiled == per-token dim{dim} k{k} bias {} lens {nlens}", t.1);
+            // As bits: pad sequences' rows keep their NaN poison in both.
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+            compared += assert_same(&label, &bits(&t.2), &bits(&p.2));
+        }
+    }
+    println!("conv_fwd tiled: {compared} values compared");
+}
+
+/// The launcher's own pick (tiled at many tokens where the shape allows, per token otherwise)
+/// gives the reference's values; the tiled kernel refuses shapes it does not take.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_conv_fwd_picks_a_path_and_tiled_refuses_other_shapes() {
+    let gpu = gpu();
+    let mut rng = Rng::new(25);
+    let mut compared = 0;
+    for &(dim, k, x_stride, tokens) in
+        &[(6144, 4, 10304, TILED_TOKENS), (6144, 4, 10304, TILED_TOKENS - 1), (37, 3, 37, 300), (64, 5, 64, 300)]
+    {
+        let lens = [tokens / 3, tokens - tokens / 3];
+        let (slots, has_initial) = ([1, 0], [true, false]);
+        let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
+        let x = rng.bf16s(tokens * x_stride, -3.0, 3.0);
+        let mut state = rng.bf16s(2 * dim * (k - 1), -3.0, 3.0);
+        let shape = ConvShape { dim, k, x_stride };
+        let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
+        let mut dstate = gpu.upload(&state).unwrap();
+        let mut dy = gpu.upload(&vec![POISON_BF16; tokens * dim]).unwrap();
+        let seqs = Prefill::new(&gpu, &lens, &slots, &has_initial, 2).unwrap();
+        if dim % 4 != 0 || k > 4 {
+            let e = conv_fwd_on(&gpu, Some(ConvPath::Tiled), shape, &dx, &dw, Some(&db), &mut dstate, &seqs, &mut dy);
+            println!("tiled refuses dim {dim} k {k}: {}", e.as_ref().unwrap_err());
+            assert!(e.is_err());
+        }
+        conv_fwd(&gpu, shape, &dx, &dw, Some(&db), &mut dstate, &seqs, &mut dy).unwrap();
+        let want =
+            ConvRef { dim, k, w: &w, bias: Some(&bias) }.forward(&x, x_stride, &mut state, &lens, &slots, &has_initial);
+        let label = format!("picked dim{dim} k{k} {tokens} tokens");
+        compared += compare_rows(&label, &gpu.download(&dy).unwrap(), &want, dim);
+        compared += assert_same(&format!("{label} states"), &gpu.download(&dstate).unwrap(), &state);
+    }
+    println!("conv_fwd picked: {compared} values compared");
 }

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use host::cpu::{norm as cpu, quant as cpu_quant};
-use host::norm::{NormShape, add_rms_norm, gated_norm, gated_norm_fp8, rms_norm};
+use host::norm::{MANY_ROWS, NormShape, RowPath, add_rms_norm, gated_norm, gated_norm_fp8, rms_norm};
 use host::quant::quant_token;
 use nemotron_rs::{POISON_BF16, POISON_FP8, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -223,4 +223,76 @@ fn gpu_gated_norm_fp8_equals_unfused_and_reference() {
         }
     }
     println!("gated_norm_fp8: {same} values identical to the unfused path, {close} dequantized values compared");
+}
+
+/// The many-rows block shape (`RowPath::Many`, four chunks a thread) against the reference
+/// and bit for bit against the few-rows one, both forced on the same inputs: at the row
+/// counts that pick it (NemotronH prefill sizes, widths not a multiple of 8 or of the block,
+/// groups of odd sizes) and on shapes the launchers would give the other (one row, one
+/// channel, the widest row).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_norms_many_rows_path_matches_reference_and_few_rows_path() {
+    let gpu = gpu();
+    let mut rng = Rng::new(5);
+    let (mut close, mut same) = (0, 0);
+    // (rows, width, groups)
+    let cases: &[(usize, usize, usize)] = &[
+        (4096, 4096, 8),
+        (MANY_ROWS, 2688, 1),
+        (MANY_ROWS + 3, 1001, 1),
+        (300, 1000, 5),
+        (257, 24, 3),
+        (2051, 24, 3),
+        (260, 10304, 1),
+        (1, 4096, 8),
+        (1, 1, 1),
+        (3, 257, 1),
+        (2, 32768, 8),
+    ];
+    for &(rows, width, groups) in cases {
+        assert!(rows < MANY_ROWS || RowPath::for_rows(rows) == RowPath::Many);
+        let (x, z) = (activations(&mut rng, rows, width), rng.bf16s(rows * width, -6.0, 6.0));
+        let add = activations(&mut rng, rows, width);
+        let w = rng.bf16s(width, -2.0, 2.0);
+        let (dx, dz, dw, dadd) =
+            (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&add).unwrap());
+        let mut outs = Vec::new();
+        for path in [RowPath::Many, RowPath::Few] {
+            let shape = NormShape { path: Some(path), ..NormShape::new(rows, width, groups, EPS) };
+            let plain = NormShape { groups: 1, ..shape };
+            let mut y = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut y).unwrap();
+            let mut r = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+            rms_norm(&gpu, plain, &dx, &dw, &mut r).unwrap();
+            let mut h = gpu.upload(&x).unwrap();
+            let mut ar = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
+            add_rms_norm(&gpu, plain, &mut h, &dadd, &dw, &mut ar).unwrap();
+            let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+            let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            gated_norm_fp8(&gpu, shape, &dx, &dz, &dw, None, &mut q, &mut s).unwrap();
+            let d = |b: &host::CudaSlice<bf16>| gpu.download(b).unwrap();
+            outs.push((d(&y), d(&r), d(&h), d(&ar), gpu.download(&q).unwrap(), gpu.download(&s).unwrap()));
+        }
+        let label = format!("{rows}x{width} g{groups}");
+        let (many, few) = (&outs[0], &outs[1]);
+        let want = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
+        close += assert_close(&format!("many gated {label}"), &to_f64(&many.0), &want, ATOL, RTOL);
+        let want = cpu::rms_norm(&x, &w, width, EPS as f64);
+        close += assert_close(&format!("many rms {label}"), &to_f64(&many.1), &want, ATOL, RTOL);
+        let sum: Vec<bf16> = x.iter().zip(&add).map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32())).collect();
+        same += assert_same(&format!("many add {label}"), &many.2, &sum);
+        let want = cpu::rms_norm(&sum, &w, width, EPS as f64);
+        close += assert_close(&format!("many add+rms {label}"), &to_f64(&many.3), &want, ATOL, RTOL);
+        // The fused FP8 path as the unfused one: per-token quantization of the gated output.
+        let (want_q, want_s) = cpu_quant::quant_token(&many.0, width, None);
+        same += assert_same(&format!("many gated fp8 codes {label}"), &many.4, &want_q);
+        same += assert_same(&format!("many gated fp8 scales {label}"), &many.5, &want_s);
+        for (what, a, b) in [("gated", &many.0, &few.0), ("rms", &many.1, &few.1), ("add+rms", &many.3, &few.3)] {
+            same += assert_same(&format!("many == few {what} {label}"), a, b);
+        }
+        same += assert_same(&format!("many == few fp8 codes {label}"), &many.4, &few.4);
+        same += assert_same(&format!("many == few fp8 scales {label}"), &many.5, &few.5);
+    }
+    println!("norms, many-rows path: {close} elements compared with the reference, {same} values identical");
 }

@@ -3,7 +3,8 @@
 
 use half::bf16;
 use host::cpu::quant as cpu;
-use host::quant::{quant_static, quant_tensor, quant_token};
+use host::norm::{MANY_ROWS, RowPath};
+use host::quant::{quant_static, quant_tensor, quant_token, quant_token_on};
 use nemotron_rs::{POISON_FP8, Rng, assert_same, gpu};
 
 #[test]
@@ -140,4 +141,62 @@ fn gpu_quant_static_bit_exact() {
         }
     }
     println!("quant_static: {compared} values compared bit-exact");
+}
+
+/// Per-token quantization with the many-rows block shape (four chunks a thread), forced, bit
+/// for bit against the reference: NemotronH prefill rows, widths not a multiple of 8 or of
+/// the block, one row, one element; and the launcher's own pick at those row counts.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_token_many_rows_path_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(14);
+    let mut compared = 0;
+    let cases: &[(usize, usize)] =
+        &[(4096, 2688), (MANY_ROWS, 257), (MANY_ROWS + 1, 1001), (2051, 257), (1, 2688), (1, 1), (3, 32768)];
+    for &(rows, width) in cases {
+        for ub in [None, Some(3.0)] {
+            let x = inputs(&mut rng, rows, width);
+            let dx = gpu.upload(&x).unwrap();
+            let (want_q, want_s) = cpu::quant_token(&x, width, ub);
+            for path in [Some(RowPath::Many), None] {
+                let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+                let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+                match path {
+                    Some(path) => quant_token_on(&gpu, path, width, &dx, ub, &mut q, &mut s).unwrap(),
+                    None => quant_token(&gpu, width, &dx, ub, &mut q, &mut s).unwrap(),
+                }
+                let label = format!("token {path:?} {rows}x{width} ub {ub:?}");
+                compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+                compared += assert_same(&format!("{label} scales"), &gpu.download(&s).unwrap(), &want_s);
+            }
+        }
+    }
+    println!("quant_token, many-rows path: {compared} values compared bit-exact");
+}
+
+/// Per-tensor quantization leaves its accumulator (the Gpu's counters) at zero: launches
+/// back to back, a large amax then a small one, each bit-exact; element counts that are not a
+/// multiple of 8, of a block's chunks or of the 4 chunks a thread loads at once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_tensor_back_to_back_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(15);
+    let mut compared = 0;
+    for n in [4096 * 2688 + 5, 8 * 256 * 4 * 3 + 8, 8 * 256 * 4 - 1, 13, 1] {
+        for magnitude in [900.0, 0.01, 2.0] {
+            let x = rng.bf16s(n, -magnitude, magnitude);
+            let dx = gpu.upload(&x).unwrap();
+            let mut q = gpu.upload(&vec![POISON_FP8; n]).unwrap();
+            let (mut amax, mut scale) = (gpu.upload(&[f32::NAN]).unwrap(), gpu.upload(&[f32::NAN]).unwrap());
+            quant_tensor(&gpu, &dx, &mut q, &mut amax, &mut scale).unwrap();
+            let (want_q, want_amax, want_scale) = cpu::quant_tensor(&x);
+            let label = format!("tensor n {n} magnitude {magnitude}");
+            compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+            compared += assert_same(&format!("{label} amax"), &gpu.download(&amax).unwrap(), &[want_amax]);
+            compared += assert_same(&format!("{label} scale"), &gpu.download(&scale).unwrap(), &[want_scale]);
+        }
+    }
+    println!("quant_tensor back to back: {compared} values compared bit-exact");
 }

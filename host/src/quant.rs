@@ -4,14 +4,15 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::quant::{
-    EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams, QuantTokenParams,
-    REDUCE_SMEM_BYTES,
+    AMAX_SMEM_BYTES, EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams,
+    QuantTokenParams, REDUCE_SMEM_BYTES,
 };
-use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks, row_block};
+use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
-use crate::error::{During, Result};
+use crate::error::Result;
 use crate::gpu::Gpu;
+use crate::norm::RowPath;
 
 /// The amax upper bound as the kernels take it (`INFINITY`: none); must be > 0 when given.
 pub(crate) fn check_amax_ub(kernel: Kernel, amax_ub: Option<f32>) -> Result<f32> {
@@ -45,6 +46,21 @@ pub fn quant_token(
     q: &mut impl DevicePtrMut<u8>,
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
+    let path = RowPath::for_rows(x.len().checked_div(width).unwrap_or(0));
+    quant_token_on(gpu, path, width, x, amax_ub, q, scales)
+}
+
+/// [`quant_token`] with the block shape given (tests and benches compare the two; the
+/// results are the same bit for bit).
+pub fn quant_token_on(
+    gpu: &Gpu,
+    path: RowPath,
+    width: usize,
+    x: &impl DevicePtr<bf16>,
+    amax_ub: Option<f32>,
+    q: &mut impl DevicePtrMut<u8>,
+    scales: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
     let k = Kernel::QuantToken;
     let rows = rows_of(k, x.len(), width)?;
     Check(k.name()).len("q", x.len(), q.len())?;
@@ -59,7 +75,7 @@ pub fn quant_token(
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
-    unsafe { gpu.launch(k, (rows as u32, 1, 1), row_block(width as u32), REDUCE_SMEM_BYTES, p) }
+    unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
 }
 
 /// Per-tensor dynamic FP8 over all of `x`: writes `amax = max |x|` (NaN ignored), the scale
@@ -77,16 +93,17 @@ pub fn quant_tensor(
     Check(ka.name()).len("amax", 1, amax.len())?;
     Check(kq.name()).len("q", n, q.len())?;
     Check(kq.name()).len("scale", 1, scale.len())?;
-    gpu.stream().memset_zeros(amax).during("zeroing the amax accumulator")?;
     let grid = elementwise_grid(n);
     let pa = QuantAmaxParams {
         x: gpu.addr(ka, "x", x)? as *const u16,
         amax: gpu.addr_mut(ka, "amax", amax)? as *mut f32,
+        scratch: gpu.counters() as *mut u32,
         n: n as u32,
     };
-    // SAFETY: x holds n elements, amax one (zeroed above, in stream order); any grid, block
-    // EW_BLOCK, smem REDUCE_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(ka, (grid, 1, 1), EW_BLOCK, REDUCE_SMEM_BYTES, pa)? };
+    // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
+    // which the kernel leaves zero (every kernel waits for the one before it before it touches
+    // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
+    unsafe { gpu.launch(ka, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
     let pq = QuantTensorParams {
         x: pa.x,
         amax: pa.amax,
@@ -95,7 +112,8 @@ pub fn quant_tensor(
         n: n as u32,
     };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
-    // the scale write cannot race the amax reads); runs after the amax launch on the stream.
+    // the scale write cannot race the amax reads); runs after the amax launch on the stream,
+    // with its grid.
     unsafe { gpu.launch(kq, (grid, 1, 1), EW_BLOCK, 0, pq) }
 }
 

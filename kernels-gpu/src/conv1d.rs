@@ -13,8 +13,15 @@ use crate::KernelParams;
 pub const PAD_SLOT: i32 = -1;
 /// Widest kernel (taps) the conv kernels handle.
 pub const MAX_K: u32 = 8;
-/// Threads per block of the conv kernels: one thread per channel.
+/// Threads per block of the conv kernels: one thread per channel (per [`TILE_CHANNELS`]
+/// channels in the tiled forward).
 pub const CONV_BLOCK: u32 = 256;
+/// Tokens a thread of the tiled forward loads at once (one 8-byte load each).
+pub const TILE_BATCH: u32 = 8;
+/// Channels a thread of the tiled forward computes (one 8-byte load of each token's inputs).
+pub const TILE_CHANNELS: u32 = 4;
+/// Widest kernel the tiled forward handles (its taps and window live in registers).
+pub const TILED_MAX_K: u32 = 4;
 
 /// Decode: one token per row, the state of slot `cache_index[row]` read then rolled in place.
 #[repr(C)]
@@ -64,6 +71,9 @@ pub struct ConvFwdParams {
     pub dim: u32,
     pub k: u32,
     pub x_stride: u32,
+    /// Tokens per thread of the tiled forward (a multiple of [`TILE_BATCH`]); unused by the
+    /// other two.
+    pub tile: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -236,6 +246,175 @@ mod kernels {
             }
             st(p.y, t * p.dim as usize + c, f32_to_bf16(conv_out(p.w, p.bias, c, k, &window)));
         }
+    }
+
+    /// Conv forward outputs, tiled, [`ConvFwdParams`]: the same values as
+    /// [`conv1d_fwd_bf16`] bit for bit, for `k <= TILED_MAX_K`, `dim` and `x_stride`
+    /// multiples of [`TILE_CHANNELS`] and 8-byte aligned `x`, `w`, `bias`, `state` and `y`
+    /// (the launcher checks). Grid `(ceil(tokens / tile), ceil(dim / (4 * CONV_BLOCK)))`,
+    /// block [`CONV_BLOCK`]. Thread (i, g) computes channels `4g .. 4g + 4` of tokens
+    /// `i * tile ..` (`tile` of them, fewer at the end): it loads its taps and bias once, the
+    /// `k - 1` inputs before its first token (from x, or the sequence's prefix), then batches
+    /// of [`TILE_BATCH`] tokens (all loads of a batch first, one 8-byte load each, then the
+    /// outputs, the window sliding in registers). A warp's lanes read 256 contiguous bytes of
+    /// a row. Four channels a thread, not eight: half the registers (taps, window, batch), so
+    /// twice the warps an SM to hide the loads and the two MUFU operations of each output's
+    /// SiLU. At a sequence's first token the window restarts from that sequence's prefix;
+    /// tokens of pad sequences are skipped. Reads states only.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn conv1d_fwd_tiled_bf16(p: ConvFwdParams) {
+        grid_dependency_wait();
+        // SAFETY: launch contract checked by host/src/conv1d.rs (as for conv1d_fwd_bf16, plus
+        // the tiled path's alignment and k).
+        unsafe {
+            match p.k {
+                2 => fwd_tile::<2>(&p),
+                3 => fwd_tile::<3>(&p),
+                _ => fwd_tile::<4>(&p),
+            }
+        }
+    }
+
+    const CH: usize = TILE_CHANNELS as usize;
+    /// Window rows of the tiled forward (`TILED_MAX_K - 1`).
+    const MAX_TILED_KM1: usize = TILED_MAX_K as usize - 1;
+
+    /// `n` bf16 from `q` (8-byte aligned, `n` a multiple of 4) as f32, `N >= n` slots.
+    ///
+    /// # Safety
+    /// `q[0..n]` readable.
+    #[inline(always)]
+    unsafe fn load_run<const N: usize>(q: *const u16, n: usize) -> [f32; N] {
+        let mut v = [0.0f32; N];
+        for i in (0..N).step_by(4) {
+            if i < n {
+                // SAFETY: the caller's contract.
+                let r = raw4_values(unsafe { load4_raw_whole(q.wrapping_add(i)) });
+                v[i..i + 4].copy_from_slice(&r);
+            }
+        }
+        v
+    }
+
+    /// [`conv1d_fwd_tiled_bf16`] for `K` taps.
+    ///
+    /// # Safety
+    /// The launch contract of [`conv1d_fwd_tiled_bf16`], with `p.k == K`.
+    #[inline(always)]
+    unsafe fn fwd_tile<const K: usize>(p: &ConvFwdParams) {
+        let c0 = (block_y() * CONV_BLOCK + thread_x()) as usize * CH;
+        let (dim, xs) = (p.dim as usize, p.x_stride as usize);
+        let t0 = (block_x() * p.tile) as usize;
+        let t1 = (t0 + p.tile as usize).min(p.tokens as usize);
+        if c0 >= dim {
+            return;
+        }
+        // SAFETY: c0 + 4 <= dim (dim % 4 == 0); rows t < tokens of x and y exist; w holds
+        // dim * K values (channels c0.. are 4K of them from c0 * K, 8-byte aligned), bias dim;
+        // the state rows read are those of sequences with an initial state and a real slot.
+        unsafe {
+            // taps[j][i]: tap j of channel c0 + i (w is [dim, K]).
+            let wv: [f32; 4 * TILED_MAX_K as usize] = load_run(p.w.wrapping_add(c0 * K), CH * K);
+            let taps: [[f32; CH]; K] = core::array::from_fn(|j| core::array::from_fn(|i| wv[i * K + j]));
+            let bias = if p.bias.is_null() { [0.0; CH] } else { raw4_values(load4_raw_whole(p.bias.wrapping_add(c0))) };
+            let row = |t: usize| load4_raw_whole(p.x.wrapping_add(t * xs + c0));
+            // The sequence of the next token and its bounds (`end == t0`: none yet, so the
+            // first batch finds t0's), the window (the K - 1 inputs before the next token,
+            // oldest first).
+            let mut s = seq_of(p.cu_seqlens, p.nseq, t0 as i32);
+            let (mut end, mut pad) = (t0, false);
+            let mut win = [[0.0f32; CH]; MAX_TILED_KM1];
+            let mut tb = t0;
+            while tb < t1 {
+                if tb >= end {
+                    // Sequences have at least one token: this finds tb's, and its window
+                    // restarts from the sequence's prefix.
+                    while ld(p.cu_seqlens, s + 1) as usize <= tb {
+                        s += 1;
+                    }
+                    let start = ld(p.cu_seqlens, s) as usize;
+                    end = ld(p.cu_seqlens, s + 1) as usize;
+                    pad = ld(p.cache_index, s) == PAD_SLOT;
+                    if !pad {
+                        win = tile_window::<K>(p, s, tb - start, tb, c0, &row);
+                    }
+                }
+                // A batch stays inside one sequence.
+                let m = (t1.min(end) - tb).min(TILE_BATCH as usize);
+                if pad {
+                    tb += m;
+                    continue;
+                }
+                let raw: [[u32; 2]; TILE_BATCH as usize] =
+                    core::array::from_fn(|u| if u < m { row(tb + u) } else { [0; 2] });
+                for (u, r) in raw.iter().enumerate() {
+                    if u >= m {
+                        break;
+                    }
+                    let xv = raw4_values(*r);
+                    let out: [f32; CH] = core::array::from_fn(|i| {
+                        let mut acc = bias[i];
+                        for (j, tap) in taps.iter().enumerate() {
+                            acc += tap[i] * if j < K - 1 { win[j][i] } else { xv[i] };
+                        }
+                        silu(acc)
+                    });
+                    store4_bf16_whole(p.y.wrapping_add((tb + u) * dim + c0), out);
+                    for j in 0..K - 1 {
+                        win[j] = if j + 1 < K - 1 { win[j + 1] } else { xv };
+                    }
+                }
+                tb += m;
+            }
+        }
+    }
+
+    /// The `K - 1` inputs before token `t`, the `before`-th of sequence `s`, for channels
+    /// `c0 .. c0 + 4`, oldest first: rows of x inside the sequence, before it the slot's state
+    /// (with an initial state) or zeros.
+    ///
+    /// # Safety
+    /// As [`fwd_tile`].
+    #[inline(always)]
+    unsafe fn tile_window<const K: usize>(
+        p: &ConvFwdParams,
+        s: usize,
+        before: usize,
+        t: usize,
+        c0: usize,
+        row: &impl Fn(usize) -> [u32; 2],
+    ) -> [[f32; CH]; MAX_TILED_KM1] {
+        let km1 = K - 1;
+        let mut win = [[0.0f32; CH]; MAX_TILED_KM1];
+        // SAFETY: the caller's contract; the state's `[dim, K - 1]` values of channels c0..
+        // are 4 (K - 1) of them from (slot * dim + c0) * (K - 1), 8-byte aligned.
+        unsafe {
+            // prefix[i][ch]: channel c0 + ch's prefix value i (at ch * (K - 1) + i).
+            let prefix: [[f32; CH]; MAX_TILED_KM1] = if before < km1 && ld(p.has_initial, s) != 0 {
+                let slot = ld(p.cache_index, s) as usize;
+                let sv: [f32; 4 * MAX_TILED_KM1] =
+                    load_run(p.state.wrapping_add((slot * p.dim as usize + c0) * km1), CH * km1);
+                core::array::from_fn(|i| core::array::from_fn(|ch| if i < km1 { sv[ch * km1 + i] } else { 0.0 }))
+            } else {
+                [[0.0; CH]; MAX_TILED_KM1]
+            };
+            for (j, wj) in win.iter_mut().enumerate().take(km1) {
+                // Window slot j holds padded input q = before + j of the sequence: x row
+                // t + j - km1, or prefix value q (selected without indexing registers at run
+                // time).
+                let q = before + j;
+                if q >= km1 {
+                    *wj = raw4_values(row(t + j - km1));
+                } else {
+                    for (i, pi) in prefix.iter().enumerate().take(km1) {
+                        if q == i {
+                            *wj = *pi;
+                        }
+                    }
+                }
+            }
+        }
+        win
     }
 
     /// Conv forward final states, [`ConvFwdParams`], after the outputs launch. Grid

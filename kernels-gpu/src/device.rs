@@ -654,6 +654,11 @@ struct Bf16x8([u16; 8]);
 #[derive(Clone, Copy)]
 struct U32x4([u32; 4]);
 
+/// Two words as one 8-byte load or store (four bf16).
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct U32x2([u32; 2]);
+
 /// Eight e4m3 codes as one 8-byte store.
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
@@ -789,6 +794,37 @@ pub unsafe fn ld_l2(p: *const i32, i: usize) -> i32 {
         asm!("ld.global.cg.s32 {v}, [{a}];", v = out(reg32) v, a = in(reg64) p.wrapping_add(i), options(readonly, nostack))
     };
     v
+}
+
+/// `q[0..4]` as raw pairs (element `2i` in the low half of word `i`), one 8-byte load.
+///
+/// # Safety
+/// `q[0..4]` must be readable and `q` 8-byte aligned.
+#[inline(always)]
+pub unsafe fn load4_raw_whole(q: *const u16) -> [u32; 2] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { (*(q as *const U32x2)).0 }
+}
+
+/// The f32 values of four bf16 as [`load4_raw_whole`] returns them.
+#[inline(always)]
+pub fn raw4_values(raw: [u32; 2]) -> [f32; 4] {
+    let mut v = [0.0; 4];
+    for i in 0..2 {
+        (v[2 * i], v[2 * i + 1]) = (f32::from_bits(raw[i] << 16), f32::from_bits(raw[i] & 0xffff_0000));
+    }
+    v
+}
+
+/// Writes `v` rounded to bf16 at `q[0..4]`, one 8-byte store.
+///
+/// # Safety
+/// `q[0..4]` must be writable by this thread alone and `q` 8-byte aligned.
+#[inline(always)]
+pub unsafe fn store4_bf16_whole(q: *mut u16, v: [f32; 4]) {
+    let raw = U32x2([f32x2_to_bf16x2(v[1], v[0]), f32x2_to_bf16x2(v[3], v[2])]);
+    // SAFETY: guaranteed by the caller.
+    unsafe { *(q as *mut U32x2) = raw }
 }
 
 /// Writes `v` rounded to bf16 at elements `c0..min(c0 + 8, len)` (one 16-byte store when whole

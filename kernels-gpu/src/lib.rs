@@ -56,6 +56,15 @@ pub const fn row_block(width: u32) -> u32 {
     if threads < 32 { 32 } else { threads }
 }
 
+/// Threads per block of the row kernels at many rows ([`row_block`] is for few): whole warps
+/// of [`CHUNKS_PER_THREAD`] chunks each, so a block's threads have all of its row's loads in
+/// flight at once and an SM holds several rows. The kernels are the same; only the chunks per
+/// thread change.
+pub const fn row_block_many(width: u32) -> u32 {
+    let threads = chunks(width).div_ceil(CHUNKS_PER_THREAD).div_ceil(32) * 32;
+    if threads < 32 { 32 } else { threads }
+}
+
 /// Threads per block of the element-wise (grid-stride) kernels.
 pub const EW_BLOCK: u32 = 256;
 
@@ -101,6 +110,9 @@ kernels! {
     ConvUpdate = "conv1d_update_bf16",
     /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs (varlen).
     ConvFwd = "conv1d_fwd_bf16",
+    /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs, 8 channels by a run of tokens
+    /// a thread (many tokens).
+    ConvFwdTiled = "conv1d_fwd_tiled_bf16",
     /// [`conv1d::ConvFwdParams`]: causal conv1d prefill final states.
     ConvFwdState = "conv1d_fwd_state_bf16",
     /// [`ssm::SsmUpdateParams`]`<f32>`: selective state update, f32 state.

@@ -131,19 +131,37 @@ mod kernels {
             // has n slots, rstd `groups`; each thread writes only its own css slots, warp w
             // only rstd of its groups, and the barriers order writes before reads.
             unsafe {
+                // Every load of this thread's chunks first (x, add, z), so they are all in
+                // flight at once: a store in between (the residual's, or to css) would order
+                // the next chunk's loads after it. (w waits for the end: loaded here too, its
+                // registers made the kernels spill at the 64 a block of 1024 threads allows.)
+                let (mut xr, mut ar, mut zr) = ([[0u32; 4]; J], [[0u32; 4]; J], [[0u32; 4]; J]);
+                for j in 0..J {
+                    let k = chunk(j);
+                    if k < n {
+                        let c0 = (k * VEC) as usize;
+                        xr[j] = load8_raw(self.x, c0, width);
+                        if !self.add.is_null() {
+                            ar[j] = load8_raw(self.add, c0, width);
+                        }
+                        if !self.z.is_null() {
+                            zr[j] = load8_raw(self.z, c0, width);
+                        }
+                    }
+                }
                 for (j, uj) in u.iter_mut().enumerate() {
                     let k = chunk(j);
                     if k < n {
                         let c0 = (k * VEC) as usize;
-                        *uj = load8_bf16(self.x, c0, width);
+                        *uj = raw8_values(xr[j]);
                         if !self.add.is_null() {
-                            let a = load8_bf16(self.add, c0, width);
+                            let a = raw8_values(ar[j]);
                             let sum = f32x8_to_bf16(core::array::from_fn(|i| uj[i] + a[i]));
                             *uj = sum.map(bf16_to_f32);
                             store8_bf16(self.x as *mut u16, c0, width, *uj);
                         }
                         if !self.z.is_null() {
-                            let z = load8_bf16(self.z, c0, width);
+                            let z = raw8_values(zr[j]);
                             for i in 0..8 {
                                 uj[i] *= silu(z[i]);
                             }

@@ -32,14 +32,18 @@ pub struct QuantTokenParams {
     pub amax_ub: f32,
 }
 
-/// First pass of per-tensor quantization: `*amax = max(*amax, max |x|)`. `*amax` must start at 0.
+/// First pass of per-tensor quantization: `*amax = max |x|`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct QuantAmaxParams {
     /// `[n]` bf16, read.
     pub x: *const u16,
-    /// One f32, updated with an atomic max on its bits (valid: it only holds values >= 0).
+    /// One f32, written by the last block to finish.
     pub amax: *mut f32,
+    /// Two u32 that are zero when the launch starts, left zero: `[0]` the running max |x| as
+    /// bits (updated with an atomic max: f32 >= 0 order like their bits), `[1]` the blocks
+    /// that have added theirs.
+    pub scratch: *mut u32,
     pub n: u32,
 }
 
@@ -80,12 +84,14 @@ unsafe impl KernelParams for QuantTensorParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for QuantStaticParams {}
 
-/// Dynamic shared memory of the per-token and amax kernels (the block-reduction scratch).
+/// Dynamic shared memory of the per-token kernel (the block-reduction scratch).
 pub const REDUCE_SMEM_BYTES: u32 = crate::REDUCE_SMEM_FLOATS * 4;
+/// Dynamic shared memory of the amax kernel: the block-reduction scratch and a flag word.
+pub const AMAX_SMEM_BYTES: u32 = REDUCE_SMEM_BYTES + 4;
 
 /// Chunks each thread of the element-wise kernels handles per grid pass, on average; the
 /// host sizes their grid as `ceil(chunks / (EW_BLOCK * EW_CHUNKS_PER_THREAD))`, capped at
-/// [`MAX_GRID`].
+/// [`MAX_GRID`]. The per-tensor kernels also load this many chunks at once.
 pub const EW_CHUNKS_PER_THREAD: u32 = 4;
 /// Most blocks of an element-wise (grid-stride) launch.
 pub const MAX_GRID: u32 = 2048;
@@ -101,7 +107,7 @@ pub fn token_scale(amax: f32, amax_ub: f32) -> f32 {
 mod kernels {
     use super::*;
     use crate::device::*;
-    use crate::{CHUNKS_PER_THREAD, VEC, chunks};
+    use crate::{CHUNKS_PER_THREAD, EW_BLOCK, VEC, chunks};
 
     /// Per-token dynamic FP8, [`QuantTokenParams`]. Grid `(rows)`, block `row_block(width)`,
     /// dynamic shared memory [`REDUCE_SMEM_BYTES`]. Block r loads row r once into registers
@@ -137,29 +143,68 @@ mod kernels {
         }
     }
 
-    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`crate::EW_BLOCK`], dynamic shared
-    /// memory [`REDUCE_SMEM_BYTES`]. Each block reduces its chunks and thread 0 does one
-    /// `red.global.max.u32` on the bits of `*amax` (f32 >= 0 order like their bits).
-    #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn quant_amax_bf16(p: QuantAmaxParams) {
-        grid_dependency_wait();
-        let mut amax = 0.0f32;
-        // SAFETY: chunks stay below n, the length the launcher checked.
-        for_each_chunk(p.n, |c0| {
-            amax = unsafe { load8_bf16(p.x, c0, p.n as usize) }.iter().fold(amax, |a, y| fmax(a, y.abs()))
-        });
-        let amax = block_max(amax, dyn_smem_f32());
-        if thread_x() == 0 {
-            // SAFETY: `p.amax` points at one f32 in global memory; the atomic serializes blocks.
-            unsafe {
-                core::arch::asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) p.amax, v = in(reg32) amax.to_bits(),
-                                 options(nostack))
-            };
+    /// Block `b`'s chunks in the per-tensor kernels: a contiguous range of
+    /// `ceil(chunks / grid)` chunks (rounded up to whole blocks), so the amax pass finishes
+    /// the tensor's end last and the quantization pass, which takes the ranges in reverse
+    /// block order, starts with what is most likely still in L2. `f(c0)` for each chunk start
+    /// below `n`, [`EW_CHUNKS_PER_THREAD`] chunks a thread loaded together where whole.
+    #[inline(always)]
+    fn for_block_range(n: u32, b: u32, mut f: impl FnMut(&[usize; J], u32)) {
+        let nc = chunks(n);
+        let per = nc.div_ceil(grid_dim_x()).div_ceil(EW_BLOCK) * EW_BLOCK;
+        let (start, end) = (b.saturating_mul(per).min(nc), (b.saturating_mul(per)).saturating_add(per).min(nc));
+        let mut k = start + thread_x();
+        while k + (J as u32 - 1) * EW_BLOCK < end {
+            f(&core::array::from_fn(|j| ((k + j as u32 * EW_BLOCK) * VEC) as usize), J as u32);
+            k += J as u32 * EW_BLOCK;
+        }
+        while k < end {
+            f(&[(k * VEC) as usize; J], 1);
+            k += EW_BLOCK;
         }
     }
 
-    /// Per-tensor quantization, [`QuantTensorParams`]. Any grid, block [`crate::EW_BLOCK`]. Each
-    /// thread reads `*amax`, derives the scale, and writes the codes of its chunks.
+    const J: usize = EW_CHUNKS_PER_THREAD as usize;
+
+    /// Per-tensor amax, [`QuantAmaxParams`]. Any grid, block [`crate::EW_BLOCK`], dynamic shared
+    /// memory [`AMAX_SMEM_BYTES`]. Each block reduces its range of chunks and thread 0 does one
+    /// `red.global.max.u32` on the bits of `scratch[0]`; the last block to arrive writes
+    /// `*amax` and sets `scratch[0]` back to zero.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn quant_amax_bf16(p: QuantAmaxParams) {
+        grid_dependency_wait();
+        let n = p.n as usize;
+        let mut amax = 0.0f32;
+        for_block_range(p.n, block_x(), |c0, m| {
+            // SAFETY: chunks stay below n, the length the launcher checked; all m loads first.
+            let v: [[u32; 4]; J] =
+                core::array::from_fn(|j| if (j as u32) < m { unsafe { load8_raw(p.x, c0[j], n) } } else { [0; 4] });
+            for vj in v {
+                amax = raw8_values(vj).iter().fold(amax, |a, y| fmax(a, y.abs()));
+            }
+        });
+        let smem = dyn_smem_f32();
+        let amax = block_max(amax, smem);
+        // SAFETY: `p.scratch` points at two u32 of global memory only this grid touches (the
+        // launcher's contract); the atomic serializes blocks; the arrival (release) follows
+        // the max in thread 0's program order, the last block's reads follow its acquire.
+        unsafe {
+            if thread_x() == 0 {
+                core::arch::asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) p.scratch, v = in(reg32) amax.to_bits(),
+                                 options(nostack));
+            }
+            let flag = smem.wrapping_add(crate::REDUCE_SMEM_FLOATS as usize) as *mut u32;
+            if last_block(p.scratch.wrapping_add(1), grid_dim_x(), flag) && thread_x() == 0 {
+                let acc = core::sync::atomic::AtomicU32::from_ptr(p.scratch);
+                st(p.amax, 0, f32::from_bits(acc.load(core::sync::atomic::Ordering::Relaxed)));
+                acc.store(0, core::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Per-tensor quantization, [`QuantTensorParams`]. The amax launch's grid, block
+    /// [`crate::EW_BLOCK`]. Each thread reads `*amax`, derives the scale, and writes the codes
+    /// of its chunks: block `b` those of the amax launch's block `grid - 1 - b`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn quant_tensor_fp8_bf16(p: QuantTensorParams) {
         grid_dependency_wait();
@@ -168,7 +213,15 @@ mod kernels {
             let s = (ld(p.amax, 0) / E4M3_MAX).max(MIN_SCALE);
             let inv = 1.0 / s;
             let n = p.n as usize;
-            for_each_chunk(p.n, |c0| store8_e4m3(p.q, c0, n, load8_bf16(p.x, c0, n).map(|v| v * inv)));
+            for_block_range(p.n, grid_dim_x() - 1 - block_x(), |c0, m| {
+                let v: [[u32; 4]; J] =
+                    core::array::from_fn(|j| if (j as u32) < m { load8_raw(p.x, c0[j], n) } else { [0; 4] });
+                for (j, vj) in v.iter().enumerate() {
+                    if (j as u32) < m {
+                        store8_e4m3(p.q, c0[j], n, raw8_values(*vj).map(|v| v * inv));
+                    }
+                }
+            });
             if block_x() == 0 && thread_x() == 0 {
                 st(p.scale, 0, s);
             }

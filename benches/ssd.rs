@@ -44,7 +44,7 @@ fn benches(c: &mut Criterion) {
         let mut state: Vec<_> = (0..sets).map(|_| gpu.zeros::<f32>(nseq * shape.slot_len()).unwrap()).collect();
         let slots: Vec<i32> = (0..nseq as i32).collect();
         let seqs = Prefill::new(gpu, &vec![len; nseq], &slots, &vec![nseq == 1; nseq], nseq).unwrap();
-        let mut plan = SsdPlan::new(gpu, &seqs, 64, 64, 128).unwrap();
+        let mut plan = SsdPlan::new(gpu, &seqs, shape).unwrap();
         let mut launch = |i: usize| {
             let inputs = SsmInputs {
                 x: Rows { buf: &xbc[i], offset: 0, stride },

@@ -85,7 +85,7 @@ const LAUNCH_BOUNDS: [(&str, u32, u32); 9] = [
     ("ssd_chunk_state_f32", 256, 3),
     ("ssd_state_pass_f32", 256, 2),
     ("ssd_state_pass_bf16", 256, 2),
-    ("ssd_scan_bf16", 256, 2),
+    ("ssd_scan_bf16", 256, 3),
     ("norm_rms_bf16", 1024, 0),
     ("norm_gated_bf16", 1024, 0),
     ("norm_gated_fp8_bf16", 1024, 0),

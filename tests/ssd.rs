@@ -131,7 +131,7 @@ where
     let init: Vec<T> = random_states(rng, &shape, num_slots).into_iter().map(T::from_f64).collect();
     let mut state = gpu.upload(&init).unwrap();
     let seqs = Prefill::new(gpu, lens, &slots, &has_initial, num_slots).unwrap();
-    let mut plan = SsdPlan::new(gpu, &seqs, shape.heads, shape.head_dim, shape.state_size).unwrap();
+    let mut plan = SsdPlan::new(gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
     ssd_scan(gpu, shape, dev.inputs_at(0), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
 
@@ -235,7 +235,7 @@ fn gpu_ssd_equals_update_kernel_token_by_token() {
 
     let mut scan_state = gpu.upload(&init).unwrap();
     let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
-    let mut plan = SsdPlan::new(&gpu, &seqs, shape.heads, shape.head_dim, shape.state_size).unwrap();
+    let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut scan_y = gpu.zeros::<bf16>(tokens * shape.width()).unwrap();
     ssd_scan(&gpu, shape, dev.inputs_at(0), dev.heads(true), &mut scan_state, &seqs, &mut plan, &mut scan_y).unwrap();
 
@@ -349,7 +349,7 @@ fn gpu_ssd_16k_tokens_sampled_heads_against_recurrence() {
     let init: Vec<f32> = random_states(&mut rng, &shape, 1).into_iter().map(|v| v as f32).collect();
     let mut state = gpu.upload(&init).unwrap();
     let seqs = Prefill::new(&gpu, &[tokens], &[0], &[true], 1).unwrap();
-    let mut plan = SsdPlan::new(&gpu, &seqs, shape.heads, shape.head_dim, shape.state_size).unwrap();
+    let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
     ssd_scan(&gpu, shape, dev.inputs_at(0), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
     let got = to_f64(&gpu.download(&y).unwrap());

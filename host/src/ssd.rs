@@ -23,10 +23,11 @@ pub struct SsdPlan {
     acum: CudaSlice<f32>,
     states: CudaSlice<f32>,
     starts: CudaSlice<u16>,
+    cb: CudaSlice<f32>,
     nchunks: usize,
     tokens: usize,
     lens: Vec<usize>,
-    shape: (usize, usize, usize),
+    shape: (usize, usize, usize, usize),
 }
 
 /// The chunk table of sequences of `lens` tokens: (chunks, first chunk of each sequence).
@@ -53,8 +54,9 @@ unsafe impl cudarc::driver::DeviceRepr for SsdChunkRepr {}
 struct SsdChunkRepr(SsdChunk);
 
 impl SsdPlan {
-    /// Plans a scan over `seqs` for `heads` heads of `head_dim` x `state_size` states.
-    pub fn new(gpu: &Gpu, seqs: &Prefill, heads: usize, head_dim: usize, state_size: usize) -> Result<SsdPlan> {
+    /// Plans a scan over `seqs` for the heads, states and groups of `shape`.
+    pub fn new(gpu: &Gpu, seqs: &Prefill, shape: SsmShape) -> Result<SsdPlan> {
+        let (heads, head_dim, state_size, groups) = (shape.heads, shape.head_dim, shape.state_size, shape.groups);
         let c = Check(Kernel::SsdScan.name());
         c.count("head_dim", SSD_MAX_HEAD_DIM as usize, head_dim)?;
         c.count("state_size", SSD_MAX_STATE as usize, state_size)?;
@@ -68,10 +70,11 @@ impl SsdPlan {
             acum: gpu.zeros(n * heads * SSD_CHUNK as usize)?,
             states: gpu.zeros(n * heads * head_dim * state_size)?,
             starts: gpu.zeros(n * heads * head_dim * state_size)?,
+            cb: gpu.zeros(n * groups * 64 * 256)?,
             nchunks: n,
             tokens: seqs.tokens(),
             lens: seqs.lens.clone(),
-            shape: (heads, head_dim, state_size),
+            shape: (heads, head_dim, state_size, groups),
         })
     }
 
@@ -102,7 +105,7 @@ where
     let c = Check(k.name());
     shape.check(T::PASS, &heads, state.len(), seqs.num_slots())?;
     c.that("plan", plan.lens == seqs.lens, "a plan built for this batch", "a plan of another batch")?;
-    let planned = (shape.heads, shape.head_dim, shape.state_size);
+    let planned = (shape.heads, shape.head_dim, shape.state_size, shape.groups);
     c.that("plan", plan.shape == planned, format!("a plan for {planned:?}"), format!("{:?}", plan.shape))?;
     c.count("sequences", 65535, seqs.nseq())?;
     let (tokens, w, gn) = (plan.tokens, shape.width(), shape.groups * shape.state_size);
@@ -132,6 +135,7 @@ where
         acum: gpu.addr_mut(k, "plan", &mut plan.acum)? as *mut f32,
         states: gpu.addr_mut(k, "plan", &mut plan.states)? as *mut f32,
         starts: gpu.addr_mut(k, "plan", &mut plan.starts)? as *mut u16,
+        cb: gpu.addr_mut(k, "plan", &mut plan.cb)? as *mut f32,
         y: gpu.addr_mut(k, "y", y)? as *mut u16,
         nchunks: plan.nchunks as u32,
         heads: shape.heads as u32,
@@ -159,14 +163,16 @@ where
     let hn_blocks = (hd * n).div_ceil(SSD_PASS_BLOCK * SSD_PASS_PER_THREAD);
     // SAFETY: `check`, `Rows::addr` and the plan checks proved every input covers the batch's
     // tokens, the per-head arrays `heads`, the cache `num_slots` slots and the workspaces the
-    // plan's chunks; the chunk table comes from the same lengths as Prefill's cu_seqlens, so
-    // chunks lie inside their sequences; Prefill's slots are PAD_SLOT or distinct in range;
+    // plan's chunks (cb: chunks x groups score tiles; the plan's shape is this one); the chunk
+    // table comes from the same lengths as Prefill's cu_seqlens, so chunks lie inside their
+    // sequences; Prefill's slots are PAD_SLOT or distinct in range;
     // head_dim, state_size are within the kernels' limits (SsdPlan::new); launches are
     // ordered on the stream; `vec` only where every staged row is 16-byte aligned (the
     // workspaces' rows are whole 8-element groups then too); grids, blocks and shared memory
     // as each kernel documents.
     unsafe {
-        gpu.launch(Kernel::SsdChunkState, (nc, h, 1), SSD_STATE_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
+        let state_grid = (nc, h + shape.groups as u32, 1);
+        gpu.launch(Kernel::SsdChunkState, state_grid, SSD_STATE_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
         gpu.launch(T::PASS, (hn_blocks, h, seqs.nseq() as u32), SSD_PASS_BLOCK, 0, q)?;
         gpu.launch(k, (nc, h, 1), SSD_SCAN_BLOCK, scan_smem_bytes(hd, n), p)
     }

@@ -16,19 +16,21 @@
 //! - `y_i = exp(a_i) (S_start C_i) + sum_{j<=i} (C_i . B_j) exp(a_i - a_j) delta_j x_j + D x_i`.
 //!
 //! # Three launches
-//! 1. `ssd_chunk_state_f32`, per (chunk, head): delta and the cumsum into the `delta`, `acum`
-//!    workspaces (`[nchunks, heads, SSD_CHUNK]` f32; past a chunk's length delta is 0 and the
-//!    cumsum flat, so entry 127 is always `a_last`), then `s_c` into `states`
-//!    (`[nchunks, heads, head_dim, state_size]` f32), one `head_dim x state_size x chunk`
-//!    product on tensor cores (`(x . w)^T B` with `w_j = exp(a_last - a_j) delta_j`).
+//! 1. `ssd_chunk_state_f32`, grid `(nchunks, heads + groups)`. Blocks (chunk, head): delta and
+//!    the cumsum into the `delta`, `acum` workspaces (`[nchunks, heads, SSD_CHUNK]` f32; past a
+//!    chunk's length delta is 0 and the cumsum flat, so entry 127 is always `a_last`), then
+//!    `s_c` into `states` (`[nchunks, heads, head_dim, state_size]` f32), one
+//!    `head_dim x state_size x chunk` product on tensor cores (`(x . w)^T B` with
+//!    `w_j = exp(a_last - a_j) delta_j`). Blocks (chunk, heads + group): the chunk's scores
+//!    `C_i . B_j` (j <= i, f32) into `cb`, once for the group's heads.
 //! 2. `ssd_state_pass_{f32,bf16}`, per (sequence, head, state elements): walks the chunks in
 //!    order, writes each `S_start(c)` to `starts` (`[nchunks, heads, head_dim, state_size]`
 //!    bf16: what the output products take) and the final state to the sequence's slot.
 //! 3. `ssd_scan_bf16`, per (chunk, head): `y` on tensor cores, each warp two 16-row tiles of
 //!    the chunk (w and 7 - w: the causal part balanced over the warps) for half the channels:
-//!    `C S_start^T` scaled
-//!    by `exp(a_i)`, then for each 16-token tile j up to the row tile the scores `C B_j^T`,
-//!    weighted and masked in registers, rounded to bf16 and multiplied by `x_j`.
+//!    `C S_start^T` scaled by `exp(a_i)`, then for each 16-token tile j up to the row tile the
+//!    group's scores, weighted by `exp(a_i - a_j) delta_j` and masked in registers, rounded
+//!    to bf16 and multiplied by `x_j`.
 //!
 //! The tensor-core operands are bf16: x, B, C as given; `x . w`, the weighted scores and
 //! `S_start` rounded once (the sums stay f32). Inputs are rows with their own strides (slices
@@ -90,6 +92,10 @@ pub struct SsdParams {
     pub states: *mut f32,
     /// `[nchunks, heads, head_dim, state_size]` bf16 workspace: each chunk's start state.
     pub starts: *mut u16,
+    /// `[nchunks, groups, 64, 256]` f32 workspace: each chunk's scores `C_i . B_j`, per 16x16
+    /// tile `(I, J)` (`8 I + J`, J <= I) as its two 16x8 accumulators in lane order (lane l's
+    /// eight values at `8 l`).
+    pub cb: *mut f32,
     /// `[tokens, heads * head_dim]` bf16, written.
     pub y: *mut u16,
     pub nchunks: u32,
@@ -132,15 +138,17 @@ unsafe impl KernelParams for SsdPassParams<f32> {}
 unsafe impl KernelParams for SsdPassParams<u16> {}
 
 /// Dynamic shared memory of `ssd_chunk_state_f32`: the chunk's x and B tiles, then the f32
-/// weights and eight words of scratch.
+/// weights and eight words of scratch; or, for a scores block, its C and B tiles.
 pub const fn chunk_state_smem_bytes(head_dim: u32, state_size: u32) -> u32 {
-    tile_bytes(SSD_CHUNK, head_dim) + tile_bytes(SSD_CHUNK, state_size) + (SSD_CHUNK + 8) * 4
+    let states = tile_bytes(SSD_CHUNK, head_dim) + tile_bytes(SSD_CHUNK, state_size) + (SSD_CHUNK + 8) * 4;
+    let scores = 2 * tile_bytes(SSD_CHUNK, state_size);
+    if states > scores { states } else { scores }
 }
 
-/// Dynamic shared memory of `ssd_scan_bf16`: the chunk's C, B and x tiles, S_start, then the
-/// f32 cumsum and deltas.
+/// Dynamic shared memory of `ssd_scan_bf16`: the chunk's C and x tiles, S_start, then the f32
+/// cumsum and deltas.
 pub const fn scan_smem_bytes(head_dim: u32, state_size: u32) -> u32 {
-    2 * tile_bytes(SSD_CHUNK, state_size)
+    tile_bytes(SSD_CHUNK, state_size)
         + tile_bytes(SSD_CHUNK, head_dim)
         + tile_bytes(head_dim, state_size)
         + 2 * SSD_CHUNK * 4
@@ -159,6 +167,11 @@ mod kernels {
     #[repr(C, align(8))]
     #[derive(Clone, Copy)]
     struct F32x2([f32; 2]);
+
+    /// Four f32 moved as one 16-byte access.
+    #[repr(C, align(16))]
+    #[derive(Clone, Copy)]
+    struct F32x4([f32; 4]);
 
     /// Offset of (chunk, head) in the `[nchunks, heads, SSD_CHUNK]` workspaces.
     #[inline(always)]
@@ -188,6 +201,11 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_chunk_state_f32(p: SsdParams) {
         grid_dependency_wait();
+        if block_y() >= p.heads {
+            // SAFETY: as below; the whole block takes this branch.
+            unsafe { chunk_scores(&p) };
+            return;
+        }
         let (c, h) = (block_x() as usize, block_y() as usize);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
         let (hd, n) = (p.head_dim, p.state_size);
@@ -278,6 +296,60 @@ mod kernels {
                     }
                 }
                 item += SSD_STATE_BLOCK / 32;
+            }
+        }
+    }
+
+    /// The scores block (c, heads + g) of `ssd_chunk_state_f32`: `C_i . B_j` of chunk c and
+    /// group g for the 36 tiles `J <= I` (those past the chunk's length skipped) into `cb`,
+    /// warp w taking tiles w, w + 8, ... (row-major over the triangle). Even and odd k steps
+    /// accumulate apart (two chains of dependent products, not one twice as long).
+    ///
+    /// # Safety
+    /// The launch contract of `ssd_chunk_state_f32`.
+    #[inline(always)]
+    unsafe fn chunk_scores(p: &SsdParams) {
+        let (c, g) = (block_x() as usize, (block_y() - p.heads) as usize);
+        let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
+        let n = p.state_size;
+        let np = up16(n);
+        let vec = p.vec != 0;
+        // SAFETY: as the caller's (B, C cover the chunk's rows at group g's columns; cb holds
+        // the plan's chunks x groups); the two tiles fit in chunk_state_smem_bytes.
+        unsafe {
+            let ch = ld(p.chunks, c);
+            let (start, len) = (ch.start as usize, ch.len);
+            let cs = Tile { addr: smem_addr(0), stride: tile_stride(n) };
+            let bs = Tile { addr: smem_addr(tile_bytes(SSD_CHUNK, n)), stride: tile_stride(n) };
+            let (cst, bst, gn) = (p.c_stride as usize, p.b_stride as usize, g * n as usize);
+            cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, tid, SSD_STATE_BLOCK);
+            bs.stage(p.b.wrapping_add(start * bst + gn), bst, (SSD_CHUNK, np), (len, n), vec, tid, SSD_STATE_BLOCK);
+            staged();
+            let rows = len.div_ceil(16);
+            let mut t = w;
+            while t < 36 {
+                let mut ti = 0;
+                while (ti + 1) * (ti + 2) / 2 <= t {
+                    ti += 1;
+                }
+                let tj = t - ti * (ti + 1) / 2;
+                if ti < rows {
+                    let mut cb = [[[0.0f32; 4]; 2]; 2];
+                    for ks in 0..SSD_MAX_STATE / 16 {
+                        if 16 * ks < np {
+                            let (a, b) = (cs.a(16 * ti, 16 * ks), bs.b_nk(16 * ks, 16 * tj));
+                            let part = &mut cb[ks as usize % 2];
+                            mma(&mut part[0], a, b[0]);
+                            mma(&mut part[1], a, b[1]);
+                        }
+                    }
+                    let v = |tt: usize| F32x4(core::array::from_fn(|e| cb[0][tt][e] + cb[1][tt][e]));
+                    let at = ((c * p.groups as usize + g) * 64 + (8 * ti + tj) as usize) * 256 + 8 * lane as usize;
+                    let out = p.cb.wrapping_add(at) as *mut F32x4;
+                    st(out, 0, v(0));
+                    st(out, 1, v(1));
+                }
+                t += SSD_STATE_BLOCK / 32;
             }
         }
     }
@@ -382,13 +454,14 @@ mod kernels {
 
     /// Chunk scan outputs, [`SsdParams`], after state passing. Grid `(nchunks, heads)`, block
     /// [`SSD_SCAN_BLOCK`], dynamic shared memory `scan_smem_bytes`. The chunk's C, B, x,
-    /// S_start, cumsum and deltas staged; warp w then computes row tiles w % 4 and 7 - w % 4 (16
-    /// rows each, skipped past the chunk's length) for channels `32 (w / 4) .. + 32` (the two
-    /// warps of a tile both compute its scores): its rows of C held as A fragments, the
-    /// `S_start C` product (S_start stored `[channel][state]`, B as `[n][k]`) scaled per row by
-    /// `exp(a_i)`, then per 16-token tile of the causal part the scores `C B^T`, weighted by
-    /// `exp(a_i - a_j) delta_j` (zero where j > i), as the A fragment of their product with x
-    /// (stored `[token][channel]`, B as `[k][n]`); `D x` added at the store.
+    /// S_start, cumsum and deltas staged (C, x, S_start: the chunk's scores are read from `cb`
+    /// by each lane, its accumulator elements, the next tile's loaded while one is used); warp
+    /// w then computes row tiles w % 4 and 7 - w % 4 (16 rows each, skipped past the chunk's
+    /// length) for channels `32 (w / 4) .. + 32`: the `S_start C` product (C as A, S_start
+    /// stored `[channel][state]`, B as `[n][k]`) scaled per row by `exp(a_i)`, then per 16-token
+    /// tile of the causal part the scores weighted by `exp(a_i - a_j) delta_j` (zero where
+    /// j > i), as the A fragment of their product with x (stored `[token][channel]`, B as
+    /// `[k][n]`); `D x` added at the store.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_scan_bf16(p: SsdParams) {
         grid_dependency_wait();
@@ -406,18 +479,16 @@ mod kernels {
             let (start, len) = (ch.start as usize, ch.len);
             let tn = tile_bytes(SSD_CHUNK, n);
             let cs = Tile { addr: smem_addr(0), stride: tile_stride(n) };
-            let bs = Tile { addr: smem_addr(tn), stride: tile_stride(n) };
-            let xs = Tile { addr: smem_addr(2 * tn), stride: tile_stride(hd) };
-            let ss = Tile { addr: smem_addr(2 * tn + tile_bytes(SSD_CHUNK, hd)), stride: tile_stride(n) };
-            let (cst, bst, xst) = (p.c_stride as usize, p.b_stride as usize, p.x_stride as usize);
+            let xs = Tile { addr: smem_addr(tn), stride: tile_stride(hd) };
+            let ss = Tile { addr: smem_addr(tn + tile_bytes(SSD_CHUNK, hd)), stride: tile_stride(n) };
+            let (cst, xst) = (p.c_stride as usize, p.x_stride as usize);
             let gn = g * n as usize;
             cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, tid, blk);
-            bs.stage(p.b.wrapping_add(start * bst + gn), bst, (SSD_CHUNK, np), (len, n), vec, tid, blk);
             let x0 = p.x.wrapping_add(start * xst + h * hd as usize);
             xs.stage(x0, xst, (SSD_CHUNK, pp), (len, hd), vec, tid, blk);
             let s0 = p.starts.wrapping_add((c * p.heads as usize + h) * (hd * n) as usize);
             ss.stage(s0, n as usize, (pp, np), (hd, n), vec, tid, blk);
-            let used = 2 * tn + tile_bytes(SSD_CHUNK, hd) + tile_bytes(hd, n);
+            let used = tn + tile_bytes(SSD_CHUNK, hd) + tile_bytes(hd, n);
             let acum_s = dyn_smem_f32().wrapping_add((used / 4) as usize);
             let delta_s = acum_s.wrapping_add(CHUNK);
             let off = ch_off(&p, c, h);
@@ -436,20 +507,15 @@ mod kernels {
                 if i0 >= len || p0 >= pp {
                     continue;
                 }
-                let mut cf = [[0u32; 4]; 8];
-                for (ks, f) in cf.iter_mut().enumerate() {
-                    if 16 * (ks as u32) < np {
-                        *f = cs.a(i0, 16 * ks as u32);
-                    }
-                }
                 let mut acc = [[0.0f32; 4]; 4];
-                for (ks, f) in cf.iter().enumerate() {
-                    if 16 * (ks as u32) < np {
+                for ks in 0..SSD_MAX_STATE / 16 {
+                    if 16 * ks < np {
+                        let a = cs.a(i0, 16 * ks);
                         for q in 0..2 {
                             if p0 + 16 * q < pp {
-                                let b = ss.b_nk(16 * ks as u32, p0 + 16 * q);
-                                mma(&mut acc[2 * q as usize], *f, b[0]);
-                                mma(&mut acc[2 * q as usize + 1], *f, b[1]);
+                                let b = ss.b_nk(16 * ks, p0 + 16 * q);
+                                mma(&mut acc[2 * q as usize], a, b[0]);
+                                mma(&mut acc[2 * q as usize + 1], a, b[1]);
                             }
                         }
                     }
@@ -460,18 +526,19 @@ mod kernels {
                 for t in acc.iter_mut() {
                     *t = [t[0] * e0, t[1] * e0, t[2] * e1, t[3] * e1];
                 }
+                // This row tile's scores, lane l's eight at 8 l of each tile; the next tile's
+                // loaded while this one's are used.
+                let tiles = p.cb.wrapping_add(((c * p.groups as usize + g) * 64 + 8 * rt as usize) * 256);
+                let load = |jt: u32| {
+                    let at = tiles.wrapping_add(256 * jt as usize + 8 * lane as usize) as *const F32x4;
+                    [ld(at, 0).0, ld(at, 1).0]
+                };
+                let mut next = load(0);
                 for jt in 0..=rt {
                     let j0 = 16 * jt;
-                    // Even and odd k steps into separate accumulators: two chains of
-                    // dependent products, not one twice as long.
-                    let mut cb = [[[0.0f32; 4]; 2]; 2];
-                    for (ks, f) in cf.iter().enumerate() {
-                        if 16 * (ks as u32) < np {
-                            let b = bs.b_nk(16 * ks as u32, j0);
-                            let part = &mut cb[ks % 2];
-                            mma(&mut part[0], *f, b[0]);
-                            mma(&mut part[1], *f, b[1]);
-                        }
+                    let cb = next;
+                    if jt < rt {
+                        next = load(jt + 1);
                     }
                     let mut scores = [[0.0f32; 4]; 2];
                     for (tt, tile) in scores.iter_mut().enumerate() {
@@ -479,8 +546,7 @@ mod kernels {
                             let (i, j) = (i0 + acc_row(lane, e as u32), j0 + 8 * tt as u32 + acc_col(lane, e as u32));
                             let ai = if e < 2 { a0 } else { a1 };
                             let wj = exp_fast(ai - ld(acum_s, j as usize)) * ld(delta_s, j as usize);
-                            let dot = cb[0][tt][e] + cb[1][tt][e];
-                            *v = if j <= i { dot * wj } else { 0.0 };
+                            *v = if j <= i { cb[tt][e] * wj } else { 0.0 };
                         }
                     }
                     let a = acc_to_a(scores[0], scores[1]);

@@ -702,7 +702,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let shape = ssm_shape(c);
         let p = rows.prefill()?;
-        let mut plan = SsdPlan::new(&self.gpu, p, c.heads, c.head_dim, c.state_size)?;
+        let mut plan = SsdPlan::new(&self.gpu, p, shape)?;
         let inputs = ssm_inputs(c, &xbc, &dt);
         let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
         let mut y = view_mut(y, p.tokens() * c.inner())?;

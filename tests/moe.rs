@@ -599,7 +599,7 @@ mod gpu {
         (codes, scales, values)
     }
 
-    /// W8A8 as SPEC.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
+    /// W8A8 as docs/MATH.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
     /// code values multiplied in f64 and scaled by both scales.
     fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f64> {
         let s = in_scale.unwrap_or_else(|| {

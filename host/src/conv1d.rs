@@ -52,7 +52,7 @@ impl ConvShape {
     }
 }
 
-/// Decode step (SPEC.md section 1): for each row, `y = silu(bias + w . [state[slot], x])`,
+/// Decode step (docs/MATH.md section 1): for each row, `y = silu(bias + w . [state[slot], x])`,
 /// then the slot's state shifted left with x appended. Pad rows are skipped entirely.
 /// `state` is the whole `[slots, dim, k - 1]` cache; `y` is `[batch, dim]`.
 #[allow(clippy::too_many_arguments)]
@@ -110,7 +110,7 @@ fn tile_tokens(tokens: usize) -> u32 {
     if tokens >= 2048 { 2 * TILE_BATCH } else { TILE_BATCH }
 }
 
-/// Prefill (SPEC.md section 1): each sequence's outputs from its slot's state (or zeros) and
+/// Prefill (docs/MATH.md section 1): each sequence's outputs from its slot's state (or zeros) and
 /// its inputs, then its last k - 1 inputs as the slot's new state. Two launches. Pad
 /// sequences are skipped entirely. `y` is `[tokens, dim]`. The outputs' kernel is picked by
 /// token count and shape ([`ConvPath`]).

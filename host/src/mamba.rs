@@ -37,7 +37,7 @@ pub struct MambaConv<'a> {
 
 /// The decode rows of a Mamba2 mixer between its projections, one launch: for each row of
 /// `zx` (in_proj's output, rows of `zx_stride`: z, then xBC, then dt), the conv update of xBC
-/// at the row's slot (SPEC.md section 1), the selective state update without a gate (section
+/// at the row's slot (docs/MATH.md section 1), the selective state update without a gate (section
 /// 2), and the gated group RMSNorm of its output with `norm` (section 5, `shape.groups`
 /// groups) into `y [batch, heads * head_dim]`; the conv and state caches updated in place. As
 /// `conv1d::conv_update`, `ssm::ssm_update` and `norm::gated_norm` in turn: the caches bit for

@@ -15,7 +15,7 @@ use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
 
-/// Routing settings (SPEC.md section 6).
+/// Routing settings (docs/MATH.md section 6).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RouteShape {
     pub experts: usize,

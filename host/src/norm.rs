@@ -180,7 +180,7 @@ pub fn add_rms_norm(
     unsafe { launch_rms(gpu, shape, h, add, w, y) }
 }
 
-/// Gated group RMSNorm (SPEC.md section 5): `u = x * silu(z)`, normalized per group.
+/// Gated group RMSNorm (docs/MATH.md section 5): `u = x * silu(z)`, normalized per group.
 pub fn gated_norm(
     gpu: &Gpu,
     shape: NormShape,

@@ -48,7 +48,7 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// The per-token inputs of the SSM (SPEC.md sections 2 and 3): x `[rows, heads * head_dim]`,
+/// The per-token inputs of the SSM (docs/MATH.md sections 2 and 3): x `[rows, heads * head_dim]`,
 /// dt `[rows, heads]`, B and C `[rows, groups * state_size]`.
 #[derive(Clone, Copy)]
 pub struct SsmInputs<'a> {
@@ -172,7 +172,7 @@ fn check_dst(k: Kernel, src: &Slots, dst: &Slots) -> Result<()> {
     Ok(())
 }
 
-/// Selective state update (SPEC.md section 2) for each decode row, in place: reads the
+/// Selective state update (docs/MATH.md section 2) for each decode row, in place: reads the
 /// state at `slots`, writes it at `dst` (or back at `slots`), skips the write for pad rows
 /// (whose input state is zero) and writes `y [batch, heads * head_dim]`, gated by `silu(z)`
 /// when `z` is given.

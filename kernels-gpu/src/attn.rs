@@ -1,4 +1,4 @@
-//! Causal attention over a per-slot KV cache (SPEC.md section 7): grouped-query heads, no
+//! Causal attention over a per-slot KV cache (docs/MATH.md section 7): grouped-query heads, no
 //! positional encoding, scale 1/sqrt(head_dim). Two launches: the step's new keys and values
 //! are written into the cache, then every (row, head) attends over its sequence's keys up to
 //! and including its own position; where each row has a slot of its own (decode rows), one:

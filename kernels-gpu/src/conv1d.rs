@@ -1,4 +1,4 @@
-//! Causal depthwise conv1d with SiLU (SPEC.md section 1), decode update and varlen prefill.
+//! Causal depthwise conv1d with SiLU (docs/MATH.md section 1), decode update and varlen prefill.
 //!
 //! Layouts: activations `x` are rows of `x_stride` bf16 with channels `0..dim` at the start of
 //! each row (the mixer's xBC slice of in_proj's output); outputs `y` are contiguous

@@ -891,7 +891,7 @@ pub fn warps() -> u32 {
     block_dim_x() / 32
 }
 
-/// ln(1 + e^v), and v itself above 20 (SPEC.md's softplus).
+/// ln(1 + e^v), and v itself above 20 (docs/MATH.md's softplus).
 #[inline(always)]
 pub fn softplus(v: f32) -> f32 {
     if v > 20.0 {

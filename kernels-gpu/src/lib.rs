@@ -6,7 +6,7 @@
 //!   shared-memory sizes and the list of entry points ([`Kernel`]) — so host and device never
 //!   mirror a struct by hand.
 //!
-//! The math each kernel computes is specified in `shared/SPEC.md`; the CPU references that tests
+//! The math each kernel computes is specified in `docs/MATH.md`; the CPU references that tests
 //! compare against live in `host/src/cpu/`.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]

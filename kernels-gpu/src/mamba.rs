@@ -1,5 +1,5 @@
 //! The Mamba2 mixer's decode step between its two projections, one launch: the causal conv
-//! update of xBC, the selective state update, and the gated group RMSNorm of its output (SPEC.md
+//! update of xBC, the selective state update, and the gated group RMSNorm of its output (docs/MATH.md
 //! sections 1, 2 and 5), bit for bit as `conv1d_update_bf16` then `ssm_update_f32` (each
 //! output rounded to bf16 where those kernels store it), and the norm as `norm_gated_bf16` up
 //! to the order of its group's sum of squares.

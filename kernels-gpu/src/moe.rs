@@ -1,4 +1,4 @@
-//! MoE routing and combining (SPEC.md section 6). Routing: router logits in f32 from the bf16
+//! MoE routing and combining (docs/MATH.md section 6). Routing: router logits in f32 from the bf16
 //! activations and router weights, sigmoid, `+ bias` for selection only, group-limited top-k,
 //! weights from the unbiased scores (renormalized, scaled); ties go to the lowest index.
 //! Combining: each token's expert outputs (in the grouped order of the dispatch) summed with
@@ -103,9 +103,9 @@ pub struct DispatchParams {
 
 /// One projection of every expert with rows: grouped row `j` of expert `e`
 /// (`offsets[e] <= j < offsets[e + 1]`) gets `out[j] = f(x[row(j)] W_e^T)`, `f` the identity or
-/// `relu(bf16(.))^2`. FP8 weights (W8A8, SPEC.md section 7): `W_e = codes * w_scale[e]`, and
+/// `relu(bf16(.))^2`. FP8 weights (W8A8, docs/MATH.md section 7): `W_e = codes * w_scale[e]`, and
 /// each input row is quantized to e4m3 first, with `in_scale[e]` or, when `in_scale` is null,
-/// its own per-token scale (SPEC.md section 4); the product of the codes is summed in f32 and
+/// its own per-token scale (docs/MATH.md section 4); the product of the codes is summed in f32 and
 /// scaled by both scales.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -1,4 +1,4 @@
-//! RMSNorm family (SPEC.md section 5): plain RMSNorm, gated group RMSNorm, and gated group
+//! RMSNorm family (docs/MATH.md section 5): plain RMSNorm, gated group RMSNorm, and gated group
 //! RMSNorm fused with per-token FP8 e4m3 quantization.
 //!
 //! Layout: row-major `[rows, width]` bf16 activations (rows may be strided), `w` is `[width]`

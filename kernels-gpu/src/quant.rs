@@ -1,4 +1,4 @@
-//! FP8 e4m3 activation quantization (SPEC.md section 4). Codes are round-to-nearest-even,
+//! FP8 e4m3 activation quantization (docs/MATH.md section 4). Codes are round-to-nearest-even,
 //! saturated to +-448 (`cvt.rn.satfinite`), NaN stays NaN. Dequantize as `q * s`.
 //!
 //! - per-token dynamic: `s_t = max(min(amax_t, amax_ub) / 448, 1/(448*512))`, `q = e4m3(x / s_t)`;
@@ -97,7 +97,7 @@ pub const EW_CHUNKS_PER_THREAD: u32 = 4;
 pub const MAX_GRID: u32 = 2048;
 
 /// The per-token scale for a row whose max |x| is `amax` (device side; the CPU reference
-/// computes it independently from SPEC.md).
+/// computes it independently from docs/MATH.md).
 #[inline(always)]
 pub fn token_scale(amax: f32, amax_ub: f32) -> f32 {
     (amax.min(amax_ub) / E4M3_MAX).max(MIN_SCALE)

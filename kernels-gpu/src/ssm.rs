@@ -1,4 +1,4 @@
-//! Selective state update, the Mamba2 decode step (SPEC.md section 2), in place at the rows'
+//! Selective state update, the Mamba2 decode step (docs/MATH.md section 2), in place at the rows'
 //! cache slots.
 //!
 //! For row b, head h, group g = h / (heads / groups), slot s = cache_index[b]:

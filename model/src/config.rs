@@ -1,5 +1,5 @@
 //! `config.json` of a NemotronH checkpoint: parsed, checked for consistency, and reduced to
-//! the values the model uses (SPEC.md, "Real checkpoint" and "Checkpoint formats").
+//! the values the model uses (docs/MATH.md, "The Nano checkpoint" and "Checkpoint formats").
 //!
 //! Both ways of naming the layer kinds are accepted: `hybrid_override_pattern` (released
 //! checkpoints: a string of `M` Mamba2, `E` MoE, `*` attention, `-` dense MLP) and
@@ -64,7 +64,7 @@ impl MambaConfig {
     }
 }
 
-/// The MoE layer's sizes and routing rule (SPEC.md section 6).
+/// The MoE layer's sizes and routing rule (docs/MATH.md section 6).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
     pub experts: usize,

@@ -1,4 +1,4 @@
-//! W8A8 as ModelOpt FP8 checkpoints define it (SPEC.md section 7): a weight is e4m3 codes
+//! W8A8 as ModelOpt FP8 checkpoints define it (docs/MATH.md section 7): a weight is e4m3 codes
 //! times its per-tensor `weight_scale`; the activation is quantized to e4m3 with the static
 //! `input_scale` (per token, dynamically, when the checkpoint gives none) before the product.
 //! The CPU backend and the f64 reference both compute FP8 layers through this one definition.

@@ -1,4 +1,4 @@
-//! The tensors a NemotronH checkpoint must hold for its config (SPEC.md, "Checkpoint formats"),
+//! The tensors a NemotronH checkpoint must hold for its config (docs/MATH.md, "Checkpoint formats"),
 //! found, shape- and type-checked, and kept as borrowed views of the mapped files: nothing is
 //! copied until a backend converts or uploads a tensor. Every problem is reported, not just
 //! the first, each with the tensor's name, its shape and dtype, and what was expected.

@@ -1,5 +1,5 @@
 //! The whole model on the CPU in f64, one token at a time: the oracle the backends are checked
-//! against (SPEC.md: a plain sequential recurrence), built from the host crate's CPU
+//! against (docs/MATH.md: a plain sequential recurrence), built from the host crate's CPU
 //! references. Activations are never rounded; weights are used as stored (bf16 exact; FP8
 //! layers as W8A8, see [`crate::fp8`]), conv and norm weights and the per-head parameters as
 //! the kernels take them (bf16, f32). Meant for small models: every weight is widened to f64.

@@ -3,7 +3,7 @@
 
 use model::config::{CacheDtype, Config, LayerKind};
 
-/// The values SPEC.md lists for Nemotron-3 Nano 30B-A3B, as its config.json writes them.
+/// The values docs/MATH.md lists for Nemotron-3 Nano 30B-A3B, as its config.json writes them.
 const NANO: &str = r#"{
   "architectures": ["NemotronHForCausalLM"],
   "vocab_size": 131072, "hidden_size": 2688, "num_hidden_layers": 52,

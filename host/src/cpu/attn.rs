@@ -1,4 +1,4 @@
-//! Reference causal attention (SPEC.md section 7), in f64: grouped-query heads, no positional
+//! Reference causal attention (docs/MATH.md section 7), in f64: grouped-query heads, no positional
 //! encoding, scale 1/sqrt(head_dim), softmax over the keys up to and including the query's own
 //! position.
 

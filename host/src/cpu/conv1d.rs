@@ -1,4 +1,4 @@
-//! Reference causal conv1d (SPEC.md section 1), f64 accumulation. States hold raw inputs (of
+//! Reference causal conv1d (docs/MATH.md section 1), f64 accumulation. States hold raw inputs (of
 //! the inputs' own type), so bf16 states compare bit-exact with the kernels'.
 
 use half::bf16;

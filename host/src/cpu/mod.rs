@@ -1,5 +1,5 @@
-//! CPU reference backend: naive implementations written from `shared/SPEC.md`, never derived
-//! from the GPU code. Accumulation in f64; where SPEC.md defines an operation in f32 (the FP8
+//! CPU reference backend: naive implementations written from `docs/MATH.md`, never derived
+//! from the GPU code. Accumulation in f64; where docs/MATH.md defines an operation in f32 (the FP8
 //! scales and divisions) the reference does exactly that operation, so codes compare bit-exact.
 
 pub mod attn;

@@ -1,4 +1,4 @@
-//! Reference MoE routing and experts (SPEC.md section 6), in f64.
+//! Reference MoE routing and experts (docs/MATH.md section 6), in f64.
 //!
 //! Routing of one token from its router logits: `s = sigmoid(logits)`, `s' = s + bias` (for
 //! selection only); with `n_group` groups of experts, each group scores the sum of its top two
@@ -66,7 +66,7 @@ pub fn expert(x: &[f64], up: &[f64], down: &[f64]) -> Vec<f64> {
     (0..hidden).map(|o| (0..inter).map(|j| down[o * inter + j] * h[j]).sum()).collect()
 }
 
-/// Tokens grouped by expert so each expert's weights are read once per step (SPEC.md
+/// Tokens grouped by expert so each expert's weights are read once per step (docs/MATH.md
 /// section 6, dispatch): slot `j` of the grouped order holds (token, choice) `order[j]`;
 /// expert e's slots are `offsets[e]..offsets[e + 1]`, in token order.
 #[derive(Clone, Debug, PartialEq)]

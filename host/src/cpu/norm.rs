@@ -1,4 +1,4 @@
-//! Reference RMSNorm and gated group RMSNorm (SPEC.md section 5).
+//! Reference RMSNorm and gated group RMSNorm (docs/MATH.md section 5).
 
 use half::bf16;
 

@@ -1,4 +1,4 @@
-//! Reference FP8 e4m3 quantization (SPEC.md section 4).
+//! Reference FP8 e4m3 quantization (docs/MATH.md section 4).
 //!
 //! e4m3 (OCP FP8, "fn"): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no infinities,
 //! 0x7f / 0xff are NaN, largest finite 448 (0x7e), smallest subnormal 2^-9.

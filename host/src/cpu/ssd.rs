@@ -1,4 +1,4 @@
-//! Reference chunked scan (SPEC.md section 3): not chunked at all, but the sequential
+//! Reference chunked scan (docs/MATH.md section 3): not chunked at all, but the sequential
 //! recurrence it must equal, token by token, in f64.
 
 use half::bf16;

@@ -1,4 +1,4 @@
-//! Reference selective state update (SPEC.md section 2): the Mamba2 recurrence for one token,
+//! Reference selective state update (docs/MATH.md section 2): the Mamba2 recurrence for one token,
 //! in f64, from inputs of any type that widens to f64 (bf16 from tests, f64 from the model's
 //! reference forward). The chunked scan's reference (cpu/ssd.rs) is this step applied token by token.
 
@@ -66,7 +66,7 @@ impl SsmRef<'_> {
         y
     }
 
-    /// [`SsmRef::step_with_groups`] with SPEC.md's head-to-group mapping.
+    /// [`SsmRef::step_with_groups`] with docs/MATH.md's head-to-group mapping.
     pub fn step<T: Copy + Into<f64>>(
         &self,
         s: &mut [f64],

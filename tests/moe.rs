@@ -256,6 +256,93 @@ mod gpu {
         println!("routing: {compared} values compared");
     }
 
+    /// Bad values never trap the routing kernel (a trap would end the CUDA context for every
+    /// request): a NaN router row, a row of infinities, and infinite biases (+inf and -inf in
+    /// every group: no group score to rank) give experts in range, the finite rows beside them
+    /// route as the reference says (the NaN row with NaN weights), and the context keeps
+    /// working.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_routing_never_traps_on_bad_values() {
+        let gpu = gpu();
+        let mut rng = Rng::new(92);
+        let hidden = 2688;
+        let mut compared = 0;
+        for s in [
+            RouteShape { experts: 64, top_k: 4, n_group: 8, topk_group: 4, renormalize: true, scaling: 1.0, shared: 0 },
+            RouteShape {
+                experts: 128,
+                top_k: 6,
+                n_group: 1,
+                topk_group: 1,
+                renormalize: true,
+                scaling: 2.5,
+                shared: 1,
+            },
+        ] {
+            let rows = 5;
+            let mut x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            x[hidden..2 * hidden].fill(bf16::NAN);
+            x[3 * hidden..4 * hidden].fill(bf16::INFINITY);
+            let gate = rng.bf16s(s.experts * hidden, -0.05, 0.05);
+            for infinite_bias in [false, true] {
+                // Infinite biases: in every group one +inf and the rest -inf, so every group's
+                // score (the sum of its two best) is NaN: nothing left to pick by score.
+                let per = s.experts / s.n_group;
+                let bias: Vec<f32> = (0..s.experts)
+                    .map(|i| match (infinite_bias, i % per) {
+                        (false, _) => 0.0,
+                        (true, 0) => f32::INFINITY,
+                        (true, _) => f32::NEG_INFINITY,
+                    })
+                    .collect();
+                let (dx, dg, db) = (gpu.upload(&x).unwrap(), gpu.upload(&gate).unwrap(), gpu.upload(&bias).unwrap());
+                let (mut idx, mut w) = (
+                    gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
+                    gpu.upload(&vec![0.0f32; rows * s.choices()]).unwrap(),
+                );
+                gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+                let got_idx = gpu.download(&idx).expect("the routing kernel must not trap");
+                assert!(
+                    got_idx.iter().all(|&i| (0..(s.experts + s.shared) as i32).contains(&i)),
+                    "{s:?} bias inf {infinite_bias}: experts out of range {got_idx:?}"
+                );
+                compared += got_idx.len();
+                if !infinite_bias {
+                    let r = Routing {
+                        top_k: s.top_k,
+                        n_group: s.n_group,
+                        topk_group: s.topk_group,
+                        norm_topk_prob: s.renormalize,
+                        scaling: f64::from(s.scaling),
+                    };
+                    let l = logits(&x, &gate, hidden);
+                    for row in [0, 2, 4] {
+                        let want: Vec<usize> =
+                            route(&l[row], &vec![0.0; s.experts], &r).into_iter().map(|c| c.0).collect();
+                        let c = s.choices();
+                        let got: Vec<usize> = got_idx[row * c..row * c + s.top_k].iter().map(|&i| i as usize).collect();
+                        compared += assert_same(&format!("{s:?} finite row {row} beside bad rows"), &got, &want);
+                    }
+                    let got_w = gpu.download(&w).unwrap();
+                    assert!(got_w[s.choices()..][..s.top_k].iter().all(|v| v.is_nan()), "the NaN row's weights");
+                }
+            }
+        }
+        // The context still works: a plain routing call after the bad ones.
+        let s =
+            RouteShape { experts: 16, top_k: 2, n_group: 1, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };
+        let (dx, dg, db) = (
+            gpu.upload(&rng.bf16s(hidden, -1.0, 1.0)).unwrap(),
+            gpu.upload(&rng.bf16s(16 * hidden, -0.05, 0.05)).unwrap(),
+            gpu.upload(&[0.0f32; 16]).unwrap(),
+        );
+        let (mut idx, mut w) = (gpu.zeros::<i32>(2).unwrap(), gpu.zeros::<f32>(2).unwrap());
+        gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+        assert!(gpu.download(&idx).unwrap().iter().all(|&i| (0..16).contains(&i)));
+        println!("routing on bad values: {compared} values checked, no trap");
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_route_appended_up_equals_apart() {

@@ -421,13 +421,14 @@ mod kernels {
                 }
                 sync_warp();
                 // Keep the best topk_group groups (marked NaN), then mask the others' experts.
+                // A group whose score is NaN (NaN activations, or +inf and -inf biases in it)
+                // counts as kept; with every group NaN there is nothing left to pick, and all
+                // stay kept: bad values never trap (they give NaN weights, and the row's
+                // request fails alone at sampling).
                 for _ in 0..p.topk_group {
                     let (_, g) = warp_pick(gscore, ng);
-                    if g == u32::MAX {
-                        trap();
-                    }
                     sync_warp();
-                    if lane == 0 {
+                    if lane == 0 && g != u32::MAX {
                         st(gscore, g as usize, f32::NAN);
                     }
                     sync_warp();
@@ -452,9 +453,9 @@ mod kernels {
                     }
                 }
                 let (_, pick) = warp_argmax(best, at);
-                if pick == u32::MAX {
-                    trap();
-                }
+                // Every selection score NaN (bad values, as above): expert j, in range, with
+                // a NaN weight.
+                let (pick, best_score) = if pick == u32::MAX { (j as u32, f32::NAN) } else { (pick, best_score) };
                 let s = warp_read(best_score, pick % 32);
                 if lane == j {
                     (mine, mine_score) = (pick, s);

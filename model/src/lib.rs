@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

@@ -545,4 +545,55 @@ mod tests {
         assert_eq!(run(&o, &[]), []);
         assert_eq!(run(&opts(true, true), &[""]), []);
     }
+
+    /// Random texts built from tag pieces: any split gives the deltas of the whole, with
+    /// and without reasoning and tools, and nothing panics.
+    #[test]
+    fn random_texts_split_anywhere() {
+        const PIECES: [&str; 16] = [
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<function=f>",
+            "<function=get_weather>",
+            "</function>",
+            "<parameter=days>",
+            "</parameter>",
+            "\n",
+            "a",
+            "é",
+            "<",
+            "</",
+            "1",
+            "true",
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let all_opts = [opts(true, true), opts(true, false), opts(false, false), ParserOptions::default()];
+        for _ in 0..150 {
+            let len = 1 + next(10);
+            let text: String = (0..len).map(|_| PIECES[next(PIECES.len())]).collect();
+            for o in &all_opts {
+                let whole = run(o, &[&text]);
+                let cuts: Vec<usize> = (1..text.len()).filter(|&i| text.is_char_boundary(i)).collect();
+                for &a in &cuts {
+                    assert_eq!(run(o, &[&text[..a], &text[a..]]), whole, "cut at {a} of {text:?}");
+                }
+                let chars: Vec<String> = text.chars().map(String::from).collect();
+                let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
+                assert_eq!(run(o, &pieces), whole, "by character: {text:?}");
+                // Nothing is lost: without tool calls the text comes back whole (less the
+                // think tags the parser consumed).
+                if !whole.iter().any(|d| matches!(d, Delta::ToolCall { .. })) && !o.reasoning {
+                    assert_eq!(whole, if text.is_empty() { vec![] } else { vec![c(&text)] });
+                }
+            }
+        }
+    }
 }

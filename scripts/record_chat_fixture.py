@@ -10,8 +10,17 @@ ChatML template, JSON tool calls, other Python methods). Writes tests/fixtures/c
     /tmp/venv/bin/python scripts/record_chat_fixture.py
 
 transformers without torch is enough: only the tokenizer and its template are used.
+
+To check another template (a checkpoint's, say) without committing it:
+
+    record_chat_fixture.py --extra nano=PATH/chat_template.jinja --out /tmp/nano.json
+    NEMOTRON_CHAT_FIXTURE=/tmp/nano.json cargo test -p model --test chat_template
+
+renders the conversations with only that template (with the built-in model's special tokens)
+and stores its source in the fixture, which the test then renders too.
 """
 
+import argparse
 import json
 import pathlib
 
@@ -118,9 +127,19 @@ TEMPLATES = {
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=PATH", help="record this template instead")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT)
+    args = ap.parse_args()
+    templates, sources = TEMPLATES, {}
+    if args.extra:
+        templates = {}
+        for item in args.extra:
+            name, _, path = item.partition("=")
+            templates[name] = sources[name] = pathlib.Path(path).read_text()
     tok = AutoTokenizer.from_pretrained(ROOT / "model/assets/default")
     cases = []
-    for template_name, template in TEMPLATES.items():
+    for template_name, template in templates.items():
         for name, messages, tools, add_generation_prompt, kwargs in CONVERSATIONS:
             text = tok.apply_chat_template(
                 messages,
@@ -142,8 +161,10 @@ def main():
                 }
             )
     fixture = {"transformers": transformers.__version__, "cases": cases}
-    OUT.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {len(cases)} cases to {OUT.relative_to(ROOT)}")
+    if sources:
+        fixture["sources"] = sources
+    args.out.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {len(cases)} cases to {args.out}")
 
 
 if __name__ == "__main__":

@@ -39,15 +39,24 @@ fn arguments_as_strings(messages: &Value) -> Value {
     messages
 }
 
-#[test]
-fn renders_as_transformers_does() {
-    let fixture: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("rendered.json")).unwrap()).unwrap();
+/// Renders every case of a recorded fixture and compares with transformers' text; returns
+/// how many were compared. Templates: the built-in model's, the second one, or those whose
+/// source the fixture holds (`sources`, from the script's `--extra`).
+fn check_fixture(path: &Path) -> usize {
+    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let (built_in, second) = templates();
-    let cases = fixture["cases"].as_array().unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(built_in_dir().join("tokenizer_config.json")).unwrap()).unwrap();
+    let mut extra = std::collections::HashMap::new();
+    for (name, source) in fixture["sources"].as_object().into_iter().flatten() {
+        let t = ChatTemplate::from_config(&config, Some(source.as_str().unwrap().to_string()));
+        extra.insert(name.clone(), t.unwrap_or_else(|e| panic!("{name}: {e}")).unwrap());
+    }
     let mut compared = 0;
-    for case in cases {
-        let template = match case["template"].as_str().unwrap() {
+    for case in fixture["cases"].as_array().unwrap() {
+        let name = case["template"].as_str().unwrap();
+        let template = match name {
+            _ if extra.contains_key(name) => &extra[name],
             "built_in" => &built_in,
             "second" => &second,
             other => panic!("unknown template {other}"),
@@ -63,7 +72,16 @@ fn renders_as_transformers_does() {
         assert_eq!(strings, want, "{name}: with tool-call arguments as JSON strings");
         compared += 1;
     }
-    assert_eq!(compared, 18, "cases compared");
+    compared
+}
+
+#[test]
+fn renders_as_transformers_does() {
+    assert_eq!(check_fixture(&fixtures().join("rendered.json")), 18, "cases compared");
+    // Another recorded fixture, when given (scripts/record_chat_fixture.py --extra).
+    if let Some(path) = std::env::var_os("NEMOTRON_CHAT_FIXTURE") {
+        assert!(check_fixture(Path::new(&path)) > 0, "no cases in {path:?}");
+    }
 }
 
 #[test]

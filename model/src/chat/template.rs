@@ -6,7 +6,8 @@
 //! `.split()`, `.startswith()`, `.items()`, `.get()`: minijinja-contrib's pycompat), a `tojson`
 //! filter that is `json.dumps(x, ensure_ascii=False)` (keys in the request's order, no HTML
 //! escaping; `indent`, `sort_keys`, `separators`, `ensure_ascii` taken), the functions
-//! `raise_exception(msg)` and `strftime_now(fmt)`, and the variables `messages`, `tools` (none
+//! `raise_exception(msg)` and `strftime_now(fmt)`, the tests `iterable` and `sequence` as
+//! Python answers them (none is not iterable; a string and a dict are sequences), and the variables `messages`, `tools` (none
 //! when the request has none, as transformers passes it), `add_generation_prompt`, the
 //! tokenizer's special tokens (`bos_token`, `eos_token`, ...) and the request's
 //! `chat_template_kwargs`. Values print as Python prints them (`{{ true }}` is `True`, the
@@ -18,7 +19,7 @@
 
 use std::path::Path;
 
-use minijinja::value::{Kwargs, Rest};
+use minijinja::value::{Kwargs, Rest, ValueKind};
 use minijinja::{Environment, ErrorKind, UndefinedBehavior, Value};
 use serde_json::{Map, Value as Json};
 
@@ -278,6 +279,14 @@ fn environment() -> Environment<'static> {
         }
         out.write_str(&python_str(value)).map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
     });
+    // Jinja2's tests, which ask Python: none is not iterable (minijinja iterates it as
+    // empty); a str, a list and a dict are sequences (they have a length and items).
+    env.add_test("iterable", |v: Value| {
+        matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::Iterable | ValueKind::String | ValueKind::Bytes)
+    });
+    env.add_test("sequence", |v: Value| {
+        matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Bytes)
+    });
     env.add_filter("tojson", tojson);
     env.add_filter("string", |v: Value| Value::from(python_str(&v)));
     env.add_function("raise_exception", |msg: Rest<Value>| -> Result<Value, minijinja::Error> {
@@ -472,6 +481,8 @@ mod tests {
         let src = "{{ messages[0].content.strip().split(',')[-1] }}|{{ messages[0].x }}|{{ messages[0].x | string }}|{{ messages[0] | tojson }}|{{ none }}";
         let out = render(src, json!([{"content": " a,b ", "x": true}])).unwrap();
         assert_eq!(out, r#"b|True|True|{"content": " a,b ", "x": true}|None"#);
+        let src = "{{ none is iterable }} {{ tools is iterable }} {{ 'ab' is sequence }} {{ messages[0] is sequence }} {{ 3 is iterable }}";
+        assert_eq!(render(src, json!([{}])).unwrap(), "False False True True False");
         let out = render("{%- generation -%} x {%- endgeneration %}", json!([])).unwrap();
         assert_eq!(out, "x");
     }

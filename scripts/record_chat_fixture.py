@@ -50,6 +50,26 @@ WEATHER = {
 }
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"}}}}}
 
+# Schema corners: a type list, nested items, numbers Python prints its own way, a nested
+# object, a description with markup.
+ODD = {
+    "type": "function",
+    "function": {
+        "name": "tune",
+        "description": "Set <knobs> & levels.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": ["string", "null"], "description": "or null"},
+                "levels": {"type": "array", "items": {"type": "number", "minimum": 1e-05, "maximum": 1.5}},
+                "shape": {"type": "object", "properties": {"w": {"type": "integer"}}, "nullable": True},
+            },
+            "required": [],
+        },
+        "strict": True,
+    },
+}
+
 SYSTEM = {"role": "system", "content": "You are terse. Use <b>tags</b> & \"quotes\" freely."}
 CALL_TURN = {
     "role": "assistant",
@@ -104,6 +124,23 @@ CONVERSATIONS = [
         [WEATHER, SEARCH],
         True,
         {"enable_thinking": False},
+    ),
+    (
+        "schema_corners_history_kept",
+        [
+            {"role": "system", "content": "Tune things."},
+            {"role": "user", "content": "Tune it."},
+            {
+                "role": "assistant",
+                "content": "<think>Pick levels.</think>Done.",
+                "tool_calls": [{"type": "function", "function": {"name": "tune", "arguments": {"name": None, "levels": [0.5, 2, 1e-07], "shape": {"w": 3}}}}],
+            },
+            {"role": "tool", "content": "ok"},
+            {"role": "user", "content": "Again."},
+        ],
+        [ODD],
+        True,
+        {"truncate_history_thinking": False, "keep_history_thinking": True},
     ),
     (
         "tool_call_no_content",

@@ -9,9 +9,12 @@
 //!   calls (the qwen3_coder XML format Nemotron-3 Nano writes).
 //!
 //! A server's order: tokens through the tokenizer's decode stream (`Tokenizer::decode_stream`,
-//! UTF-8 safe: a character split over tokens comes out once whole), keeping the special tokens
-//! that are tags (`<think>`, `<tool_call>`); that text through a [`StopMatcher`]; what it lets
-//! through into an [`OutputParser`].
+//! UTF-8 safe: a character split over tokens comes out once whole; the project has no other
+//! streaming detokenizer), keeping the tags the parser reads (`<think>`, `<tool_call>`: the
+//! built-in tokenizer does not mark them special, so `decode_stream(true)` keeps them; for a
+//! tokenizer that marks them special, decode with `false` and leave the eos token out); that
+//! text through a [`StopMatcher`]; what it lets through into an [`OutputParser`]. The eos ids
+//! ([`generation_eos_ids`]) go to the engine as stop tokens.
 
 mod parse;
 mod python;

@@ -462,6 +462,12 @@ mod tests {
     }
 
     #[test]
+    fn shareable_between_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<ChatTemplate>();
+    }
+
+    #[test]
     fn dates() {
         let t = utc_from_unix(0);
         assert_eq!((t.year, t.month, t.day, t.weekday, t.yday), (1970, 1, 1, 3, 1));

@@ -148,7 +148,8 @@ impl ChatTemplate {
     /// Renders `messages` (an OpenAI-style array of `{"role", "content", ...}`) with the
     /// request's `tools` (its OpenAI-style array; `None` when it has none), the generation
     /// prompt if asked, and `kwargs` (`chat_template_kwargs`, such as `enable_thinking`) as
-    /// template variables. An assistant message's `tool_calls[].function.arguments` given as a
+    /// template variables (they may replace a special token's, not `messages`, `tools` or
+    /// `add_generation_prompt`). An assistant message's `tool_calls[].function.arguments` given as a
     /// JSON string (as OpenAI clients send them) is passed to the template as the object it
     /// encodes, as vLLM does, since templates iterate over it. Of several named templates,
     /// `tool_use` is taken when there are tools and the template has one, `default` otherwise

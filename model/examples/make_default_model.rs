@@ -1,6 +1,10 @@
-//! Writes the small built-in model the CLI runs when no checkpoint is given:
-//! `model/assets/default/{config.json, model.safetensors, tokenizer.json}`. Random weights (the
-//! text it generates means nothing) and a byte-level tokenizer (every byte a token, no merges).
+//! Writes the small built-in model the CLI and the server run when no checkpoint is given:
+//! `model/assets/default/{config.json, generation_config.json, model.safetensors,
+//! tokenizer.json, tokenizer_config.json}`. Random weights (the text it generates means
+//! nothing), a byte-level tokenizer (every byte a token, no merges) with ChatML's tokens added,
+//! and a chat template (`chat_template.jinja` beside this file) in the form Nemotron-3 Nano's
+//! takes: ChatML turns, `<think>` reasoning switched by `enable_thinking`, tools and qwen3_coder
+//! XML tool calls. A turn ends with `<|im_end|>`, generation_config.json's eos.
 //!
 //!     cargo run -p model --example make_default_model
 //!
@@ -12,7 +16,7 @@ use std::path::PathBuf;
 const CONFIG: &str = r#"{
   "architectures": ["NemotronHForCausalLM"],
   "model_type": "nemotron_h",
-  "vocab_size": 258,
+  "vocab_size": 266,
   "hidden_size": 64,
   "hybrid_override_pattern": "ME*-ME",
   "num_hidden_layers": 6,
@@ -60,22 +64,44 @@ fn byte_chars() -> Vec<char> {
         .collect()
 }
 
+/// The tokens added after the 256 bytes, by id from 256: `(text, special)`. The chat tags the
+/// output parser reads (`<think>`, `<tool_call>`, ...) are not special, so a decode that skips
+/// special tokens keeps them (as Qwen3's tokenizer has them); the turn markers are.
+const ADDED: [(&str, bool); 10] = [
+    ("</s>", true),
+    ("<s>", true),
+    ("<|im_start|>", true),
+    ("<|im_end|>", true),
+    ("<think>", false),
+    ("</think>", false),
+    ("<tool_call>", false),
+    ("</tool_call>", false),
+    ("<tool_response>", false),
+    ("</tool_response>", false),
+];
+
+/// `<|im_end|>`: the end of a turn, what generation stops at.
+const IM_END: u32 = 259;
+
 fn main() -> anyhow::Result<()> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/default");
     model::synthetic::write_checkpoint(&dir, CONFIG, 0x5eed)?;
     let vocab: serde_json::Map<String, serde_json::Value> =
         byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), i.into())).collect();
-    let special = |id: u32, content: &str| {
-        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                           "rstrip": false, "normalized": false, "special": true})
-    };
+    let added: Vec<serde_json::Value> = (256u32..)
+        .zip(ADDED)
+        .map(|(id, (content, special))| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": special})
+        })
+        .collect();
     let byte_level =
         serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let tokenizer = serde_json::json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [special(256, "</s>"), special(257, "<s>")],
+        "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": byte_level,
         "post_processor": null,
@@ -85,6 +111,17 @@ fn main() -> anyhow::Result<()> {
                   "ignore_merges": false, "vocab": vocab, "merges": []}
     });
     std::fs::write(dir.join("tokenizer.json"), serde_json::to_string_pretty(&tokenizer)?)?;
+    let tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "</s>",
+        "model_max_length": 4096,
+        "chat_template": include_str!("chat_template.jinja"),
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config)? + "\n")?;
+    let generation_config = serde_json::json!({"bos_token_id": 257, "eos_token_id": [IM_END]});
+    std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&generation_config)? + "\n")?;
     println!("wrote {}", dir.display());
     Ok(())
 }

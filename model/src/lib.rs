@@ -7,7 +7,9 @@
 //! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
 
 pub mod backend;
+pub mod built_in;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

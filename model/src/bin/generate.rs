@@ -37,26 +37,6 @@ const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-toke
 [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F] [--seed S] [--logprobs] [--top-logprobs N] \
 [--backend auto|cpu|cuda] [--max-step-tokens N]";
 
-/// The built-in model's files, embedded in the binary.
-const BUILT_IN: [(&str, &[u8]); 3] = [
-    ("config.json", include_bytes!("../../assets/default/config.json")),
-    ("model.safetensors", include_bytes!("../../assets/default/model.safetensors")),
-    ("tokenizer.json", include_bytes!("../../assets/default/tokenizer.json")),
-];
-
-/// Writes the built-in model to a folder under the temp dir (once) and returns it.
-fn built_in() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("nemotron-rs-built-in-{}", env!("CARGO_PKG_VERSION")));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    for (name, bytes) in BUILT_IN {
-        let path = dir.join(name);
-        if std::fs::read(&path).ok().as_deref() != Some(bytes) {
-            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
-        }
-    }
-    Ok(dir)
-}
-
 /// Which backend runs the model.
 #[derive(Clone, Copy, PartialEq)]
 enum Choice {
@@ -127,21 +107,11 @@ fn parse() -> Result<Args> {
 }
 
 /// The end-of-sequence ids config.json names (a number or a list), if any.
-fn eos_ids(dir: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    match &v["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-        serde_json::Value::Array(a) => a.iter().filter_map(|n| n.as_u64()).map(|n| n as u32).collect(),
-        _ => Vec::new(),
-    }
-}
-
 fn main() -> Result<()> {
     let args = parse()?;
     let dir = match &args.model {
         Some(d) => d.clone(),
-        None => built_in()?,
+        None => model::built_in::dir()?,
     };
     let t0 = Instant::now();
     eprintln!("loading {}", dir.display());
@@ -206,7 +176,11 @@ fn run<B: Backend>(
     }
     engine.add(
         prompt,
-        RequestParams { max_new_tokens: args.max_new, sampling: args.sampling, stop_tokens: eos_ids(dir) },
+        RequestParams {
+            max_new_tokens: args.max_new,
+            sampling: args.sampling,
+            stop_tokens: model::chat::generation_eos_ids(dir),
+        },
     )?;
 
     print!("{}", args.prompt);

@@ -7,6 +7,7 @@
 //! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
 
 pub mod backend;
+pub mod built_in;
 pub mod cache;
 pub mod config;
 pub mod cpu;
@@ -19,6 +20,7 @@ pub mod model;
 pub mod profile;
 pub mod reference;
 pub mod sampling;
+pub mod serve;
 pub mod synthetic;
 pub mod weights;
 

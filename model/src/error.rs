@@ -19,6 +19,10 @@ pub enum Error {
     /// A request or a checkpoint feature this code does not handle (yet).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A chat template is missing, malformed, does not compile, or failed to render (its
+    /// `raise_exception` refusing the request among the causes).
+    #[error("chat template: {0}")]
+    Template(String),
     /// A model step failed (out of device memory, say); the engine ended the requests that
     /// were in it (their states may be half updated) and goes on with the others.
     #[error("a step failed, ending requests {requests:?}: {source}")]

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod built_in;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

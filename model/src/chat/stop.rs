@@ -1,0 +1,138 @@
+//! Stop strings over streamed text, with OpenAI's semantics: the text ends just before the
+//! first stop string, which itself is not returned.
+
+/// Finds a request's stop strings in text that arrives in pieces: the text stops at the
+/// first place where a stop string ends (of two ending there, the longer is dropped). It holds back only the end
+/// of the text that could still be the start of a stop string, so everything it returns is
+/// final; it works on `str`, so it never splits a character (give it text decoded with a
+/// UTF-8-safe stream, such as the tokenizer's `decode_stream`).
+#[derive(Clone, Debug)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    /// Text received and not yet returned: a suffix that is a prefix of some stop string.
+    held: String,
+    stopped: bool,
+}
+
+impl StopMatcher {
+    /// A matcher for these stop strings (empty ones are ignored).
+    pub fn new(stops: &[String]) -> StopMatcher {
+        StopMatcher {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    /// Takes the next piece of text; returns what is safe to emit now, and whether a stop
+    /// string has been found (then the text up to it is returned and the rest, stop string
+    /// included, dropped; later pushes return nothing).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.held.push_str(text);
+        // The stop string that ends first (then the one that starts first): what the text
+        // shows as it grows, so the result does not depend on how it was cut into pieces.
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|at| (at + s.len(), at))).min();
+        if let Some((_, at)) = first {
+            self.held.truncate(at);
+            self.stopped = true;
+            return (std::mem::take(&mut self.held), true);
+        }
+        let keep = self.held_back_len();
+        let emit = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..self.held.len() - keep);
+        (emit, false)
+    }
+
+    /// The length of the longest end of the held text that is the start of a stop string
+    /// (always a character boundary: a stop string starts with a whole character).
+    fn held_back_len(&self) -> usize {
+        let h = self.held.as_bytes();
+        self.stops
+            .iter()
+            .map(|s| {
+                let s = s.as_bytes();
+                (1..s.len().min(h.len() + 1)).rev().find(|&n| h[h.len() - n..] == s[..n]).unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether a stop string was found.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// The end of the text: what was held back (nothing after a stop).
+    pub fn finish(self) -> String {
+        if self.stopped { String::new() } else { self.held }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every way of cutting `text` into pieces at character boundaries (up to three cuts).
+    fn splits(text: &str) -> Vec<Vec<&str>> {
+        let cuts: Vec<usize> = (1..text.len()).filter(|&i| text.is_char_boundary(i)).collect();
+        let mut out = vec![vec![text]];
+        for (i, &a) in cuts.iter().enumerate() {
+            out.push(vec![&text[..a], &text[a..]]);
+            for (j, &b) in cuts.iter().enumerate().skip(i + 1) {
+                out.push(vec![&text[..a], &text[a..b], &text[b..]]);
+                for &c in &cuts[j + 1..] {
+                    out.push(vec![&text[..a], &text[a..b], &text[b..c], &text[c..]]);
+                }
+            }
+        }
+        out
+    }
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut m = StopMatcher::new(&stops);
+        let mut out = String::new();
+        let mut stopped = false;
+        for p in pieces {
+            let (emit, s) = m.push(p);
+            // Nothing is returned that the whole text would not have returned.
+            out.push_str(&emit);
+            stopped = s;
+        }
+        out.push_str(&m.finish());
+        (out, stopped)
+    }
+
+    #[test]
+    fn any_split_gives_the_whole_text_result() {
+        let cases: [(&[&str], &str, &str, bool); 8] = [
+            (&["abcd", "bc"], "abcd", "a", true),
+            (&["STOP"], "abSTOPcd", "ab", true),
+            (&["STOP"], "abSTOcd", "abSTOcd", false),
+            (&["ab", "b"], "xaab", "xa", true),
+            (&["é!"], "caféé!x", "café", true),
+            (&["日本"], "日日本語", "日", true),
+            (&["<|im_end|>", "\n\n"], "a\nb<|im_", "a\nb<|im_", false),
+            (&[""], "abc", "abc", false),
+        ];
+        for (stops, text, want, stop) in cases {
+            for pieces in splits(text) {
+                assert_eq!(run(stops, &pieces), (want.to_string(), stop), "stops {stops:?}, pieces {pieces:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn holds_back_only_a_possible_start() {
+        let mut m = StopMatcher::new(&["</end>".to_string()]);
+        assert_eq!(m.push("abc</e"), ("abc".to_string(), false));
+        assert_eq!(m.push("x"), ("</ex".to_string(), false));
+        assert_eq!(m.push("</end>tail"), (String::new(), true));
+        assert_eq!(m.push("more"), (String::new(), true));
+        assert!(m.stopped());
+        assert_eq!(m.finish(), "");
+    }
+}

@@ -111,6 +111,11 @@ impl Fields<'_> {
         self.0.get(name).filter(|v| !v.is_null())
     }
 
+    /// A field as it came (`None` when absent or null).
+    pub fn get_raw(&self, name: &str) -> Option<&Value> {
+        self.get(name)
+    }
+
     fn wrong(name: &str, want: &str, got: &Value) -> ApiError {
         let kind = match got {
             Value::Null => "null",

@@ -4,7 +4,8 @@
 //!
 //! One thread owns the engine ([`worker`]); each HTTP request checks its body ([`api`]),
 //! tokenizes its prompt and hands it over, then turns the tokens it gets back into text
-//! ([`text`]) and OpenAI's response or chunks. A client that goes away drops its end of the
+//! ([`text`]; then `stop` strings, and for chat the reasoning and tool-call split of
+//! [`crate::chat`]) and OpenAI's response or chunks. A client that goes away drops its end of the
 //! token channel, and the engine thread cancels its request at the next step. Bad requests get
 //! a 4xx with an OpenAI error body and never reach the engine.
 
@@ -31,10 +32,11 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::chat::StopMatcher;
 use crate::engine::Finish;
 use api::{ApiError, Common, Fields};
 use prompt::{Chat, Delta};
-use text::{Detok, StopMatcher};
+use text::Detok;
 use worker::{EngineHandle, Update};
 
 /// What the handlers share.
@@ -247,35 +249,45 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
         Some(_) => return Err(ApiError::invalid(Some("tools"), "`tools` must be a list")),
     };
     let kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
+    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed.
+    let parse_tools = if f.get_raw("tool_choice").and_then(Value::as_str) == Some("none") { None } else { tools };
     let text = s
         .chat
         .render(messages, tools, &kwargs)
         .map_err(|e| ApiError::invalid(Some("messages"), format!("The chat template failed: {e}")))?;
     let prompt = s.encode(&text)?;
     let mut g = s.start(&c, prompt, "messages")?;
+    let new_parser = {
+        let (chat, text, tools) = (s.clone(), text.clone(), parse_tools.cloned());
+        move || chat.chat.parser(&text, tools.as_ref())
+    };
     let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
     if !c.stream {
-        let mut parser = s.chat.parser();
-        let (mut content, mut reasoning, mut logprobs, mut finish) = (String::new(), String::new(), vec![], "stop");
-        let mut add = |d: Vec<Delta>| {
-            for d in d {
-                match d {
-                    Delta::Content(t) => content += &t,
-                    Delta::Reasoning(t) => reasoning += &t,
-                }
-            }
-        };
+        let mut parser = new_parser();
+        let (mut deltas, mut logprobs, mut finish) = (vec![], vec![], "stop");
         while let Some(p) = g.next().await? {
-            add(parser.push(&p.text));
+            deltas.extend(parser.push(&p.text));
             if c.sampling.logprobs {
                 logprobs.push(s.chat_logprob(&p.token, c.token_ids));
             }
             finish = p.finish.unwrap_or(finish);
         }
-        add(parser.finish());
-        let mut message = json!({"role": "assistant", "content": content});
-        if !reasoning.is_empty() {
-            message["reasoning_content"] = json!(reasoning);
+        let calls = parser.tool_calls();
+        deltas.extend(parser.finish());
+        let m = crate::chat::Message::from_deltas(deltas);
+        let mut message = json!({"role": "assistant", "content": m.content});
+        if let Some(r) = m.reasoning {
+            message["reasoning_content"] = json!(r);
+        }
+        if !m.tool_calls.is_empty() {
+            message["tool_calls"] = m
+                .tool_calls
+                .iter()
+                .map(|t| json!({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments_json}}))
+                .collect();
+        }
+        if finish == "stop" && (calls > 0 || !m.tool_calls.is_empty()) {
+            finish = "tool_calls";
         }
         let logprobs = if c.sampling.logprobs { json!({"content": logprobs}) } else { Value::Null };
         let body = json!({
@@ -302,7 +314,7 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
         if !out.send(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, None)).await {
             return;
         }
-        let mut parser = s.chat.parser();
+        let mut parser = Some(new_parser());
         let mut pending = vec![];
         loop {
             let piece = match out.next(&mut g).await {
@@ -317,14 +329,27 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
             if c.sampling.logprobs {
                 pending.push(s.chat_logprob(&piece.token, c.token_ids));
             }
-            let mut deltas = parser.push(&piece.text);
-            if piece.finish.is_some() {
-                deltas.extend(std::mem::replace(&mut parser, s.chat.parser()).finish());
+            let Some(p) = parser.as_mut() else { break };
+            let mut deltas = p.push(&piece.text);
+            let mut finish = piece.finish;
+            if finish.is_some() {
+                let p = parser.take().expect("there until the finish");
+                if finish == Some("stop") && p.tool_calls() > 0 {
+                    finish = Some("tool_calls");
+                }
+                let rest = p.finish();
+                if finish == Some("stop") && rest.iter().any(|d| matches!(d, Delta::ToolCall { .. })) {
+                    finish = Some("tool_calls");
+                }
+                deltas.extend(rest);
             }
             for d in deltas {
                 let delta = match d {
                     Delta::Content(t) => json!({"content": t}),
                     Delta::Reasoning(t) => json!({"reasoning_content": t}),
+                    Delta::ToolCall { index, id, name, arguments_json } => json!({"tool_calls": [{
+                        "index": index, "id": id, "type": "function",
+                        "function": {"name": name, "arguments": arguments_json}}]}),
                 };
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
@@ -332,7 +357,7 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
                     return;
                 }
             }
-            if let Some(finish) = piece.finish {
+            if let Some(finish) = finish {
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
                 if !out.send(&chunk(json!({}), lp, Some(finish))).await {

@@ -1,40 +1,42 @@
-//! The chat side of the server, behind one seam: a conversation to a prompt, the ids that end
-//! a turn, and the generated text split into what the client sees (content, reasoning, tool
-//! calls).
+//! The chat side of the server, behind one seam over [`crate::chat`]: a conversation to a
+//! prompt (the checkpoint's chat template, with `tools` and `chat_template_kwargs`), the ids
+//! that end a turn (`generation_eos_ids`), and the generated text split into content,
+//! reasoning and tool calls ([`OutputParser`]).
 //!
-//! For now (the chat-template module is not in yet): a ChatML rendering of the messages'
-//! text, the checkpoint's eos ids, and every generated piece as content.
+//! A checkpoint without a chat template gets plain ChatML turns of the messages' text
+//! (`<|im_start|>role\ncontent<|im_end|>\n`, then `<|im_start|>assistant\n`).
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
-/// What the generated text turns into for a chat client.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Delta {
-    Content(String),
-    Reasoning(String),
-}
+pub use crate::chat::Delta;
+use crate::chat::{ChatTemplate, OutputParser, ParserOptions, generation_eos_ids, prompt_opens_reasoning};
 
 /// How the served model chats.
 pub struct Chat {
+    template: Option<ChatTemplate>,
     eos: Vec<u32>,
 }
 
 impl Chat {
     /// The chat setup of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Chat, String> {
-        Ok(Chat { eos: eos_ids(dir) })
+        let template = ChatTemplate::from_dir(dir).map_err(|e| e.to_string())?;
+        Ok(Chat { template, eos: generation_eos_ids(dir) })
     }
 
-    /// The prompt for `messages` (checked to be a non-empty list of `{role, content}`).
-    /// `tools` and `kwargs` are for the template; the fallback rendering ignores them.
+    /// The prompt for `messages` (checked by the caller to be a non-empty list of objects
+    /// with a `role`), with the generation prompt added.
     pub fn render(
         &self,
         messages: &Value,
-        _tools: Option<&Value>,
-        _kwargs: &Map<String, Value>,
+        tools: Option<&Value>,
+        kwargs: &Map<String, Value>,
     ) -> Result<String, String> {
+        if let Some(t) = &self.template {
+            return t.render(messages, tools, true, kwargs).map_err(|e| e.to_string());
+        }
         let mut prompt = String::new();
         for m in messages.as_array().into_iter().flatten() {
             let role = m["role"].as_str().unwrap_or("user");
@@ -54,32 +56,13 @@ impl Chat {
         self.eos.clone()
     }
 
-    /// A fresh splitter of one response's text.
-    pub fn parser(&self) -> Parser {
-        Parser
-    }
-}
-
-/// Splits one response's text as it streams.
-pub struct Parser;
-
-impl Parser {
-    pub fn push(&mut self, text: &str) -> Vec<Delta> {
-        if text.is_empty() { vec![] } else { vec![Delta::Content(text.to_string())] }
-    }
-
-    pub fn finish(self) -> Vec<Delta> {
-        vec![]
-    }
-}
-
-/// The end-of-sequence ids config.json names (a number or a list), if any.
-pub fn eos_ids(dir: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
-    let v: Value = serde_json::from_str(&text).unwrap_or_default();
-    match &v["eos_token_id"] {
-        Value::Number(n) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-        Value::Array(a) => a.iter().filter_map(|n| n.as_u64()).map(|n| n as u32).collect(),
-        _ => Vec::new(),
+    /// A fresh splitter of the response to `prompt`; tool calls are parsed when the request
+    /// offered `tools`.
+    pub fn parser(&self, prompt: &str, tools: Option<&Value>) -> OutputParser {
+        OutputParser::new(ParserOptions {
+            reasoning: true,
+            starts_in_reasoning: prompt_opens_reasoning(prompt),
+            tools: tools.cloned(),
+        })
     }
 }

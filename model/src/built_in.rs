@@ -29,7 +29,11 @@ pub fn dir() -> Result<PathBuf> {
     for (name, bytes) in FILES {
         let path = dir.join(name);
         if std::fs::read(&path).ok().as_deref() != Some(bytes) {
-            std::fs::write(&path, bytes).map_err(|e| fail(&path, e))?;
+            // Written beside and renamed, so a process starting at the same time never reads
+            // half a file.
+            let tmp = dir.join(format!("{name}.{}", std::process::id()));
+            std::fs::write(&tmp, bytes).map_err(|e| fail(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| fail(&path, e))?;
         }
     }
     Ok(dir)

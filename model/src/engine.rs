@@ -142,6 +142,21 @@ impl<B: Backend> Engine<B> {
         self.model
     }
 
+    /// How many requests run at once (the model's state slots).
+    pub fn slots(&self) -> usize {
+        self.model.slots()
+    }
+
+    /// The most tokens (prompt plus generated) one request may hold.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// The vocabulary size: prompt tokens must be below it.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         !self.requests.is_empty()

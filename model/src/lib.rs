@@ -21,6 +21,7 @@ pub mod model;
 pub mod profile;
 pub mod reference;
 pub mod sampling;
+pub mod serve;
 pub mod synthetic;
 pub mod weights;
 

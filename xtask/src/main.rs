@@ -4,7 +4,10 @@
 //!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
 //! - `generate ARGS...`: the model crate's `generate` CLI (release build), e.g.
 //!   `./x generate --prompt "Hello"` runs the built-in model;
-//! - `test [ARGS...]`: provision ptxas, then `cargo test --workspace ARGS...` (the CI command);
+//! - `test [ARGS...]`: provision ptxas and a Python with the `openai` package (a virtual
+//!   environment in `target/tools/venv`, for the serve client test), then
+//!   `cargo test --workspace ARGS...` (the CI command);
+//! - `serve ARGS...`: the model crate's `serve` (release build), e.g. `./x serve --port 8000`;
 //! - `lint`: rustfmt check, and clippy with warnings denied on the host crates and on the
 //!   device code as built for nvptx64;
 //! - `bundle [--out DIR]`: build the release test and bench executables and copy them, stripped,
@@ -44,18 +47,27 @@ fn main() -> Result<()> {
         }
         Some("test") => {
             let ptxas = tools::ptxas(&workspace)?;
-            cargo(&workspace, &["test", "--workspace"], args, Some(&ptxas))
+            // The serve client test fails, saying why, when it has no Python; the rest still run.
+            let mut env = vec![("PTXAS", ptxas)];
+            match tools::python_with_openai(&workspace) {
+                Ok(python) => env.push(("NEMOTRON_TEST_PYTHON", python)),
+                Err(e) => eprintln!("warning: no Python with openai for the serve client test: {e:#}"),
+            }
+            cargo(&workspace, &["test", "--workspace"], args, &env)
+        }
+        Some("serve") => {
+            cargo(&workspace, &["run", "--release", "--quiet", "-p", "model", "--bin", "serve", "--"], args, &[])
         }
         Some("generate") => {
-            cargo(&workspace, &["run", "--release", "--quiet", "-p", "model", "--bin", "generate", "--"], args, None)
+            cargo(&workspace, &["run", "--release", "--quiet", "-p", "model", "--bin", "generate", "--"], args, &[])
         }
         Some("lint") => {
-            cargo(&workspace, &["fmt", "--all", "--", "--check"], args, None)?;
+            cargo(&workspace, &["fmt", "--all", "--", "--check"], args, &[])?;
             cargo(
                 &workspace,
                 &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
                 std::iter::empty(),
-                None,
+                &[],
             )?;
             let device = [
                 "clippy",
@@ -72,7 +84,7 @@ fn main() -> Result<()> {
                 "-D",
                 "warnings",
             ];
-            cargo(&workspace, &device, std::iter::empty(), None)
+            cargo(&workspace, &device, std::iter::empty(), &[])
         }
         Some("bundle") => {
             let out = match (args.next().as_deref(), args.next()) {
@@ -83,7 +95,7 @@ fn main() -> Result<()> {
             bundle(&workspace, &out)
         }
         _ => bail!(
-            "usage: cargo xtask <ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | bundle [--out DIR]>"
+            "usage: cargo xtask <ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | generate ARGS | serve ARGS | lint | bundle [--out DIR]>"
         ),
     }
 }
@@ -190,13 +202,10 @@ fn parse_ptxas(log: &str) -> Vec<Resources> {
     rows
 }
 
-/// Runs `cargo <base> <extra...>` in the workspace, with `PTXAS` set when given.
-fn cargo(workspace: &Path, base: &[&str], extra: impl Iterator<Item = String>, ptxas: Option<&Path>) -> Result<()> {
+/// Runs `cargo <base> <extra...>` in the workspace, with the variables of `env` set.
+fn cargo(workspace: &Path, base: &[&str], extra: impl Iterator<Item = String>, env: &[(&str, PathBuf)]) -> Result<()> {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(workspace).args(base).args(extra);
-    if let Some(p) = ptxas {
-        cmd.env("PTXAS", p);
-    }
+    cmd.current_dir(workspace).args(base).args(extra).envs(env.iter().map(|(k, v)| (k, v)));
     let status = cmd.status().context("running cargo")?;
     if !status.success() {
         bail!("cargo {} failed ({status})", base.join(" "));

@@ -62,3 +62,42 @@ fn check_version(ptxas: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// The `openai` package the serve client test (tests/serve/client_test.py) runs with.
+const OPENAI: &str = "openai==3.57.0";
+
+/// A Python with `openai` installed: the virtual environment `target/tools/venv`, created
+/// (python3 -m venv) and filled (pip install) the first time.
+pub fn python_with_openai(workspace: &Path) -> Result<PathBuf> {
+    let venv = workspace.join("target/tools/venv");
+    let python = venv.join("bin/python");
+    let has_openai = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import openai, sys; sys.exit(openai.__version__ != sys.argv[1])", &OPENAI[8..]])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has_openai(&python) {
+        return Ok(python);
+    }
+    if !python.exists() {
+        eprintln!("provisioning the serve client test: python3 -m venv {}", venv.display());
+        let status = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .context("running python3 -m venv (python3 with venv is needed for the serve client test)")?;
+        if !status.success() {
+            bail!("python3 -m venv {} failed ({status})", venv.display());
+        }
+    }
+    eprintln!("provisioning the serve client test: pip install {OPENAI}");
+    let status = Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAI])
+        .status()
+        .with_context(|| format!("running {} -m pip", python.display()))?;
+    if !status.success() || !has_openai(&python) {
+        bail!("pip could not install {OPENAI} into {}", venv.display());
+    }
+    Ok(python)
+}

@@ -1,0 +1,152 @@
+//! `serve`: an OpenAI-compatible HTTP server for a NemotronH checkpoint (the library's
+//! `model::serve` has the routes and the engine thread). Without `--model` it serves the
+//! built-in model. Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
+//! once it listens it prints `listening on http://ADDR` there.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
+use model::config::Config;
+use model::cpu::Cpu;
+use model::cuda::Cuda;
+use model::engine::Engine;
+use model::layout::Layout;
+use model::model::Model;
+use model::serve::prompt::Chat;
+use model::serve::worker::{EngineHandle, Starter};
+use model::serve::{Served, now, router};
+use model::weights::Checkpoint;
+use tokenizers::Tokenizer;
+
+/// Which backend runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum Backend {
+    /// The GPU when one can be opened, else the CPU reference backend.
+    Auto,
+    /// The CPU reference backend.
+    Cpu,
+    /// The CUDA backend (an error without a GPU).
+    Cuda,
+}
+
+/// Serves a NemotronH model over the OpenAI API: /v1/chat/completions, /v1/completions,
+/// /v1/models, /health.
+#[derive(Parser, Debug)]
+#[command(name = "serve", version)]
+struct Args {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json); without it, the
+    /// built-in model (random weights: the text means nothing).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The name clients give as `model` (default: the directory's name, or `default`).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Which backend runs the model.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free one; the log says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Requests the engine runs at once (its state slots).
+    #[arg(long, default_value_t = 16)]
+    slots: usize,
+    /// The context of a request: its prompt plus generated tokens.
+    #[arg(long, default_value_t = 4096)]
+    max_len: usize,
+    /// Requests that may wait for a slot; past them a request gets 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Feed at most this many tokens per engine step (long prompts in chunks); unbounded by default.
+    #[arg(long)]
+    max_step_tokens: Option<usize>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    if args.slots == 0 || args.max_len < 2 {
+        bail!("--slots must be at least 1 and --max-len at least 2");
+    }
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => model::built_in::dir()?,
+    };
+    let name = args.served_model_name.clone().unwrap_or_else(|| match &args.model {
+        Some(d) => d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "default".into()),
+        None => "default".into(),
+    });
+    tracing::info!("loading {}", dir.display());
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        bail!("{} has no tokenizer.json: the server needs the checkpoint's tokenizer", dir.display());
+    }
+    let tokenizer =
+        Tokenizer::from_file(&tok_path).map_err(|e| anyhow::anyhow!("reading {}: {e}", tok_path.display()))?;
+    let chat = Chat::from_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    let (backend, slots, max_len, step_tokens) = (args.backend, args.slots, args.max_len, args.max_step_tokens);
+    let load_dir = dir.clone();
+    let engine = EngineHandle::spawn(args.max_queue, move |start: Starter| {
+        let load = |start: Starter, b| match b {
+            None => {
+                tracing::info!("backend: CPU reference");
+                start.run(load_engine(Cpu::default(), &load_dir, slots, max_len, step_tokens))
+            }
+            Some(cuda) => start.run(load_engine(cuda, &load_dir, slots, max_len, step_tokens)),
+        };
+        match backend {
+            Backend::Cpu => load(start, None),
+            Backend::Cuda => match Cuda::new(0) {
+                Ok(c) => load(start, Some(c)),
+                Err(e) => start.run::<Cpu>(Err(e)),
+            },
+            Backend::Auto => {
+                let gpu = Cuda::new(0).map_err(|e| tracing::info!("no GPU ({e}): using the CPU reference backend"));
+                load(start, gpu.ok())
+            }
+        }
+    })
+    .context("loading the model")?;
+    let info = engine.info;
+    tracing::info!(slots = info.slots, max_len = info.max_len, max_queue = args.max_queue, "model `{name}` loaded");
+    let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now() });
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("listening on {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!("listening on http://{local}");
+        axum::serve(listener, router(state)).await.context("serving")
+    })
+}
+
+/// The engine over `backend` with the checkpoint in `dir` loaded.
+fn load_engine<B: model::backend::Backend>(
+    backend: B,
+    dir: &std::path::Path,
+    slots: usize,
+    max_len: usize,
+    max_step_tokens: Option<usize>,
+) -> model::Result<Engine<B>> {
+    let config = Config::from_dir(dir)?;
+    let checkpoint = Checkpoint::open(dir)?;
+    let layout = Layout::new(&config, &checkpoint)?;
+    let model = Model::load(backend, &config, &layout, slots, max_len)?;
+    let mut engine = Engine::new(model);
+    if let Some(n) = max_step_tokens {
+        engine.set_max_step_tokens(n)?;
+    }
+    Ok(engine)
+}

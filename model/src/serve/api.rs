@@ -1,0 +1,392 @@
+//! The OpenAI request fields this server reads, checked one by one (so an error names the
+//! field), and its errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+//! Fields it does not know are ignored (clients send many); `null` counts as absent.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+use crate::engine::RequestParams;
+use crate::sampling::SamplingParams;
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400: the request is wrong in `param`.
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+        }
+    }
+
+    /// 400: the prompt (with the tokens asked for) does not fit the context.
+    pub fn context(param: &str, message: String) -> ApiError {
+        ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(Some(param), message) }
+    }
+
+    /// 404: no such model here.
+    pub fn unknown_model(asked: &str, served: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{asked}` does not exist; this server serves `{served}`"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 429: every slot and the queue are taken.
+    pub fn busy(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!("The server is busy: {limit} requests are running or queued; retry later"),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("rate_limit_exceeded"),
+        }
+    }
+
+    /// 500: the server failed this request.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 404 for an unknown path.
+    pub fn no_route(path: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "No route {path}: this server has /v1/chat/completions, /v1/completions, /v1/models, /health"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The body: `{"error": {...}}`.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// The request body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::invalid(None, "The request body must be a JSON object")),
+        Err(e) => Err(ApiError::invalid(None, format!("The request body is not valid JSON: {e}"))),
+    }
+}
+
+/// Typed reads of a request's fields, each error naming the field.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    /// A field as it came (`None` when absent or null).
+    pub fn get_raw(&self, name: &str) -> Option<&Value> {
+        self.get(name)
+    }
+
+    fn wrong(name: &str, want: &str, got: &Value) -> ApiError {
+        let kind = match got {
+            Value::Null => "null",
+            Value::Bool(_) => "a boolean",
+            Value::Number(_) => "a number",
+            Value::String(_) => "a string",
+            Value::Array(_) => "an array",
+            Value::Object(_) => "an object",
+        };
+        ApiError::invalid(Some(name), format!("`{name}` must be {want}, not {kind}"))
+    }
+
+    pub fn f32(&self, name: &str) -> Result<Option<f32>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| Self::wrong(name, "a number", v)),
+        }
+    }
+
+    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_i64().map(Some).ok_or_else(|| Self::wrong(name, "an integer", v)),
+        }
+    }
+
+    /// A non-negative integer.
+    pub fn count(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        match self.i64(name)? {
+            Some(n) if n < 0 => Err(ApiError::invalid(Some(name), format!("`{name}` must be >= 0, not {n}"))),
+            n => Ok(n.map(|n| n as usize)),
+        }
+    }
+
+    pub fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| Self::wrong(name, "a boolean", v)),
+        }
+    }
+
+    pub fn str(&self, name: &str) -> Result<Option<&str>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| Self::wrong(name, "a string", v)),
+        }
+    }
+
+    pub fn object(&self, name: &str) -> Result<Option<&Map<String, Value>>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_object().map(Some).ok_or_else(|| Self::wrong(name, "an object", v)),
+        }
+    }
+
+    /// `stop`: a string or a list of strings.
+    pub fn stop(&self) -> Result<Vec<String>, ApiError> {
+        match self.get("stop") {
+            None => Ok(vec![]),
+            Some(Value::String(s)) => Ok(vec![s.clone()]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|s| s.as_str().map(str::to_string).ok_or_else(|| Self::wrong("stop", "a list of strings", s)))
+                .collect(),
+            Some(v) => Err(Self::wrong("stop", "a string or a list of strings", v)),
+        }
+    }
+}
+
+/// What both endpoints read besides the prompt.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub model: Option<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// `max_tokens` (or chat's `max_completion_tokens`), if given.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// vLLM's extension: logprobs name tokens as `token_id:N`.
+    pub token_ids: bool,
+}
+
+/// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with
+/// `top_logprobs`) when `chat`, else completions' (the number of top tokens).
+pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
+    let mut s = SamplingParams { temperature: 1.0, seed, ..SamplingParams::greedy() };
+    if let Some(t) = f.f32("temperature")? {
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(ApiError::invalid(Some("temperature"), format!("`temperature` must be >= 0, not {t}")));
+        }
+        s.temperature = t;
+    }
+    if let Some(p) = f.f32("top_p")? {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::invalid(Some("top_p"), format!("`top_p` must be in (0, 1], not {p}")));
+        }
+        s.top_p = (p < 1.0).then_some(p);
+    }
+    match f.i64("top_k")? {
+        None | Some(-1) | Some(0) => {}
+        Some(k) if k > 0 => s.top_k = Some(k as usize),
+        Some(k) => return Err(ApiError::invalid(Some("top_k"), format!("`top_k` must be >= 1 (or -1: off), not {k}"))),
+    }
+    if let Some(p) = f.f32("min_p")? {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ApiError::invalid(Some("min_p"), format!("`min_p` must be in [0, 1], not {p}")));
+        }
+        s.min_p = (p > 0.0).then_some(p);
+    }
+    for name in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = f.f32(name)? {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::invalid(Some(name), format!("`{name}` must be in [-2, 2], not {v}")));
+            }
+            if name == "presence_penalty" {
+                s.presence_penalty = v;
+            } else {
+                s.frequency_penalty = v;
+            }
+        }
+    }
+    if let Some(r) = f.f32("repetition_penalty")? {
+        if !(r.is_finite() && r > 0.0) {
+            return Err(ApiError::invalid(
+                Some("repetition_penalty"),
+                format!("`repetition_penalty` must be > 0, not {r}"),
+            ));
+        }
+        s.repetition_penalty = r;
+    }
+    if let Some(seed) = f.i64("seed")? {
+        s.seed = seed as u64;
+    }
+    if chat {
+        s.logprobs = f.bool("logprobs")?.unwrap_or(false);
+        if let Some(n) = f.count("top_logprobs")? {
+            if n > 20 {
+                return Err(ApiError::invalid(
+                    Some("top_logprobs"),
+                    format!("`top_logprobs` must be at most 20, not {n}"),
+                ));
+            }
+            if n > 0 && !s.logprobs {
+                return Err(ApiError::invalid(Some("top_logprobs"), "`top_logprobs` needs `logprobs: true`"));
+            }
+            s.top_logprobs = n;
+        }
+    } else if let Some(n) = f.count("logprobs")? {
+        if n > 20 {
+            return Err(ApiError::invalid(Some("logprobs"), format!("`logprobs` must be at most 20, not {n}")));
+        }
+        s.logprobs = true;
+        s.top_logprobs = n;
+    }
+    for name in ["n", "best_of"] {
+        if let Some(n) = f.i64(name)?.filter(|&n| n != 1) {
+            return Err(ApiError::invalid(Some(name), format!("`{name}` must be 1 (one choice per request), not {n}")));
+        }
+    }
+    let names: &[&str] = if chat { &["max_completion_tokens", "max_tokens"] } else { &["max_tokens"] };
+    let mut max_tokens = None;
+    for &name in names {
+        if let Some(n) = f.i64(name)? {
+            if n < 1 {
+                return Err(ApiError::invalid(Some(name), format!("`{name}` must be at least 1, not {n}")));
+            }
+            max_tokens.get_or_insert(n as usize);
+        }
+    }
+    s.check().map_err(|e| ApiError::invalid(None, e.to_string()))?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
+        None => false,
+    };
+    Ok(Common {
+        model: f.str("model")?.map(str::to_string),
+        stream,
+        include_usage,
+        max_tokens,
+        sampling: s,
+        stop: f.stop()?,
+        token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+    })
+}
+
+/// The engine's parameters for a prompt of `prompt_len` tokens, checked against the context
+/// of `max_len` tokens (`param` names the prompt's field in errors).
+pub fn request_params(
+    c: &Common,
+    prompt_len: usize,
+    max_len: usize,
+    stop_tokens: Vec<u32>,
+    param: &str,
+) -> Result<RequestParams, ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::invalid(Some(param), "The prompt is empty"));
+    }
+    if prompt_len >= max_len {
+        return Err(ApiError::context(
+            param,
+            format!("The prompt is {prompt_len} tokens; this model's context is {max_len} tokens"),
+        ));
+    }
+    let room = max_len - prompt_len;
+    let max_new_tokens = match c.max_tokens {
+        Some(n) if n > room => {
+            return Err(ApiError::context(
+                "max_tokens",
+                format!(
+                    "The prompt is {prompt_len} tokens and {n} more were asked for; this model's context is {max_len} tokens"
+                ),
+            ));
+        }
+        Some(n) => n,
+        None => room,
+    };
+    Ok(RequestParams { max_new_tokens, sampling: c.sampling, stop_tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(body: &str, chat: bool) -> Result<Common, ApiError> {
+        let m = parse_body(body.as_bytes())?;
+        common(&Fields(&m), chat, 7)
+    }
+
+    #[test]
+    fn fields_map_onto_sampling() {
+        let c = read(
+            r#"{"temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": true, "top_logprobs": 2,
+            "max_completion_tokens": 9, "stop": "x", "stream": true, "stream_options": {"include_usage": true}}"#,
+            true,
+        )
+        .unwrap();
+        let s = c.sampling;
+        assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p, s.seed), (0.5, Some(0.9), Some(40), Some(0.1), 3));
+        assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty), (0.5, -0.5, 1.1));
+        assert_eq!((s.logprobs, s.top_logprobs, c.max_tokens), (true, 2, Some(9)));
+        assert!(c.stream && c.include_usage && c.stop == ["x"]);
+        let c = read(r#"{"logprobs": 3, "top_k": -1}"#, false).unwrap();
+        assert_eq!(
+            (c.sampling.logprobs, c.sampling.top_logprobs, c.sampling.top_k, c.sampling.seed),
+            (true, 3, None, 7)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        for (body, param) in [
+            (r#"{"temperature": -1}"#, "temperature"),
+            (r#"{"temperature": "hot"}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_p": 1.5}"#, "top_p"),
+            (r#"{"n": 2}"#, "n"),
+            (r#"{"max_tokens": 0}"#, "max_tokens"),
+            (r#"{"stop": 3}"#, "stop"),
+            (r#"{"top_logprobs": 30, "logprobs": true}"#, "top_logprobs"),
+            (r#"{"stream": "yes"}"#, "stream"),
+        ] {
+            let e = read(body, true).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}: {e:?}");
+        }
+        assert!(parse_body(b"{nope").unwrap_err().message.contains("not valid JSON"));
+        assert!(parse_body(b"[1]").unwrap_err().message.contains("JSON object"));
+        let c = read("{}", false).unwrap();
+        assert_eq!(request_params(&c, 10, 10, vec![], "prompt").unwrap_err().code, Some("context_length_exceeded"));
+        assert_eq!(request_params(&c, 4, 10, vec![], "prompt").unwrap().max_new_tokens, 6);
+    }
+}

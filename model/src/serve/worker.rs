@@ -1,0 +1,207 @@
+//! The engine thread: the one owner of the [`Engine`] (its backend need not be `Send`: the
+//! thread builds the model itself). It loops: takes the new requests off a channel and adds
+//! them, drops the requests whose client went away (their receiver dropped) with
+//! [`Engine::cancel`], runs a step, and sends each event to its request's channel. New
+//! requests so join the running batch at the next step. It blocks on the channel only while
+//! the engine is idle.
+//!
+//! Admission is bounded: the [`EngineHandle`] counts the requests it handed over and not yet
+//! done with (running or waiting for a slot in the engine); past the slots plus `max_queue`
+//! it refuses ([`Busy`]), and the HTTP layer answers 429.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::backend::Backend;
+use crate::engine::{Engine, Event, RequestId, RequestParams};
+use crate::error::{Error, Result};
+
+/// What the engine thread sends a request: its tokens, or why it ended without one.
+#[derive(Debug)]
+pub enum Update {
+    Token(Event),
+    /// The engine refused the request or its step failed; the request is over.
+    Error {
+        message: String,
+        client: bool,
+    },
+}
+
+/// The engine is full: its slots and the queue are taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy {
+    pub limit: usize,
+}
+
+/// One admitted request's place in the count; given back when dropped.
+struct Permit(Arc<AtomicUsize>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    params: RequestParams,
+    out: UnboundedSender<Update>,
+    _permit: Permit,
+}
+
+/// What the loaded model offers.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelInfo {
+    pub slots: usize,
+    /// Prompt plus generated tokens of one request.
+    pub max_len: usize,
+    pub vocab: usize,
+}
+
+/// Given to the engine thread's start function: takes the engine it built (of any backend).
+pub struct Starter {
+    jobs: mpsc::Receiver<Job>,
+    ready: mpsc::Sender<Result<ModelInfo>>,
+}
+
+impl Starter {
+    /// Reports the engine (or why there is none) to [`EngineHandle::spawn`] and serves
+    /// requests on it until every handle is dropped.
+    pub fn run<B: Backend>(self, engine: Result<Engine<B>>) {
+        match engine {
+            Ok(engine) => {
+                let info = ModelInfo { slots: engine.slots(), max_len: engine.max_len(), vocab: engine.vocab() };
+                if self.ready.send(Ok(info)).is_ok() {
+                    run(engine, self.jobs);
+                }
+            }
+            Err(e) => {
+                let _ = self.ready.send(Err(e));
+            }
+        }
+    }
+}
+
+/// The server side's handle on the engine thread (cheap to clone).
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: mpsc::Sender<Job>,
+    admitted: Arc<AtomicUsize>,
+    limit: usize,
+    pub info: ModelInfo,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread, which runs `start` to build the engine there (the backend
+    /// opened, the weights uploaded) and hand it to [`Starter::run`]; returns once it has,
+    /// or with its error. Up to the engine's slots plus `max_queue` requests are admitted at
+    /// once.
+    pub fn spawn(max_queue: usize, start: impl FnOnce(Starter) + Send + 'static) -> Result<EngineHandle> {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (ready, ready_rx) = mpsc::channel::<Result<ModelInfo>>();
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || start(Starter { jobs: rx, ready }))
+            .map_err(|e| Error::Unsupported(format!("starting the engine thread: {e}")))?;
+        let info = ready_rx
+            .recv()
+            .map_err(|_| Error::Unsupported("the engine thread ended while loading the model".into()))??;
+        Ok(EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: info.slots + max_queue, info })
+    }
+
+    /// Hands a request to the engine thread; its tokens come on the returned channel, which
+    /// the request's client holds: dropping it cancels the request.
+    pub fn submit(&self, prompt: Vec<u32>, params: RequestParams) -> Result<UnboundedReceiver<Update>, Busy> {
+        let limit = self.limit;
+        self.admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1))
+            .map_err(|_| Busy { limit })?;
+        let permit = Permit(self.admitted.clone());
+        let (out, rx) = unbounded_channel();
+        let job = Job { prompt, params, out, _permit: permit };
+        if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
+            let _ = job.out.send(Update::Error { message: "the engine thread has stopped".into(), client: false });
+        }
+        Ok(rx)
+    }
+
+    /// Requests admitted and not yet done (running or waiting for a slot).
+    pub fn admitted(&self) -> usize {
+        self.admitted.load(Ordering::Acquire)
+    }
+}
+
+/// The engine thread's loop; returns when every handle is gone and no request is left.
+fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
+    let mut live: HashMap<RequestId, Job> = HashMap::new();
+    let admit = |engine: &mut Engine<B>, live: &mut HashMap<RequestId, Job>, job: Job| match engine
+        .add(&job.prompt, job.params.clone())
+    {
+        Ok(id) => {
+            tracing::debug!(id, prompt = job.prompt.len(), "request added");
+            live.insert(id, job);
+        }
+        Err(e) => {
+            let _ = job.out.send(Update::Error { message: e.to_string(), client: true });
+        }
+    };
+    loop {
+        if live.is_empty() {
+            match jobs.recv() {
+                Ok(job) => admit(&mut engine, &mut live, job),
+                Err(_) => return,
+            }
+        }
+        while let Ok(job) = jobs.try_recv() {
+            admit(&mut engine, &mut live, job);
+        }
+        live.retain(|&id, job| {
+            if !job.out.is_closed() {
+                return true;
+            }
+            tracing::debug!(id, "client gone: request cancelled");
+            if let Err(e) = engine.cancel(id) {
+                tracing::warn!(id, "cancelling: {e}");
+            }
+            false
+        });
+        if live.is_empty() {
+            continue;
+        }
+        match engine.step() {
+            Ok(events) => {
+                for e in events {
+                    let (id, done) = (e.id, e.finished.is_some());
+                    if let Some(job) = live.get(&id) {
+                        let _ = job.out.send(Update::Token(e));
+                    }
+                    if done {
+                        tracing::debug!(id, "request finished");
+                        live.remove(&id);
+                    }
+                }
+            }
+            Err(Error::StepFailed { requests, source }) => {
+                tracing::error!("a step failed: {source}; ending requests {requests:?}");
+                for id in requests {
+                    if let Some(job) = live.remove(&id) {
+                        let _ = job
+                            .out
+                            .send(Update::Error { message: format!("the model step failed: {source}"), client: false });
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!("the engine failed: {e}; ending every request");
+                for (id, job) in live.drain() {
+                    let _ = engine.cancel(id);
+                    let _ = job.out.send(Update::Error { message: format!("the engine failed: {e}"), client: false });
+                }
+            }
+        }
+    }
+}

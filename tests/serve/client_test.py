@@ -1,0 +1,266 @@
+"""The `serve` binary through the real OpenAI Python client.
+
+Usage: python client_test.py BASE_URL   (e.g. http://127.0.0.1:8000)
+
+The server must run the built-in model with --slots 8 --max-queue 24 --max-len 512 (what
+model/tests/serve.rs starts it with). The built-in model has random weights and a byte
+tokenizer: the text means nothing, so the checks compare runs with each other (stream and
+not, alone and beside others) and check the protocol. Exits non-zero on the first failure.
+"""
+
+import json
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+SLOTS, QUEUE, MAX_LEN = 8, 24, 512
+BASE = sys.argv[1].rstrip("/")
+client = openai.OpenAI(base_url=BASE + "/v1", api_key="none", max_retries=0, timeout=60)
+MODEL = "default"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+# The whole script is bounded: a hang fails it instead of holding CI.
+signal.signal(signal.SIGALRM, lambda *_: (print("client_test: timed out", flush=True), sys.exit(2)))
+signal.alarm(360)
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def chat_stream(messages=CHAT, **kw):
+    """(text, token ids, finish_reason, usage, chunks) of a streamed chat completion."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"return_tokens_as_token_ids": True}, **kw)
+    text, ids, finish, usage, chunks = "", [], None, None, []
+    for c in stream:
+        chunks.append(c)
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            # The built-in model's random text goes to reasoning or content, as the parser splits it.
+            text += (getattr(ch.delta, "reasoning_content", None) or "") + (ch.delta.content or "")
+            if ch.logprobs and ch.logprobs.content:
+                ids += [int(t.token.removeprefix("token_id:")) for t in ch.logprobs.content]
+            finish = ch.finish_reason or finish
+    return text, ids, finish, usage, chunks
+
+
+def test_models_and_health():
+    check([m.id for m in client.models.list().data] == [MODEL], "models lists the served model")
+    with urllib.request.urlopen(BASE + "/health", timeout=10) as r:
+        check(r.status == 200, "health is 200")
+
+
+def test_chat():
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    m = r.choices[0]
+    check(r.object == "chat.completion" and m.message.role == "assistant", f"chat response shape: {r}")
+    whole = (getattr(m.message, "reasoning_content", None) or "") + (m.message.content or "")
+    check(m.finish_reason in ("stop", "length") and whole, f"chat choice: {m}")
+    u = r.usage
+    check(0 < u.completion_tokens <= 12 and u.prompt_tokens > 0, f"usage: {u}")
+    check(u.total_tokens == u.prompt_tokens + u.completion_tokens, f"usage total: {u}")
+    text, ids, finish, usage, chunks = chat_stream(max_tokens=12, temperature=0)
+    check(chunks[0].choices[0].delta.role == "assistant", "the first chunk carries the role")
+    check(all(c.object == "chat.completion.chunk" for c in chunks), "chunk objects")
+    check(chunks[-1].choices == [] and chunks[-1].usage is not None, "usage comes in a last chunk of its own")
+    check(chunks[-2].choices[0].finish_reason == finish, "the finish reason ends the choice's chunks")
+    check((text, finish) == (whole, m.finish_reason), f"stream {text!r} {finish} vs {m}")
+    check(usage.model_dump() == u.model_dump(), f"stream usage {usage} vs {u}")
+    check(len(ids) == u.completion_tokens, "one logprob per generated token")
+
+
+def test_completions():
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    c = r.choices[0]
+    check(r.object == "text_completion" and c.finish_reason in ("stop", "length"), f"completion: {r}")
+    check(r.usage.prompt_tokens == len("Once upon a time".encode()), f"byte tokenizer prompt tokens: {r.usage}")
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for ch in stream:
+        usage = ch.usage or usage
+        for x in ch.choices:
+            text += x.text
+            finish = x.finish_reason or finish
+    check((text, finish) == (c.text, c.finish_reason), f"stream {text!r} vs {c.text!r}")
+    check(usage.completion_tokens == r.usage.completion_tokens, "stream usage")
+    ids = list("Once upon a time".encode())
+    t = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    check(t.choices[0].text == c.text, "a token-id prompt gives what its text gives")
+    lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, logprobs=3,
+                                   extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    check(len(lp.logprobs.tokens) == 4 and all(len(t) == 3 for t in lp.logprobs.top_logprobs), f"logprobs {lp}")
+
+
+def test_stop_strings():
+    base = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, temperature=0).choices[0].text
+    stop = base[20:23]
+    want = base[:base.find(stop)]
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, temperature=0, stop=[stop, "\x00\x01zz"])
+    check((r.choices[0].text, r.choices[0].finish_reason) == (want, "stop"), f"stop {stop!r}: {r.choices[0]}")
+    check(r.usage.completion_tokens < 60, "a stop string ends the generation early")
+    stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, temperature=0, stop=stop, stream=True)
+    text = "".join(x.text for ch in stream for x in ch.choices)
+    check(text == want, f"streamed stop: {text!r} vs {want!r}")
+
+
+def raw(path, body):
+    """(status, error object) of a POST with a raw body (bytes or JSON-able)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)["error"]
+
+
+def test_bad_requests_leave_a_stream_unharmed():
+    kw = dict(max_tokens=120, temperature=0.9, top_p=0.95, seed=42)
+    alone = chat_stream(**kw)[1]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(ids=chat_stream(**kw)[1]))
+    t.start()
+    msgs = CHAT
+    long_prompt = "x" * (MAX_LEN + 10)
+    table = [
+        ("/v1/chat/completions", b'{"model": "default", "messages": [', 400, None, None),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, None),
+        ("/v1/chat/completions", {"messages": msgs, "temperature": "hot"}, 400, "temperature", None),
+        ("/v1/chat/completions", {"messages": msgs, "temperature": -1}, 400, "temperature", None),
+        ("/v1/chat/completions", {"messages": msgs, "top_p": 0}, 400, "top_p", None),
+        ("/v1/chat/completions", {"messages": msgs, "top_p": 1.5}, 400, "top_p", None),
+        ("/v1/chat/completions", {"messages": msgs, "n": 2}, 400, "n", None),
+        ("/v1/chat/completions", {"messages": msgs, "max_tokens": 0}, 400, "max_tokens", None),
+        ("/v1/chat/completions", {"messages": msgs, "max_tokens": "many"}, 400, "max_tokens", None),
+        ("/v1/chat/completions", {"messages": msgs, "presence_penalty": 3}, 400, "presence_penalty", None),
+        ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", None),
+        ("/v1/chat/completions", {"messages": msgs, "stream": "yes"}, 400, "stream", None),
+        ("/v1/chat/completions", {"messages": msgs, "stop": 5}, 400, "stop", None),
+        ("/v1/chat/completions", {}, 400, "messages", None),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages", None),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": msgs}, 404, "model", "model_not_found"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt}]}, 400, "messages",
+         "context_length_exceeded"),
+        ("/v1/completions", {"prompt": long_prompt}, 400, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, 400, "max_tokens", "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", None),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+        ("/v1/completions", {"prompt": 7}, 400, "prompt", None),
+        ("/v1/completions", {}, 400, "prompt", None),
+    ]
+    for path, body, status, param, code in table:
+        got, err = raw(path, body)
+        check(got == status, f"{path} {body!r}: status {got}, want {status}: {err}")
+        check(set(err) == {"message", "type", "param", "code"} and err["message"], f"error body {err}")
+        check((err["param"], err["code"]) == (param, code), f"{body!r}: param/code {err}")
+    # The same through the client: its typed errors.
+    try:
+        client.chat.completions.create(model=MODEL, messages=msgs, temperature=-2)
+        check(False, "temperature -2 accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and e.param == "temperature", f"client error {e}")
+    t.join(120)
+    check(not t.is_alive() and result.get("ids") == alone, "the stream beside the bad requests got its tokens")
+
+
+def test_queue_bound_gives_429():
+    streams = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=400, stream=True)
+               for _ in range(SLOTS + QUEUE)]
+    try:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+        check(False, "a request past the queue bound was accepted")
+    except openai.RateLimitError as e:
+        check(e.status_code == 429 and e.code == "rate_limit_exceeded", f"429 body: {e.body}")
+    finally:
+        for s in streams:
+            s.close()
+    # The closed streams' requests are cancelled and their places given back.
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+            break
+        except openai.RateLimitError:
+            check(time.time() < deadline, "the places of closed streams never came back")
+            time.sleep(0.1)
+
+
+def test_dropped_client_frees_its_slot():
+    streams = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, stream=True)
+               for _ in range(SLOTS)]
+    for s in streams:
+        next(iter(s))  # each running (its role chunk)
+    ends = {}
+
+    def drain(i, s):
+        for _ in s:
+            pass
+        ends[i] = time.time()
+
+    threads = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(streams[1:])]
+    for t in threads:
+        t.start()
+    streams[0].close()  # the client goes away mid-stream
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    done = time.time()
+    check(r.usage.completion_tokens >= 1, "the next request ran")
+    for t in threads:
+        t.join(120)
+    check(len(ends) == SLOTS - 1 and done < min(ends.values()),
+          "the next request got the dropped client's slot (it finished before every other stream)")
+
+
+def test_concurrent_seeded_clients_get_their_own_tokens():
+    n = 32
+    req = lambda i: dict(messages=[{"role": "user", "content": f"client {i}" + " go" * (i % 5)}],
+                         max_tokens=16 + i % 7, temperature=0.9, top_p=0.95, seed=1000 + i)
+    alone = [chat_stream(**req(i))[:2] for i in range(n)]
+    start = threading.Barrier(n)
+
+    def run(i):
+        start.wait(30)
+        return chat_stream(**req(i))[:2]
+
+    with ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(run, range(n)))
+    for i, (a, b) in enumerate(zip(alone, together)):
+        check(a == b, f"client {i}: alone {a[1]} vs beside 31 others {b[1]}")
+    check(all(ids for _, ids in alone), "every client got tokens")
+
+
+TESTS = [
+    test_models_and_health,
+    test_chat,
+    test_completions,
+    test_stop_strings,
+    test_bad_requests_leave_a_stream_unharmed,
+    test_queue_bound_gives_429,
+    test_dropped_client_frees_its_slot,
+    test_concurrent_seeded_clients_get_their_own_tokens,
+]
+
+if __name__ == "__main__":
+    print(f"openai {openai.__version__} against {BASE}", flush=True)
+    failed = 0
+    for t in TESTS:
+        t0 = time.time()
+        try:
+            t()
+            print(f"ok   {t.__name__} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # report every test, then fail
+            failed += 1
+            print(f"FAIL {t.__name__}: {type(e).__name__}: {e}", flush=True)
+    print(f"client_test: {len(TESTS) - failed} passed, {failed} failed", flush=True)
+    sys.exit(1 if failed else 0)

@@ -226,6 +226,20 @@ impl Out {
         let _ = self.0.send("[DONE]".into()).await;
     }
 
+    /// The stream's end: where the client asked for usage, a last chunk without choices that
+    /// carries it (`head`: the stream's id, object, created and model), then `[DONE]`.
+    async fn finish(&self, head: Value, usage: Option<Value>) {
+        if let Some(usage) = usage {
+            let mut v = head;
+            v["choices"] = json!([]);
+            v["usage"] = usage;
+            if !self.send(&v).await {
+                return;
+            }
+        }
+        self.done().await;
+    }
+
     /// The generation's next piece, or `None` when the client left first (a request still
     /// waiting for a slot has no tokens to notice it by).
     async fn next(&self, gen_: &mut Gen) -> Option<Result<Option<Piece>, ApiError>> {
@@ -365,14 +379,8 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
                 }
             }
         }
-        if usage_field {
-            let v = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.name,
-                           "choices": [], "usage": g.usage()});
-            if !out.send(&v).await {
-                return;
-            }
-        }
-        out.done().await;
+        let head = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.name});
+        out.finish(head, usage_field.then(|| g.usage())).await;
     });
     Ok(sse(rx))
 }
@@ -481,14 +489,8 @@ async fn completions_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 return;
             }
         }
-        if c.include_usage {
-            let v = json!({"id": id, "object": "text_completion", "created": created, "model": s.name,
-                           "choices": [], "usage": g.usage()});
-            if !out.send(&v).await {
-                return;
-            }
-        }
-        out.done().await;
+        let head = json!({"id": id, "object": "text_completion", "created": created, "model": s.name});
+        out.finish(head, c.include_usage.then(|| g.usage())).await;
     });
     Ok(sse(rx))
 }

@@ -1,13 +1,14 @@
-//! `generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-//! [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P]
-//! [--frequency-penalty F] [--seed S] [--logprobs] [--top-logprobs N]
-//! [--backend auto|cpu|cuda] [--max-step-tokens N]`: generates text with a NemotronH checkpoint directory (config.json,
-//! safetensors, tokenizer.json), streaming the text as it comes (the tokenizer's decode stream:
-//! each token decoded against the few before it, a character split over tokens printed once
-//! complete), then prints prefill and decode speed. Without `--model` it runs the small
-//! built-in model (random weights: the text means nothing). The default backend, `auto`, is
-//! the GPU when one can be opened and the CPU reference otherwise (it says which and why);
-//! `cuda` insists on the GPU.
+//! `generate`: generates text with a NemotronH checkpoint directory (config.json, safetensors,
+//! tokenizer.json), streaming the text as it comes (the tokenizer's decode stream: each token
+//! decoded against the few before it, a character split over tokens printed once complete),
+//! then logs prefill and decode speed. Without `--model` it runs the small built-in model
+//! (random weights: the text means nothing). The default backend, `auto`, is the GPU when one
+//! can be opened and the CPU reference otherwise (it says which and why); `cuda` insists on
+//! the GPU. `generate --help` lists the options.
+//!
+//! The generated text goes to stdout; logs go to stderr through tracing (`RUST_LOG`, `info`
+//! by default), with a progress bar over the layers while the weights load when stderr is a
+//! terminal.
 //!
 //! Sampling (model::sampling): temperature 0 (the default) is greedy; otherwise top-k, top-p
 //! and min-p truncate, the repetition / presence / frequency penalties apply to the tokens
@@ -17,11 +18,12 @@
 //! `--top-logprobs N` (at most 20) also the N most likely tokens' at each step. A
 //! request left without a token (its logits NaN, or all `-inf`) is an error: exit status 1.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
 use model::backend::Backend;
 use model::config::Config;
 use model::cpu::Cpu;
@@ -33,88 +35,105 @@ use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
-const USAGE: &str = "usage: generate [--model DIR] --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] \
-[--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F] [--seed S] [--logprobs] [--top-logprobs N] \
-[--backend auto|cpu|cuda] [--max-step-tokens N]";
-
 /// Which backend runs the model.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Choice {
+    /// The GPU when one can be opened, else the CPU reference backend.
     Auto,
+    /// The CPU reference backend.
     Cpu,
+    /// The CUDA backend (an error without a GPU).
     Cuda,
 }
 
+/// Generates text with a NemotronH model, streaming it to stdout (logs on stderr; RUST_LOG
+/// sets their level).
+#[derive(Parser, Debug)]
+#[command(name = "generate", version, allow_negative_numbers = true)]
 struct Args {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json); without it, the
+    /// built-in model (random weights: the text means nothing).
+    #[arg(long)]
     model: Option<PathBuf>,
-    backend: Choice,
-    /// The engine's bound on tokens per step (prompts fed in chunks); none by default.
-    max_step_tokens: Option<usize>,
+    /// The text to continue.
+    #[arg(long)]
     prompt: String,
-    max_new: usize,
-    sampling: SamplingParams,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the K most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches P.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only tokens at least P times as likely as the most likely one.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Divides a generated token's positive logits, multiplies its negative ones (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtracted from the logit of every token generated before (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Subtracted once per earlier occurrence among the generated tokens (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Seed of the sampler's draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print each generated token's log-probability, and their mean, on stderr at the end.
+    #[arg(long)]
+    logprobs: bool,
+    /// Also print the N most likely tokens' log-probabilities at each step (at most 20).
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: usize,
+    /// Which backend runs the model.
+    #[arg(long, value_enum, default_value_t = Choice::Auto)]
+    backend: Choice,
+    /// Feed at most this many tokens per engine step (long prompts in chunks); unbounded by default.
+    #[arg(long)]
+    max_step_tokens: Option<usize>,
 }
 
-fn parse() -> Result<Args> {
-    let mut a = Args {
-        model: None,
-        backend: Choice::Auto,
-        max_step_tokens: None,
-        prompt: String::new(),
-        max_new: 32,
-        sampling: SamplingParams::greedy(),
-    };
-    let mut it = std::env::args().skip(1);
-    let mut prompt = None;
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
-        match flag.as_str() {
-            "--model" => a.model = Some(value()?.into()),
-            "--prompt" => prompt = Some(value()?),
-            "--max-new-tokens" => a.max_new = value()?.parse().context("--max-new-tokens")?,
-            "--temperature" => a.sampling.temperature = value()?.parse().context("--temperature")?,
-            "--top-k" => a.sampling.top_k = Some(value()?.parse().context("--top-k")?),
-            "--top-p" => a.sampling.top_p = Some(value()?.parse().context("--top-p")?),
-            "--min-p" => a.sampling.min_p = Some(value()?.parse().context("--min-p")?),
-            "--repetition-penalty" => {
-                a.sampling.repetition_penalty = value()?.parse().context("--repetition-penalty")?
-            }
-            "--presence-penalty" => a.sampling.presence_penalty = value()?.parse().context("--presence-penalty")?,
-            "--frequency-penalty" => a.sampling.frequency_penalty = value()?.parse().context("--frequency-penalty")?,
-            "--seed" => a.sampling.seed = value()?.parse().context("--seed")?,
-            "--logprobs" => a.sampling.logprobs = true,
-            "--top-logprobs" => a.sampling.top_logprobs = value()?.parse().context("--top-logprobs")?,
-            "--max-step-tokens" => a.max_step_tokens = Some(value()?.parse().context("--max-step-tokens")?),
-            "--backend" => {
-                a.backend = match value()?.as_str() {
-                    "auto" => Choice::Auto,
-                    "cpu" => Choice::Cpu,
-                    "cuda" => Choice::Cuda,
-                    other => bail!("unknown backend `{other}` (auto, cpu, cuda)\n{USAGE}"),
-                }
-            }
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument `{other}`\n{USAGE}"),
+impl Args {
+    fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            logprobs: self.logprobs,
+            top_logprobs: self.top_logprobs,
         }
     }
-    a.prompt = prompt.with_context(|| format!("--prompt is required\n{USAGE}"))?;
-    // Refused here, before the model loads (the engine would refuse the request anyway).
-    a.sampling.check().map_err(|e| anyhow::anyhow!("{e}\n{USAGE}"))?;
-    Ok(a)
 }
 
-/// The end-of-sequence ids config.json names (a number or a list), if any.
 fn main() -> Result<()> {
-    let args = parse()?;
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    // Refused here, before the model loads (the engine would refuse the request anyway).
+    args.sampling().check()?;
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => model::built_in::dir()?,
     };
     let t0 = Instant::now();
-    eprintln!("loading {}", dir.display());
+    tracing::info!("loading {}", dir.display());
     let config = Config::from_dir(&dir)?;
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
@@ -123,141 +142,196 @@ fn main() -> Result<()> {
     let tokenizer =
         Tokenizer::from_file(&tok_path).map_err(|e| anyhow::anyhow!("reading {}: {e}", tok_path.display()))?;
     let ck = Checkpoint::open(&dir)?;
-    eprintln!("  {} tensors, {:.1} MB mapped", ck.names().count(), ck.total_bytes() as f64 / 1e6);
+    tracing::info!("{} tensors, {:.1} MB mapped", ck.names().count(), ck.total_bytes() as f64 / 1e6);
     let layout = Layout::new(&config, &ck)?;
-    let prompt: Vec<u32> = tokenizer
-        .encode(args.prompt.as_str(), false)
-        .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
-        .get_ids()
-        .to_vec();
-    let max_len = prompt.len().checked_add(args.max_new).with_context(|| {
-        format!("a prompt of {} tokens plus --max-new-tokens {} overflows", prompt.len(), args.max_new)
+    let prompt = encode(&tokenizer, &args.prompt)?;
+    let max_len = prompt.len().checked_add(args.max_new_tokens).with_context(|| {
+        format!("a prompt of {} tokens plus --max-new-tokens {} overflows", prompt.len(), args.max_new_tokens)
     })?;
     let gpu = match args.backend {
         Choice::Cpu => None,
         Choice::Cuda => Some(Cuda::new(0)?),
-        Choice::Auto => Cuda::new(0).map_err(|e| eprintln!("  no GPU ({e}): using the CPU reference backend")).ok(),
+        Choice::Auto => Cuda::new(0).map_err(|e| tracing::info!("no GPU ({e}): using the CPU reference backend")).ok(),
     };
+    let session = Session { args: &args, tokenizer: &tokenizer, dir: &dir };
     match gpu {
         Some(cuda) => {
-            eprintln!("  backend: CUDA ({})", cuda.gpu().name().unwrap_or_default());
-            run(cuda, &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+            tracing::info!("backend: CUDA ({})", cuda.gpu().name().unwrap_or_default());
+            session.run(load(cuda, &args, &config, &layout, max_len, t0)?, &prompt)
         }
         None => {
-            eprintln!("  backend: CPU reference");
-            run(Cpu::default(), &args, &config, &layout, &tokenizer, &prompt, max_len, &dir, t0)
+            tracing::info!("backend: CPU reference");
+            session.run(load(Cpu::default(), &args, &config, &layout, max_len, t0)?, &prompt)
         }
     }
 }
 
-/// Loads the model on `backend` and generates.
-#[allow(clippy::too_many_arguments)]
-fn run<B: Backend>(
+/// `text`'s token ids (no special tokens added).
+fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    Ok(tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
+}
+
+/// The engine over `backend` with the model loaded (one slot of `max_len` tokens), a
+/// progress bar over the layers on stderr meanwhile (drawn only on a terminal).
+fn load<B: Backend>(
     backend: B,
     args: &Args,
     config: &Config,
     layout: &Layout,
-    tokenizer: &Tokenizer,
-    prompt: &[u32],
     max_len: usize,
-    dir: &Path,
     t0: Instant,
-) -> Result<()> {
+) -> Result<Engine<B>> {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("  loading layers {bar:40} {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     let model = Model::load_with_progress(backend, config, layout, 1, max_len, &mut |done, total| {
-        eprint!("\r  layer {done}/{total}");
-        if done == total {
-            eprintln!();
-        }
-    })?;
-    eprintln!("  loaded in {:.2} s; prompt: {} tokens", t0.elapsed().as_secs_f64(), prompt.len());
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let model = model?;
+    tracing::info!("loaded in {:.2} s", t0.elapsed().as_secs_f64());
     let mut engine = Engine::new(model);
     if let Some(n) = args.max_step_tokens {
         engine.set_max_step_tokens(n)?;
     }
-    engine.add(
-        prompt,
-        RequestParams {
-            max_new_tokens: args.max_new,
-            sampling: args.sampling,
-            stop_tokens: model::chat::generation_eos_ids(dir),
-        },
-    )?;
+    Ok(engine)
+}
 
-    print!("{}", args.prompt);
-    std::io::stdout().flush()?;
-    let detok = |e| anyhow::anyhow!("detokenizing: {e}");
-    // The prompt goes through the decode stream first, unprinted, so the first generated
-    // token is decoded in its context (a leading space kept, say).
-    let mut stream = tokenizer.decode_stream(true);
-    // All the stream gave (the prompt's text, then the generated text), for the final flush.
-    let mut emitted = String::new();
-    for &t in prompt {
-        if let Some(chunk) = stream.step(t).map_err(detok)? {
-            emitted.push_str(&chunk);
+/// What every turn needs.
+struct Session<'a> {
+    args: &'a Args,
+    tokenizer: &'a Tokenizer,
+    dir: &'a Path,
+}
+
+/// What one request gave.
+struct Turn {
+    generated: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
+    /// Why the request was left without a token, if it was.
+    failed: Option<String>,
+    /// Seconds of the steps before the first token, of the first decode step, of the others.
+    prefill_s: f64,
+    first_s: f64,
+    decode_s: f64,
+}
+
+impl Turn {
+    /// The speeds, as one line.
+    fn speeds(&self, prompt_len: usize) -> String {
+        let decoded = self.generated.len().saturating_sub(1);
+        let timed = decoded.saturating_sub(1);
+        format!(
+            "prefill: {prompt_len} tokens in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
+            self.prefill_s * 1e3,
+            prompt_len as f64 / self.prefill_s.max(1e-9),
+            if timed > 0 { self.decode_s * 1e3 / timed as f64 } else { 0.0 },
+            self.first_s * 1e3
+        )
+    }
+}
+
+impl Session<'_> {
+    fn params(&self) -> RequestParams {
+        RequestParams {
+            max_new_tokens: self.args.max_new_tokens,
+            sampling: self.args.sampling(),
+            stop_tokens: model::chat::generation_eos_ids(self.dir),
         }
     }
-    // Generated tokens the stream holds back (an incomplete character, a skipped special token).
-    let mut held = 0;
-    let mut generated = Vec::new();
-    let mut logprobs = Vec::new();
-    let mut failed = None;
-    // Decode steps after the first: the first records the step (a CUDA graph on the GPU),
-    // which a one-off cost would blur into the per-token time.
-    let (mut prefill_s, mut first_s, mut decode_s) = (0.0, 0.0, 0.0);
-    while engine.has_work() {
-        let t = Instant::now();
-        let events = engine.step()?;
-        let dt = t.elapsed().as_secs_f64();
-        // A prompt fed in chunks (--max-step-tokens) takes several steps before its first token.
-        match generated.len() {
-            0 => prefill_s += dt,
-            1 => first_s = dt,
-            _ => decode_s += dt,
-        }
-        for e in events {
-            if let Some(Finish::Failed(why)) = e.finished {
-                failed = Some((e.id, why));
-                continue;
-            }
-            generated.push(e.token);
-            logprobs.extend(e.logprob.map(|l| (e.token, l, e.top_logprobs.clone())));
-            match stream.step(e.token).map_err(detok)? {
-                Some(chunk) => {
-                    print!("{chunk}");
-                    emitted.push_str(&chunk);
-                    held = 0;
-                }
-                None => held += 1,
-            }
-        }
+
+    /// Generates from `prompt` (the prompt's tokens).
+    fn run<B: Backend>(&self, mut engine: Engine<B>, prompt: &[u32]) -> Result<()> {
+        print!("{}", self.args.prompt);
         std::io::stdout().flush()?;
-    }
-    if held > 0 {
-        // What the stream still holds (bytes of a character never completed), decoded once, lossily.
-        let all: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
-        let text = tokenizer.decode(&all, true).map_err(detok)?;
-        if let Some(rest) = text.strip_prefix(emitted.as_str()) {
-            print!("{rest}");
+        let turn = self.generate(&mut engine, prompt, &mut |chunk| {
+            print!("{chunk}");
+            Ok(())
+        })?;
+        println!();
+        if let Some(why) = turn.failed {
+            bail!("no token: {why}");
         }
+        tracing::info!("{}", turn.speeds(prompt.len()));
+        if !turn.logprobs.is_empty() {
+            print_logprobs(self.tokenizer, &turn.logprobs)?;
+        }
+        Ok(())
     }
-    println!();
-    if let Some((id, why)) = failed {
-        bail!("request {id}: no token: {why}");
+
+    /// Runs one request to its end, giving `out` the generated text as the decode stream
+    /// lets it through (the prompt's text not included).
+    fn generate<B: Backend>(
+        &self,
+        engine: &mut Engine<B>,
+        prompt: &[u32],
+        out: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Turn> {
+        engine.add(prompt, self.params())?;
+        let tokenizer = self.tokenizer;
+        let detok = |e| anyhow::anyhow!("detokenizing: {e}");
+        // The prompt goes through the decode stream first, unprinted, so the first generated
+        // token is decoded in its context (a leading space kept, say).
+        let mut stream = tokenizer.decode_stream(true);
+        // All the stream gave (the prompt's text, then the generated text), for the final flush.
+        let mut emitted = String::new();
+        for &t in prompt {
+            if let Some(chunk) = stream.step(t).map_err(detok)? {
+                emitted.push_str(&chunk);
+            }
+        }
+        // Generated tokens the stream holds back (an incomplete character, a skipped special token).
+        let mut held = 0;
+        let mut turn = Turn {
+            generated: Vec::new(),
+            logprobs: Vec::new(),
+            failed: None,
+            prefill_s: 0.0,
+            first_s: 0.0,
+            decode_s: 0.0,
+        };
+        // Decode steps after the first: the first records the step (a CUDA graph on the GPU),
+        // which a one-off cost would blur into the per-token time.
+        while engine.has_work() {
+            let t = Instant::now();
+            let events = engine.step()?;
+            let dt = t.elapsed().as_secs_f64();
+            // A prompt fed in chunks (--max-step-tokens) takes several steps before its first token.
+            match turn.generated.len() {
+                0 => turn.prefill_s += dt,
+                1 => turn.first_s = dt,
+                _ => turn.decode_s += dt,
+            }
+            for e in events {
+                if let Some(Finish::Failed(why)) = e.finished {
+                    turn.failed = Some(format!("request {}: {why}", e.id));
+                    continue;
+                }
+                turn.generated.push(e.token);
+                turn.logprobs.extend(e.logprob.map(|l| (e.token, l, e.top_logprobs.clone())));
+                match stream.step(e.token).map_err(detok)? {
+                    Some(chunk) => {
+                        out(&chunk)?;
+                        emitted.push_str(&chunk);
+                        held = 0;
+                    }
+                    None => held += 1,
+                }
+            }
+            std::io::stdout().flush()?;
+        }
+        if held > 0 {
+            // What the stream still holds (bytes of a character never completed), decoded once, lossily.
+            let all: Vec<u32> = prompt.iter().chain(&turn.generated).copied().collect();
+            let text = tokenizer.decode(&all, true).map_err(detok)?;
+            if let Some(rest) = text.strip_prefix(emitted.as_str()) {
+                out(rest)?;
+            }
+        }
+        Ok(turn)
     }
-    let decoded = generated.len().saturating_sub(1);
-    let timed = decoded.saturating_sub(1);
-    eprintln!(
-        "prefill: {} tokens in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
-        prompt.len(),
-        prefill_s * 1e3,
-        prompt.len() as f64 / prefill_s.max(1e-9),
-        if timed > 0 { decode_s * 1e3 / timed as f64 } else { 0.0 },
-        first_s * 1e3
-    );
-    if !logprobs.is_empty() {
-        print_logprobs(tokenizer, &logprobs)?;
-    }
-    Ok(())
 }
 
 /// A generated token, its log-probability and the most likely tokens' (id, log-probability).

@@ -1,9 +1,11 @@
 //! The `generate` binary: the built-in model generates (on the GPU when there is one, else on
 //! the CPU, saying which), its text streamed is the tokens decoded, the sampling flags reach
 //! the sampler and bad values are refused naming them, and a checkpoint without a tokenizer
-//! is a clear error.
+//! is a clear error; `--chat` runs a turn through the built-in chat template, keeping the
+//! conversation.
 
-use std::process::Command;
+use std::io::Write;
+use std::process::{Command, Stdio};
 
 fn generate(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_generate")).args(args).output().unwrap()
@@ -32,7 +34,7 @@ fn missing_tokenizer_and_bad_arguments_are_errors() {
     let out = generate(&["--model", fixture, "--prompt", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("has no tokenizer.json"));
-    // Usage errors (clap's): exit status 2.
+    // Usage errors (clap's, and a missing --prompt without --chat): exit status 2.
     let out = generate(&["--max-new-tokens", "3"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("required") && stderr.contains("--prompt"), "{stderr}");
@@ -176,4 +178,53 @@ fn streamed_text_is_the_decoded_tokens() {
         let text = tokenizer.decode(&ids, true).unwrap();
         assert_eq!(stdout, format!("Hello{text}\n"), "seed {seed}, tokens {ids:?}");
     }
+}
+
+/// `generate --chat` with `stdin` written to it, `RUST_LOG=debug` (each turn's speeds logged).
+fn chat(args: &[&str], stdin: &str) -> std::process::Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_generate"))
+        .args(["--chat", "--backend", "cpu"])
+        .args(args)
+        .env("RUST_LOG", "debug")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// The prompt lengths of the turns `RUST_LOG=debug` logged (`turn N: prefill: P tokens ...`).
+fn turn_prompts(stderr: &str) -> Vec<usize> {
+    stderr.lines().filter_map(|l| l.split("prefill: ").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
+}
+
+#[test]
+fn chat_turns_go_through_the_template_and_keep_the_conversation() {
+    // --prompt with --chat: one turn, stdin unread. The built-in template opens a <think>
+    // block, so the reply starts as reasoning, shown (stdout is no terminal) after `[think]`.
+    let out = chat(&["--prompt", "Hi", "--max-new-tokens", "6"], "never read\n");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.starts_with("[think]") && stdout.ends_with('\n'), "{stdout}");
+    // `<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n`, not the raw "Hi".
+    let prompts = turn_prompts(&stderr);
+    assert!(prompts.len() == 1 && prompts[0] > 5, "{stderr}");
+    // Without thinking the generation prompt closes the block: the reply is all answer.
+    let out = chat(&["--prompt", "Hi", "--max-new-tokens", "6", "--no-thinking"], "");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !stdout.contains("[think]"), "{stdout}");
+    // On stdin: a turn per line until `/exit`; the second turn's prompt holds the first turn.
+    let out = chat(&["--max-new-tokens", "4"], "Hi\nAnd now?\n/exit\nnot read\n");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let prompts = turn_prompts(&stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(prompts.len() == 2 && prompts[1] > prompts[0] + 4, "{stderr}");
+    // EOF ends it too.
+    let out = chat(&["--max-new-tokens", "2"], "Hi\n");
+    assert!(out.status.success() && turn_prompts(&String::from_utf8_lossy(&out.stderr)).len() == 1);
+    // --no-thinking without --chat is a usage error.
+    let out = generate(&["--prompt", "Hi", "--no-thinking"]);
+    assert_eq!(out.status.code(), Some(2));
 }

@@ -17,14 +17,24 @@
 //! (under the penalized logits at temperature 1) and their mean on stderr at the end;
 //! `--top-logprobs N` (at most 20) also the N most likely tokens' at each step. A
 //! request left without a token (its logits NaN, or all `-inf`) is an error: exit status 1.
+//!
+//! `--chat`: a chat on stdin/stdout through the checkpoint's chat template
+//! ([`model::chat::ChatTemplate`]), one user message a line, the conversation kept (each turn
+//! renders it whole and prefills it again: the engine keeps no state between requests), a
+//! turn ending at the eos ids ([`model::chat::generation_eos_ids`]) or `--max-new-tokens`. The
+//! reasoning (the `<think>` block) is printed dimmed on a terminal, between `[think]` and
+//! `[/think]` otherwise. EOF or `/exit` ends it; with `--prompt` it is one turn with that
+//! message, then exit.
 
-use std::io::{IsTerminal, Write};
+use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, ValueEnum};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
 use model::backend::Backend;
+use model::chat::{ChatTemplate, Delta, OutputParser, ParserOptions};
 use model::config::Config;
 use model::cpu::Cpu;
 use model::cuda::Cuda;
@@ -33,6 +43,7 @@ use model::layout::Layout;
 use model::model::Model;
 use model::sampling::SamplingParams;
 use model::weights::Checkpoint;
+use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
 /// Which backend runs the model.
@@ -55,10 +66,20 @@ struct Args {
     /// built-in model (random weights: the text means nothing).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The text to continue.
+    /// The text to continue; with --chat, the one user message of a one-turn chat.
     #[arg(long)]
-    prompt: String,
-    /// Tokens to generate at most.
+    prompt: Option<String>,
+    /// Chat through the checkpoint's chat template: a user message per line of stdin, EOF or
+    /// `/exit` ends it (with --prompt: one turn, then exit).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: pass enable_thinking=false to the chat template (no <think> block).
+    #[arg(long, requires = "chat")]
+    no_thinking: bool,
+    /// With --chat: the context the conversation may fill (its prompt plus a reply), in tokens.
+    #[arg(long, default_value_t = 4096)]
+    max_len: usize,
+    /// Tokens to generate at most (per turn with --chat).
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
     /// Sampling temperature (0: greedy).
@@ -126,6 +147,12 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    if args.prompt.is_none() && !args.chat {
+        // A usage error as clap reports its own (with the usage line; exit status 2).
+        Args::command()
+            .error(ErrorKind::MissingRequiredArgument, "--prompt is required (or --chat, for a chat on stdin)")
+            .exit();
+    }
     // Refused here, before the model loads (the engine would refuse the request anyway).
     args.sampling().check()?;
     let dir = match &args.model {
@@ -141,13 +168,26 @@ fn main() -> Result<()> {
     }
     let tokenizer =
         Tokenizer::from_file(&tok_path).map_err(|e| anyhow::anyhow!("reading {}: {e}", tok_path.display()))?;
+    let template = match args.chat {
+        false => None,
+        true => Some(
+            ChatTemplate::from_dir(&dir)?
+                .with_context(|| format!("{} has no chat template: --chat needs one", dir.display()))?,
+        ),
+    };
     let ck = Checkpoint::open(&dir)?;
     tracing::info!("{} tensors, {:.1} MB mapped", ck.names().count(), ck.total_bytes() as f64 / 1e6);
     let layout = Layout::new(&config, &ck)?;
-    let prompt = encode(&tokenizer, &args.prompt)?;
-    let max_len = prompt.len().checked_add(args.max_new_tokens).with_context(|| {
-        format!("a prompt of {} tokens plus --max-new-tokens {} overflows", prompt.len(), args.max_new_tokens)
-    })?;
+    let (prompt, max_len) = match (&template, &args.prompt) {
+        (None, Some(text)) => {
+            let prompt = encode(&tokenizer, text)?;
+            let max_len = prompt.len().checked_add(args.max_new_tokens).with_context(|| {
+                format!("a prompt of {} tokens plus --max-new-tokens {} overflows", prompt.len(), args.max_new_tokens)
+            })?;
+            (prompt, max_len)
+        }
+        _ => (Vec::new(), args.max_len),
+    };
     let gpu = match args.backend {
         Choice::Cpu => None,
         Choice::Cuda => Some(Cuda::new(0)?),
@@ -157,11 +197,11 @@ fn main() -> Result<()> {
     match gpu {
         Some(cuda) => {
             tracing::info!("backend: CUDA ({})", cuda.gpu().name().unwrap_or_default());
-            session.run(load(cuda, &args, &config, &layout, max_len, t0)?, &prompt)
+            session.run(load(cuda, &args, &config, &layout, max_len, t0)?, template.as_ref(), &prompt)
         }
         None => {
             tracing::info!("backend: CPU reference");
-            session.run(load(Cpu::default(), &args, &config, &layout, max_len, t0)?, &prompt)
+            session.run(load(Cpu::default(), &args, &config, &layout, max_len, t0)?, template.as_ref(), &prompt)
         }
     }
 }
@@ -242,9 +282,12 @@ impl Session<'_> {
         }
     }
 
-    /// Generates from `prompt` (the prompt's tokens).
-    fn run<B: Backend>(&self, mut engine: Engine<B>, prompt: &[u32]) -> Result<()> {
-        print!("{}", self.args.prompt);
+    /// Generates from `prompt` (a raw prompt's tokens), or chats through `template`.
+    fn run<B: Backend>(&self, mut engine: Engine<B>, template: Option<&ChatTemplate>, prompt: &[u32]) -> Result<()> {
+        if let Some(template) = template {
+            return self.chat(&mut engine, template);
+        }
+        print!("{}", self.args.prompt.as_deref().unwrap_or_default());
         std::io::stdout().flush()?;
         let turn = self.generate(&mut engine, prompt, &mut |chunk| {
             print!("{chunk}");
@@ -331,6 +374,114 @@ impl Session<'_> {
             }
         }
         Ok(turn)
+    }
+
+    /// The chat: a turn per user message (`--prompt`'s, or each line of stdin until EOF or
+    /// `/exit`), the whole conversation rendered through the template each time.
+    fn chat<B: Backend>(&self, engine: &mut Engine<B>, template: &ChatTemplate) -> Result<()> {
+        let mut kwargs = Map::new();
+        if self.args.no_thinking {
+            kwargs.insert("enable_thinking".into(), Json::Bool(false));
+        }
+        let ask = std::io::stdin().is_terminal() && self.args.prompt.is_none();
+        let dim = std::io::stdout().is_terminal();
+        let mut lines = std::io::stdin().lock().lines();
+        let mut messages = Vec::new();
+        for n in 1.. {
+            let user = match &self.args.prompt {
+                Some(p) if n == 1 => p.clone(),
+                Some(_) => break,
+                None => {
+                    if ask {
+                        print!("> ");
+                        std::io::stdout().flush()?;
+                    }
+                    match lines.next() {
+                        Some(line) => line.context("reading stdin")?,
+                        None => break,
+                    }
+                }
+            };
+            match user.trim() {
+                "/exit" => break,
+                // A blank line asks nothing.
+                "" if self.args.prompt.is_none() => continue,
+                _ => {}
+            }
+            messages.push(json!({"role": "user", "content": user}));
+            let text = template.render(&Json::Array(messages.clone()), None, true, &kwargs)?;
+            let prompt = encode(self.tokenizer, &text)?;
+            let mut parser = OutputParser::new(ParserOptions {
+                reasoning: true,
+                starts_in_reasoning: model::chat::prompt_opens_reasoning(&text),
+                tools: None,
+            });
+            let mut shown = Shown { dim, thinking: false, reasoning: String::new(), content: String::new() };
+            let turn = self
+                .generate(engine, &prompt, &mut |chunk| parser.push(chunk).into_iter().try_for_each(|d| shown.show(d)))
+                .with_context(|| {
+                    format!("turn {n}: the conversation is {} tokens, --max-len {}", prompt.len(), self.args.max_len)
+                })?;
+            parser.finish().into_iter().try_for_each(|d| shown.show(d))?;
+            shown.close()?;
+            println!();
+            std::io::stdout().flush()?;
+            if let Some(why) = turn.failed {
+                bail!("no token: {why}");
+            }
+            tracing::debug!("turn {n}: {}", turn.speeds(prompt.len()));
+            if !turn.logprobs.is_empty() {
+                print_logprobs(self.tokenizer, &turn.logprobs)?;
+            }
+            let mut reply = json!({"role": "assistant", "content": shown.content});
+            if !shown.reasoning.is_empty() {
+                reply["reasoning_content"] = Json::String(shown.reasoning);
+            }
+            messages.push(reply);
+        }
+        Ok(())
+    }
+}
+
+/// A reply on stdout as it streams: the reasoning dimmed (on a terminal) or between
+/// `[think]` and `[/think]`, then the answer; both kept for the conversation.
+struct Shown {
+    dim: bool,
+    /// Inside the reasoning.
+    thinking: bool,
+    reasoning: String,
+    content: String,
+}
+
+impl Shown {
+    fn show(&mut self, d: Delta) -> Result<()> {
+        match d {
+            Delta::Reasoning(s) => {
+                if !self.thinking {
+                    print!("{}", if self.dim { "\x1b[2m" } else { "[think]" });
+                    self.thinking = true;
+                }
+                print!("{s}");
+                self.reasoning.push_str(&s);
+            }
+            Delta::Content(s) => {
+                self.close()?;
+                print!("{s}");
+                self.content.push_str(&s);
+            }
+            // No tools are offered, so the parser gives no calls.
+            Delta::ToolCall { name, .. } => tracing::warn!("a tool call to `{name}` (no tools were offered)"),
+        }
+        Ok(())
+    }
+
+    /// Ends the reasoning, if it was shown last.
+    fn close(&mut self) -> Result<()> {
+        if self.thinking {
+            print!("{}", if self.dim { "\x1b[0m" } else { "[/think]" });
+            self.thinking = false;
+        }
+        Ok(())
     }
 }
 

@@ -17,6 +17,7 @@ pub mod engine;
 mod error;
 pub mod fp8;
 pub mod layout;
+pub mod logs;
 pub mod model;
 pub mod profile;
 pub mod reference;

@@ -139,14 +139,7 @@ impl Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    model::logs::init();
     if args.prompt.is_none() && !args.chat {
         // A usage error as clap reports its own (with the usage line; exit status 2).
         Args::command()

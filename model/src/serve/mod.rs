@@ -240,6 +240,20 @@ impl Out {
         self.done().await;
     }
 
+    /// The stream's next piece (`Some(None)` at the generation's end), or `None` when the
+    /// stream is over: the client left, or the generation failed and its error went out as the
+    /// last chunk before `[DONE]`.
+    async fn piece(&self, gen_: &mut Gen) -> Option<Option<Piece>> {
+        match self.next(gen_).await? {
+            Ok(p) => Some(p),
+            Err(e) => {
+                let _ = self.send(&e.body()).await;
+                self.done().await;
+                None
+            }
+        }
+    }
+
     /// The generation's next piece, or `None` when the client left first (a request still
     /// waiting for a slot has no tokens to notice it by).
     async fn next(&self, gen_: &mut Gen) -> Option<Result<Option<Piece>, ApiError>> {
@@ -331,14 +345,10 @@ async fn chat_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
         let mut parser = Some(new_parser());
         let mut pending = vec![];
         loop {
-            let piece = match out.next(&mut g).await {
+            let piece = match out.piece(&mut g).await {
                 None => return,
-                Some(Ok(Some(p))) => p,
-                Some(Ok(None)) => break,
-                Some(Err(e)) => {
-                    let _ = out.send(&e.body()).await;
-                    return out.done().await;
-                }
+                Some(Some(p)) => p,
+                Some(None) => break,
             };
             if c.sampling.logprobs {
                 pending.push(s.chat_logprob(&piece.token, c.token_ids));
@@ -470,14 +480,10 @@ async fn completions_inner(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         };
         let (mut offset, mut pending) = (0, vec![]);
         loop {
-            let p = match out.next(&mut g).await {
+            let p = match out.piece(&mut g).await {
                 None => return,
-                Some(Ok(Some(p))) => p,
-                Some(Ok(None)) => break,
-                Some(Err(e)) => {
-                    let _ = out.send(&e.body()).await;
-                    return out.done().await;
-                }
+                Some(Some(p)) => p,
+                Some(None) => break,
             };
             pending.push((offset, p.token));
             offset += p.text.len();

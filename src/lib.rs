@@ -64,6 +64,41 @@ pub fn assert_close(label: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64
     got.len()
 }
 
+/// Checks `|got - want| <= atol + rtol |want| + per_mag M` element-wise, M a magnitude per
+/// element that a kernel's roundings scale with (`mag`); prints the worst error in units of the
+/// band and returns the count.
+pub fn assert_band(
+    label: &str,
+    got: &[f64],
+    want: &[f64],
+    mag: &[f64],
+    (atol, rtol, per_mag): (f64, f64, f64),
+) -> usize {
+    assert_eq!((got.len(), want.len()), (mag.len(), mag.len()), "{label}: lengths");
+    assert!(!got.is_empty(), "{label}: nothing compared");
+    let mut worst = (0usize, 0.0f64);
+    for i in 0..got.len() {
+        let band = atol + rtol * want[i].abs() + per_mag * mag[i];
+        let r = (got[i] - want[i]).abs() / band;
+        assert!(r.is_finite(), "{label}: element {i} got {} want {}", got[i], want[i]);
+        if r > worst.1 {
+            worst = (i, r);
+        }
+    }
+    let i = worst.0;
+    let report = format!(
+        "{label}: {} compared, worst {:.3} of the band at {i}: got {} want {} (M {:.3})",
+        got.len(),
+        worst.1,
+        got[i],
+        want[i],
+        mag[i]
+    );
+    assert!(worst.1 <= 1.0, "{report}");
+    println!("{report}");
+    got.len()
+}
+
 /// Checks two code buffers are identical; returns the count compared. Panics with the first
 /// mismatch and the number of mismatches.
 pub fn assert_same<T: PartialEq + std::fmt::Debug>(label: &str, got: &[T], want: &[T]) -> usize {
@@ -199,6 +234,15 @@ impl Timed<'_> {
         };
         let (cold, warm) = (self.per_launch_us(&self.cold), self.per_launch_us(&self.warm));
         println!("{name:<36} {bytes:>10} B  cold {}  warm {}", line(cold), line(warm));
+    }
+
+    /// Prints cold and warm per-launch times with the TFLOP/s of `flops` per launch.
+    pub fn report_flops(&self, name: &str, flops: f64) {
+        let line = |(med, p10, p90): (f64, f64, f64)| {
+            format!("{med:8.2} us [p10 {p10:.2}, p90 {p90:.2}] {:6.1} TFLOP/s", flops / (med * 1e-6) / 1e12)
+        };
+        let (cold, warm) = (self.per_launch_us(&self.cold), self.per_launch_us(&self.warm));
+        println!("{name:<36} {:>8.1} GFLOP  cold {}  warm {}", flops / 1e9, line(cold), line(warm));
     }
 
     /// GPU time of `iters` launches (cold graph replays) for criterion's `iter_custom`.

@@ -1,14 +1,17 @@
 //! Causal attention over the KV cache on the GPU against the CPU reference (`#[ignore]`d):
 //! NemotronH's geometry (32 query heads, 2 kv heads, head_dim 128), an odd one and the widest
 //! head the kernel takes (256); prefill rows continuing a cached prefix, fresh sequences and
-//! decode rows in one call (two launches), and decode rows alone (each in a slot of its own:
-//! one launch, which writes the caches itself).
+//! decode rows in one call (two launches: the cache write, then the flash kernel for heads up to
+//! 128, the row kernel for wider ones), and decode rows alone (each in a slot of its own: one
+//! launch of the row kernel, which writes the caches itself); prefills of 1 to 4096 tokens,
+//! fresh and after a cached prefix, through the flash kernel.
 
 use half::bf16;
-use host::attn::{AttnRows, AttnShape, attention};
+use host::attn::{AttnRows, AttnShape, attention, flash_tiles};
 use host::cpu::attn::attend;
 use kernels_gpu::attn::{ATTN_BLOCK, smem_bytes};
-use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+use kernels_gpu::flash::{FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashTile};
+use nemotron_rs::{POISON_BF16, Rng, assert_band, assert_same, gpu, to_f64};
 
 /// The shared memory an attention launch asks for never wraps (it did in u32 for caches of
 /// 2^30 positions): the exact size below that, u32::MAX (which every launch refuses) above.
@@ -20,6 +23,21 @@ fn attention_shared_memory_does_not_wrap() {
     for max_len in [1 << 30, (1 << 31) - 1, u32::MAX] {
         assert_eq!(smem_bytes(128, max_len), u32::MAX, "max_len {max_len}");
     }
+}
+
+/// The reference output of one row and its magnitude `M = sum_j w_j |v_j|` (the weights
+/// applied to the values' magnitudes).
+fn reference(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], s: AttnShape) -> (Vec<f64>, Vec<f64>) {
+    let abs: Vec<Vec<f64>> = values.iter().map(|v| v.iter().map(|x| x.abs()).collect()).collect();
+    let attend = |values: &[Vec<f64>]| attend(q, keys, values, s.heads, s.kv_heads, s.head_dim);
+    (attend(values), attend(&abs))
+}
+
+/// Error band (atol, rtol, per M) of the attention output: the bf16 output's rounding (and f32
+/// sums) within `1e-3 + (2^-8 + 1e-3) |want|`; the flash kernel also rounds each weight to bf16
+/// (relative error at most 2^-9) while its sum stays f32, at most 2^-9 M each way: 2^-8 M.
+fn band(flash: bool) -> (f64, f64, f64) {
+    (1e-3, 1.0 / 256.0 + 1e-3, if flash { 1.0 / 256.0 } else { 0.0 })
 }
 
 #[test]
@@ -70,15 +88,20 @@ fn gpu_attention_matches_reference() {
                 vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
             }
             let f = |x: &[bf16]| to_f64(x);
-            let mut want = Vec::new();
+            let (mut want, mut mag) = (Vec::new(), Vec::new());
             for r in 0..rows {
                 let base = slots[r] as usize * s.max_len * kw;
                 let keys: Vec<Vec<f64>> = (0..=pos[r] as usize).map(|j| f(&kc[base + j * kw..][..kw])).collect();
                 let values: Vec<Vec<f64>> = (0..=pos[r] as usize).map(|j| f(&vc[base + j * kw..][..kw])).collect();
-                want.extend(attend(&f(&q[r * qw..][..qw]), &keys, &values, s.heads, s.kv_heads, s.head_dim));
+                let (w, m) = reference(&f(&q[r * qw..][..qw]), &keys, &values, s);
+                want.extend(w);
+                mag.extend(m);
             }
-            let label = format!("attention {s:?}");
-            compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-3, 1.0 / 256.0 + 1e-3);
+            // The flash kernel (rows sharing slots, heads up to 128) rounds its weights to bf16.
+            let flash = !own && s.head_dim <= FLASH_MAX_HEAD_DIM as usize;
+            let label = format!("attention {s:?}{}", if flash { " (flash)" } else { "" });
+            let got = to_f64(&gpu.download(&out).unwrap());
+            compared += assert_band(&label, &got, &want, &mag, band(flash));
             compared += assert_same(&format!("{label} k cache"), &gpu.download(&dkc).unwrap(), &kc);
             compared += assert_same(&format!("{label} v cache"), &gpu.download(&dvc).unwrap(), &vc);
             // The same rows as column blocks of one buffer [rows, qw + 2 kw] (a fused q/k/v
@@ -128,4 +151,90 @@ fn gpu_attention_matches_reference() {
         }
     }
     println!("attention: {compared} values compared");
+}
+
+/// Query tiles: runs of one slot at consecutive positions, cut every FLASH_ROWS rows, the
+/// tiles with the most keys first; a run broken by another slot or a gap starts a new tile.
+#[test]
+fn flash_tiles_follow_the_runs() {
+    let r = FLASH_ROWS;
+    // (slot, first position, rows): a run of two full tiles and 2 rows, a single row, the same
+    // slot after a gap in positions, a run of exactly one tile.
+    let runs = [(0i32, 10u32, 2 * r + 2), (1, 0, 1), (0, 300 + 2 * r, 2), (2, 5, r)];
+    let (slots, pos): (Vec<i32>, Vec<u32>) =
+        runs.iter().flat_map(|&(sl, p0, n)| (0..n).map(move |t| (sl, p0 + t))).unzip();
+    let t = |row0, rows, slot, pos0| FlashTile { row0, rows, slot, pos0 };
+    let mut want = vec![
+        t(0, r, 0, 10),
+        t(r, r, 0, 10 + r),
+        t(2 * r, 2, 0, 10 + 2 * r),
+        t(2 * r + 2, 1, 1, 0),
+        t(2 * r + 3, 2, 0, 300 + 2 * r),
+        t(2 * r + 5, r, 2, 5),
+    ];
+    want.sort_by_key(|t| std::cmp::Reverse(t.pos0 + t.rows));
+    assert_eq!(flash_tiles(&slots, &pos), want);
+    assert_eq!(want[0], t(2 * r + 3, 2, 0, 300 + 2 * r));
+    assert_eq!(want.iter().map(|t| t.rows).sum::<u32>() as usize, slots.len());
+}
+
+/// Prefills through the flash kernel against the reference at NemotronH's geometry: fresh
+/// sequences of 1, 127, 128, 129 and 4096 tokens, and ones continuing a cached prefix (128 after
+/// 37, 1000 after 200) in one call; every row of the short ones and a sample of the long ones
+/// compared, with queries large enough that the softmax is peaked.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_flash_attention_prefills() {
+    let gpu = gpu();
+    let mut rng = Rng::new(82);
+    let s = AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 4200 };
+    let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let mut compared = 0;
+    for seqs in [
+        vec![(0i32, 0u32, 1usize), (1, 0, 127), (2, 0, 128), (3, 0, 129), (4, 37, 128), (5, 200, 1000)],
+        vec![(1, 0, 4096)],
+    ] {
+        let slots_n = 6;
+        let (slots, pos): (Vec<i32>, Vec<u32>) =
+            seqs.iter().flat_map(|&(sl, p0, n)| (0..n as u32).map(move |t| (sl, p0 + t))).unzip();
+        let rows = slots.len();
+        let (q, k, v) =
+            (rng.bf16s(rows * qw, -3.0, 3.0), rng.bf16s(rows * kw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0));
+        let mut kc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
+        let mut vc = rng.bf16s(slots_n * s.max_len * kw, -1.0, 1.0);
+        let (dq, dk, dv) = (gpu.upload(&q).unwrap(), gpu.upload(&k).unwrap(), gpu.upload(&v).unwrap());
+        let (mut dkc, mut dvc) = (gpu.upload(&kc).unwrap(), gpu.upload(&vc).unwrap());
+        let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
+        let arows = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len).unwrap();
+        attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
+        let got = to_f64(&gpu.download(&out).unwrap());
+        for r in 0..rows {
+            let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
+            kc[at..at + kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
+            vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
+        }
+        let mut row0 = 0;
+        for &(sl, p0, n) in &seqs {
+            let base = sl as usize * s.max_len * kw;
+            let end = (p0 as usize + n) * kw;
+            let keys: Vec<Vec<f64>> = kc[base..base + end].chunks(kw).map(to_f64).collect();
+            let values: Vec<Vec<f64>> = vc[base..base + end].chunks(kw).map(to_f64).collect();
+            // Every row up to 129, then every 61st and the last 3.
+            let sample: Vec<usize> = (0..n).filter(|&i| n <= 129 || i % 61 == 0 || i + 3 >= n).collect();
+            let (mut g, mut want, mut mag) = (Vec::new(), Vec::new(), Vec::new());
+            for &i in &sample {
+                let (r, j) = (row0 + i, p0 as usize + i);
+                let (w, m) = reference(&to_f64(&q[r * qw..][..qw]), &keys[..=j], &values[..=j], s);
+                want.extend(w);
+                mag.extend(m);
+                g.extend_from_slice(&got[r * qw..][..qw]);
+            }
+            let label = format!("flash attention, {n} rows after {p0} cached");
+            compared += assert_band(&label, &g, &want, &mag, band(true));
+            row0 += n;
+        }
+        compared += assert_same("flash attention k cache", &gpu.download(&dkc).unwrap(), &kc);
+        compared += assert_same("flash attention v cache", &gpu.download(&dvc).unwrap(), &vc);
+    }
+    println!("flash attention: {compared} values compared");
 }

@@ -9,7 +9,7 @@ use host::batch::{Prefill, Slots};
 use host::ssd::{SsdPlan, chunk_table, ssd_scan};
 use host::ssm::{Rows, SsmInputs, SsmShape, ssm_update};
 use kernels_gpu::ssd::SsdChunk;
-use nemotron_rs::{POISON_BF16, Rng, assert_same, gpu, to_f64};
+use nemotron_rs::{POISON_BF16, Rng, assert_band, assert_same, gpu, to_f64};
 
 /// y (bf16) against the f64 recurrence: half a bf16 ulp plus the f32 error of the chunked
 /// form (exponentials of cumulative sums, sums over up to 128 tokens).
@@ -74,34 +74,6 @@ fn recurrence(prob: &Problem, lens: &[usize], starts: &[Option<Vec<f64>>]) -> (V
 /// of the band; returns the count.
 fn assert_y(label: &str, got: &[f64], want: &[f64], mag: &[f64], scale: f64) -> usize {
     assert_band(label, got, want, mag, (scale * ATOL, scale * RTOL, 1.0 / 128.0))
-}
-
-/// Checks `|got - want| <= atol + rtol |want| + per_mag M` element-wise; prints the worst error
-/// in units of the band and returns the count.
-fn assert_band(label: &str, got: &[f64], want: &[f64], mag: &[f64], (atol, rtol, per_mag): (f64, f64, f64)) -> usize {
-    assert_eq!((got.len(), want.len()), (mag.len(), mag.len()), "{label}: lengths");
-    assert!(!got.is_empty(), "{label}: nothing compared");
-    let mut worst = (0usize, 0.0f64);
-    for i in 0..got.len() {
-        let band = atol + rtol * want[i].abs() + per_mag * mag[i];
-        let r = (got[i] - want[i]).abs() / band;
-        assert!(r.is_finite(), "{label}: element {i} got {} want {}", got[i], want[i]);
-        if r > worst.1 {
-            worst = (i, r);
-        }
-    }
-    let i = worst.0;
-    let report = format!(
-        "{label}: {} compared, worst {:.3} of the band at {i}: got {} want {} (M {:.3})",
-        got.len(),
-        worst.1,
-        got[i],
-        want[i],
-        mag[i]
-    );
-    assert!(worst.1 <= 1.0, "{report}");
-    println!("{report}");
-    got.len()
 }
 
 /// Slots for `nseq` sequences in a cache of nseq + 2, in reverse order (slot 0 and the slot of

@@ -1,5 +1,5 @@
-//! Launcher of causal attention over the KV cache (kernels-gpu/src/attn.rs; reference:
-//! cpu/attn.rs).
+//! Launcher of causal attention over the KV cache (kernels-gpu/src/attn.rs for few rows a
+//! sequence, kernels-gpu/src/flash.rs on tensor cores for prefills; reference: cpu/attn.rs).
 
 use std::collections::HashSet;
 
@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
+use kernels_gpu::flash::{FLASH_BLOCK, FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile, flash_smem_bytes};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
@@ -32,6 +33,9 @@ pub struct AttnRows {
     /// Every row in a slot of its own (decode rows): the attention launch writes the rows'
     /// keys and values into the caches itself.
     own: bool,
+    /// Otherwise the rows' query tiles for the flash kernel ([`flash_tiles`]), as the u32s of
+    /// [`FlashTile`]s.
+    tiles: Option<CudaSlice<u32>>,
 }
 
 impl AttnRows {
@@ -39,19 +43,25 @@ impl AttnRows {
     /// `max_len` positions.
     pub fn new(gpu: &Gpu, slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<AttnRows> {
         let own = check_rows(slots, pos, num_slots, max_len)?;
-        Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len, own })
+        let tiles = if own { None } else { Some(gpu.upload(&tile_words(&flash_tiles(slots, pos)))?) };
+        Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len, own, tiles })
     }
 
     /// Checks `slots` and `pos` (as many rows as before, each in a slot of its own if they were
-    /// before, and not if not: recorded work launched for the one or the other) and writes
-    /// them over these in place, so work recorded reading these buffers (a CUDA graph) reads
-    /// the new rows.
+    /// before, and not if not, and as many flash tiles: recorded work launched for the one or
+    /// the other) and writes them over these in place, so work recorded reading these buffers
+    /// (a CUDA graph) reads the new rows.
     pub fn set(&mut self, gpu: &Gpu, slots: &[i32], pos: &[u32]) -> Result<()> {
         let c = Check(Kernel::Attn.name());
         c.len("slots", self.slot.len(), slots.len())?;
         let own = check_rows(slots, pos, self.num_slots, self.max_len)?;
         let what = |own| if own { "each row in a slot of its own" } else { "rows sharing a slot" };
         c.that("slots", own == self.own, what(self.own), what(own))?;
+        if let Some(tiles) = &mut self.tiles {
+            let words = tile_words(&flash_tiles(slots, pos));
+            c.len("slots (query tiles)", tiles.len() / 4, words.len() / 4)?;
+            gpu.upload_into(&words, tiles)?;
+        }
         gpu.upload_into(slots, &mut self.slot)?;
         gpu.upload_into(pos, &mut self.pos)
     }
@@ -88,9 +98,31 @@ fn check_rows(slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> R
     Ok(own)
 }
 
+/// The query tiles of rows (checked): each run of consecutive rows of one slot at consecutive
+/// positions cut into tiles of up to [`FLASH_ROWS`] rows, the tiles with the most keys first
+/// (the longest blocks start first, the short ones fill in after them).
+pub fn flash_tiles(slots: &[i32], pos: &[u32]) -> Vec<FlashTile> {
+    let mut tiles: Vec<FlashTile> = Vec::new();
+    for (r, (&sl, &p)) in slots.iter().zip(pos).enumerate() {
+        match tiles.last_mut() {
+            Some(t) if t.slot == sl as u32 && t.pos0 + t.rows == p && t.rows < FLASH_ROWS => t.rows += 1,
+            _ => tiles.push(FlashTile { row0: r as u32, rows: 1, slot: sl as u32, pos0: p }),
+        }
+    }
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.pos0 + t.rows));
+    tiles
+}
+
+/// Tiles as the u32s the kernel reads.
+fn tile_words(tiles: &[FlashTile]) -> Vec<u32> {
+    tiles.iter().flat_map(|t| [t.row0, t.rows, t.slot, t.pos0]).collect()
+}
+
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
-/// launches, or one where each row has a slot of its own (decode rows). Row r's
+/// launches, or one where each row has a slot of its own (decode rows); the second is the
+/// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
+/// channels, the row kernel for wider ones. Row r's
 /// query starts at element `r * q_stride` of `q`, its key and value at `r * kv_stride` of `k`
 /// and `v` (the widths for contiguous rows; q, k and v may be column blocks of one buffer).
 #[allow(clippy::too_many_arguments)]
@@ -152,6 +184,32 @@ pub fn attention(
         if !rows.own {
             gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
         }
-        gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p)
+        match &rows.tiles {
+            Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
+                let kf = Kernel::AttnFlash;
+                let aligned = |a: u64| a.is_multiple_of(16);
+                let vec = s.head_dim.is_multiple_of(8)
+                    && q_stride.is_multiple_of(8)
+                    && [p.q as u64, p.k_cache as u64, p.v_cache as u64].into_iter().all(aligned);
+                let f = FlashParams {
+                    q: p.q,
+                    q_stride: p.q_stride,
+                    k_cache: p.k_cache,
+                    v_cache: p.v_cache,
+                    tiles: gpu.addr(kf, "tiles", tiles)? as *const FlashTile,
+                    out: p.out,
+                    heads: p.heads,
+                    kv_heads: p.kv_heads,
+                    head_dim: p.head_dim,
+                    max_len: p.max_len,
+                    scale: p.scale,
+                    vec: u32::from(vec),
+                };
+                let blocks = (tiles.len() / 4).saturating_mul(s.heads);
+                Check(kf.name()).count("query tiles x heads", i32::MAX as usize, blocks)?;
+                gpu.launch(kf, (blocks as u32, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f)
+            }
+            _ => gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p),
+        }
     }
 }

@@ -21,6 +21,7 @@ mod device;
 pub mod act;
 pub mod attn;
 pub mod conv1d;
+pub mod flash;
 pub mod mamba;
 pub mod mma;
 pub mod moe;
@@ -137,6 +138,8 @@ kernels! {
     AttnCacheWrite = "attn_cache_write_bf16",
     /// [`attn::AttnParams`]: causal attention over the cache.
     Attn = "attn_bf16",
+    /// [`flash::FlashParams`]: causal attention of many rows over the cache, on tensor cores.
+    AttnFlash = "attn_flash_bf16",
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
     MoeRoute = "moe_route_bf16",

@@ -238,12 +238,8 @@ mod device {
                     let (r, c) = (e / per_row, 8 * (e % per_row));
                     let ok = r < vr && c < vc;
                     let from = if ok { src.wrapping_add(r as usize * stride + c as usize) } else { src };
-                    // SAFETY: 16 aligned bytes of the tile; from readable where ok (caller),
-                    // nothing read where not (source size 0).
-                    unsafe {
-                        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};", d = in(reg32) self.at(r, c),
-                             s = in(reg64) from, n = in(reg32) if ok { 16u32 } else { 0 }, options(nostack))
-                    };
+                    // SAFETY: 16 aligned bytes of the tile; from readable where ok (caller).
+                    unsafe { copy16(self.at(r, c), from, ok) };
                     e += nthreads;
                 }
             } else {
@@ -261,12 +257,45 @@ mod device {
         }
     }
 
+    /// Starts copying the 16 bytes at `src` to shared address `dst` (`cp.async`), or, where not
+    /// `ok`, zeros there (nothing read). Complete after [`staged`] or [`staged_but`].
+    ///
+    /// # Safety
+    /// `dst` 16 bytes of the block's shared memory, 16-byte aligned; with `ok`, `src` 16
+    /// readable bytes of global memory, 16-byte aligned.
+    #[inline(always)]
+    pub unsafe fn copy16(dst: u32, src: *const u16, ok: bool) {
+        // SAFETY: guaranteed by the caller; source size 0 where not ok.
+        unsafe {
+            asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};", d = in(reg32) dst, s = in(reg64) src,
+                 n = in(reg32) if ok { 16u32 } else { 0 }, options(nostack))
+        }
+    }
+
     /// Waits for this thread's `cp.async` copies, then the block's barrier: every tile staged
     /// before it is readable by every thread after it. Call it in uniform flow.
     #[inline(always)]
     pub fn staged() {
         // SAFETY: waits on this thread's own copies; no operands.
         unsafe { asm!("cp.async.wait_all;", options(nostack)) };
+        sync_threads();
+    }
+
+    /// Closes this thread's `cp.async` copies issued since the last commit into a group, for
+    /// [`staged_but`] to wait on.
+    #[inline(always)]
+    pub fn commit() {
+        // SAFETY: no operands.
+        unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+    }
+
+    /// Waits until at most `N` of this thread's committed `cp.async` groups are still in
+    /// flight (the newest ones), then the block's barrier: every tile of the groups before them
+    /// is readable by every thread after it. Call it in uniform flow.
+    #[inline(always)]
+    pub fn staged_but<const N: u32>() {
+        // SAFETY: waits on this thread's own copies.
+        unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
         sync_threads();
     }
 

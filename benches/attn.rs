@@ -1,0 +1,50 @@
+//! `cargo bench --bench attn`: causal attention of a prefill at NemotronH's geometry (32 query
+//! heads, 2 kv heads, head_dim 128): one fresh sequence of 512/4096/16384 tokens, the cache write
+//! and the flash kernel. Criterion's throughput line is tokens/s; the report line gives TFLOP/s
+//! of the causal products (`4 heads head_dim n (n + 1) / 2`: scores and values, the masked half
+//! not counted).
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use host::attn::{AttnRows, AttnShape, attention};
+use nemotron_rs::{BenchGpu, Rng};
+use std::time::Duration;
+
+fn benches(c: &mut Criterion) {
+    let Some(b) = BenchGpu::open() else { return };
+    let gpu = &b.gpu;
+    let mut rng = Rng::new(12);
+    let mut group = c.benchmark_group("attn");
+    group.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(300));
+    for n in [512usize, 4096, 16384] {
+        let name = format!("prefill/32x2x128/t{n}");
+        if !BenchGpu::selected(&name) {
+            continue;
+        }
+        let s = AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: n };
+        let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        // q, k and v read, out written, the caches written and read once.
+        let bytes = 2 * n * (2 * qw + 4 * kw);
+        let sets = BenchGpu::cold_sets(bytes);
+        let q: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(n * qw, -1.0, 1.0)).unwrap()).collect();
+        let k: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(n * kw, -1.0, 1.0)).unwrap()).collect();
+        let v: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(n * kw, -1.0, 1.0)).unwrap()).collect();
+        let mut caches: Vec<_> =
+            (0..sets).map(|_| (gpu.zeros::<bf16>(n * kw).unwrap(), gpu.zeros::<bf16>(n * kw).unwrap())).collect();
+        let mut out: Vec<_> = (0..sets).map(|_| gpu.zeros::<bf16>(n * qw).unwrap()).collect();
+        let pos: Vec<u32> = (0..n as u32).collect();
+        let rows = AttnRows::new(gpu, &vec![0; n], &pos, 1, n).unwrap();
+        let mut launch = |i: usize| {
+            let (kc, vc) = &mut caches[i];
+            attention(gpu, s, (&q[i], qw), (&k[i], &v[i], kw), kc, vc, &rows, &mut out[i])
+        };
+        let timed = b.capture(sets, &mut launch);
+        timed.report_flops(&format!("attn/{name}"), 4.0 * (qw * n) as f64 * (n + 1) as f64 / 2.0);
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_function(&name, |bench| bench.iter_custom(|iters| timed.criterion(iters)));
+    }
+    group.finish();
+}
+
+criterion_group!(attn, benches);
+criterion_main!(attn);

@@ -1,5 +1,5 @@
 //! Builds the kernels to PTX for every supported arch and leaves them in OUT_DIR, where
-//! `host/src/gpu.rs` embeds them. Needs only the pinned nightly (rust-src is in
+//! `host/src/gpu/arch.rs` embeds them. Needs only the pinned nightly (rust-src is in
 //! rust-toolchain.toml); no CUDA toolkit.
 
 #[path = "ptx_build.rs"]

@@ -1,0 +1,206 @@
+//! The CUDA device: driver context, one stream, the PTX module of the device's arch, and the
+//! single place kernels are launched from.
+//!
+//! - `arch`: the embedded PTX flavours and which a device gets;
+//! - this file: [`Gpu`] (opening the device, its context and stream, cuBLASLt, synchronizing);
+//! - `memory`: allocations and transfers (page-locked staging);
+//! - `scratch`: [`Buffer`], the temporaries of a step, and the capture arena they come from;
+//! - `capture`: CUDA graph capture and replay ([`Graph`]);
+//! - `timing`: timing events, the profiler range, and the [`Timeline`] of a timeline build;
+//! - `launch`: [`Gpu::launch`] and [`Gpu::launch_clusters`], and buffer addresses.
+
+mod arch;
+mod capture;
+mod launch;
+mod memory;
+mod scratch;
+mod timing;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::cublaslt::CudaBlasLT;
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, PinnedHostSlice,
+};
+use cudarc::nvrtc::Ptx;
+use kernels_gpu::Kernel;
+
+pub use self::arch::Arch;
+pub use self::capture::Graph;
+use self::memory::Stage;
+pub use self::memory::UPLOAD_STAGE_BYTES;
+pub use self::scratch::{ARENA_BYTES, Buffer};
+pub use self::timing::{Launch, Stamp, Timeline};
+use crate::error::{During, Error, Result};
+
+/// One CUDA device with the module of its arch loaded, and the stream every launch goes to.
+///
+/// All work is ordered on that one stream; cudarc's per-allocation event tracking is disabled
+/// (it is redundant on one stream and breaks CUDA graph capture), so buffers must only be used
+/// through this `Gpu`'s stream.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    functions: Vec<CudaFunction>,
+    /// Most threads per block each function can launch with (its register use decides).
+    max_threads: Vec<u32>,
+    /// cuBLASLt on `stream`, created on first use (see [`Gpu::blas`]).
+    blas: std::sync::OnceLock<CudaBlasLT>,
+    /// Most dynamic shared memory a block of each function may use (the device's opt-in
+    /// limit less the function's static shared memory, enabled at load).
+    max_smem: Vec<u32>,
+    /// Whether [`Gpu::capture`] is recording: host copies are refused then (a graph would
+    /// replay a copy from host memory that is gone, or hold stale data).
+    capturing: AtomicBool,
+    /// Arrival counters of kernels that finish with their last block (zero between kernels;
+    /// see [`Gpu::counters`]).
+    counters: CudaSlice<u32>,
+    /// The kernels launched during the last capture, in order (see [`Gpu::timeline`]).
+    captured: std::sync::Mutex<Vec<&'static str>>,
+    /// Where [`Gpu::scratch`] takes its buffers inside a capture (allocated at the first
+    /// capture), and the bytes of it taken by this capture so far.
+    arena: std::sync::Mutex<(Option<CudaSlice<u8>>, usize)>,
+    /// Page-locked host memory for [`Gpu::download_with`], grown to the largest copy.
+    staging: std::sync::Mutex<Option<PinnedHostSlice<u8>>>,
+    /// The two page-locked buffers [`Gpu::upload_bytes_into`] stages through, each with the
+    /// event of its last copy; allocated on first use.
+    uploads: std::sync::Mutex<Option<[Stage; 2]>>,
+    _module: Arc<CudaModule>,
+}
+
+/// Arrival counters [`Gpu::counters`] holds: one per block row of a grid (at most 65535).
+pub(crate) const COUNTERS: usize = 65535;
+
+impl Gpu {
+    /// Opens device `ordinal`, picks its arch and loads the embedded PTX.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        // SAFETY: only probes whether the driver library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoDriver);
+        }
+        let count = CudaContext::device_count().during("counting devices")?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::NoDevice { ordinal, count: count.max(0) as usize });
+        }
+        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        // SAFETY: no buffers exist yet; everything this Gpu does is on one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().during("reading the compute capability")?;
+        let arch = Arch::for_compute_capability(major, minor)?;
+        let module = ctx.load_module(Ptx::from_src(arch.ptx())).map_err(|e| match e {
+            DriverError(CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION) => {
+                Error::DriverTooOld { driver: driver_version(), arch: arch.name(), isa: arch.ptx_isa() }
+            }
+            source => Error::Driver { during: "loading the PTX module", source },
+        })?;
+        let functions = Kernel::ALL
+            .iter()
+            .map(|k| module.load_function(k.name()).map_err(|_| Error::MissingEntry(k.name())))
+            .collect::<Result<Vec<_>>>()?;
+        let max_threads = functions
+            .iter()
+            .map(|f| f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK))
+            .map(|r| r.map(|v| v.max(0) as u32))
+            .collect::<Result<Vec<_>, _>>()
+            .during("reading kernel attributes")?;
+        let optin = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        let optin = ctx.attribute(optin).during("reading the shared memory limit")?.max(0);
+        let mut max_smem = Vec::with_capacity(functions.len());
+        for f in &functions {
+            let fixed = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+            let dynamic = optin - f.get_attribute(fixed).during("reading kernel attributes")?.clamp(0, optin);
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, dynamic).during("enabling large shared memory")?;
+            max_smem.push(dynamic as u32);
+        }
+        let stream = ctx.new_stream().during("creating a stream")?;
+        let counters = stream.alloc_zeros(COUNTERS).during("allocating device memory")?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch,
+            functions,
+            max_threads,
+            max_smem,
+            blas: std::sync::OnceLock::new(),
+            capturing: AtomicBool::new(false),
+            counters,
+            captured: std::sync::Mutex::new(Vec::new()),
+            arena: std::sync::Mutex::new((None, 0)),
+            staging: std::sync::Mutex::new(None),
+            uploads: std::sync::Mutex::new(None),
+            _module: module,
+        })
+    }
+
+    /// The device address of [`COUNTERS`] zeroed u32 for a kernel whose blocks count their
+    /// arrivals: it must leave them zero. Kernels on the one stream may overlap (programmatic
+    /// dependent launch of the kernels that load early), but each waits for its predecessor to
+    /// complete before it touches memory other than weights (`grid_dependency_wait`), so they
+    /// can all use the same ones.
+    pub(crate) fn counters(&self) -> u64 {
+        self.counters.device_ptr(&self.stream).0
+    }
+
+    /// The arch whose PTX was loaded.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn name(&self) -> Result<String> {
+        self.ctx.name().during("reading the device name")
+    }
+
+    /// cuBLASLt bound to this Gpu's stream (its workspace is allocated on first use).
+    pub(crate) fn blas(&self) -> Result<&CudaBlasLT> {
+        if let Some(b) = self.blas.get() {
+            return Ok(b);
+        }
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            return Err(Error::NoCublas);
+        }
+        let b = CudaBlasLT::new(self.stream.clone())
+            .map_err(|source| Error::Cublas { during: "creating a handle", source })?;
+        Ok(self.blas.get_or_init(|| b))
+    }
+
+    /// The stream all of this Gpu's work runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Fails while a capture records (`what`: the host copy refused).
+    fn not_capturing(&self, what: &'static str) -> Result<()> {
+        if self.capturing.load(Ordering::Relaxed) {
+            return Err(Error::InCapture(what));
+        }
+        Ok(())
+    }
+
+    /// Waits until all queued work is done; reports errors of earlier launches.
+    pub fn synchronize(&self) -> Result<()> {
+        self.not_capturing("a synchronization")?;
+        self.stream.synchronize().during("waiting for the stream")
+    }
+}
+
+/// The error for a typed view of a buffer that cudarc refused (`transmute` of a buffer to a
+/// length it holds: not expected), while `during`.
+fn view_refused(during: &'static str) -> Error {
+    Error::Driver { during, source: DriverError(CUresult::CUDA_ERROR_INVALID_VALUE) }
+}
+
+/// The driver's CUDA version, as `major.minor`.
+fn driver_version() -> String {
+    let mut v = 0;
+    // SAFETY: writes one int; the driver library is loaded (checked in Gpu::new).
+    match unsafe { sys::cuDriverGetVersion(&mut v) } {
+        CUresult::CUDA_SUCCESS => format!("{}.{}", v / 1000, v % 1000 / 10),
+        _ => "unknown".into(),
+    }
+}

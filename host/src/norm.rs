@@ -22,7 +22,7 @@ pub enum RowPath {
 }
 
 /// Rows from which the launchers pick [`RowPath::Many`] (H200: at 256 rows the few-rows shape
-/// was faster, 4.7 against 6.4 us for the gated norm at 4096; at 512 about even).
+/// was faster, 4.80 against 6.40 us for the gated norm at 4096; at 512 about even).
 pub const MANY_ROWS: usize = 512;
 
 impl RowPath {

@@ -175,7 +175,7 @@ impl Kernel {
     /// only these with programmatic stream serialization; the others start once the kernel
     /// before has completed (their wait returns at once): an early start of a kernel with
     /// nothing to do before its wait took SM time from the one it waits on
-    /// (docs/BENCHMARKS.md, 2026-11-30).
+    /// (docs/PERFORMANCE.md, the whole model's findings).
     pub const fn loads_early(self) -> bool {
         matches!(
             self,

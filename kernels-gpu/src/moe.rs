@@ -192,7 +192,8 @@ pub const DISPATCH_SMEM_BYTES: u32 = 2 * MAX_EXPERTS * 4;
 pub const EXPERT_BLOCK: u32 = 128;
 /// Weight rows each warp of the expert kernel computes together.
 pub const EXPERT_WARP_ROWS: u32 = 2;
-/// Chunks of each row a lane of the expert kernel loads at once (loads in flight).
+/// Chunks of each row a lane of the expert kernel loads at once (loads in flight). 6 and 8
+/// took more registers and made the batch-1 step slower (docs/PERFORMANCE.md, MoE).
 pub const EXPERT_UNROLL: usize = 4;
 /// Weight rows per block of the expert kernel.
 pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
@@ -202,7 +203,8 @@ pub const EXPERT_TOKENS: usize = 1;
 pub const SPLIT_BLOCK: u32 = 128;
 /// Weight rows per block of the split-k dense kernel.
 pub const SPLIT_ROWS: u32 = 4;
-/// Chunks of each weight row a thread of the split-k dense kernel loads at once.
+/// Chunks of each weight row a thread of the split-k dense kernel loads at once. 4 (128
+/// registers on sm_90) was no faster (docs/PERFORMANCE.md, linear layers).
 pub const SPLIT_UNROLL: usize = 2;
 /// Output rows per block of the expert-combine kernel (each warp streams them for its choice).
 pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;

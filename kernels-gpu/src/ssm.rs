@@ -106,7 +106,10 @@ mod kernels {
     }
 
     /// The state update for one (row, head, p), by the calling warp. Grid
-    /// `(ceil(head_dim / SSM_WARPS), heads, batch)`, block `32 * SSM_WARPS`.
+    /// `(ceil(head_dim / SSM_WARPS), heads, batch)`, block `32 * SSM_WARPS`. Every warp loads
+    /// its group's B and C itself, element by element: on the H200 a bf16 state took as long
+    /// as an f32 one (docs/PERFORMANCE.md), so the state's bytes do not bound the update;
+    /// those loads are the likely limit.
     #[inline(always)]
     unsafe fn update<S: StateElem>(p: &SsmUpdateParams<S>) {
         let (b, h) = (block_z() as usize, block_y() as usize);

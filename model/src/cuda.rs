@@ -183,8 +183,8 @@ pub const SPLIT_MIN_K: usize = 3072;
 
 /// Decode rows up to which a Mamba mixer's conv update, state update and gated norm run as
 /// one launch (`mamba_decode_bf16`); more rows take the three launches. One row measured
-/// faster fused (docs/BENCHMARKS.md, commit eb6a2b2); three rows, in Nsight Compute with cold
-/// caches, took 18.7 us fused against 15.1 us for the three.
+/// faster fused (docs/PERFORMANCE.md, the fused Mamba decode); three rows, in Nsight Compute
+/// with cold caches, took 18.7 us fused against 15.1 us for the three.
 pub const FUSED_MAMBA_ROWS: usize = 1;
 
 /// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the

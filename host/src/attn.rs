@@ -186,7 +186,7 @@ pub fn attention(
         }
         match &rows.tiles {
             Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
-                let kf = Kernel::AttnFlash;
+                let kf = if s.head_dim.div_ceil(16) == 8 { Kernel::AttnFlashD128 } else { Kernel::AttnFlash };
                 let aligned = |a: u64| a.is_multiple_of(16);
                 let vec = s.head_dim.is_multiple_of(8)
                     && q_stride.is_multiple_of(8)

@@ -88,23 +88,11 @@ mod kernels {
     use super::*;
     use crate::device::*;
     use crate::mma::{Tile, acc_to_a, commit, copy16, mma, smem_addr, staged_but, tile_stride};
-    use core::arch::asm;
 
     /// k steps (16 channels each) of the widest head.
     const DK: usize = (FLASH_MAX_HEAD_DIM / 16) as usize;
     /// 16 x 8 score tiles of a key tile.
     const NS: usize = (FLASH_KEYS / 8) as usize;
-
-    /// 2^v through `ex2.approx.ftz.f32`.
-    #[inline(always)]
-    fn exp2(v: f32) -> f32 {
-        let r: f32;
-        // SAFETY: a register-to-register instruction.
-        unsafe {
-            asm!("ex2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) v, options(pure, nomem, nostack))
-        };
-        r
-    }
 
     /// `v` reduced by `f` pairwise (a tree: independent operations side by side).
     #[inline(always)]
@@ -119,15 +107,35 @@ mod kernels {
         v[0]
     }
 
-    /// Flash attention, [`FlashParams`]. Grid `(tiles * heads)`, block [`FLASH_BLOCK`], dynamic
-    /// shared memory [`flash_smem_bytes`]; the module docs say what a block does.
+    /// Flash attention, [`FlashParams`], heads of 113 to 128 channels (eight k steps, known
+    /// when compiled). Grid `(tiles * heads)`, block [`FLASH_BLOCK`], dynamic shared memory
+    /// [`flash_smem_bytes`]; the module docs say what a block does.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn attn_flash_d128_bf16(p: FlashParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { flash::<true>(p) }
+    }
+
+    /// As `attn_flash_d128_bf16`, for any head up to [`FLASH_MAX_HEAD_DIM`] channels.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_flash_bf16(p: FlashParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { flash::<false>(p) }
+    }
+
+    /// The flash kernel; with `EIGHT_STEPS` the head's k steps are [`DK`] (no run-time bound
+    /// between the products, so they schedule as one block of code).
+    ///
+    /// # Safety
+    /// The launch contract of host/src/attn.rs: tiles inside the rows and the caches, head_dim
+    /// <= FLASH_MAX_HEAD_DIM (and above 112 with `EIGHT_STEPS`), vec only where aligned.
+    #[inline(always)]
+    unsafe fn flash<const EIGHT_STEPS: bool>(p: FlashParams) {
         grid_dependency_wait();
         let (t, h) = (block_x() / p.heads, block_x() % p.heads);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
         let d = p.head_dim;
-        let dk = d.div_ceil(16) as usize;
+        let dk = if EIGHT_STEPS { DK } else { d.div_ceil(16) as usize };
         let kw = (p.kv_heads * d) as usize;
         let kvh = h / (p.heads / p.kv_heads);
         let vec = p.vec != 0;
@@ -140,9 +148,7 @@ mod kernels {
             (Tile { addr: smem_addr(at), stride }, Tile { addr: smem_addr(at + kvsize), stride })
         };
         let scale = p.scale * core::f32::consts::LOG2_E;
-        // SAFETY: launch contract checked by host/src/attn.rs (tiles inside the rows and the
-        // caches, head_dim <= FLASH_MAX_HEAD_DIM, vec only where aligned); the tiles fit in
-        // flash_smem_bytes; `staged_but` separates each tile's staging from its reads. Key tile
+        // SAFETY: launch contract as the doc says; the tiles fit in flash_smem_bytes; `staged_but` separates each tile's staging from its reads. Key tile
         // jt + 1 is staged (at the top of key tile jt) into the buffer key tile jt - 2 was read
         // from: every warp read it before it reached the barrier of key tile jt - 1, which this
         // thread has passed.
@@ -235,11 +241,11 @@ mod kernels {
                         let mx = fmax(mx, warp_read(mx, lane ^ 2));
                         // m in units of the scaled scores, log2 e folded in: 2^(scale s - m).
                         let new = fmax(m[r], mx * scale);
-                        let alpha = exp2(m[r] - new);
+                        let alpha = exp2_fast(m[r] - new);
                         m[r] = new;
                         for c in s.iter_mut() {
-                            c[2 * r] = exp2(fma(c[2 * r], scale, -new));
-                            c[2 * r + 1] = exp2(fma(c[2 * r + 1], scale, -new));
+                            c[2 * r] = exp2_fast(fma(c[2 * r], scale, -new));
+                            c[2 * r + 1] = exp2_fast(fma(c[2 * r + 1], scale, -new));
                         }
                         let sum =
                             tree(core::array::from_fn::<f32, NS, _>(|nt| s[nt][2 * r] + s[nt][2 * r + 1]), |a, b| {

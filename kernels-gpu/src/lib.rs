@@ -140,6 +140,8 @@ kernels! {
     Attn = "attn_bf16",
     /// [`flash::FlashParams`]: causal attention of many rows over the cache, on tensor cores.
     AttnFlash = "attn_flash_bf16",
+    /// [`flash::FlashParams`]: as `AttnFlash`, heads of 113 to 128 channels.
+    AttnFlashD128 = "attn_flash_d128_bf16",
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
     MoeRoute = "moe_route_bf16",

@@ -34,10 +34,15 @@ pub fn div_rn_by(x: f32, s: f32, r: f32) -> f32 {
 /// e^v through `ex2.approx.ftz.f32` (relative error about 2^-22).
 #[inline(always)]
 pub fn exp_fast(v: f32) -> f32 {
+    exp2_fast(v * core::f32::consts::LOG2_E)
+}
+
+/// 2^v through `ex2.approx.ftz.f32` (relative error about 2^-22).
+#[inline(always)]
+pub fn exp2_fast(v: f32) -> f32 {
     let r: f32;
-    let a = v * core::f32::consts::LOG2_E;
     // SAFETY: a register-to-register instruction.
-    unsafe { asm!("ex2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) a, options(pure, nomem, nostack)) };
+    unsafe { asm!("ex2.approx.ftz.f32 {r}, {a};", r = out(reg32) r, a = in(reg32) v, options(pure, nomem, nostack)) };
     r
 }
 

@@ -15,6 +15,8 @@ mod chat;
 mod completions;
 mod generation;
 pub mod prompt;
+#[cfg(test)]
+mod tests;
 pub mod text;
 pub mod worker;
 

@@ -48,7 +48,6 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
             }
             finish = p.finish.unwrap_or(finish);
         }
-        let calls = parser.tool_calls();
         deltas.extend(parser.finish());
         let m = crate::chat::Message::from_deltas(deltas);
         let mut message = json!({"role": "assistant", "content": m.content});
@@ -62,9 +61,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 .map(|t| json!({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments_json}}))
                 .collect();
         }
-        if finish == "stop" && (calls > 0 || !m.tool_calls.is_empty()) {
-            finish = "tool_calls";
-        }
+        let finish = finish_reason(finish, !m.tool_calls.is_empty());
         let logprobs = if c.sampling.logprobs { json!({"content": logprobs}) } else { Value::Null };
         let body = json!({
             "id": id, "object": "chat.completion", "created": created, "model": s.name,
@@ -91,7 +88,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
             return;
         }
         let mut parser = Some(new_parser());
-        let mut pending = vec![];
+        let (mut pending, mut called) = (vec![], false);
         loop {
             let piece = match out.piece(&mut g).await {
                 None => return,
@@ -103,25 +100,19 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
             }
             let Some(p) = parser.as_mut() else { break };
             let mut deltas = p.push(&piece.text);
-            let mut finish = piece.finish;
-            if finish.is_some() {
-                let p = parser.take().expect("there until the finish");
-                if finish == Some("stop") && p.tool_calls() > 0 {
-                    finish = Some("tool_calls");
-                }
-                let rest = p.finish();
-                if finish == Some("stop") && rest.iter().any(|d| matches!(d, Delta::ToolCall { .. })) {
-                    finish = Some("tool_calls");
-                }
-                deltas.extend(rest);
+            if piece.finish.is_some() {
+                deltas.extend(parser.take().expect("there until the finish").finish());
             }
             for d in deltas {
+                called |= matches!(d, Delta::ToolCallStart { .. });
                 let delta = match d {
                     Delta::Content(t) => json!({"content": t}),
                     Delta::Reasoning(t) => json!({"reasoning_content": t}),
-                    Delta::ToolCall { index, id, name, arguments_json } => json!({"tool_calls": [{
-                        "index": index, "id": id, "type": "function",
-                        "function": {"name": name, "arguments": arguments_json}}]}),
+                    Delta::ToolCallStart { index, id, name } => json!({"tool_calls": [{
+                        "index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                    Delta::ToolCallArguments { index, json } => {
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": json}}]})
+                    }
                 };
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
@@ -129,7 +120,8 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                     return;
                 }
             }
-            if let Some(finish) = finish {
+            if let Some(finish) = piece.finish {
+                let finish = finish_reason(finish, called);
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
                 if !out.send(&chunk(json!({}), lp, Some(finish))).await {
@@ -141,6 +133,12 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         out.finish(head, usage_field.then(|| g.usage())).await;
     });
     Ok(sse(rx))
+}
+
+/// The finish reason of a generation that wrote a tool call (`called`) or not: a turn that
+/// ended by itself after a call ends for the call.
+fn finish_reason(finish: &'static str, called: bool) -> &'static str {
+    if finish == "stop" && called { "tool_calls" } else { finish }
 }
 
 /// `messages` must be a non-empty list of objects with a string `role`.

@@ -104,7 +104,8 @@ async fn tool_calls_and_reasoning_in_a_stream() {
     let events = events(&body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
-    let (mut reasoning, mut content, mut calls, mut finish) = (String::new(), String::new(), vec![], vec![]);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    let (mut calls, mut finish) = (vec![], vec![]);
     for c in &chunks {
         assert_eq!(c["object"], "chat.completion.chunk");
         let choice = &c["choices"][0];
@@ -117,9 +118,19 @@ async fn tool_calls_and_reasoning_in_a_stream() {
     assert_eq!((reasoning.as_str(), content.as_str()), ("Paris, then.\n", "\nLet me look.\n"));
     assert_eq!(finish, ["tool_calls"], "one finish reason, on the last choice chunk");
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
-    assert_eq!(calls.len(), 1, "{calls:?}");
-    assert_eq!((calls[0]["index"].as_u64(), calls[0]["type"].as_str()), (Some(0), Some("function")));
-    assert_eq!(calls[0]["function"], json!({"name": "get_weather", "arguments": r#"{"city": "Paris", "days": 3}"#}));
+    // As OpenAI streams a call: its id, type and name first, then the arguments in pieces
+    // (each parameter's once its value has ended).
+    let (first, rest) = calls.split_first().expect("tool_calls deltas");
+    assert!(first["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{first}");
+    assert_eq!((first["index"].as_u64(), first["type"].as_str()), (Some(0), Some("function")));
+    assert_eq!(first["function"], json!({"name": "get_weather", "arguments": ""}));
+    assert!(rest.len() >= 3, "the arguments come in pieces: {rest:?}");
+    let mut arguments = String::new();
+    for d in rest {
+        assert_eq!((d["index"].as_u64(), d.get("id"), d["function"].get("name")), (Some(0), None, None), "{d}");
+        arguments += d["function"]["arguments"].as_str().expect("an arguments piece");
+    }
+    assert_eq!(arguments, r#"{"city": "Paris", "days": 3}"#);
 }
 
 #[tokio::test]

@@ -51,8 +51,8 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         deltas.extend(parser.finish());
         let m = crate::chat::Message::from_deltas(deltas);
         let mut message = json!({"role": "assistant", "content": m.content});
-        if let Some(r) = m.reasoning {
-            message["reasoning_content"] = json!(r);
+        if let Some(r) = &m.reasoning {
+            set_reasoning(&mut message, r);
         }
         if !m.tool_calls.is_empty() {
             message["tool_calls"] = m
@@ -107,7 +107,11 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 called |= matches!(d, Delta::ToolCallStart { .. });
                 let delta = match d {
                     Delta::Content(t) => json!({"content": t}),
-                    Delta::Reasoning(t) => json!({"reasoning_content": t}),
+                    Delta::Reasoning(t) => {
+                        let mut v = json!({});
+                        set_reasoning(&mut v, &t);
+                        v
+                    }
                     Delta::ToolCallStart { index, id, name } => json!({"tool_calls": [{
                         "index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
                     Delta::ToolCallArguments { index, json } => {
@@ -139,6 +143,14 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
 /// ended by itself after a call ends for the call.
 fn finish_reason(finish: &'static str, called: bool) -> &'static str {
     if finish == "stop" && called { "tool_calls" } else { finish }
+}
+
+/// Reasoning text in a message or delta: under vLLM's name for it, `reasoning`, and its
+/// former one, `reasoning_content`, which clients still read.
+fn set_reasoning(v: &mut Value, text: &str) {
+    for key in ["reasoning", "reasoning_content"] {
+        v[key] = json!(text);
+    }
 }
 
 /// `messages` must be a non-empty list of objects with a string `role`.

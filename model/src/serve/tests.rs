@@ -85,10 +85,8 @@ async fn tool_calls_and_reasoning_in_a_response() {
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
     let m = &choice["message"];
-    assert_eq!(
-        (m["reasoning_content"].as_str(), m["content"].as_str()),
-        (Some("Paris, then.\n"), Some("\nLet me look.\n"))
-    );
+    assert_eq!((m["reasoning"].as_str(), m["content"].as_str()), (Some("Paris, then.\n"), Some("\nLet me look.\n")));
+    assert_eq!(m["reasoning_content"], m["reasoning"], "reasoning under its former name too");
     let calls = m["tool_calls"].as_array().expect("tool_calls");
     assert_eq!(calls.len(), 1, "{m}");
     assert!(calls[0]["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{m}");
@@ -104,18 +102,20 @@ async fn tool_calls_and_reasoning_in_a_stream() {
     let events = events(&body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
-    let (mut reasoning, mut content) = (String::new(), String::new());
+    let (mut reasoning, mut former, mut content) = (String::new(), String::new(), String::new());
     let (mut calls, mut finish) = (vec![], vec![]);
     for c in &chunks {
         assert_eq!(c["object"], "chat.completion.chunk");
         let choice = &c["choices"][0];
         let d = &choice["delta"];
-        reasoning += d["reasoning_content"].as_str().unwrap_or("");
+        reasoning += d["reasoning"].as_str().unwrap_or("");
+        former += d["reasoning_content"].as_str().unwrap_or("");
         content += d["content"].as_str().unwrap_or("");
         calls.extend(d["tool_calls"].as_array().into_iter().flatten().cloned());
         finish.extend(choice["finish_reason"].as_str().map(str::to_string));
     }
     assert_eq!((reasoning.as_str(), content.as_str()), ("Paris, then.\n", "\nLet me look.\n"));
+    assert_eq!(former, reasoning);
     assert_eq!(finish, ["tool_calls"], "one finish reason, on the last choice chunk");
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
     // As OpenAI streams a call: its id, type and name first, then the arguments in pieces
@@ -148,10 +148,7 @@ async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
             (Some("stop"), Some(CALL)),
             "{body}"
         );
-        assert!(
-            choice["message"].get("tool_calls").is_none() && choice["message"].get("reasoning_content").is_none(),
-            "{v}"
-        );
+        assert!(choice["message"].get("tool_calls").is_none() && choice["message"].get("reasoning").is_none(), "{v}");
     }
 }
 

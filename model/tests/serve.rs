@@ -1,7 +1,7 @@
 //! The `serve` binary against the real OpenAI Python client: starts it on the built-in model
 //! (CPU backend, a free port on 127.0.0.1) and runs tests/serve/client_test.py (chat and
 //! completions, streamed and not, usage, stop strings, the bad-request table beside a running
-//! stream, 429 past the queue, a dropped client's slot reused, 32 concurrent seeded clients
+//! stream, 429 past the queue, a dropped client's slot reused, streaming or not, 32 concurrent seeded clients
 //! each getting the tokens it gets alone). The Python with the `openai` package comes from
 //! `$NEMOTRON_TEST_PYTHON`, which `./x test` sets up (a virtual environment under
 //! target/tools/); without it the test fails saying so. The server is killed at the end,

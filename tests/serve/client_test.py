@@ -10,6 +10,7 @@ not, alone and beside others) and check the protocol. Exits non-zero on the firs
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -222,6 +223,47 @@ def test_dropped_client_frees_its_slot():
           "the next request got the dropped client's slot (it finished before every other stream)")
 
 
+def test_dropped_non_stream_client_frees_its_slot():
+    """A request that does not stream is cancelled too when its client disconnects: the one that
+    would run longest is dropped, and the next request gets its slot before any other ends."""
+    host, port = BASE.split("//", 1)[1].rsplit(":", 1)
+
+    def send(max_tokens):
+        body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": max_tokens}).encode()
+        s = socket.create_connection((host, int(port)), timeout=60)
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        s.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        return s
+
+    dropped = send(450)  # longer than the others: left running, it would free its slot last
+    others = [send(300) for _ in range(SLOTS - 1)]
+    ends = {}
+
+    def wait(i, s):
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        ends[i] = (time.time(), reply.split(b" ", 2)[1] if reply else b"")
+        s.close()
+
+    threads = [threading.Thread(target=wait, args=(i, s)) for i, s in enumerate(others)]
+    for t in threads:
+        t.start()
+    time.sleep(1)  # every request admitted and running
+    dropped.close()
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    done = time.time()
+    check(r.usage.completion_tokens >= 1, "the next request ran")
+    for t in threads:
+        t.join(120)
+    check(len(ends) == SLOTS - 1 and all(code == b"200" for _, code in ends.values()), f"the others answered: {ends}")
+    check(done < min(t for t, _ in ends.values()),
+          "the next request got the dropped client's slot (it finished before every other request)")
+
+
 def test_concurrent_seeded_clients_get_their_own_tokens():
     n = 32
     req = lambda i: dict(messages=[{"role": "user", "content": f"client {i}" + " go" * (i % 5)}],
@@ -248,6 +290,7 @@ TESTS = [
     test_bad_requests_leave_a_stream_unharmed,
     test_queue_bound_gives_429,
     test_dropped_client_frees_its_slot,
+    test_dropped_non_stream_client_frees_its_slot,
     test_concurrent_seeded_clients_get_their_own_tokens,
 ]
 

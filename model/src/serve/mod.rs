@@ -6,9 +6,11 @@
 //! `completions.rs`) checks its body ([`api`]), tokenizes its prompt and hands it over, then
 //! turns the tokens it gets back into text (`generation.rs`: [`text`], then `stop` strings;
 //! for chat the reasoning and tool-call split of [`crate::chat`]) and OpenAI's response or
-//! chunks. A client that goes away drops its end of the
-//! token channel, and the engine thread cancels its request at the next step. Bad requests get
-//! a 4xx with an OpenAI error body and never reach the engine.
+//! chunks. A client that goes away drops its end of the token channel, and the engine thread
+//! cancels its request at the next step: a stream's task sees its SSE channel close, and a
+//! non-streamed request's handler is dropped mid-await (hyper drops it when the connection
+//! closes), with the receiver it holds. Bad requests get a 4xx with an OpenAI error body and
+//! never reach the engine.
 
 pub mod api;
 mod chat;

@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod engine;
 mod error;
 pub mod fp8;
+pub mod hub;
 pub mod layout;
 pub mod logs;
 pub mod model;

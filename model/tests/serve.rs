@@ -1,16 +1,17 @@
 //! The `serve` binary against the real OpenAI Python client: starts it on the built-in model
 //! (CPU backend, a free port on 127.0.0.1) and runs tests/serve/client_test.py (chat and
 //! completions, streamed and not, usage, stop strings, the bad-request table beside a running
-//! stream, 429 past the queue, a dropped client's slot reused, 32 concurrent seeded clients
+//! stream, 429 past the queue, a dropped client's slot reused, streaming or not, 32 concurrent seeded clients
 //! each getting the tokens it gets alone). The Python with the `openai` package comes from
 //! `$NEMOTRON_TEST_PYTHON`, which `./x test` sets up (a virtual environment under
 //! target/tools/); without it the test fails saying so. The server is killed at the end,
-//! whatever happens.
+//! whatever happens. Beside it, `--model ORG/NAME` on a fake Hugging Face cache.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Kills its process when dropped (a failed assertion included).
@@ -34,23 +35,22 @@ fn python() -> PathBuf {
     }
 }
 
-#[test]
-fn openai_client_against_serve() {
-    let python = python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/serve/client_test.py");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_serve"))
-        .args(["--backend", "cpu", "--host", "127.0.0.1", "--port", "0"])
-        .args(["--slots", "8", "--max-queue", "24", "--max-len", "512"])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting serve");
+/// `serve` on the CPU backend and a free port of 127.0.0.1 with `args` (its environment
+/// changed by `env`: a value of `None` removes the variable): the process, its address once it
+/// listens, and its log (stderr, read to its end on a thread so it never blocks on a full pipe).
+fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinHandle<String>) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_serve"));
+    command.args(["--backend", "cpu", "--host", "127.0.0.1", "--port", "0"]).args(args).env("RUST_LOG", "info");
+    for (name, value) in env {
+        match value {
+            Some(v) => command.env(name, v),
+            None => command.env_remove(name),
+        };
+    }
+    let mut server =
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("starting serve");
     let stderr = server.stderr.take().expect("piped");
     let server = Killed(server);
-    // The server's log, read to its end on a thread (so it never blocks on a full pipe); the
-    // address is on the line that says it listens.
     let (tx, rx) = mpsc::channel();
     let log = std::thread::spawn(move || {
         let mut all = String::new();
@@ -63,7 +63,20 @@ fn openai_client_against_serve() {
         }
         all
     });
-    let url = rx.recv_timeout(Duration::from_secs(60)).expect("serve did not say it listens within 60 s");
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(url) => (server, url, log),
+        Err(_) => {
+            drop(server);
+            panic!("serve did not say it listens within 60 s:\n{}", log.join().unwrap_or_default())
+        }
+    }
+}
+
+#[test]
+fn openai_client_against_serve() {
+    let python = python();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/serve/client_test.py");
+    let (server, url, log) = serve(&["--slots", "8", "--max-queue", "24", "--max-len", "512"], &[]);
     let mut client = Command::new(&python)
         .arg(script)
         .arg(&url)
@@ -104,4 +117,46 @@ fn openai_client_against_serve() {
         status.map_or("timed out".to_string(), |s| s.to_string()),
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// `--model ORG/NAME` finds the snapshot that `refs/main` names in `$HF_HOME/hub` (files
+/// linked into `blobs/`, as huggingface_hub keeps them) and serves it under the repo id; a repo
+/// that is not there is an error that says so, before anything loads.
+#[test]
+fn a_repo_id_is_served_from_the_hub_cache() {
+    let home = std::env::temp_dir().join(format!("nemotron-serve-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let repo = home.join("hub/models--test-org--tiny");
+    let snapshot = repo.join("snapshots/0a1b2c");
+    for dir in [repo.join("blobs"), repo.join("refs"), snapshot.clone()] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(repo.join("refs/main"), "0a1b2c").unwrap();
+    for (name, bytes) in model::built_in::FILES {
+        std::fs::write(repo.join("blobs").join(name), bytes).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../blobs").join(name), snapshot.join(name)).unwrap();
+    }
+    let env = [("HF_HOME", Some(home.as_path())), ("HF_HUB_CACHE", None)];
+    let (server, url, log) = serve(&["--model", "test-org/tiny", "--slots", "1", "--max-len", "64"], &env);
+    let addr = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
+    stream.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    assert!(reply.contains(r#""id":"test-org/tiny""#), "{reply}\nserver log:\n{log}");
+    assert!(log.contains(&snapshot.display().to_string()), "it loads the snapshot: {log}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_serve"))
+        .args(["--model", "test-org/absent", "--port", "0"])
+        .env("HF_HOME", &home)
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("`test-org/absent` is not in the Hugging Face cache"), "{stderr}");
+    assert!(stderr.contains(&home.join("hub/models--test-org--absent").display().to_string()), "{stderr}");
+    std::fs::remove_dir_all(home).unwrap();
 }

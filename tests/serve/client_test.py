@@ -10,6 +10,7 @@ not, alone and beside others) and check the protocol. Exits non-zero on the firs
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -197,29 +198,63 @@ def test_queue_bound_gives_429():
             time.sleep(0.1)
 
 
-def test_dropped_client_frees_its_slot():
-    streams = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, stream=True)
-               for _ in range(SLOTS)]
-    for s in streams:
-        next(iter(s))  # each running (its role chunk)
+# The built-in model's greedy answer to this runs past 440 tokens (no eos before).
+LONG = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def post_and_hold(body):
+    """A socket with a chat request sent on it and its answer not read."""
+    host, port = BASE.split("//", 1)[1].rsplit(":", 1)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=60)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    s.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def dropped_client_frees_its_slot(stream):
+    """Every slot runs a greedy request; the client of the one that would run longest goes away
+    mid-generation (a stream closed, or the socket of a request that does not stream), and the
+    next request gets its slot: it ends before every other request."""
+    if stream:
+        dropped = client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=440, temperature=0,
+                                                 stream=True)
+        next(iter(dropped))  # running (its role chunk)
+    else:
+        dropped = post_and_hold({"model": MODEL, "messages": LONG, "max_tokens": 440, "temperature": 0})
+    others = [client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=300, temperature=0, stream=True)
+              for _ in range(SLOTS - 1)]
+    for s in others:
+        next(iter(s))
     ends = {}
 
     def drain(i, s):
-        for _ in s:
-            pass
-        ends[i] = time.time()
+        finish = None
+        for c in s:
+            finish = (c.choices[0].finish_reason if c.choices else None) or finish
+        ends[i] = (time.time(), finish)
 
-    threads = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(streams[1:])]
+    threads = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(others)]
     for t in threads:
         t.start()
-    streams[0].close()  # the client goes away mid-stream
+    dropped.close()  # the client goes away mid-generation
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
     done = time.time()
     check(r.usage.completion_tokens >= 1, "the next request ran")
     for t in threads:
         t.join(120)
-    check(len(ends) == SLOTS - 1 and done < min(ends.values()),
-          "the next request got the dropped client's slot (it finished before every other stream)")
+    check(len(ends) == SLOTS - 1 and all(f == "length" for _, f in ends.values()),
+          f"the other requests ran their 300 tokens: {ends}")
+    check(done < min(t for t, _ in ends.values()),
+          "the next request got the dropped client's slot (it finished before every other request)")
+
+
+def test_dropped_client_frees_its_slot():
+    dropped_client_frees_its_slot(stream=True)
+
+
+def test_dropped_non_stream_client_frees_its_slot():
+    dropped_client_frees_its_slot(stream=False)
 
 
 def test_concurrent_seeded_clients_get_their_own_tokens():
@@ -248,6 +283,7 @@ TESTS = [
     test_bad_requests_leave_a_stream_unharmed,
     test_queue_bound_gives_429,
     test_dropped_client_frees_its_slot,
+    test_dropped_non_stream_client_frees_its_slot,
     test_concurrent_seeded_clients_get_their_own_tokens,
 ]
 

@@ -463,7 +463,8 @@ impl Shown {
                 self.content.push_str(&s);
             }
             // No tools are offered, so the parser gives no calls.
-            Delta::ToolCall { name, .. } => tracing::warn!("a tool call to `{name}` (no tools were offered)"),
+            Delta::ToolCallStart { name, .. } => tracing::warn!("a tool call to `{name}` (no tools were offered)"),
+            Delta::ToolCallArguments { .. } => {}
         }
         Ok(())
     }

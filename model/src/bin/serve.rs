@@ -1,9 +1,9 @@
 //! `serve`: an OpenAI-compatible HTTP server for a NemotronH checkpoint (the library's
-//! `model::serve` has the routes and the engine thread). Without `--model` it serves the
-//! built-in model. Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
+//! `model::serve` has the routes and the engine thread). `--model` takes a checkpoint
+//! directory or a Hugging Face repo id already in the local cache ([`model::hub`]); without
+//! it, the built-in model. Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
 //! once it listens it prints `listening on http://ADDR` there.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -36,11 +36,14 @@ enum Backend {
 #[derive(Parser, Debug)]
 #[command(name = "serve", version)]
 struct Args {
-    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json); without it, the
-    /// built-in model (random weights: the text means nothing).
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face
+    /// repo id ORG/NAME[@REVISION] already in the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
+    /// ~/.cache/huggingface/hub; nothing is downloaded); without it, the built-in model (random
+    /// weights: the text means nothing).
     #[arg(long)]
-    model: Option<PathBuf>,
-    /// The name clients give as `model` (default: the directory's name, or `default`).
+    model: Option<String>,
+    /// The name clients give as `model` (default: the repo id, the directory's name, or
+    /// `default`).
     #[arg(long)]
     served_model_name: Option<String>,
     /// Which backend runs the model.
@@ -72,14 +75,16 @@ fn main() -> Result<()> {
     if args.slots == 0 || args.max_len < 2 {
         bail!("--slots must be at least 1 and --max-len at least 2");
     }
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => model::built_in::dir()?,
+    let (dir, default_name) = match &args.model {
+        Some(m) => {
+            let found = model::hub::locate(m).map_err(anyhow::Error::msg)?;
+            let dir_name = found.dir.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = found.repo.or(dir_name).unwrap_or_else(|| "default".into());
+            (found.dir, name)
+        }
+        None => (model::built_in::dir()?, "default".into()),
     };
-    let name = args.served_model_name.clone().unwrap_or_else(|| match &args.model {
-        Some(d) => d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "default".into()),
-        None => "default".into(),
-    });
+    let name = args.served_model_name.clone().unwrap_or(default_name);
     tracing::info!("loading {}", dir.display());
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {

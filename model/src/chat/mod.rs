@@ -20,6 +20,7 @@ mod parse;
 mod python;
 mod stop;
 mod template;
+mod tool_call;
 
 use std::path::Path;
 

@@ -17,32 +17,30 @@
 //!   case and `false` otherwise; `object`/`array` (and other types) the JSON they hold when they
 //!   hold JSON; `null`/`None` is null unless the type is a string type (then null only where
 //!   the schema also admits null). Anything that does not convert, and any argument the
-//!   schema does not declare, stays a string.
-//! - A block ends at the first `</tool_call>` that follows `</function>` (or that has no
-//!   `</function>` before it and is outside a parameter's value); a value missing its
-//!   `</parameter>` ends at the next line that starts `<parameter=`; at the end of the output a block that ends with `</function>`
-//!   still counts. A block that does not parse (no `<function=NAME>`, a name with spaces,
-//!   quotes or brackets, text other than parameters) or that never ends is returned as content,
-//!   tags and all. Text between and after tool calls is content.
+//!   schema does not declare, stays a string. A repeated parameter keeps its first value.
+//! - A `<tool_call>` followed (after whitespace) by `<function=NAME>` with a name without
+//!   spaces, quotes or brackets is a call from there on; any other `<tool_call>` is content,
+//!   tags and all. A value ends at its `</parameter>`; where that is missing, at the next line
+//!   that starts `<parameter=`, at a `</function>` followed by `</tool_call>`, or at the end of
+//!   the output (a `</tool_call>`, or a `</function>` followed by other text, inside a value is
+//!   part of it). The call ends at `</function>` (and the `</tool_call>` after it), at a
+//!   `</tool_call>` between parameters, or at the end of the output (cut short, it keeps the
+//!   parameters read so far). Text between parameters is dropped; text after the call is
+//!   content.
 //!
 //! Streaming: [`OutputParser::push`] returns reasoning and content as soon as no tag can start
-//! in them (only the end that could begin a tag is held back), and each tool call whole, once
-//! its block has ended ([`Delta::ToolCall`]: an OpenAI stream may send a call's id, name and
-//! complete arguments in one chunk). The deltas of any split of a text, merged, are those of
-//! the whole text.
+//! in them (only the end that could begin a tag is held back). A tool call comes as OpenAI
+//! streams one: [`Delta::ToolCallStart`] (its id and name) once `<function=NAME>` is read,
+//! then its arguments' JSON in [`Delta::ToolCallArguments`] pieces: `{`, each parameter's
+//! `"ARG": VALUE` once its value has ended (it is typed whole), `}`. The deltas of any split of
+//! a text, merged, are those of the whole text.
 
-use serde_json::{Map, Value as Json};
+use serde_json::Value as Json;
 
-use super::python::{JsonStyle, json_dumps};
+use super::tool_call::{CALL_OPEN, CallReader, Head, head};
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
-const CALL_OPEN: &str = "<tool_call>";
-const CALL_CLOSE: &str = "</tool_call>";
-const FUNCTION_OPEN: &str = "<function=";
-const FUNCTION_CLOSE: &str = "</function>";
-const PARAM_OPEN: &str = "<parameter=";
-const PARAM_CLOSE: &str = "</parameter>";
 
 /// What the parser looks for.
 #[derive(Clone, Debug, Default)]
@@ -64,9 +62,11 @@ pub enum Delta {
     Reasoning(String),
     /// Answer text (`content`).
     Content(String),
-    /// A complete tool call: its position among the output's calls, a fresh id
-    /// (`call_` and 24 hex digits), the function name and the arguments as a JSON object.
-    ToolCall { index: usize, id: String, name: String, arguments_json: String },
+    /// A tool call begins: its position among the output's calls, a fresh id (`call_` and 24
+    /// hex digits) and the function's name.
+    ToolCallStart { index: usize, id: String, name: String },
+    /// The next piece of call `index`'s arguments (together: a JSON object).
+    ToolCallArguments { index: usize, json: String },
 }
 
 /// A tool call of a finished output.
@@ -96,8 +96,13 @@ impl Message {
             match d {
                 Delta::Reasoning(t) => m.reasoning.get_or_insert_default().push_str(&t),
                 Delta::Content(t) => m.content.get_or_insert_default().push_str(&t),
-                Delta::ToolCall { index, id, name, arguments_json } => {
-                    m.tool_calls.push(ToolCall { index, id, name, arguments_json })
+                Delta::ToolCallStart { index, id, name } => {
+                    m.tool_calls.push(ToolCall { index, id, name, arguments_json: String::new() })
+                }
+                Delta::ToolCallArguments { index, json } => {
+                    if let Some(call) = m.tool_calls.iter_mut().rfind(|c| c.index == index) {
+                        call.arguments_json.push_str(&json);
+                    }
                 }
             }
         }
@@ -113,8 +118,10 @@ enum Mode {
     ReasoningStart,
     Reasoning,
     Content,
-    /// After `<tool_call>`: the block is buffered until it ends.
-    ToolCall,
+    /// After `<tool_call>`: is it a call?
+    CallHead,
+    /// In a call (the parser's `call`).
+    Call,
 }
 
 /// Splits streamed output text into [`Delta`]s (module docs: the conventions).
@@ -124,6 +131,8 @@ pub struct OutputParser {
     mode: Mode,
     /// Text received and not yet returned.
     buf: String,
+    /// The call being read (in [`Mode::Call`]).
+    call: Option<CallReader>,
     calls: usize,
     /// Random per parser, so ids differ between requests.
     id_base: u64,
@@ -141,7 +150,7 @@ impl OutputParser {
         h.write_u64(
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         );
-        OutputParser { opts, mode, buf: String::new(), calls: 0, id_base: h.finish() }
+        OutputParser { opts, mode, buf: String::new(), call: None, calls: 0, id_base: h.finish() }
     }
 
     /// The next piece of text; the deltas that are final now.
@@ -157,11 +166,6 @@ impl OutputParser {
         let mut out = Vec::new();
         self.run(true, &mut out);
         out
-    }
-
-    /// How many tool calls have been returned (for `finish_reason: "tool_calls"`).
-    pub fn tool_calls(&self) -> usize {
-        self.calls
     }
 
     /// The whole of an output at once.
@@ -206,7 +210,7 @@ impl OutputParser {
                     Some(at) => {
                         emit(out, Delta::Content(self.buf[..at].to_string()));
                         self.buf.drain(..at + CALL_OPEN.len());
-                        self.mode = Mode::ToolCall;
+                        self.mode = Mode::CallHead;
                     }
                     None => {
                         let text = self.take_safe(CALL_OPEN, last);
@@ -214,31 +218,27 @@ impl OutputParser {
                         return;
                     }
                 },
-                Mode::ToolCall => {
-                    let (block, rest, closed) = match block_end(&self.buf) {
-                        Some(at) => (self.buf[..at].to_string(), self.buf[at + CALL_CLOSE.len()..].to_string(), true),
-                        None if last && self.buf.trim_end().ends_with(FUNCTION_CLOSE) => {
-                            (std::mem::take(&mut self.buf), String::new(), false)
-                        }
-                        None if last => {
-                            emit(out, Delta::Content(format!("{CALL_OPEN}{}", std::mem::take(&mut self.buf))));
-                            return;
-                        }
-                        None => return,
-                    };
-                    match parse_call(&block, self.opts.tools.as_ref()) {
-                        Some((name, arguments)) => {
-                            let index = self.calls;
-                            self.calls += 1;
-                            let id = format!("call_{:016x}{:08x}", self.id_base, index as u32);
-                            emit(out, Delta::ToolCall { index, id, name, arguments_json: arguments });
-                        }
-                        None => {
-                            let close = if closed { CALL_CLOSE } else { "" };
-                            emit(out, Delta::Content(format!("{CALL_OPEN}{block}{close}")));
-                        }
+                Mode::CallHead => match head(&self.buf, last) {
+                    Head::Wait => return,
+                    Head::NotACall => {
+                        emit(out, Delta::Content(CALL_OPEN.into()));
+                        self.mode = Mode::Content;
                     }
-                    self.buf = rest;
+                    Head::Call { name, len } => {
+                        self.buf.drain(..len);
+                        let (index, id_base) = (self.calls, self.id_base);
+                        self.calls += 1;
+                        let id = format!("call_{id_base:016x}{:08x}", index as u32);
+                        self.call = Some(CallReader::start(index, id, name, out));
+                        self.mode = Mode::Call;
+                    }
+                },
+                Mode::Call => {
+                    let call = self.call.as_mut().expect("set with Mode::Call");
+                    if !call.read(&mut self.buf, last, self.opts.tools.as_ref(), out) {
+                        return;
+                    }
+                    self.call = None;
                     self.mode = Mode::Content;
                 }
             }
@@ -256,12 +256,17 @@ impl OutputParser {
     }
 }
 
-/// Appends a delta, merged into the one before when both are text of the same kind; empty
-/// text is dropped.
-fn emit(out: &mut Vec<Delta>, d: Delta) {
+/// Appends a delta, merged into the one before when both are text of the same kind or
+/// arguments of the same call; empty text is dropped.
+pub(super) fn emit(out: &mut Vec<Delta>, d: Delta) {
     match (out.last_mut(), d) {
-        (_, Delta::Reasoning(t) | Delta::Content(t)) if t.is_empty() => {}
+        (_, Delta::Reasoning(t) | Delta::Content(t) | Delta::ToolCallArguments { json: t, .. }) if t.is_empty() => {}
         (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) | (Some(Delta::Content(a)), Delta::Content(b)) => {
+            a.push_str(&b)
+        }
+        (Some(Delta::ToolCallArguments { index: i, json: a }), Delta::ToolCallArguments { index: j, json: b })
+            if *i == j =>
+        {
             a.push_str(&b)
         }
         (_, d) => out.push(d),
@@ -270,141 +275,9 @@ fn emit(out: &mut Vec<Delta>, d: Delta) {
 
 /// The length of the longest end of `text` that is a proper start of `tag` (a character
 /// boundary: tags are ASCII and start with `<`).
-fn partial_tag_len(text: &str, tag: &str) -> usize {
+pub(super) fn partial_tag_len(text: &str, tag: &str) -> usize {
     let (t, g) = (text.as_bytes(), tag.as_bytes());
     (1..g.len().min(t.len() + 1)).rev().find(|&n| t[t.len() - n..] == g[..n]).unwrap_or(0)
-}
-
-/// Where a tool-call block (the text after `<tool_call>`) ends: the first `</tool_call>`
-/// that follows `</function>` and whitespace, or that has no `</function>` before it and is
-/// not inside a parameter's value (more `<parameter=` than `</parameter>` before it).
-fn block_end(block: &str) -> Option<usize> {
-    let mut from = 0;
-    while let Some(i) = block[from..].find(CALL_CLOSE) {
-        let at = from + i;
-        let before = &block[..at];
-        let in_value = before.matches(PARAM_OPEN).count() > before.matches(PARAM_CLOSE).count();
-        if before.trim_end().ends_with(FUNCTION_CLOSE) || (!before.contains(FUNCTION_CLOSE) && !in_value) {
-            return Some(at);
-        }
-        from = at + CALL_CLOSE.len();
-    }
-    None
-}
-
-/// A function name as a real call has one: not empty, no whitespace, quotes or brackets.
-fn valid_name(name: &str) -> bool {
-    !name.is_empty() && !name.chars().any(|c| c.is_whitespace() || "{}<>\"'".contains(c))
-}
-
-/// The name and JSON arguments of a tool-call block, or `None` when it is malformed.
-fn parse_call(block: &str, tools: Option<&Json>) -> Option<(String, String)> {
-    let body = block.trim_start().strip_prefix(FUNCTION_OPEN)?;
-    let name_end = body.find('>')?;
-    let name = &body[..name_end];
-    if !valid_name(name) {
-        return None;
-    }
-    let mut body = &body[name_end + 1..];
-    if let Some(end) = body.rfind(FUNCTION_CLOSE) {
-        if !body[end + FUNCTION_CLOSE.len()..].trim().is_empty() {
-            return None;
-        }
-        body = &body[..end];
-    }
-    let schema = tool_properties(tools, name);
-    let mut args = Map::new();
-    let mut rest = body;
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            break;
-        }
-        let after = rest.strip_prefix(PARAM_OPEN)?;
-        let key_end = after.find('>')?;
-        let key = &after[..key_end];
-        if key.is_empty() || key.contains(['<', '\n']) {
-            return None;
-        }
-        let value_text = &after[key_end + 1..];
-        // The value ends at `</parameter>`, or where it is missing at the next parameter (a
-        // `<parameter=` starting a line) or the end.
-        let close = value_text.find(PARAM_CLOSE);
-        let next_param = value_text.find(&format!("\n{PARAM_OPEN}")).map(|i| i + 1);
-        let (value, next) = match (close, next_param) {
-            (Some(end), n) if n.is_none_or(|n| end < n) => (&value_text[..end], &value_text[end + PARAM_CLOSE.len()..]),
-            (_, Some(n)) => (&value_text[..n], &value_text[n..]),
-            (_, None) => (value_text, ""),
-        };
-        let value = value.strip_prefix('\n').unwrap_or(value);
-        let value = value.strip_suffix('\n').unwrap_or(value);
-        args.insert(key.to_string(), convert(value, schema.and_then(|p| p.get(key))));
-        rest = next;
-    }
-    Some((name.to_string(), json_dumps(&Json::Object(args), &JsonStyle::default())))
-}
-
-/// The `parameters.properties` of the named tool (OpenAI's `{"type": "function", "function":
-/// {...}}` or a bare function object).
-fn tool_properties<'a>(tools: Option<&'a Json>, name: &str) -> Option<&'a Map<String, Json>> {
-    tools?.as_array()?.iter().find_map(|t| {
-        let f = t.get("function").unwrap_or(t);
-        (f.get("name")?.as_str()? == name).then(|| f.get("parameters")?.get("properties")?.as_object())?
-    })
-}
-
-/// A schema's type, lowercased, and whether it admits null.
-fn schema_type(schema: &Json) -> (String, bool) {
-    let name = |t: &Json| t.as_str().map(|s| s.trim().to_lowercase());
-    match (schema.get("type"), schema.get("anyOf")) {
-        (Some(Json::Array(types)), _) => {
-            let names: Vec<String> = types.iter().filter_map(name).collect();
-            let nullable = names.iter().any(|n| n == "null");
-            (names.into_iter().find(|n| n != "null").unwrap_or_else(|| "null".into()), nullable)
-        }
-        (Some(t), _) => {
-            let t = name(t).unwrap_or_else(|| "string".into());
-            let nullable = t == "null";
-            (t, nullable)
-        }
-        (None, Some(Json::Array(options))) => {
-            let names: Vec<String> = options.iter().filter_map(|o| o.get("type").and_then(name)).collect();
-            let nullable = names.iter().any(|n| n == "null");
-            (names.into_iter().find(|n| n != "null").unwrap_or_else(|| "string".into()), nullable)
-        }
-        _ => ("string".into(), false),
-    }
-}
-
-/// A parameter's text as the JSON value its schema asks for (module docs: the rules).
-fn convert(value: &str, schema: Option<&Json>) -> Json {
-    let text = || Json::String(value.to_string());
-    let Some(schema) = schema else { return text() };
-    let (ty, nullable) = schema_type(schema);
-    let is_null = matches!(value.to_lowercase().as_str(), "null" | "none");
-    if nullable && is_null {
-        return Json::Null;
-    }
-    if ["string", "str", "text", "varchar", "char", "enum"].contains(&ty.as_str()) {
-        return text();
-    }
-    if is_null {
-        return Json::Null;
-    }
-    let starts = |prefixes: &[&str]| prefixes.iter().any(|p| ty.starts_with(p));
-    if starts(&["int", "uint", "long", "short", "unsigned"]) {
-        value.trim().parse::<i64>().map(Json::from).unwrap_or_else(|_| text())
-    } else if starts(&["num", "float"]) {
-        match value.trim().parse::<f64>() {
-            Ok(x) if x.is_finite() && x.fract() == 0.0 && x.abs() < 9.0e15 => Json::from(x as i64),
-            Ok(x) => serde_json::Number::from_f64(x).map(Json::Number).unwrap_or_else(text),
-            Err(_) => text(),
-        }
-    } else if ["boolean", "bool", "binary"].contains(&ty.as_str()) {
-        Json::Bool(value.trim().eq_ignore_ascii_case("true"))
-    } else {
-        serde_json::from_str(value).unwrap_or_else(|_| text())
-    }
 }
 
 #[cfg(test)]
@@ -434,9 +307,9 @@ mod tests {
         let mut out = Vec::new();
         for d in all {
             match d {
-                Delta::ToolCall { index, id, name, arguments_json } => {
+                Delta::ToolCallStart { index, id, name } => {
                     assert!(id.starts_with("call_") && id.len() == 29, "{id}");
-                    out.push(Delta::ToolCall { index, id: String::new(), name, arguments_json })
+                    out.push(Delta::ToolCallStart { index, id: String::new(), name })
                 }
                 d => emit(&mut out, d),
             }
@@ -444,19 +317,24 @@ mod tests {
         out
     }
 
-    fn r(s: &str) -> Delta {
-        Delta::Reasoning(s.into())
+    fn r(s: &str) -> Vec<Delta> {
+        vec![Delta::Reasoning(s.into())]
     }
-    fn c(s: &str) -> Delta {
-        Delta::Content(s.into())
+    fn c(s: &str) -> Vec<Delta> {
+        vec![Delta::Content(s.into())]
     }
-    fn call(index: usize, name: &str, args: &str) -> Delta {
-        Delta::ToolCall { index, id: String::new(), name: name.into(), arguments_json: args.into() }
+    /// A whole call (its id blanked), as `run` merges it.
+    fn call(index: usize, name: &str, args: &str) -> Vec<Delta> {
+        vec![
+            Delta::ToolCallStart { index, id: String::new(), name: name.into() },
+            Delta::ToolCallArguments { index, json: args.into() },
+        ]
     }
 
     /// Every cut of `text` into two or three pieces at character boundaries gives the
-    /// deltas of the whole.
-    fn check(o: &ParserOptions, text: &str, want: &[Delta]) {
+    /// deltas of the whole (`want`, concatenated).
+    fn check(o: &ParserOptions, text: &str, want: &[Vec<Delta>]) {
+        let want = want.concat();
         assert_eq!(run(o, &[text]), want, "whole text {text:?}");
         let cuts: Vec<usize> = (1..text.len()).filter(|&i| text.is_char_boundary(i)).collect();
         for (i, &a) in cuts.iter().enumerate() {
@@ -514,26 +392,78 @@ mod tests {
         );
         // Without tools, the same text is content.
         let no_tools = ParserOptions { tools: None, ..opts(true, true) };
-        assert_eq!(run(&no_tools, &[&text]), [c(&format!("pre{one}\n{two}post"))]);
+        assert_eq!(run(&no_tools, &[&text]), c(&format!("pre{one}\n{two}post")));
         // Unknown function (no schema): arguments stay strings. A value may hold tags.
         let literal = "<tool_call>\n<function=run>\n<parameter=code>\nif a<b:\n  </tool_call>\n</parameter>\n</function>\n</tool_call>";
         check(&opts(false, false), literal, &[call(0, "run", r#"{"code": "if a<b:\n  </tool_call>"}"#)]);
     }
 
+    /// A call comes out as it is read: its name once `<function=NAME>` is in, each
+    /// parameter once its value has ended, the close at `</function>`.
     #[test]
-    fn malformed_calls_are_content() {
+    fn a_call_streams_as_it_is_read() {
+        let mut p = OutputParser::new(opts(false, false));
+        let mut step = |text: &str| -> Vec<Delta> {
+            let mut out = Vec::new();
+            for d in p.push(text) {
+                emit(
+                    &mut out,
+                    if let Delta::ToolCallStart { index, name, .. } = d {
+                        Delta::ToolCallStart { index, id: String::new(), name }
+                    } else {
+                        d
+                    },
+                );
+            }
+            out
+        };
+        let args = |s: &str| Delta::ToolCallArguments { index: 0, json: s.into() };
+        assert_eq!(step("Hi <tool_call>\n<function=get_weather"), c("Hi "));
+        let start = Delta::ToolCallStart { index: 0, id: String::new(), name: "get_weather".into() };
+        assert_eq!(step(">\n<parameter=city>\nPar"), [start, args("{")]);
+        assert_eq!(step("is\n</parameter>\n<parameter=days>\n3"), [args(r#""city": "Paris""#)]);
+        assert_eq!(step("\n</parameter>\n</func"), [args(r#", "days": 3"#)]);
+        assert_eq!(step("tion>\n</tool_call>"), [args("}")]);
+        assert_eq!(step(" Bye"), c(" Bye"));
+    }
+
+    #[test]
+    fn malformed_calls() {
         let o = opts(false, false);
-        // Never closed: content, tags and all.
-        check(&o, "x<tool_call>\n<function=a>\n<parameter=p>\nv", &[c("x<tool_call>\n<function=a>\n<parameter=p>\nv")]);
-        // No function, a bad name, stray text.
+        // No function or a bad name: content, tags and all (a later call still counts).
         for bad in [
             "<tool_call>\n{\"name\": \"a\"}\n</tool_call>",
             "<tool_call>\n<function=my tool>\n</function>\n</tool_call>",
-            "<tool_call>\n<function=a>\nstray\n</function>\n</tool_call>",
-            "<tool_call><function=a></function>trailing</tool_call>",
         ] {
             check(&o, bad, &[c(bad)]);
         }
+        check(&o, "<tool_call>{}<tool_call><function=a></function>", &[c("<tool_call>{}"), call(0, "a", "{}")]);
+        // Cut short: the parameters read so far, a value to the end.
+        check(&o, "x<tool_call>\n<function=a>\n<parameter=p>\nv", &[c("x"), call(0, "a", r#"{"p": "v"}"#)]);
+        check(&o, "<tool_call><function=a><parameter=p>1</parameter><parameter=q", &[call(0, "a", r#"{"p": "1"}"#)]);
+        // Text between parameters is dropped, text after the call is content.
+        check(&o, "<tool_call>\n<function=a>\nstray\n</function>\n</tool_call>", &[call(0, "a", "{}")]);
+        check(
+            &o,
+            "<tool_call><function=a></function>trailing</tool_call>",
+            &[call(0, "a", "{}"), c("trailing</tool_call>")],
+        );
+        check(
+            &o,
+            "<tool_call><function=a>x<parameter=>y<parameter=p>1</parameter></tool_call>z",
+            &[call(0, "a", r#"{"p": "1"}"#), c("z")],
+        );
+        // A repeated parameter keeps its first value; a `</function>` inside a value.
+        check(
+            &o,
+            "<tool_call><function=a><parameter=p>1</parameter><parameter=p>2</parameter></function></tool_call>",
+            &[call(0, "a", r#"{"p": "1"}"#)],
+        );
+        check(
+            &o,
+            "<tool_call><function=a><parameter=p>x</function>y</function>\n</tool_call>",
+            &[call(0, "a", r#"{"p": "x</function>y"}"#)],
+        );
         // Closed by </function> at the end of the output, or a parameter missing its close.
         check(&o, "<tool_call>\n<function=a>\n</function>\n", &[call(0, "a", "{}")]);
         check(
@@ -590,8 +520,8 @@ mod tests {
                 assert_eq!(run(o, &pieces), whole, "by character: {text:?}");
                 // Nothing is lost: without tool calls the text comes back whole (less the
                 // think tags the parser consumed).
-                if !whole.iter().any(|d| matches!(d, Delta::ToolCall { .. })) && !o.reasoning {
-                    assert_eq!(whole, if text.is_empty() { vec![] } else { vec![c(&text)] });
+                if !whole.iter().any(|d| matches!(d, Delta::ToolCallStart { .. })) && !o.reasoning {
+                    assert_eq!(whole, if text.is_empty() { vec![] } else { c(&text) });
                 }
             }
         }

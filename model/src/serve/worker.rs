@@ -205,3 +205,21 @@ fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
         }
     }
 }
+
+/// A stand-in for the engine thread, for the server's tests: `reply` gets each request's
+/// prompt, parameters and token channel in turn and sends what it likes (a request's place in
+/// the admission count is given back when `reply` returns).
+#[cfg(test)]
+pub(super) fn scripted(
+    info: ModelInfo,
+    max_queue: usize,
+    mut reply: impl FnMut(Vec<u32>, RequestParams, UnboundedSender<Update>) + Send + 'static,
+) -> EngineHandle {
+    let (jobs, rx) = mpsc::channel::<Job>();
+    std::thread::spawn(move || {
+        for Job { prompt, params, out, _permit } in rx {
+            reply(prompt, params, out);
+        }
+    });
+    EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: info.slots + max_queue, info }
+}

@@ -1,0 +1,140 @@
+//! Checkpoints in the local Hugging Face cache, named by repo id (`serve --model ORG/NAME`).
+//! The cache is laid out as huggingface_hub lays it out: `HUB/models--ORG--NAME/snapshots/COMMIT/`
+//! holds a revision's files (links into `blobs/`), and `refs/BRANCH` the commit of a branch or
+//! tag. `HUB` is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
+//! else `~/.cache/huggingface/hub`. Nothing is downloaded: a repo that is not in the cache is an
+//! error that says so.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// What a `--model` value names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Located {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// The repo id it was named by (`None` for a directory).
+    pub repo: Option<String>,
+}
+
+/// `--model`'s value: an existing path as it is; otherwise a repo id, `ORG/NAME` or
+/// `ORG/NAME@REVISION` (a branch, a tag or a commit; `main` by default), found in the cache
+/// the environment names.
+pub fn locate(model: &str) -> Result<Located, String> {
+    let path = Path::new(model);
+    if path.exists() {
+        return Ok(Located { dir: path.to_path_buf(), repo: None });
+    }
+    let (repo, revision) = model.split_once('@').unwrap_or((model, "main"));
+    if !is_repo_id(repo) || revision.is_empty() {
+        return Err(format!("`{model}`: no such directory, nor a Hugging Face repo id (ORG/NAME[@REVISION])"));
+    }
+    let hub = hub_dir(|name| std::env::var_os(name)).ok_or_else(|| {
+        format!("`{model}`: no such directory, and no Hugging Face cache (HF_HUB_CACHE, HF_HOME and HOME are unset)")
+    })?;
+    let dir = snapshot(&hub, repo, revision)?;
+    Ok(Located { dir, repo: Some(repo.to_string()) })
+}
+
+/// The hub cache folder that the environment (`var` reads a variable) names.
+pub fn hub_dir(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let set = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    set("HF_HUB_CACHE")
+        .or_else(|| set("HF_HOME").map(|h| h.join("hub")))
+        .or_else(|| set("XDG_CACHE_HOME").map(|c| c.join("huggingface").join("hub")))
+        .or_else(|| set("HOME").map(|h| h.join(".cache").join("huggingface").join("hub")))
+}
+
+/// The snapshot directory of `repo` at `revision` (a name in `refs/`, or a commit) in the
+/// cache `hub`; the error says what is missing and what the cache has.
+pub fn snapshot(hub: &Path, repo: &str, revision: &str) -> Result<PathBuf, String> {
+    let folder = hub.join(format!("models--{}", repo.replace('/', "--")));
+    if !folder.is_dir() {
+        return Err(format!(
+            "`{repo}` is not in the Hugging Face cache (no {}); nothing is downloaded here: fetch it first \
+             (e.g. `hf download {repo}`) or give the checkpoint's directory",
+            folder.display()
+        ));
+    }
+    let commit = std::fs::read_to_string(folder.join("refs").join(revision))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| revision.to_string());
+    let dir = folder.join("snapshots").join(&commit);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let mut have: Vec<String> = std::fs::read_dir(folder.join("snapshots"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+        .collect();
+    have.sort();
+    let have = if have.is_empty() { "none".to_string() } else { have.join(", ") };
+    Err(format!("`{repo}` has no snapshot of revision `{revision}` in {} (its snapshots: {have})", folder.display()))
+}
+
+/// `ORG/NAME`: two non-empty parts of letters, digits, `-`, `_` and `.`.
+fn is_repo_id(s: &str) -> bool {
+    let part = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    s.split_once('/').is_some_and(|(org, name)| part(org) && part(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake cache: `org/tiny` with `main` at commit `c0ffee` and an older snapshot `beef`.
+    fn fake_cache(name: &str) -> PathBuf {
+        let hub = std::env::temp_dir().join(format!("nemotron-hub-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&hub);
+        let repo = hub.join("models--org--tiny");
+        for commit in ["c0ffee", "beef"] {
+            std::fs::create_dir_all(repo.join("snapshots").join(commit)).unwrap();
+        }
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs/main"), "c0ffee\n").unwrap();
+        std::fs::write(repo.join("refs/old"), "beef").unwrap();
+        hub
+    }
+
+    #[test]
+    fn snapshots_by_branch_tag_or_commit() {
+        let hub = fake_cache("revisions");
+        let snaps = hub.join("models--org--tiny/snapshots");
+        assert_eq!(snapshot(&hub, "org/tiny", "main"), Ok(snaps.join("c0ffee")));
+        assert_eq!(snapshot(&hub, "org/tiny", "old"), Ok(snaps.join("beef")));
+        assert_eq!(snapshot(&hub, "org/tiny", "beef"), Ok(snaps.join("beef")));
+        let e = snapshot(&hub, "org/tiny", "v2").unwrap_err();
+        assert!(e.contains("revision `v2`") && e.contains("its snapshots: beef, c0ffee"), "{e}");
+        let e = snapshot(&hub, "org/missing", "main").unwrap_err();
+        assert!(e.contains("not in the Hugging Face cache") && e.contains("models--org--missing"), "{e}");
+        assert!(e.contains("nothing is downloaded"), "{e}");
+        std::fs::remove_dir_all(hub).unwrap();
+    }
+
+    #[test]
+    fn the_cache_the_environment_names() {
+        let env = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, OsString)> = vars.iter().map(|(k, v)| (k.to_string(), v.into())).collect();
+            hub_dir(move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+        };
+        let all = [("HF_HUB_CACHE", "/a"), ("HF_HOME", "/b"), ("XDG_CACHE_HOME", "/c"), ("HOME", "/d")];
+        assert_eq!(env(&all), Some(PathBuf::from("/a")));
+        assert_eq!(env(&all[1..]), Some(PathBuf::from("/b/hub")));
+        assert_eq!(env(&all[2..]), Some(PathBuf::from("/c/huggingface/hub")));
+        assert_eq!(env(&all[3..]), Some(PathBuf::from("/d/.cache/huggingface/hub")));
+        assert_eq!(env(&[("HF_HUB_CACHE", ""), ("HOME", "/d")]), Some(PathBuf::from("/d/.cache/huggingface/hub")));
+        assert_eq!(env(&[]), None);
+    }
+
+    #[test]
+    fn directories_come_first_and_other_names_are_refused() {
+        let dir = std::env::temp_dir();
+        assert_eq!(locate(dir.to_str().unwrap()), Ok(Located { dir: dir.clone(), repo: None }));
+        for bad in ["no-such-dir-here", "a/b/c", "org/", "/org/name", "org/na me", "org/name@"] {
+            let e = locate(bad).unwrap_err();
+            assert!(e.contains("nor a Hugging Face repo id"), "{bad}: {e}");
+        }
+        assert!(is_repo_id("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16") && is_repo_id("a.b/c_d"));
+    }
+}

@@ -1,0 +1,186 @@
+//! `POST /v1/chat/completions`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::api::{self, ApiError, Fields};
+use super::generation::{Out, TokenOut, sse};
+use super::prompt::Delta;
+use super::{Served, fresh, now};
+
+pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
+    let m = api::parse_body(&body)?;
+    let f = Fields(&m);
+    let c = api::common(&f, true, fresh())?;
+    s.check_model(&c)?;
+    let messages = m.get("messages").ok_or_else(|| ApiError::invalid(Some("messages"), "`messages` is required"))?;
+    check_messages(messages)?;
+    let tools = match m.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(t @ Value::Array(_)) => Some(t),
+        Some(_) => return Err(ApiError::invalid(Some("tools"), "`tools` must be a list")),
+    };
+    let kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
+    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed.
+    let parse_tools = if f.get_raw("tool_choice").and_then(Value::as_str) == Some("none") { None } else { tools };
+    let text = s
+        .chat
+        .render(messages, tools, &kwargs)
+        .map_err(|e| ApiError::invalid(Some("messages"), format!("The chat template failed: {e}")))?;
+    let prompt = s.encode(&text)?;
+    let mut g = s.start(&c, prompt, "messages")?;
+    let new_parser = {
+        let (chat, text, tools) = (s.clone(), text.clone(), parse_tools.cloned());
+        move || chat.chat.parser(&text, tools.as_ref())
+    };
+    let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
+    if !c.stream {
+        let mut parser = new_parser();
+        let (mut deltas, mut logprobs, mut finish) = (vec![], vec![], "stop");
+        while let Some(p) = g.next().await? {
+            deltas.extend(parser.push(&p.text));
+            if c.sampling.logprobs {
+                logprobs.push(s.chat_logprob(&p.token, c.token_ids));
+            }
+            finish = p.finish.unwrap_or(finish);
+        }
+        deltas.extend(parser.finish());
+        let m = crate::chat::Message::from_deltas(deltas);
+        let mut message = json!({"role": "assistant", "content": m.content});
+        if let Some(r) = &m.reasoning {
+            set_reasoning(&mut message, r);
+        }
+        if !m.tool_calls.is_empty() {
+            message["tool_calls"] = m
+                .tool_calls
+                .iter()
+                .map(|t| json!({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments_json}}))
+                .collect();
+        }
+        let finish = finish_reason(finish, !m.tool_calls.is_empty());
+        let logprobs = if c.sampling.logprobs { json!({"content": logprobs}) } else { Value::Null };
+        let body = json!({
+            "id": id, "object": "chat.completion", "created": created, "model": s.name,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": g.usage(),
+        });
+        return Ok(axum::Json(body).into_response());
+    }
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let out = Out(tx);
+        let usage_field = c.include_usage;
+        let chunk = |delta: Value, logprobs: Value, finish: Option<&str>| {
+            let mut v = json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": s.name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            });
+            if usage_field {
+                v["usage"] = Value::Null;
+            }
+            v
+        };
+        if !out.send(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, None)).await {
+            return;
+        }
+        let mut parser = Some(new_parser());
+        let (mut pending, mut called) = (vec![], false);
+        loop {
+            let piece = match out.piece(&mut g).await {
+                None => return,
+                Some(Some(p)) => p,
+                Some(None) => break,
+            };
+            if c.sampling.logprobs {
+                pending.push(s.chat_logprob(&piece.token, c.token_ids));
+            }
+            let Some(p) = parser.as_mut() else { break };
+            let mut deltas = p.push(&piece.text);
+            if piece.finish.is_some() {
+                deltas.extend(parser.take().expect("there until the finish").finish());
+            }
+            for d in deltas {
+                called |= matches!(d, Delta::ToolCallStart { .. });
+                let delta = match d {
+                    Delta::Content(t) => json!({"content": t}),
+                    Delta::Reasoning(t) => {
+                        let mut v = json!({});
+                        set_reasoning(&mut v, &t);
+                        v
+                    }
+                    Delta::ToolCallStart { index, id, name } => json!({"tool_calls": [{
+                        "index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                    Delta::ToolCallArguments { index, json } => {
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": json}}]})
+                    }
+                };
+                let lp =
+                    if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
+                if !out.send(&chunk(delta, lp, None)).await {
+                    return;
+                }
+            }
+            if let Some(finish) = piece.finish {
+                let finish = finish_reason(finish, called);
+                let lp =
+                    if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
+                if !out.send(&chunk(json!({}), lp, Some(finish))).await {
+                    return;
+                }
+            }
+        }
+        let head = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.name});
+        out.finish(head, usage_field.then(|| g.usage())).await;
+    });
+    Ok(sse(rx))
+}
+
+/// The finish reason of a generation that wrote a tool call (`called`) or not: a turn that
+/// ended by itself after a call ends for the call.
+fn finish_reason(finish: &'static str, called: bool) -> &'static str {
+    if finish == "stop" && called { "tool_calls" } else { finish }
+}
+
+/// Reasoning text in a message or delta: under vLLM's name for it, `reasoning`, and its
+/// former one, `reasoning_content`, which clients still read.
+fn set_reasoning(v: &mut Value, text: &str) {
+    for key in ["reasoning", "reasoning_content"] {
+        v[key] = json!(text);
+    }
+}
+
+/// `messages` must be a non-empty list of objects with a string `role`.
+fn check_messages(messages: &Value) -> Result<(), ApiError> {
+    let bad = |m: String| Err(ApiError::invalid(Some("messages"), m));
+    let Some(list) = messages.as_array() else { return bad("`messages` must be a list".into()) };
+    if list.is_empty() {
+        return bad("`messages` must not be empty".into());
+    }
+    for (i, m) in list.iter().enumerate() {
+        if !m.get("role").is_some_and(Value::is_string) {
+            return bad(format!("`messages[{i}]` must be an object with a string `role`"));
+        }
+        match m.get("content") {
+            None | Some(Value::Null | Value::String(_) | Value::Array(_)) => {}
+            Some(_) => return bad(format!("`messages[{i}].content` must be a string or a list of parts")),
+        }
+    }
+    Ok(())
+}
+
+impl Served {
+    /// Chat's logprobs entry for one token.
+    fn chat_logprob(&self, t: &TokenOut, as_id: bool) -> Value {
+        let entry = |id: u32, lp: f32| {
+            let name = self.token_name(id, as_id);
+            json!({"token": name, "logprob": lp, "bytes": name.as_bytes()})
+        };
+        let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
+        e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+        e
+    }
+}

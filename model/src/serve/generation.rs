@@ -1,0 +1,143 @@
+//! A request's generation as the handlers see it: the engine's tokens to text ([`Gen`]), and
+//! the sink a streaming response's task sends its chunks to ([`Out`]).
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::api::ApiError;
+use super::text::Detok;
+use super::worker::Update;
+use crate::chat::StopMatcher;
+use crate::engine::Finish;
+
+/// One generated token as the handlers see it.
+pub(super) struct TokenOut {
+    pub(super) id: u32,
+    pub(super) logprob: Option<f32>,
+    pub(super) top: Vec<(u32, f32)>,
+}
+
+/// What one token adds to a response: its text (possibly empty: held back), and the finish
+/// reason on the last.
+pub(super) struct Piece {
+    pub(super) text: String,
+    pub(super) token: TokenOut,
+    pub(super) finish: Option<&'static str>,
+}
+
+/// One request's generation, from the engine's tokens to text.
+pub(super) struct Gen {
+    pub(super) rx: mpsc::UnboundedReceiver<Update>,
+    pub(super) detok: Detok,
+    pub(super) stop: Option<StopMatcher>,
+    pub(super) prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub(super) tokens: usize,
+    pub(super) done: bool,
+}
+
+impl Gen {
+    /// The next token's piece; `None` after the last.
+    pub(super) async fn next(&mut self) -> Result<Option<Piece>, ApiError> {
+        if self.done {
+            return Ok(None);
+        }
+        let event = match self.rx.recv().await {
+            None => return Err(ApiError::internal("the engine stopped")),
+            Some(Update::Error { message, client: true }) => return Err(ApiError::invalid(None, message)),
+            Some(Update::Error { message, .. }) => return Err(ApiError::internal(message)),
+            Some(Update::Token(e)) => e,
+        };
+        let finish = match event.finished {
+            Some(Finish::Failed(why)) => return Err(ApiError::internal(format!("the model gave no token: {why}"))),
+            Some(Finish::Stop) => Some("stop"),
+            Some(Finish::Length) => Some("length"),
+            None => None,
+        };
+        self.tokens += 1;
+        let mut text = self.detok.push(event.token).map_err(ApiError::internal)?;
+        if finish.is_some() {
+            text += &self.detok.finish().map_err(ApiError::internal)?;
+        }
+        let stop = self.stop.as_mut().expect("taken only when done");
+        let (mut text, hit) = stop.push(&text);
+        let finish = if hit { Some("stop") } else { finish };
+        if finish.is_some() {
+            self.done = true;
+            if let Some(stop) = self.stop.take().filter(|_| !hit) {
+                text += &stop.finish();
+            }
+            // A stop string ends the request early: closing the channel cancels it.
+            self.rx.close();
+        }
+        let token = TokenOut { id: event.token, logprob: event.logprob, top: event.top_logprobs };
+        Ok(Some(Piece { text, token, finish }))
+    }
+
+    pub(super) fn usage(&self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+               "total_tokens": self.prompt_tokens + self.tokens})
+    }
+}
+
+/// A streamed response: the chunks a task sends, as server-sent events.
+pub(super) fn sse(rx: mpsc::Receiver<String>) -> Response {
+    let events = ReceiverStream::new(rx).map(|data| Ok::<_, Infallible>(SseEvent::default().data(data)));
+    Sse::new(events).into_response()
+}
+
+/// Where a streaming task sends its chunks; `false` once the client is gone.
+pub(super) struct Out(pub(super) mpsc::Sender<String>);
+
+impl Out {
+    pub(super) async fn send(&self, chunk: &Value) -> bool {
+        self.0.send(chunk.to_string()).await.is_ok()
+    }
+
+    async fn done(&self) {
+        let _ = self.0.send("[DONE]".into()).await;
+    }
+
+    /// The stream's end: where the client asked for usage, a last chunk without choices that
+    /// carries it (`head`: the stream's id, object, created and model), then `[DONE]`.
+    pub(super) async fn finish(&self, head: Value, usage: Option<Value>) {
+        if let Some(usage) = usage {
+            let mut v = head;
+            v["choices"] = json!([]);
+            v["usage"] = usage;
+            if !self.send(&v).await {
+                return;
+            }
+        }
+        self.done().await;
+    }
+
+    /// The stream's next piece (`Some(None)` at the generation's end), or `None` when the
+    /// stream is over: the client left, or the generation failed and its error went out as the
+    /// last chunk before `[DONE]`.
+    pub(super) async fn piece(&self, gen_: &mut Gen) -> Option<Option<Piece>> {
+        match self.next(gen_).await? {
+            Ok(p) => Some(p),
+            Err(e) => {
+                let _ = self.send(&e.body()).await;
+                self.done().await;
+                None
+            }
+        }
+    }
+
+    /// The generation's next piece, or `None` when the client left first (a request still
+    /// waiting for a slot has no tokens to notice it by).
+    async fn next(&self, gen_: &mut Gen) -> Option<Result<Option<Piece>, ApiError>> {
+        tokio::select! {
+            p = gen_.next() => Some(p),
+            _ = self.0.closed() => None,
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The chat handler over a scripted engine thread ([`worker::scripted`]) with the built-in
+//! model's tokenizer and chat template: the engine's part is played by token ids that spell a
+//! chosen output, sent as the engine sends them (the eos id last, finishing the request). The
+//! rest runs as in production (the request's checks, its prompt, detokenizing, stop strings,
+//! the output parser, the JSON body or the SSE chunks), on outputs the random built-in model
+//! would never write: reasoning and tool calls.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde_json::{Value, json};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::prompt::Chat;
+use super::worker::{self, ModelInfo, Update};
+use super::{Served, chat};
+use crate::engine::{Event, Finish};
+
+const CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+    <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+/// Reasoning (the prompt opened `<think>`), content, a tool call.
+const OUTPUT: &str = "Paris, then.\n</think>\nLet me look.\n";
+
+fn tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])
+}
+
+fn token(id: u32, finished: Option<Finish>) -> Update {
+    Update::Token(Event { id: 0, token: id, finished, logprob: None, top_logprobs: vec![] })
+}
+
+/// A server on the built-in model's tokenizer and template whose engine gives each request
+/// to `reply` (its token channel, and the tokenizer).
+fn server(reply: impl FnMut(UnboundedSender<Update>, &Tokenizer) + Send + 'static) -> Arc<Served> {
+    let dir = crate::built_in::dir().expect("writing the built-in model");
+    let tokenizer = Arc::new(Tokenizer::from_file(dir.join("tokenizer.json")).expect("its tokenizer"));
+    let chat = Chat::from_dir(&dir).expect("its chat template");
+    let info = ModelInfo { slots: 2, max_len: 4096, vocab: tokenizer.get_vocab_size(true) };
+    let (tok, mut reply) = (tokenizer.clone(), reply);
+    let engine = worker::scripted(info, 0, move |_, _, out| reply(out, &tok));
+    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0 })
+}
+
+/// A server whose engine writes `text` for every request, then the eos id.
+fn writing(text: impl Into<String>) -> Arc<Served> {
+    let (text, eos) = (text.into(), Chat::from_dir(&crate::built_in::dir().unwrap()).unwrap().stop_ids()[0]);
+    server(move |out, tok| {
+        let ids = tok.encode(text.as_str(), false).expect("encoding the script").get_ids().to_vec();
+        for id in ids {
+            let _ = out.send(token(id, None));
+        }
+        let _ = out.send(token(eos, Some(Finish::Stop)));
+    })
+}
+
+/// The handler's status and body for a chat request.
+async fn post(s: &Arc<Served>, body: Value) -> (StatusCode, String) {
+    let r = chat::handle(s.clone(), Bytes::from(body.to_string())).await.unwrap_or_else(|e| {
+        panic!("{body}: {e:?}");
+    });
+    let status = r.status();
+    let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+    (status, String::from_utf8(bytes.to_vec()).expect("UTF-8"))
+}
+
+/// The `data:` of each server-sent event, `[DONE]` last.
+fn events(body: &str) -> Vec<String> {
+    body.split("\n\n").filter(|e| !e.is_empty()).map(|e| e.strip_prefix("data: ").expect(e).to_string()).collect()
+}
+
+fn request(stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools(), "stream": stream})
+}
+
+#[tokio::test]
+async fn tool_calls_and_reasoning_in_a_response() {
+    let s = writing(format!("{OUTPUT}{CALL}"));
+    let (status, body) = post(&s, request(false)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let m = &choice["message"];
+    assert_eq!((m["reasoning"].as_str(), m["content"].as_str()), (Some("Paris, then.\n"), Some("\nLet me look.\n")));
+    assert_eq!(m["reasoning_content"], m["reasoning"], "reasoning under its former name too");
+    let calls = m["tool_calls"].as_array().expect("tool_calls");
+    assert_eq!(calls.len(), 1, "{m}");
+    assert!(calls[0]["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{m}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"], json!({"name": "get_weather", "arguments": r#"{"city": "Paris", "days": 3}"#}));
+}
+
+#[tokio::test]
+async fn tool_calls_and_reasoning_in_a_stream() {
+    let s = writing(format!("{OUTPUT}{CALL}"));
+    let (status, body) = post(&s, request(true)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let events = events(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let (mut reasoning, mut former, mut content) = (String::new(), String::new(), String::new());
+    let (mut calls, mut finish) = (vec![], vec![]);
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        let choice = &c["choices"][0];
+        let d = &choice["delta"];
+        reasoning += d["reasoning"].as_str().unwrap_or("");
+        former += d["reasoning_content"].as_str().unwrap_or("");
+        content += d["content"].as_str().unwrap_or("");
+        calls.extend(d["tool_calls"].as_array().into_iter().flatten().cloned());
+        finish.extend(choice["finish_reason"].as_str().map(str::to_string));
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("Paris, then.\n", "\nLet me look.\n"));
+    assert_eq!(former, reasoning);
+    assert_eq!(finish, ["tool_calls"], "one finish reason, on the last choice chunk");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    // As OpenAI streams a call: its id, type and name first, then the arguments in pieces
+    // (each parameter's once its value has ended).
+    let (first, rest) = calls.split_first().expect("tool_calls deltas");
+    assert!(first["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{first}");
+    assert_eq!((first["index"].as_u64(), first["type"].as_str()), (Some(0), Some("function")));
+    assert_eq!(first["function"], json!({"name": "get_weather", "arguments": ""}));
+    assert!(rest.len() >= 3, "the arguments come in pieces: {rest:?}");
+    let mut arguments = String::new();
+    for d in rest {
+        assert_eq!((d["index"].as_u64(), d.get("id"), d["function"].get("name")), (Some(0), None, None), "{d}");
+        arguments += d["function"]["arguments"].as_str().expect("an arguments piece");
+    }
+    assert_eq!(arguments, r#"{"city": "Paris", "days": 3}"#);
+}
+
+#[tokio::test]
+async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
+    let s = writing(CALL);
+    for body in [
+        json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools(), "tool_choice": "none",
+               "chat_template_kwargs": {"enable_thinking": false}}),
+    ] {
+        let v: Value = serde_json::from_str(&post(&s, body.clone()).await.1).unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(
+            (choice["finish_reason"].as_str(), choice["message"]["content"].as_str()),
+            (Some("stop"), Some(CALL)),
+            "{body}"
+        );
+        assert!(choice["message"].get("tool_calls").is_none() && choice["message"].get("reasoning").is_none(), "{v}");
+    }
+}
+
+/// A non-streamed request whose handler is dropped mid-generation (as hyper drops it when the
+/// client disconnects) closes its token channel: the engine thread then cancels it.
+#[tokio::test]
+async fn a_dropped_response_closes_its_channel() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s = server(move |out, _| {
+        let _ = out.send(token(u32::from(b'a'), None));
+        let _ = tx.send(out);
+    });
+    let handler = post(&s, json!({"messages": [{"role": "user", "content": "hi"}]}));
+    assert!(tokio::time::timeout(Duration::from_millis(300), handler).await.is_err(), "no last token: no answer");
+    let out = rx.recv_timeout(Duration::from_secs(10)).expect("the request reached the engine");
+    assert!(out.is_closed(), "the dropped handler closed the request's channel");
+}

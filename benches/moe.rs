@@ -5,12 +5,13 @@
 //! - `layer/b*`: the whole layer on the CUDA backend (routing, dispatch, expert kernel, shared
 //!   expert through cuBLASLt, combine) at batch 1 and 64; bytes: the weights of the experts the
 //!   batch routes to (counted from its routing), the shared expert, the router, x and y.
-//! - `experts/b*`: the routed experts alone by the expert kernel and by per-expert cuBLASLt
-//!   GEMMs (which reads the offsets back, so it is timed with events around one call, median
-//!   of 11), which picks the CUDA backend's threshold between the two.
+//! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
+//!   (which reads the offsets back) and by the grouped GEMM, each timed with events around one
+//!   call, median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
+use host::grouped::experts_mlp_grouped;
 use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
@@ -100,7 +101,7 @@ fn bench_layer(
         println!("moe/{name}: {active} experts routed to");
         timed.report(&format!("moe/{name}"), bytes);
     }
-    for batch in [16usize, 64, 256, 1024, 4096] {
+    for batch in [16usize, 64, 256, 512, 1024, 4096, 16384] {
         let name = format!("experts/b{batch}");
         if !BenchGpu::selected(&name) {
             continue;
@@ -111,36 +112,41 @@ fn bench_layer(
         let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
         dispatch(gpu, &idx, &mut d).unwrap();
         let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();
-        for gemm in [false, true] {
+        let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
+        // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
+        let paths: &[&str] = if batch <= 1024 {
+            &["expert kernel", "cuBLASLt per expert", "grouped GEMM"]
+        } else {
+            &["cuBLASLt per expert", "grouped GEMM"]
+        };
+        for &path in paths {
             let mut t: Vec<f32> = (0..12)
                 .map(|_| {
-                    gpu.time_ms(|| {
-                        if gemm {
-                            experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out)
-                        } else {
-                            experts_mlp(
-                                gpu,
-                                &d,
-                                &x,
-                                ExpertWeights::Bf16(up),
-                                ExpertWeights::Bf16(up),
-                                (inter, hidden),
-                                0,
-                                &mut out,
-                            )
-                        }
+                    gpu.time_ms(|| match path {
+                        "cuBLASLt per expert" => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
+                        "grouped GEMM" => experts_mlp_grouped(gpu, &d, &x, up, up, (inter, hidden), &mut out),
+                        _ => experts_mlp(
+                            gpu,
+                            &d,
+                            &x,
+                            ExpertWeights::Bf16(up),
+                            ExpertWeights::Bf16(up),
+                            (inter, hidden),
+                            0,
+                            &mut out,
+                        ),
                     })
                     .unwrap()
                 })
                 .skip(1)
                 .collect();
             t.sort_by(f32::total_cmp);
-            let label = if gemm { "cuBLASLt per expert" } else { "expert kernel" };
             println!(
-                "moe/{name} {label:<20} {:9.1} us (median of 11, p10 {:.1}, p90 {:.1})",
+                "moe/{name} {path:<20} {:9.1} us (median of 11, p10 {:.1}, p90 {:.1}) {:6.1} TFLOP/s",
                 t[5] * 1e3,
                 t[1] * 1e3,
-                t[9] * 1e3
+                t[9] * 1e3,
+                flops / (f64::from(t[5]) * 1e-3) / 1e12
             );
         }
     }

@@ -130,6 +130,7 @@ mod gpu {
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
     use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
+    use host::grouped::experts_mlp_grouped;
     use host::moe::{
         Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dense_split, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
@@ -518,6 +519,73 @@ mod gpu {
         println!("dispatch: {compared} values compared");
     }
 
+    /// One expert's MLP in f64, `down relu(bf16(up x))^2` with the hidden activation rounded to
+    /// bf16 as the kernels store it (`up [inter, hidden]`, `down [hidden, inter]`).
+    fn expert_reference(x: &[f64], up: &[f64], down: &[f64], inter: usize) -> Vec<f64> {
+        let h: Vec<f64> = up
+            .chunks(x.len())
+            .map(|row| {
+                let v = bf16::from_f64(row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>()).to_f64().max(0.0);
+                bf16::from_f64(v * v).to_f64()
+            })
+            .collect();
+        down.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect()
+    }
+
+    /// The grouped GEMM at Nemotron-3 Nano's sizes (128 experts of 2688 x 1856, top-6) with a
+    /// skewed routing: expert 0 chosen by no token, expert 1 by one, expert 2 by every token
+    /// (many tiles), the others at random; a sample of the grouped rows (expert 1's, the first
+    /// and last 64 of expert 2's, and every 31st) against the reference, expert by expert.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_grouped_experts_at_nano_size() {
+        let gpu = gpu();
+        let mut rng = Rng::new(95);
+        let (hidden, inter, e, k, rows) = (2688, 1856, 128usize, 6, 600);
+        let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
+        let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
+        let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+        let mut idx = Vec::with_capacity(rows * k);
+        for t in 0..rows {
+            let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
+            while picks.len() < k {
+                let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
+                if !picks.contains(&c) {
+                    picks.push(c);
+                }
+            }
+            idx.extend(picks);
+        }
+        let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
+        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+        dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+        let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+        experts_mlp_grouped(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
+        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+        assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        let out = to_f64(&gpu.download(&out).unwrap());
+        let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
+        let (mut got, mut want, mut sampled) = (Vec::new(), Vec::new(), 0);
+        for ex in 0..e {
+            let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+            let sample: Vec<usize> =
+                (lo..hi).filter(|&j| j % 31 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 64 || j + 64 >= hi2))).collect();
+            if sample.is_empty() {
+                continue;
+            }
+            let u = to_f64(&up[ex * inter * hidden..][..inter * hidden]);
+            let dn = to_f64(&down[ex * hidden * inter..][..hidden * inter]);
+            for &j in &sample {
+                want.extend(expert_reference(&to_f64(&x[token[j] as usize * hidden..][..hidden]), &u, &dn, inter));
+                got.extend_from_slice(&out[j * hidden..][..hidden]);
+            }
+            sampled += sample.len();
+        }
+        let n = assert_close("grouped experts at Nano size", &got, &want, 2e-3, 1.0 / 128.0);
+        assert_eq!(n, sampled * hidden);
+        println!("grouped experts: {n} values compared ({sampled} grouped rows)");
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_experts_match_reference() {
@@ -560,23 +628,18 @@ mod gpu {
             for (i, &ex) in idx.iter().enumerate() {
                 let ex = ex as usize;
                 let xr = to_f64(&x[i / k * hidden..][..hidden]);
-                let (u, dn) = (&up64[ex * inter * hidden..][..inter * hidden], down_of(ex));
-                let h: Vec<f64> = u
-                    .chunks(hidden)
-                    .map(|row| {
-                        let v = bf16::from_f64(row.iter().zip(&xr).map(|(a, b)| a * b).sum::<f64>()).to_f64().max(0.0);
-                        bf16::from_f64(v * v).to_f64()
-                    })
-                    .collect();
-                let y: Vec<f64> = dn.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect();
+                let y = expert_reference(&xr, &up64[ex * inter * hidden..][..inter * hidden], &down_of(ex), inter);
                 want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
             }
-            // cuBLASLt per expert takes no pieces.
-            let paths: &[bool] = if pieces == 0 { &[false, true] } else { &[false] };
-            for &gemm in paths {
+            // cuBLASLt per expert and the grouped GEMM take no pieces (0: the expert kernel,
+            // 1: cuBLASLt, 2: grouped).
+            let paths: &[u8] = if pieces == 0 { &[0, 1, 2] } else { &[0] };
+            for &path in paths {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-                if gemm {
+                if path == 1 {
                     experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
+                } else if path == 2 {
+                    experts_mlp_grouped(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
                 } else {
                     experts_mlp(
                         &gpu,
@@ -592,7 +655,7 @@ mod gpu {
                 }
                 let label = format!(
                     "experts {} hidden {hidden} inter {inter} rows {rows} pieces {pieces}",
-                    if gemm { "cuBLASLt" } else { "kernel" }
+                    ["kernel", "cuBLASLt", "grouped"][path as usize]
                 );
                 // bf16 output (2^-8 relative) over f32 sums of bf16 products.
                 compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 128.0);

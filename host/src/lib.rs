@@ -25,6 +25,7 @@ pub mod cpu;
 mod error;
 pub mod gemm;
 mod gpu;
+pub mod grouped;
 pub mod mamba;
 pub mod mma;
 pub mod moe;

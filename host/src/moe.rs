@@ -206,6 +206,11 @@ impl Dispatch {
         self.slot.len()
     }
 
+    /// Tokens (`entries / top_k`).
+    pub fn rows(&self) -> usize {
+        self.slot.len() / self.top_k
+    }
+
     /// Experts.
     pub fn experts(&self) -> usize {
         self.experts
@@ -237,7 +242,7 @@ impl Dispatch {
     }
 
     /// Fails unless [`dispatch`] filled this (`what`: the consumer).
-    fn check_filled(&self, what: &'static str) -> Result<()> {
+    pub(crate) fn check_filled(&self, what: &'static str) -> Result<()> {
         Check(what).that("dispatch", self.filled, "one filled by `dispatch`", "one never dispatched")
     }
 }

@@ -22,6 +22,7 @@ pub mod act;
 pub mod attn;
 pub mod conv1d;
 pub mod flash;
+pub mod grouped;
 pub mod mamba;
 pub mod mma;
 pub mod moe;
@@ -160,6 +161,8 @@ kernels! {
     MoeDense = "moe_dense_bf16",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
+    /// [`grouped::GroupedParams`]: one projection of every expert with rows, on tensor cores.
+    MoeGrouped = "moe_grouped_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
     MoeCombine = "moe_combine_bf16",
     /// [`mamba::MambaDecodeParams`]: a Mamba2 mixer's decode rows between its projections

@@ -4,8 +4,9 @@
 //! MoE layers route and run their experts on the device: up to [`CHOICES_MAX_ROWS`] rows of
 //! bf16 experts per routing choice (no dispatch; down projections and combining in one
 //! launch), else dispatched: up to [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel
-//! (no synchronization), more through per-expert cuBLASLt GEMMs (one synchronization to read
-//! the expert offsets).
+//! (no synchronization), up to [`GROUPED_MAX_ROWS`] through the grouped GEMM on tensor cores
+//! (one launch a projection, no synchronization), more through per-expert cuBLASLt GEMMs (one
+//! synchronization to read the expert offsets).
 //!
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
 //! the expert kernel (dense layers as one expert), which quantizes each input row with the
@@ -28,6 +29,7 @@ use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::grouped::experts_mlp_grouped;
 use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
 use host::moe::{
     Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dense_split, dispatch, experts_mlp,
@@ -173,8 +175,15 @@ enum Shared {
     Mlp(Box<(CudaWeight, CudaWeight)>),
 }
 
-/// Most rows of a MoE layer that go through the expert kernel rather than cuBLASLt.
+/// Most rows of a MoE layer that go through the expert kernel rather than a GEMM.
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
+
+/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM (one launch a
+/// projection, no synchronization); more go through per-expert cuBLASLt GEMMs. On the H200 at
+/// Nano size (benches/nano prefill breakdown, routing + experts a MoE layer) the grouped GEMM
+/// took 0.759 ms at 512 tokens against cuBLASLt's 1.412, but 4.368 ms at 4096 against 3.411
+/// (its 64 x 128 tiles reread their inputs from L2 more than the larger GEMMs do).
+pub const GROUPED_MAX_ROWS: usize = 1024;
 
 /// Shortest input of a bf16 linear layer that runs at one row through the split-k dense kernel
 /// ([`dense_split`]) rather than the expert kernel's dense path ([`dense`]), whose one warp per
@@ -792,7 +801,11 @@ impl Backend for Cuda {
         let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
         match (&ex.up, &ex.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
-                experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
+                if rows <= GROUPED_MAX_ROWS && ex.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
+                    experts_mlp_grouped(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
+                } else {
+                    experts_mlp_gemm(g, &d, &xv, up, down, (ex.inter, hidden), &mut grouped)?
+                }
             }
             (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (ex.inter, hidden), pieces, &mut grouped)?,
         }

@@ -1,11 +1,13 @@
 //! Random NemotronH checkpoints of any config: every tensor a [`crate::layout::Layout`] needs,
-//! bf16, seeded. For tests and for the small built-in model; the values mean nothing.
+//! bf16, seeded, drawn as a [`Scaling`] says. For tests, the small built-in model and the
+//! check against transformers at Nano widths (model/tests/nano_check.rs); the values mean
+//! nothing.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use safetensors::tensor::TensorView;
 
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -67,32 +69,90 @@ pub fn tensor_shapes(config: &Config) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// Random values for tensor `name`: norms near 1, A_log in [-1, 1], small dt_bias, and
-/// weights scaled by 1/sqrt(fan-in) so activations stay O(1) through many layers. Generated in
-/// blocks of 2^20 values, each from its own stream, spread over the machine's threads.
-fn values(name: &str, shape: &[usize], seed: &mut u64) -> Vec<bf16> {
-    let n: usize = shape.iter().product();
+/// How a synthetic checkpoint's matrices are drawn. Norm weights (near 1), A_log (in [-1, 1]),
+/// dt_bias, D and biases (small), and the conv weights (uniform, 1/sqrt(width)) are the same
+/// in both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scaling {
+    /// Every matrix uniform within 1/sqrt(fan-in), so activations stay O(1) through many
+    /// layers: what the tests, the benches and the built-in model use.
+    FanIn,
+    /// As a language model is initialized before training (GPT-2's rule, which NemotronH's
+    /// `initializer_range` 0.02 follows), so that every layer adds to the residual stream
+    /// without swamping it: embeddings N(0, 1); the residual branches' output projections
+    /// (Mamba `out_proj`, attention `o_proj`, every `down_proj`) N(0, 0.02 / sqrt(2 * layers));
+    /// every other matrix (`in_proj`, `q/k/v_proj`, `up_proj`, the router, the LM head)
+    /// N(0, 0.02).
+    Residual,
+}
+
+/// Standard deviation of [`Scaling::Residual`]'s matrices.
+const INIT_STD: f64 = 0.02;
+
+/// The distribution of one tensor's values.
+#[derive(Clone, Copy)]
+enum Draw {
+    Uniform { center: f64, spread: f64 },
+    Normal { std: f64 },
+}
+
+impl Draw {
+    /// How `name` (of `shape`, in a model of `layers` layers) is drawn under `scaling`.
+    fn of(name: &str, shape: &[usize], layers: usize, scaling: Scaling) -> Draw {
+        let matrix = shape.len() == 2 && name.ends_with(".weight");
+        if scaling == Scaling::Residual && matrix {
+            let std = if name == "backbone.embeddings.weight" {
+                1.0
+            } else if ["out_proj.weight", "o_proj.weight", "down_proj.weight"].iter().any(|s| name.ends_with(s)) {
+                INIT_STD / (2.0 * layers as f64).sqrt()
+            } else {
+                INIT_STD
+            };
+            return Draw::Normal { std };
+        }
+        let (center, spread) = if name.ends_with("norm.weight") || name.ends_with("norm_f.weight") {
+            (1.0, 0.1)
+        } else if name.ends_with("A_log") {
+            (0.0, 1.0)
+        } else if name.ends_with("dt_bias") || name.ends_with("D") || name.ends_with("bias") {
+            (0.0, 0.5)
+        } else {
+            (0.0, 1.0 / (*shape.last().unwrap_or(&1) as f64).sqrt())
+        };
+        Draw::Uniform { center, spread }
+    }
+}
+
+/// The next seed of the sequence a checkpoint's tensors take theirs from, in
+/// [`tensor_shapes`] order.
+fn next_seed(seed: &mut u64) -> u64 {
     *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let base = *seed;
-    let (center, spread) = if name.ends_with("norm.weight") || name.ends_with("norm_f.weight") {
-        (1.0, 0.1)
-    } else if name.ends_with("A_log") {
-        (0.0, 1.0)
-    } else if name.ends_with("dt_bias") || name.ends_with("D") || name.ends_with("bias") {
-        (0.0, 0.5)
-    } else {
-        (0.0, 1.0 / (*shape.last().unwrap_or(&1) as f64).sqrt())
-    };
+    *seed
+}
+
+/// `n` random values drawn as `draw` from `seed`. Generated in blocks of 2^20 values, each
+/// from its own stream, spread over the machine's threads.
+fn values(n: usize, draw: Draw, seed: u64) -> Vec<bf16> {
     const BLOCK: usize = 1 << 20;
     let fill = |block: usize, out: &mut [bf16]| {
-        let mut state = base ^ (block as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-        for v in out {
+        let mut state = seed ^ (block as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        // Uniform in [0, 1).
+        let mut next = || {
             state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
             let mut z = state;
             z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-            *v = bf16::from_f64(center + spread * u);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        for v in out {
+            *v = bf16::from_f64(match draw {
+                Draw::Uniform { center, spread } => center + spread * (next() * 2.0 - 1.0),
+                // Box-Muller, one of the pair: 1 - u is in (0, 1], so its log is finite.
+                Draw::Normal { std } => {
+                    let (u, w) = (1.0 - next(), next());
+                    std * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * w).cos()
+                }
+            });
         }
     };
     let mut out = vec![bf16::ZERO; n];
@@ -112,8 +172,8 @@ fn values(name: &str, shape: &[usize], seed: &mut u64) -> Vec<bf16> {
 
 /// [`values`] as the little-endian bytes a checkpoint holds (native order is little endian on
 /// every supported host).
-fn value_bytes(name: &str, shape: &[usize], seed: &mut u64) -> Vec<u8> {
-    bytemuck::cast_slice(&values(name, shape, seed)).to_vec()
+fn value_bytes(n: usize, draw: Draw, seed: u64) -> Vec<u8> {
+    bytemuck::cast_slice(&values(n, draw, seed)).to_vec()
 }
 
 /// A random bf16 checkpoint of `config` in memory, for speed measurements at full size: one
@@ -123,13 +183,15 @@ fn value_bytes(name: &str, shape: &[usize], seed: &mut u64) -> Vec<u8> {
 /// and expert's weights still get their own device memory when uploaded.
 pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
     let mut seed = seed;
+    let layers = config.layers.len();
     let mut kinds: BTreeMap<(String, Vec<usize>), usize> = BTreeMap::new();
     let mut buffers: Vec<Vec<u8>> = Vec::new();
     let mut tensors = Vec::new();
     for (name, shape) in tensor_shapes(config) {
         let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
         let file = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
-            buffers.push(value_bytes(&name, &shape, &mut seed));
+            let draw = Draw::of(&name, &shape, layers, Scaling::FanIn);
+            buffers.push(value_bytes(shape.iter().product(), draw, next_seed(&mut seed)));
             buffers.len() - 1
         });
         tensors.push((name, Dtype::Bf16, shape, file));
@@ -137,25 +199,55 @@ pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
     Checkpoint::in_memory(buffers, tensors)
 }
 
+/// One tensor of a checkpoint being written, drawn when the writer reaches it: one tensor at
+/// a time is in memory, however large the checkpoint.
+struct Drawn {
+    shape: Vec<usize>,
+    draw: Draw,
+    seed: u64,
+}
+
+impl safetensors::View for Drawn {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::BF16
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(value_bytes(self.shape.iter().product(), self.draw, self.seed))
+    }
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * 2
+    }
+}
+
 /// Writes `config_json` as `dir/config.json` and a random bf16 `dir/model.safetensors` that
-/// matches it.
+/// matches it, drawn as [`Scaling::FanIn`].
 pub fn write_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
+    write_checkpoint_scaled(dir, config_json, seed, Scaling::FanIn)
+}
+
+/// [`write_checkpoint`] with the weights drawn as `scaling`.
+pub fn write_checkpoint_scaled(dir: &Path, config_json: &str, seed: u64, scaling: Scaling) -> Result<()> {
     let config = Config::from_json(config_json)?;
     let io =
         |e: std::io::Error| Error::Checkpoint { path: dir.to_path_buf(), tensor: String::new(), reason: e.to_string() };
     std::fs::create_dir_all(dir).map_err(io)?;
     std::fs::write(dir.join("config.json"), config_json).map_err(io)?;
     let mut seed = seed;
-    let data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = tensor_shapes(&config)
+    let layers = config.layers.len();
+    let tensors: Vec<(String, Drawn)> = tensor_shapes(&config)
         .into_iter()
         .map(|(name, shape)| {
-            let bytes = value_bytes(&name, &shape, &mut seed);
-            (name, (shape, bytes))
+            let drawn = Drawn { draw: Draw::of(&name, &shape, layers, scaling), seed: next_seed(&mut seed), shape };
+            (name, drawn)
         })
         .collect();
-    let views = data.iter().map(|(name, (shape, bytes))| {
-        (name.clone(), TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes).expect("shape and bytes agree"))
-    });
-    let bytes = safetensors::serialize(views, None).map_err(|e| io(std::io::Error::other(e.to_string())))?;
-    std::fs::write(dir.join("model.safetensors"), bytes).map_err(io)
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(tensors, None, &path).map_err(|e| io(std::io::Error::other(e.to_string())))?;
+    // The writer makes a private file (it writes a temporary one and renames it): give it the
+    // permissions any file written here gets, as config.json has.
+    let permissions = std::fs::metadata(dir.join("config.json")).map_err(io)?.permissions();
+    std::fs::set_permissions(&path, permissions).map_err(io)
 }

@@ -1,25 +1,25 @@
 #!/bin/bash
 # Runs on a GPU machine from the repo root, after `cargo xtask bundle` built .device/ here and
-# it was copied there: the GPU tests, compute-sanitizer memcheck and racecheck, and (with
+# it was copied there: the GPU tests, compute-sanitizer memcheck, racecheck and synccheck, and (with
 # `bench`) the benches. Logs go to $OUT (default: .device/out).
 OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 which ptxas compute-sanitizer; ptxas --version | tail -1
-for t in ptx gpu norm quant conv1d ssm ssd gemm moe act attn cuda fp8; do
+for t in ptx gpu mma norm quant conv1d ssm ssd mamba sample gemm moe act attn cuda fp8; do
   echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"
 done
 # The sanitizers run every kernel suite's GPU tests except the long sequential ones (100
 # decode steps, the token-by-token scan), which add time but no kernel the others do not run.
 # racecheck also reports hazards inside cuBLASLt's own kernels (nvjet_*; tests/moe runs the
 # cuBLASLt expert path): read its log for kernels of ours (names in kernels-gpu/src/lib.rs).
-for tool in memcheck racecheck; do
-  for t in norm quant conv1d ssm ssd moe act attn; do
+for tool in memcheck racecheck synccheck; do
+  for t in mma norm quant conv1d ssm ssd mamba sample moe act attn; do
     echo "=== compute-sanitizer $tool tests/$t"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 .device/tests/$t --include-ignored --test-threads=1 \
       --skip 100_steps --skip token_by_token gpu 2>&1 | tee $OUT/$tool-$t.log | tail -4
   done
 done
 if [ "$1" = bench ]; then
-  for b in ${BENCHES:-norm quant conv1d ssm ssd moe gemv nano}; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
+  for b in ${BENCHES:-norm quant conv1d ssm ssd attn moe gemv sample nano}; do echo "=== bench $b"; .device/benches/$b --bench 2>&1 | tee $OUT/bench-$b.log | grep -E "GPU|us \[|time:|thrpt:"; done
 fi

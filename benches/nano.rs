@@ -2,7 +2,9 @@
 //! `model/assets/nano-30b-a3b.json`; random bf16 weights generated in-process by
 //! `model::synthetic::in_memory`, 63 GB on the device) on the CUDA backend.
 //! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
-//!   returns the last row's logits, so it includes the synchronization); median of 3. Then
+//!   returns the last row's logits, so it includes the synchronization); median of 3; then the
+//!   same prompt as one greedy request through `Engine::step` (its first token sampled on the
+//!   device), median of 3. Then
 //!   where that step's time goes: 3 more runs of it with profiling on (`Model::set_profiling`:
 //!   a CUDA event on the stream after each stage; the plain runs record none), each stage's
 //!   median summed by group (embedding, each layer kind with its number of layers, LM head),
@@ -130,6 +132,9 @@ fn main() {
             floor / bw * 1e3,
             bw / 1e9
         );
+        let (back, t) = engine_prefill(model, &prompt);
+        model = back;
+        println!("  Engine::step prefill: {:8.2} ms   {:+.1}% against Model::step", t * 1e3, (t / s - 1.0) * 100.0);
         if !flag("--no-breakdown") {
             prefill_breakdown(&mut model, &prompt, s);
         }
@@ -185,6 +190,27 @@ fn main() {
             );
         }
     }
+}
+
+/// `Engine::step` of one greedy request of `prompt` with one new token: the prompt's prefill
+/// and its first token (sampled on the device, copied back); wall time, median of 3. Returns the
+/// model and that time.
+fn engine_prefill(model: Model<Cuda>, prompt: &[u32]) -> (Model<Cuda>, f64) {
+    let mut engine = Engine::new(model);
+    let times = (0..3)
+        .map(|_| {
+            let params =
+                RequestParams { max_new_tokens: 1, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() };
+            engine.add(prompt, params).expect("a request");
+            let t = Instant::now();
+            let events = engine.step().expect("prefill");
+            let dt = t.elapsed().as_secs_f64();
+            assert_eq!(events.len(), 1, "the prompt's first token");
+            assert!(!engine.has_work(), "one token");
+            dt
+        })
+        .collect();
+    (engine.into_model(), median(times))
 }
 
 /// `Engine::step` over one request per prompt (seeds 0.., 24 new tokens each, no stop

@@ -7,6 +7,8 @@
 //! target/tools/); without it the test fails saying so. The server is killed at the end,
 //! whatever happens. Beside it, `--model ORG/NAME` on a fake Hugging Face cache.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -124,18 +126,7 @@ fn openai_client_against_serve() {
 /// that is not there is an error that says so, before anything loads.
 #[test]
 fn a_repo_id_is_served_from_the_hub_cache() {
-    let home = std::env::temp_dir().join(format!("nemotron-serve-hf-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    let repo = home.join("hub/models--test-org--tiny");
-    let snapshot = repo.join("snapshots/0a1b2c");
-    for dir in [repo.join("blobs"), repo.join("refs"), snapshot.clone()] {
-        std::fs::create_dir_all(dir).unwrap();
-    }
-    std::fs::write(repo.join("refs/main"), "0a1b2c").unwrap();
-    for (name, bytes) in model::built_in::FILES {
-        std::fs::write(repo.join("blobs").join(name), bytes).unwrap();
-        std::os::unix::fs::symlink(Path::new("../../blobs").join(name), snapshot.join(name)).unwrap();
-    }
+    let (home, snapshot) = common::fake_hub("serve");
     let env = [("HF_HOME", Some(home.as_path())), ("HF_HUB_CACHE", None)];
     let (server, url, log) = serve(&["--model", "test-org/tiny", "--slots", "1", "--max-len", "64"], &env);
     let addr = url.trim_start_matches("http://");

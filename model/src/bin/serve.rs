@@ -75,16 +75,8 @@ fn main() -> Result<()> {
     if args.slots == 0 || args.max_len < 2 {
         bail!("--slots must be at least 1 and --max-len at least 2");
     }
-    let (dir, default_name) = match &args.model {
-        Some(m) => {
-            let found = model::hub::locate(m).map_err(anyhow::Error::msg)?;
-            let dir_name = found.dir.file_name().map(|n| n.to_string_lossy().into_owned());
-            let name = found.repo.or(dir_name).unwrap_or_else(|| "default".into());
-            (found.dir, name)
-        }
-        None => (model::built_in::dir()?, "default".into()),
-    };
-    let name = args.served_model_name.clone().unwrap_or(default_name);
+    let model::hub::Located { dir, name } = model::hub::resolve(args.model.as_deref()).map_err(anyhow::Error::msg)?;
+    let name = args.served_model_name.clone().unwrap_or(name);
     tracing::info!("loading {}", dir.display());
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {

@@ -5,7 +5,9 @@
 //! each getting the tokens it gets alone). The Python with the `openai` package comes from
 //! `$NEMOTRON_TEST_PYTHON`, which `./x test` sets up (a virtual environment under
 //! target/tools/); without it the test fails saying so. The server is killed at the end,
-//! whatever happens. Beside it, `--model ORG/NAME` on a fake Hugging Face cache.
+//! whatever happens. Beside it: tests/serve/tool_calls_test.py against a server with a
+//! scripted engine, for what the random built-in model never writes (reasoning, tool calls);
+//! `--model ORG/NAME` on a fake Hugging Face cache.
 
 mod common;
 
@@ -74,20 +76,18 @@ fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinH
     }
 }
 
-#[test]
-fn openai_client_against_serve() {
-    let python = python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/serve/client_test.py");
-    let (server, url, log) = serve(&["--slots", "8", "--max-queue", "24", "--max-len", "512"], &[]);
-    let mut client = Command::new(&python)
-        .arg(script)
-        .arg(&url)
+/// Runs `command` (its stdout piped here and printed as it comes, its stderr inherited) for
+/// at most `limit`, killing it then: its stdout if it exited successfully, else that with how
+/// it ended.
+fn run_for(mut command: Command, limit: Duration) -> Result<String, String> {
+    let name = format!("{:?}", command.get_program());
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap_or_else(|e| panic!("running {} (NEMOTRON_TEST_PYTHON): {e}", python.display()));
-    let out = client.stdout.take().expect("piped");
-    let client = Killed(client);
+        .unwrap_or_else(|e| panic!("running {name}: {e}"));
+    let out = child.stdout.take().expect("piped");
+    let mut child = Killed(child);
     let printed = std::thread::spawn(move || {
         let mut all = String::new();
         for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -98,27 +98,62 @@ fn openai_client_against_serve() {
         all
     });
     let t0 = Instant::now();
-    let mut client = client;
     let status = loop {
-        if let Some(s) = client.0.try_wait().expect("waiting for the client") {
+        if let Some(s) = child.0.try_wait().expect("waiting for the child") {
             break Some(s);
         }
-        if t0.elapsed() > Duration::from_secs(480) {
+        if t0.elapsed() > limit {
             break None;
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    drop(client);
+    drop(child);
     let printed = printed.join().unwrap_or_default();
+    match status {
+        Some(s) if s.success() => Ok(printed),
+        _ => Err(format!(
+            "{name} {} after {:.0} s:\n{printed}",
+            status.map_or("timed out".to_string(), |s| s.to_string()),
+            t0.elapsed().as_secs_f64()
+        )),
+    }
+}
+
+/// The Python client test `script` (in tests/serve/) against the server at `url`.
+fn client_test(script: &str, url: &str) -> Command {
+    let mut command = Command::new(python());
+    // It imports tests/serve/common.py: no __pycache__ left in the source tree.
+    command
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/serve").join(script))
+        .arg(url);
+    command
+}
+
+#[test]
+fn openai_client_against_serve() {
+    let (server, url, log) = serve(&["--slots", "8", "--max-queue", "24", "--max-len", "512"], &[]);
+    let result = run_for(client_test("client_test.py", &url), Duration::from_secs(480));
     drop(server);
     let log = log.join().unwrap_or_default();
-    let ok = status.is_some_and(|s| s.success());
-    assert!(
-        ok,
-        "client_test.py {} after {:.0} s:\n{printed}\nserver log:\n{log}",
-        status.map_or("timed out".to_string(), |s| s.to_string()),
-        t0.elapsed().as_secs_f64()
-    );
+    if let Err(e) = result {
+        panic!("{e}\nserver log:\n{log}");
+    }
+}
+
+/// Reasoning and tool calls as the OpenAI client sees them (tests/serve/tool_calls_test.py):
+/// the built-in model never writes them, so the server here runs in this process with a
+/// scripted engine (`model::serve::scripted::echo`: each request's last user message comes
+/// back as the model's output) behind the real routes and HTTP stack.
+#[test]
+fn openai_client_sees_reasoning_and_tool_calls() {
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("a free port");
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    runtime.spawn(async move { axum::serve(listener, model::serve::scripted::echo()).await });
+    if let Err(e) = run_for(client_test("tool_calls_test.py", &url), Duration::from_secs(120)) {
+        panic!("{e}");
+    }
 }
 
 /// `--model ORG/NAME` finds the snapshot that `refs/main` names in `$HF_HOME/hub` (files

@@ -156,6 +156,18 @@ fn openai_client_sees_reasoning_and_tool_calls() {
     }
 }
 
+/// The response (head and body) to `request` (`METHOD PATH`) with `body` (JSON), on a
+/// connection of its own to the server at `url`.
+fn http(url: &str, request: &str, body: &str) -> String {
+    let addr = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
+    let head = format!("{request} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\n");
+    write!(stream, "{head}Content-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    reply
+}
+
 /// `--model ORG/NAME` finds the snapshot that `refs/main` names in `$HF_HOME/hub` (files
 /// linked into `blobs/`, as huggingface_hub keeps them) and serves it under the repo id; a repo
 /// that is not there is an error that says so, before anything loads.
@@ -164,11 +176,7 @@ fn a_repo_id_is_served_from_the_hub_cache() {
     let (home, snapshot) = common::fake_hub("serve");
     let env = [("HF_HOME", Some(home.as_path())), ("HF_HUB_CACHE", None)];
     let (server, url, log) = serve(&["--model", "test-org/tiny", "--slots", "1", "--max-len", "64"], &env);
-    let addr = url.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
-    stream.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
+    let reply = http(&url, "GET /v1/models", "");
     drop(server);
     let log = log.join().unwrap_or_default();
     assert!(reply.contains(r#""id":"test-org/tiny""#), "{reply}\nserver log:\n{log}");
@@ -185,4 +193,49 @@ fn a_repo_id_is_served_from_the_hub_cache() {
     assert!(stderr.contains("`test-org/absent` is not in the Hugging Face cache"), "{stderr}");
     assert!(stderr.contains(&home.join("hub/models--test-org--absent").display().to_string()), "{stderr}");
     std::fs::remove_dir_all(home).unwrap();
+}
+
+/// `--synthetic CONFIG`: random weights for that config (here the built-in model's with a
+/// vocabulary of 4096, so a prompt token past the built-in 266 is taken), and the built-in
+/// tokenizer filled up to it: every generated token past the built-in vocabulary has its text
+/// (`w{id} `); `ignore_eos` runs the request to its `max_tokens`.
+#[test]
+fn synthetic_weights_for_a_config() {
+    let dir = std::env::temp_dir().join(format!("nemotron-serve-synthetic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (_, built_in) = model::built_in::FILES.iter().find(|(name, _)| *name == "config.json").unwrap();
+    let mut config: serde_json::Value = serde_json::from_slice(built_in).unwrap();
+    config["vocab_size"] = 4096.into();
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (server, url, log) = serve(&["--synthetic", path.to_str().unwrap(), "--slots", "1", "--max-len", "64"], &[]);
+    let body = r#"{"prompt": [300, 4000, 5], "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+        "logprobs": 0, "return_tokens_as_token_ids": true}"#;
+    let reply = http(&url, "POST /v1/completions", body);
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    std::fs::remove_dir_all(dir).unwrap();
+    let v: serde_json::Value = reply
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| serde_json::from_str(body).ok())
+        .unwrap_or_else(|| panic!("{reply}\nserver log:\n{log}"));
+    assert!(log.contains(&format!("random weights for {}", path.display())), "{log}");
+    let choice = &v["choices"][0];
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), choice["finish_reason"].as_str()),
+        (Some(12), Some("length")),
+        "{v}"
+    );
+    let ids: Vec<u32> = choice["logprobs"]["tokens"]
+        .as_array()
+        .expect("the tokens")
+        .iter()
+        .map(|t| t.as_str().and_then(|t| t.strip_prefix("token_id:")?.parse().ok()).expect("token_id:N"))
+        .collect();
+    let filled: Vec<u32> = ids.iter().copied().filter(|&id| id >= 266).collect();
+    assert!(!filled.is_empty(), "{ids:?}");
+    let text = choice["text"].as_str().unwrap();
+    for id in filled {
+        assert!(text.contains(&format!("w{id} ")), "token {id} in {text:?}");
+    }
 }

@@ -1,10 +1,23 @@
 #!/bin/bash
 # Runs on a GPU machine from the repo root, after `cargo xtask bundle` built .device/ here and
-# it was copied there: the GPU tests, compute-sanitizer memcheck, racecheck and synccheck, and (with
-# `bench`) the benches. Logs go to $OUT (default: .device/out).
+# it was copied there: the GPU tests, compute-sanitizer memcheck, racecheck and synccheck, and
+# (with `bench`) the benches; with `serve`, only the serving benchmark (serve_bench against serve
+# at Nano size, random weights made in memory; SERVE_BENCH_ARGS adds to serve_bench's). Logs go
+# to $OUT (default: .device/out).
 OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+if [ "$1" = serve ]; then
+  PORT=${PORT:-8123}
+  .device/bin/serve --synthetic model/assets/nano-30b-a3b.json --backend cuda --slots 64 --port $PORT 2> $OUT/serve.log &
+  SERVE=$!
+  for _ in $(seq 900); do grep -q "listening on" $OUT/serve.log && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
+  tail -3 $OUT/serve.log
+  .device/bin/serve_bench --url http://127.0.0.1:$PORT $SERVE_BENCH_ARGS 2>&1 | tee $OUT/serve-bench.log
+  status=$?
+  kill $SERVE; wait $SERVE
+  exit $status
+fi
 which ptxas compute-sanitizer; ptxas --version | tail -1
 for t in ptx gpu mma norm quant conv1d ssm ssd mamba sample gemm moe act attn cuda fp8; do
   echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"

@@ -1,4 +1,7 @@
-//! Checkpoints in the local Hugging Face cache, named by repo id (`serve --model ORG/NAME`).
+//! What `--model` names, for `generate` and `serve` alike ([`resolve`]): a checkpoint
+//! directory, a Hugging Face repo id in the local cache (`--model ORG/NAME`), or without a
+//! value the built-in model.
+//!
 //! The cache is laid out as huggingface_hub lays it out: `HUB/models--ORG--NAME/snapshots/COMMIT/`
 //! holds a revision's files (links into `blobs/`), and `refs/BRANCH` the commit of a branch or
 //! tag. `HUB` is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
@@ -13,8 +16,17 @@ use std::path::{Path, PathBuf};
 pub struct Located {
     /// The checkpoint directory.
     pub dir: PathBuf,
-    /// The repo id it was named by (`None` for a directory).
-    pub repo: Option<String>,
+    /// The name it goes by (what `serve` serves it as by default): the repo id it was named
+    /// by, else the directory's name, else `default` (the built-in model's).
+    pub name: String,
+}
+
+/// `--model`'s value, or the built-in model ([`crate::built_in`]) without one.
+pub fn resolve(model: Option<&str>) -> Result<Located, String> {
+    match model {
+        Some(m) => locate(m),
+        None => Ok(Located { dir: crate::built_in::dir().map_err(|e| e.to_string())?, name: "default".into() }),
+    }
 }
 
 /// `--model`'s value: an existing path as it is; otherwise a repo id, `ORG/NAME` or
@@ -23,7 +35,8 @@ pub struct Located {
 pub fn locate(model: &str) -> Result<Located, String> {
     let path = Path::new(model);
     if path.exists() {
-        return Ok(Located { dir: path.to_path_buf(), repo: None });
+        let name = path.file_name().map_or_else(|| "default".into(), |n| n.to_string_lossy().into_owned());
+        return Ok(Located { dir: path.to_path_buf(), name });
     }
     let (repo, revision) = model.split_once('@').unwrap_or((model, "main"));
     if !is_repo_id(repo) || revision.is_empty() {
@@ -33,7 +46,7 @@ pub fn locate(model: &str) -> Result<Located, String> {
         format!("`{model}`: no such directory, and no Hugging Face cache (HF_HUB_CACHE, HF_HOME and HOME are unset)")
     })?;
     let dir = snapshot(&hub, repo, revision)?;
-    Ok(Located { dir, repo: Some(repo.to_string()) })
+    Ok(Located { dir, name: repo.to_string() })
 }
 
 /// The hub cache folder that the environment (`var` reads a variable) names.
@@ -130,7 +143,10 @@ mod tests {
     #[test]
     fn directories_come_first_and_other_names_are_refused() {
         let dir = std::env::temp_dir();
-        assert_eq!(locate(dir.to_str().unwrap()), Ok(Located { dir: dir.clone(), repo: None }));
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        assert_eq!(locate(dir.to_str().unwrap()), Ok(Located { dir: dir.clone(), name }));
+        let built_in = resolve(None).unwrap();
+        assert_eq!((built_in.dir, built_in.name.as_str()), (crate::built_in::dir().unwrap(), "default"));
         for bad in ["no-such-dir-here", "a/b/c", "org/", "/org/name", "org/na me", "org/name@"] {
             let e = locate(bad).unwrap_err();
             assert!(e.contains("nor a Hugging Face repo id"), "{bad}: {e}");

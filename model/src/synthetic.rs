@@ -1,13 +1,15 @@
 //! Random NemotronH checkpoints of any config: every tensor a [`crate::layout::Layout`] needs,
-//! bf16, seeded, drawn as a [`Scaling`] says. For tests, the small built-in model and the
-//! check against transformers at Nano widths (model/tests/nano_check.rs); the values mean
-//! nothing.
+//! bf16, seeded, drawn as a [`Scaling`] says. For tests, the small built-in model, the check
+//! against transformers at Nano widths (model/tests/nano_check.rs), the benches and
+//! `serve --synthetic` (with a tokenizer whose vocabulary [`fill_vocabulary`] stretches to the
+//! model's); the values mean nothing.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
+use tokenizers::{AddedToken, Tokenizer};
 
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -250,4 +252,35 @@ pub fn write_checkpoint_scaled(dir: &Path, config_json: &str, seed: u64, scaling
     // permissions any file written here gets, as config.json has.
     let permissions = std::fs::metadata(dir.join("config.json")).map_err(io)?.permissions();
     std::fs::set_permissions(&path, permissions).map_err(io)
+}
+
+/// Adds a token to `tokenizer` for every id from the end of its vocabulary up to `vocab`
+/// (`w300 ` for id 300), so that every token a random model of `vocab` tokens writes decodes to
+/// text of its own (a stream then brings each token in a chunk of its own).
+pub fn fill_vocabulary(tokenizer: &mut Tokenizer, vocab: usize) {
+    let have = tokenizer.get_vocab_size(true);
+    let tokens: Vec<AddedToken> = (have..vocab).map(|id| AddedToken::from(format!("w{id} "), false)).collect();
+    tokenizer.add_tokens(&tokens);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filled_vocabulary_gives_every_id_its_own_text() {
+        let dir = crate::built_in::dir().unwrap();
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let have = tokenizer.get_vocab_size(true);
+        fill_vocabulary(&mut tokenizer, 1000);
+        assert_eq!(tokenizer.get_vocab_size(true), 1000);
+        for id in [have as u32, 500, 999] {
+            let text = tokenizer.decode(&[id], true).unwrap();
+            assert_eq!(text, format!("w{id} "));
+            assert_eq!(tokenizer.encode(text.as_str(), false).unwrap().get_ids(), [id]);
+        }
+        assert_eq!(tokenizer.decode(&[u32::from(b'h'), 500, 999], true).unwrap(), "hw500 w999 ");
+        fill_vocabulary(&mut tokenizer, 10);
+        assert_eq!(tokenizer.get_vocab_size(true), 1000, "never shrunk");
+    }
 }

@@ -1,8 +1,10 @@
 //! The `generate` binary: the built-in model generates (on the GPU when there is one, else on
 //! the CPU, saying which), its text streamed is the tokens decoded, the sampling flags reach
 //! the sampler and bad values are refused naming them, and a checkpoint without a tokenizer
-//! is a clear error; `--chat` runs a turn through the built-in chat template, keeping the
-//! conversation.
+//! is a clear error; `--model ORG/NAME` is found in the Hugging Face cache; `--chat` runs a
+//! turn through the built-in chat template, keeping the conversation.
+
+mod common;
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -42,6 +44,32 @@ fn missing_tokenizer_and_bad_arguments_are_errors() {
     let out = generate(&["--prompt", "x", "--bogus"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '--bogus'"));
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `--model ORG/NAME` is found in the Hugging Face cache as `serve` finds it (`model::hub`):
+/// the built-in model's files there generate what the built-in model generates; a repo that
+/// is not there is an error naming the folder looked for, before anything loads.
+#[test]
+fn a_repo_id_is_found_in_the_hub_cache() {
+    let (home, snapshot) = common::fake_hub("generate");
+    let run = |model: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_generate"));
+        command.args(["--prompt", "Hello", "--max-new-tokens", "6", "--backend", "cpu"]);
+        command.args(model.map(|m| ["--model", m]).into_iter().flatten());
+        command.env("HF_HOME", &home).env_remove("HF_HUB_CACHE").output().unwrap()
+    };
+    let (cached, built_in) = (run(Some("test-org/tiny")), run(None));
+    let stderr = String::from_utf8_lossy(&cached.stderr);
+    assert!(cached.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("loading {}", snapshot.display())), "it loads the snapshot: {stderr}");
+    assert_eq!(String::from_utf8_lossy(&cached.stdout), String::from_utf8_lossy(&built_in.stdout));
+    let absent = run(Some("test-org/absent@v1"));
+    let stderr = String::from_utf8_lossy(&absent.stderr);
+    assert_eq!(absent.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("`test-org/absent` is not in the Hugging Face cache"), "{stderr}");
+    assert!(stderr.contains(&home.join("hub/models--test-org--absent").display().to_string()), "{stderr}");
+    assert!(!stderr.contains("loading"), "refused before anything loads: {stderr}");
+    std::fs::remove_dir_all(home).unwrap();
 }
 
 #[test]

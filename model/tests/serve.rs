@@ -5,7 +5,11 @@
 //! each getting the tokens it gets alone). The Python with the `openai` package comes from
 //! `$NEMOTRON_TEST_PYTHON`, which `./x test` sets up (a virtual environment under
 //! target/tools/); without it the test fails saying so. The server is killed at the end,
-//! whatever happens. Beside it, `--model ORG/NAME` on a fake Hugging Face cache.
+//! whatever happens. Beside it: tests/serve/tool_calls_test.py against a server with a
+//! scripted engine, for what the random built-in model never writes (reasoning, tool calls);
+//! `--model ORG/NAME` on a fake Hugging Face cache; `--synthetic CONFIG`; `serve_bench`.
+
+mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -72,20 +76,18 @@ fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinH
     }
 }
 
-#[test]
-fn openai_client_against_serve() {
-    let python = python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/serve/client_test.py");
-    let (server, url, log) = serve(&["--slots", "8", "--max-queue", "24", "--max-len", "512"], &[]);
-    let mut client = Command::new(&python)
-        .arg(script)
-        .arg(&url)
+/// Runs `command` (its stdout piped here and printed as it comes, its stderr inherited) for
+/// at most `limit`, killing it then: its stdout if it exited successfully, else that with how
+/// it ended.
+fn run_for(mut command: Command, limit: Duration) -> Result<String, String> {
+    let name = format!("{:?}", command.get_program());
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap_or_else(|e| panic!("running {} (NEMOTRON_TEST_PYTHON): {e}", python.display()));
-    let out = client.stdout.take().expect("piped");
-    let client = Killed(client);
+        .unwrap_or_else(|e| panic!("running {name}: {e}"));
+    let out = child.stdout.take().expect("piped");
+    let mut child = Killed(child);
     let printed = std::thread::spawn(move || {
         let mut all = String::new();
         for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -96,27 +98,74 @@ fn openai_client_against_serve() {
         all
     });
     let t0 = Instant::now();
-    let mut client = client;
     let status = loop {
-        if let Some(s) = client.0.try_wait().expect("waiting for the client") {
+        if let Some(s) = child.0.try_wait().expect("waiting for the child") {
             break Some(s);
         }
-        if t0.elapsed() > Duration::from_secs(480) {
+        if t0.elapsed() > limit {
             break None;
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    drop(client);
+    drop(child);
     let printed = printed.join().unwrap_or_default();
+    match status {
+        Some(s) if s.success() => Ok(printed),
+        _ => Err(format!(
+            "{name} {} after {:.0} s:\n{printed}",
+            status.map_or("timed out".to_string(), |s| s.to_string()),
+            t0.elapsed().as_secs_f64()
+        )),
+    }
+}
+
+/// The Python client test `script` (in tests/serve/) against the server at `url`.
+fn client_test(script: &str, url: &str) -> Command {
+    let mut command = Command::new(python());
+    // It imports tests/serve/common.py: no __pycache__ left in the source tree.
+    command
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/serve").join(script))
+        .arg(url);
+    command
+}
+
+#[test]
+fn openai_client_against_serve() {
+    let (server, url, log) = serve(&["--slots", "8", "--max-queue", "24", "--max-len", "512"], &[]);
+    let result = run_for(client_test("client_test.py", &url), Duration::from_secs(480));
     drop(server);
     let log = log.join().unwrap_or_default();
-    let ok = status.is_some_and(|s| s.success());
-    assert!(
-        ok,
-        "client_test.py {} after {:.0} s:\n{printed}\nserver log:\n{log}",
-        status.map_or("timed out".to_string(), |s| s.to_string()),
-        t0.elapsed().as_secs_f64()
-    );
+    if let Err(e) = result {
+        panic!("{e}\nserver log:\n{log}");
+    }
+}
+
+/// Reasoning and tool calls as the OpenAI client sees them (tests/serve/tool_calls_test.py):
+/// the built-in model never writes them, so the server here runs in this process with a
+/// scripted engine (`model::serve::scripted::echo`: each request's last user message comes
+/// back as the model's output) behind the real routes and HTTP stack.
+#[test]
+fn openai_client_sees_reasoning_and_tool_calls() {
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("a free port");
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    runtime.spawn(async move { axum::serve(listener, model::serve::scripted::echo()).await });
+    if let Err(e) = run_for(client_test("tool_calls_test.py", &url), Duration::from_secs(120)) {
+        panic!("{e}");
+    }
+}
+
+/// The response (head and body) to `request` (`METHOD PATH`) with `body` (JSON), on a
+/// connection of its own to the server at `url`.
+fn http(url: &str, request: &str, body: &str) -> String {
+    let addr = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
+    let head = format!("{request} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\n");
+    write!(stream, "{head}Content-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    reply
 }
 
 /// `--model ORG/NAME` finds the snapshot that `refs/main` names in `$HF_HOME/hub` (files
@@ -124,25 +173,10 @@ fn openai_client_against_serve() {
 /// that is not there is an error that says so, before anything loads.
 #[test]
 fn a_repo_id_is_served_from_the_hub_cache() {
-    let home = std::env::temp_dir().join(format!("nemotron-serve-hf-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    let repo = home.join("hub/models--test-org--tiny");
-    let snapshot = repo.join("snapshots/0a1b2c");
-    for dir in [repo.join("blobs"), repo.join("refs"), snapshot.clone()] {
-        std::fs::create_dir_all(dir).unwrap();
-    }
-    std::fs::write(repo.join("refs/main"), "0a1b2c").unwrap();
-    for (name, bytes) in model::built_in::FILES {
-        std::fs::write(repo.join("blobs").join(name), bytes).unwrap();
-        std::os::unix::fs::symlink(Path::new("../../blobs").join(name), snapshot.join(name)).unwrap();
-    }
+    let (home, snapshot) = common::fake_hub("serve");
     let env = [("HF_HOME", Some(home.as_path())), ("HF_HUB_CACHE", None)];
     let (server, url, log) = serve(&["--model", "test-org/tiny", "--slots", "1", "--max-len", "64"], &env);
-    let addr = url.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
-    stream.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
+    let reply = http(&url, "GET /v1/models", "");
     drop(server);
     let log = log.join().unwrap_or_default();
     assert!(reply.contains(r#""id":"test-org/tiny""#), "{reply}\nserver log:\n{log}");
@@ -159,4 +193,78 @@ fn a_repo_id_is_served_from_the_hub_cache() {
     assert!(stderr.contains("`test-org/absent` is not in the Hugging Face cache"), "{stderr}");
     assert!(stderr.contains(&home.join("hub/models--test-org--absent").display().to_string()), "{stderr}");
     std::fs::remove_dir_all(home).unwrap();
+}
+
+/// `--synthetic CONFIG`: random weights for that config (here the built-in model's with a
+/// vocabulary of 4096, so a prompt token past the built-in 266 is taken), and the built-in
+/// tokenizer filled up to it: every generated token past the built-in vocabulary has its text
+/// (`w{id} `); `ignore_eos` runs the request to its `max_tokens`.
+#[test]
+fn synthetic_weights_for_a_config() {
+    let dir = std::env::temp_dir().join(format!("nemotron-serve-synthetic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (_, built_in) = model::built_in::FILES.iter().find(|(name, _)| *name == "config.json").unwrap();
+    let mut config: serde_json::Value = serde_json::from_slice(built_in).unwrap();
+    config["vocab_size"] = 4096.into();
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (server, url, log) = serve(&["--synthetic", path.to_str().unwrap(), "--slots", "1", "--max-len", "64"], &[]);
+    let body = r#"{"prompt": [300, 4000, 5], "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+        "logprobs": 0, "return_tokens_as_token_ids": true}"#;
+    let reply = http(&url, "POST /v1/completions", body);
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    std::fs::remove_dir_all(dir).unwrap();
+    let v: serde_json::Value = reply
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| serde_json::from_str(body).ok())
+        .unwrap_or_else(|| panic!("{reply}\nserver log:\n{log}"));
+    assert!(log.contains(&format!("random weights for {}", path.display())), "{log}");
+    let choice = &v["choices"][0];
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), choice["finish_reason"].as_str()),
+        (Some(12), Some("length")),
+        "{v}"
+    );
+    let ids: Vec<u32> = choice["logprobs"]["tokens"]
+        .as_array()
+        .expect("the tokens")
+        .iter()
+        .map(|t| t.as_str().and_then(|t| t.strip_prefix("token_id:")?.parse().ok()).expect("token_id:N"))
+        .collect();
+    let filled: Vec<u32> = ids.iter().copied().filter(|&id| id >= 266).collect();
+    assert!(!filled.is_empty(), "{ids:?}");
+    let text = choice["text"].as_str().unwrap();
+    for id in filled {
+        assert!(text.contains(&format!("w{id} ")), "token {id} in {text:?}");
+    }
+}
+
+/// `serve_bench` against `serve` on the built-in model: a row per concurrency, every request
+/// exactly its tokens (`ignore_eos`), positive speed, ordered quantiles; without a server, an
+/// error.
+#[test]
+fn serve_bench_reports_each_concurrency() {
+    let (server, url, log) = serve(&["--slots", "4", "--max-len", "256"], &[]);
+    let bench = || {
+        let mut bench = Command::new(env!("CARGO_BIN_EXE_serve_bench"));
+        bench.args(["--url", &url, "--clients", "1,3", "--max-tokens", "8", "--rounds", "2", "--warmup", "1"]);
+        run_for(bench, Duration::from_secs(120))
+    };
+    let out = bench();
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    let out = out.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
+    let rows: Vec<Vec<f64>> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap_or_else(|_| panic!("{x} in {l}"))).collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    for (row, clients) in rows.iter().zip([1.0, 3.0]) {
+        assert_eq!(row.len(), 10, "{out}");
+        assert_eq!(&row[..3], [clients, 2.0 * clients, 16.0 * clients], "clients, requests, tokens: {out}");
+        assert!(row[4] > 0.0 && row[5] > 0.0 && row[5] <= row[6] && row[7] <= row[8] && row[9] >= 1.0, "{out}");
+    }
+    assert!(bench().is_err(), "no server: an error");
 }

@@ -9,7 +9,6 @@ not, alone and beside others) and check the protocol. Exits non-zero on the firs
 """
 
 import json
-import signal
 import socket
 import sys
 import threading
@@ -20,20 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
+from common import bound, check, run
+
 SLOTS, QUEUE, MAX_LEN = 8, 24, 512
 BASE = sys.argv[1].rstrip("/")
 client = openai.OpenAI(base_url=BASE + "/v1", api_key="none", max_retries=0, timeout=60)
 MODEL = "default"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
 
-# The whole script is bounded: a hang fails it instead of holding CI.
-signal.signal(signal.SIGALRM, lambda *_: (print("client_test: timed out", flush=True), sys.exit(2)))
-signal.alarm(360)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
+bound("client_test", 360)
 
 
 def chat_stream(messages=CHAT, **kw):
@@ -288,15 +282,4 @@ TESTS = [
 ]
 
 if __name__ == "__main__":
-    print(f"openai {openai.__version__} against {BASE}", flush=True)
-    failed = 0
-    for t in TESTS:
-        t0 = time.time()
-        try:
-            t()
-            print(f"ok   {t.__name__} ({time.time() - t0:.1f} s)", flush=True)
-        except Exception as e:  # report every test, then fail
-            failed += 1
-            print(f"FAIL {t.__name__}: {type(e).__name__}: {e}", flush=True)
-    print(f"client_test: {len(TESTS) - failed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    run("client_test", TESTS, f"openai {openai.__version__} against {BASE}")

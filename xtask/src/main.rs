@@ -10,8 +10,9 @@
 //! - `serve ARGS...`: the model crate's `serve` (release build), e.g. `./x serve --port 8000`;
 //! - `lint`: rustfmt check, and clippy with warnings denied on the host crates and on the
 //!   device code as built for nvptx64;
-//! - `bundle [--out DIR]`: build the release test and bench executables and copy them, stripped,
-//!   into DIR (default `.device`) to carry to a GPU machine.
+//! - `bundle [--out DIR]`: build the release test and bench executables and the model crate's
+//!   binaries (`serve`, `serve_bench`, `generate`) and copy them, stripped, into DIR (default
+//!   `.device`: `tests/`, `benches/`, `bin/`) to carry to a GPU machine.
 
 #[path = "../../host/ptx_build.rs"]
 mod ptx_build;
@@ -213,19 +214,21 @@ fn cargo(workspace: &Path, base: &[&str], extra: impl Iterator<Item = String>, e
     Ok(())
 }
 
-/// Builds the release test and bench executables and copies them, stripped, into `out`
-/// (`out/tests/<name>`, `out/benches/<name>`).
+/// Builds the release test and bench executables and the model crate's binaries, and copies
+/// them, stripped, into `out` (`out/tests/<name>`, `out/benches/<name>`, `out/bin/<name>`).
 fn bundle(workspace: &Path, out: &Path) -> Result<()> {
     if out.exists() {
         std::fs::remove_dir_all(out).with_context(|| format!("clearing {}", out.display()))?;
     }
-    let test: &[&str] = &["test", "--no-run", "--release"];
-    let bench: &[&str] = &["bench", "--no-run"];
-    for (kind, args) in [("tests", test), ("benches", bench)] {
+    let test: &[&str] = &["test", "--no-run", "--release", "--workspace"];
+    let bench: &[&str] = &["bench", "--no-run", "--workspace"];
+    // A build of their own: a test build turns on test-only features (model's `scripted`).
+    let bin: &[&str] = &["build", "--release", "-p", "model", "--bins"];
+    for (kind, args) in [("tests", test), ("benches", bench), ("bin", bin)] {
         let output = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
             .current_dir(workspace)
             .args(args)
-            .args(["--workspace", "--message-format=json-render-diagnostics"])
+            .arg("--message-format=json-render-diagnostics")
             .stderr(std::process::Stdio::inherit())
             .output()
             .context("running cargo")?;
@@ -239,8 +242,15 @@ fn bundle(workspace: &Path, out: &Path) -> Result<()> {
             let (Some(exe), Some(name)) = (msg["executable"].as_str(), msg["target"]["name"].as_str()) else {
                 continue;
             };
-            let is_bench = msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bench"));
-            if (kind == "benches") != is_bench {
+            let is = |k: &str| msg["target"]["kind"].as_array().is_some_and(|kinds| kinds.iter().any(|x| x == k));
+            // The tests are the libraries' and the suites' (a test build also builds the
+            // binaries, their test harnesses, named as they are, and the examples).
+            let wanted = match kind {
+                "tests" => !is("bench") && !is("bin") && !is("example"),
+                "benches" => is("bench"),
+                _ => is("bin"),
+            };
+            if !wanted {
                 continue;
             }
             let dest = dir.join(name);

@@ -1,7 +1,8 @@
-//! `generate`: generates text with a NemotronH checkpoint directory (config.json, safetensors,
-//! tokenizer.json), streaming the text as it comes (the tokenizer's decode stream: each token
-//! decoded against the few before it, a character split over tokens printed once complete),
-//! then logs prefill and decode speed. Without `--model` it runs the small built-in model
+//! `generate`: generates text with a NemotronH checkpoint (a directory with config.json,
+//! safetensors and tokenizer.json, or a Hugging Face repo id already in the local cache, found
+//! by [`model::hub`] as `serve` finds it), streaming the text as it comes (the tokenizer's
+//! decode stream: each token decoded against the few before it, a character split over tokens
+//! printed once complete), then logs prefill and decode speed. Without `--model` it runs the small built-in model
 //! (random weights: the text means nothing). The default backend, `auto`, is the GPU when one
 //! can be opened and the CPU reference otherwise (it says which and why); `cuda` insists on
 //! the GPU. `generate --help` lists the options.
@@ -27,7 +28,7 @@
 //! message, then exit.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -62,10 +63,12 @@ enum Choice {
 #[derive(Parser, Debug)]
 #[command(name = "generate", version, allow_negative_numbers = true)]
 struct Args {
-    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json); without it, the
-    /// built-in model (random weights: the text means nothing).
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face
+    /// repo id ORG/NAME[@REVISION] already in the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
+    /// ~/.cache/huggingface/hub; nothing is downloaded); without it, the built-in model (random
+    /// weights: the text means nothing).
     #[arg(long)]
-    model: Option<PathBuf>,
+    model: Option<String>,
     /// The text to continue; with --chat, the one user message of a one-turn chat.
     #[arg(long)]
     prompt: Option<String>,
@@ -148,10 +151,7 @@ fn main() -> Result<()> {
     }
     // Refused here, before the model loads (the engine would refuse the request anyway).
     args.sampling().check()?;
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => model::built_in::dir()?,
-    };
+    let dir = model::hub::resolve(args.model.as_deref()).map_err(anyhow::Error::msg)?.dir;
     let t0 = Instant::now();
     tracing::info!("loading {}", dir.display());
     let config = Config::from_dir(&dir)?;

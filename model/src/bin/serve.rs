@@ -1,9 +1,11 @@
 //! `serve`: an OpenAI-compatible HTTP server for a NemotronH checkpoint (the library's
 //! `model::serve` has the routes and the engine thread). `--model` takes a checkpoint
 //! directory or a Hugging Face repo id already in the local cache ([`model::hub`]); without
-//! it, the built-in model. Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
+//! it, the built-in model; `--synthetic CONFIG` random weights of any size made in memory, for
+//! benchmarks (`serve_bench`). Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
 //! once it listens it prints `listening on http://ADDR` there.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -42,6 +44,12 @@ struct Args {
     /// weights: the text means nothing).
     #[arg(long)]
     model: Option<String>,
+    /// Instead of a checkpoint, random bf16 weights made in memory for this config.json (as
+    /// `cargo bench --bench nano` makes them; model/assets/nano-30b-a3b.json is Nemotron-3 Nano
+    /// 30B-A3B's), with the built-in model's tokenizer (a token added for each id past its
+    /// vocabulary, so that every token has text) and chat template: for serving benchmarks.
+    #[arg(long, conflicts_with = "model")]
+    synthetic: Option<PathBuf>,
     /// The name clients give as `model` (default: the repo id, the directory's name, or
     /// `default`).
     #[arg(long)]
@@ -75,33 +83,38 @@ fn main() -> Result<()> {
     if args.slots == 0 || args.max_len < 2 {
         bail!("--slots must be at least 1 and --max-len at least 2");
     }
-    let (dir, default_name) = match &args.model {
-        Some(m) => {
-            let found = model::hub::locate(m).map_err(anyhow::Error::msg)?;
-            let dir_name = found.dir.file_name().map(|n| n.to_string_lossy().into_owned());
-            let name = found.repo.or(dir_name).unwrap_or_else(|| "default".into());
-            (found.dir, name)
+    // With --synthetic (never beside --model), the built-in model's tokenizer and template.
+    let model::hub::Located { dir, name } = model::hub::resolve(args.model.as_deref()).map_err(anyhow::Error::msg)?;
+    let name = args.served_model_name.clone().unwrap_or(name);
+    let weights = match &args.synthetic {
+        Some(path) => {
+            let json = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            tracing::info!("random weights for {}", path.display());
+            Weights::Random(Config::from_json(&json)?)
         }
-        None => (model::built_in::dir()?, "default".into()),
+        None => {
+            tracing::info!("loading {}", dir.display());
+            Weights::Checkpoint(dir.clone())
+        }
     };
-    let name = args.served_model_name.clone().unwrap_or(default_name);
-    tracing::info!("loading {}", dir.display());
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
         bail!("{} has no tokenizer.json: the server needs the checkpoint's tokenizer", dir.display());
     }
-    let tokenizer =
+    let mut tokenizer =
         Tokenizer::from_file(&tok_path).map_err(|e| anyhow::anyhow!("reading {}: {e}", tok_path.display()))?;
+    if let Weights::Random(config) = &weights {
+        model::synthetic::fill_vocabulary(&mut tokenizer, config.vocab_size);
+    }
     let chat = Chat::from_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     let (backend, slots, max_len, step_tokens) = (args.backend, args.slots, args.max_len, args.max_step_tokens);
-    let load_dir = dir.clone();
     let engine = EngineHandle::spawn(args.max_queue, move |start: Starter| {
         let load = |start: Starter, b| match b {
             None => {
                 tracing::info!("backend: CPU reference");
-                start.run(load_engine(Cpu::default(), &load_dir, slots, max_len, step_tokens))
+                start.run(load_engine(Cpu::default(), &weights, slots, max_len, step_tokens))
             }
-            Some(cuda) => start.run(load_engine(cuda, &load_dir, slots, max_len, step_tokens)),
+            Some(cuda) => start.run(load_engine(cuda, &weights, slots, max_len, step_tokens)),
         };
         match backend {
             Backend::Cpu => load(start, None),
@@ -129,18 +142,34 @@ fn main() -> Result<()> {
     })
 }
 
-/// The engine over `backend` with the checkpoint in `dir` loaded.
+/// Where the weights come from.
+enum Weights {
+    /// A checkpoint directory.
+    Checkpoint(PathBuf),
+    /// Random, for this config (`--synthetic`).
+    Random(Config),
+}
+
+/// The engine over `backend` with `weights` loaded.
 fn load_engine<B: model::backend::Backend>(
     backend: B,
-    dir: &std::path::Path,
+    weights: &Weights,
     slots: usize,
     max_len: usize,
     max_step_tokens: Option<usize>,
 ) -> model::Result<Engine<B>> {
-    let config = Config::from_dir(dir)?;
-    let checkpoint = Checkpoint::open(dir)?;
-    let layout = Layout::new(&config, &checkpoint)?;
-    let model = Model::load(backend, &config, &layout, slots, max_len)?;
+    let model = match weights {
+        Weights::Checkpoint(dir) => {
+            let config = Config::from_dir(dir)?;
+            let checkpoint = Checkpoint::open(dir)?;
+            Model::load(backend, &config, &Layout::new(&config, &checkpoint)?, slots, max_len)?
+        }
+        Weights::Random(config) => {
+            // One buffer per kind of tensor (benches/nano.rs's seed), finite as drawn: not scanned.
+            let checkpoint = model::synthetic::in_memory(config, 7)?;
+            Model::load(backend, config, &Layout::trusting_values(config, &checkpoint)?, slots, max_len)?
+        }
+    };
     let mut engine = Engine::new(model);
     if let Some(n) = max_step_tokens {
         engine.set_max_step_tokens(n)?;

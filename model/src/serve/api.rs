@@ -197,6 +197,9 @@ pub struct Common {
     pub stop: Vec<String>,
     /// vLLM's extension: logprobs name tokens as `token_id:N`.
     pub token_ids: bool,
+    /// vLLM's extension: the eos ids do not end the generation (it runs to `max_tokens`, or a
+    /// stop string).
+    pub ignore_eos: bool,
 }
 
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with
@@ -300,11 +303,13 @@ pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
         sampling: s,
         stop: f.stop()?,
         token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
     })
 }
 
 /// The engine's parameters for a prompt of `prompt_len` tokens, checked against the context
-/// of `max_len` tokens (`param` names the prompt's field in errors).
+/// of `max_len` tokens (`param` names the prompt's field in errors); `stop_tokens` end the
+/// generation unless the request ignores them.
 pub fn request_params(
     c: &Common,
     prompt_len: usize,
@@ -334,6 +339,7 @@ pub fn request_params(
         Some(n) => n,
         None => room,
     };
+    let stop_tokens = if c.ignore_eos { vec![] } else { stop_tokens };
     Ok(RequestParams { max_new_tokens, sampling: c.sampling, stop_tokens })
 }
 
@@ -379,6 +385,7 @@ mod tests {
             (r#"{"stop": 3}"#, "stop"),
             (r#"{"top_logprobs": 30, "logprobs": true}"#, "top_logprobs"),
             (r#"{"stream": "yes"}"#, "stream"),
+            (r#"{"ignore_eos": 1}"#, "ignore_eos"),
         ] {
             let e = read(body, true).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}: {e:?}");
@@ -388,5 +395,8 @@ mod tests {
         let c = read("{}", false).unwrap();
         assert_eq!(request_params(&c, 10, 10, vec![], "prompt").unwrap_err().code, Some("context_length_exceeded"));
         assert_eq!(request_params(&c, 4, 10, vec![], "prompt").unwrap().max_new_tokens, 6);
+        assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, [2, 3]);
+        let c = read(r#"{"ignore_eos": true}"#, false).unwrap();
+        assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, Vec::<u32>::new());
     }
 }

@@ -17,6 +17,8 @@ mod chat;
 mod completions;
 mod generation;
 pub mod prompt;
+#[cfg(feature = "scripted")]
+pub mod scripted;
 #[cfg(test)]
 mod tests;
 pub mod text;

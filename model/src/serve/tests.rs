@@ -1,9 +1,6 @@
-//! The chat handler over a scripted engine thread ([`worker::scripted`]) with the built-in
-//! model's tokenizer and chat template: the engine's part is played by token ids that spell a
-//! chosen output, sent as the engine sends them (the eos id last, finishing the request). The
-//! rest runs as in production (the request's checks, its prompt, detokenizing, stop strings,
-//! the output parser, the JSON body or the SSE chunks), on outputs the random built-in model
-//! would never write: reasoning and tool calls.
+//! The chat handler over a scripted engine ([`scripted`]): outputs the random built-in model
+//! would never write, reasoning and tool calls, through the request's checks, detokenizing,
+//! the output parser and the JSON body or SSE chunks.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,13 +8,8 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
-use tokenizers::Tokenizer;
-use tokio::sync::mpsc::UnboundedSender;
 
-use super::prompt::Chat;
-use super::worker::{self, ModelInfo, Update};
-use super::{Served, chat};
-use crate::engine::{Event, Finish};
+use super::{Served, chat, scripted};
 
 const CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
     <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
@@ -29,32 +21,10 @@ fn tools() -> Value {
         "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])
 }
 
-fn token(id: u32, finished: Option<Finish>) -> Update {
-    Update::Token(Event { id: 0, token: id, finished, logprob: None, top_logprobs: vec![] })
-}
-
-/// A server on the built-in model's tokenizer and template whose engine gives each request
-/// to `reply` (its token channel, and the tokenizer).
-fn server(reply: impl FnMut(UnboundedSender<Update>, &Tokenizer) + Send + 'static) -> Arc<Served> {
-    let dir = crate::built_in::dir().expect("writing the built-in model");
-    let tokenizer = Arc::new(Tokenizer::from_file(dir.join("tokenizer.json")).expect("its tokenizer"));
-    let chat = Chat::from_dir(&dir).expect("its chat template");
-    let info = ModelInfo { slots: 2, max_len: 4096, vocab: tokenizer.get_vocab_size(true) };
-    let (tok, mut reply) = (tokenizer.clone(), reply);
-    let engine = worker::scripted(info, 0, move |_, _, out| reply(out, &tok));
-    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0 })
-}
-
 /// A server whose engine writes `text` for every request, then the eos id.
 fn writing(text: impl Into<String>) -> Arc<Served> {
-    let (text, eos) = (text.into(), Chat::from_dir(&crate::built_in::dir().unwrap()).unwrap().stop_ids()[0]);
-    server(move |out, tok| {
-        let ids = tok.encode(text.as_str(), false).expect("encoding the script").get_ids().to_vec();
-        for id in ids {
-            let _ = out.send(token(id, None));
-        }
-        let _ = out.send(token(eos, Some(Finish::Stop)));
-    })
+    let text = text.into();
+    scripted::built_in(move |turn| turn.write(&text))
 }
 
 /// The handler's status and body for a chat request.
@@ -157,9 +127,9 @@ async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
 #[tokio::test]
 async fn a_dropped_response_closes_its_channel() {
     let (tx, rx) = std::sync::mpsc::channel();
-    let s = server(move |out, _| {
-        let _ = out.send(token(u32::from(b'a'), None));
-        let _ = tx.send(out);
+    let s = scripted::built_in(move |turn| {
+        turn.send(u32::from(b'a'), None);
+        let _ = tx.send(turn.out);
     });
     let handler = post(&s, json!({"messages": [{"role": "user", "content": "hi"}]}));
     assert!(tokio::time::timeout(Duration::from_millis(300), handler).await.is_err(), "no last token: no answer");

@@ -206,10 +206,10 @@ fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
     }
 }
 
-/// A stand-in for the engine thread, for the server's tests: `reply` gets each request's
-/// prompt, parameters and token channel in turn and sends what it likes (a request's place in
-/// the admission count is given back when `reply` returns).
-#[cfg(test)]
+/// A stand-in for the engine thread, for the server's tests ([`super::scripted`]): `reply`
+/// gets each request's prompt, parameters and token channel in turn and sends what it likes (a
+/// request's place in the admission count is given back when `reply` returns).
+#[cfg(feature = "scripted")]
 pub(super) fn scripted(
     info: ModelInfo,
     max_queue: usize,

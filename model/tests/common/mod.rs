@@ -1,7 +1,8 @@
-//! The transformers fixture (tests/fixtures/tiny_nemotron_h), shared by the model's suites.
+//! What the model's suites share: the transformers fixture (tests/fixtures/tiny_nemotron_h),
+//! and a fake Hugging Face cache holding the built-in model ([`fake_hub`]).
 #![allow(dead_code)] // each suite that includes this module uses a part of it
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use model::config::Config;
 use model::weights::Checkpoint;
@@ -109,4 +110,24 @@ pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B)
     assert_eq!(tokens(after.unwrap()), next.greedy, "the request in the failed one's slot");
     std::fs::remove_dir_all(patched_dir(&format!("nan-{t}"))).ok();
     c.greedy.len() + next.greedy.len()
+}
+
+/// A fake Hugging Face home (a folder under the temp dir named by `tag`, for `HF_HOME`) whose
+/// cache holds the built-in model as `test-org/tiny`: `refs/main` names the snapshot `0a1b2c`,
+/// whose files link into `blobs/`, as huggingface_hub keeps them. Returns the home and the
+/// snapshot directory.
+pub fn fake_hub(tag: &str) -> (PathBuf, PathBuf) {
+    let home = std::env::temp_dir().join(format!("nemotron-hf-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let repo = home.join("hub/models--test-org--tiny");
+    let snapshot = repo.join("snapshots/0a1b2c");
+    for dir in [repo.join("blobs"), repo.join("refs"), snapshot.clone()] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(repo.join("refs/main"), "0a1b2c").unwrap();
+    for (name, bytes) in model::built_in::FILES {
+        std::fs::write(repo.join("blobs").join(name), bytes).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../blobs").join(name), snapshot.join(name)).unwrap();
+    }
+    (home, snapshot)
 }

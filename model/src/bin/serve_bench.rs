@@ -1,0 +1,258 @@
+//! `serve_bench`: a serving benchmark against a running `serve`. For each concurrency N of
+//! `--clients` (1, 8 and 64 by default), N clients at once each run `--rounds` streamed chat
+//! requests one after another (after `--warmup` rounds that are not counted: a first step of
+//! each batch size records its CUDA graph), each greedy, asking for `--max-tokens` tokens with
+//! `ignore_eos` (so every request generates exactly that many). Then it prints, per N: the
+//! requests, the tokens generated (the usage the server reports), the aggregate tokens/s (all
+//! of them over the measured rounds' wall time), the time to first token (connecting to the
+//! first chunk with text) and the inter-token latency (the gaps between a stream's chunks with
+//! text), each as median and p90, and the tokens a chunk (1.00 when every token came in a chunk
+//! of its own, so the gaps are per token; a token whose text is held back, an incomplete
+//! character, arrives with the next).
+//!
+//! The clients speak HTTP/1.1 over plain TCP (one connection a request) and read the
+//! server-sent events as they come; no Python, no client library, so it runs where only the
+//! binaries are.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use serde_json::{Value, json};
+
+/// Streams chat completions from a running `serve` with N concurrent clients and reports
+/// tokens/s, time to first token and inter-token latency.
+#[derive(Parser, Debug)]
+#[command(name = "serve_bench", version)]
+struct Args {
+    /// The server (http://HOST:PORT).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Concurrent clients, one run each (a comma-separated list).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    clients: Vec<usize>,
+    /// Tokens each request generates.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Measured requests per client, one after another.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Requests per client before the measured ones (not counted).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// The user message of every request (client i's is prefixed with its number).
+    #[arg(long, default_value = "Write a long story about a lighthouse keeper and the sea.")]
+    prompt: String,
+}
+
+/// What one request measured.
+struct Sample {
+    /// From connecting to its first chunk with text.
+    ttft: Duration,
+    /// Between the stream's chunks with text.
+    gaps: Vec<Duration>,
+    chunks: usize,
+    /// Generated tokens (the usage the server reports).
+    tokens: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let addr = args.url.strip_prefix("http://").context("--url must be http://HOST:PORT")?.trim_end_matches('/');
+    if args.clients.contains(&0) || args.rounds == 0 || args.max_tokens == 0 {
+        bail!("--clients, --rounds and --max-tokens must be at least 1");
+    }
+    println!(
+        "serve_bench: {} with {} tokens a request (greedy, ignore_eos), {} measured rounds after {} warm-up",
+        args.url, args.max_tokens, args.rounds, args.warmup
+    );
+    println!("clients requests   tokens   wall s   tokens/s  TTFT p50  TTFT p90   ITL p50   ITL p90 tokens/chunk");
+    for &n in &args.clients {
+        let (samples, wall) = run(addr, &args, n)?;
+        let tokens: usize = samples.iter().map(|s| s.tokens).sum();
+        let chunks: usize = samples.iter().map(|s| s.chunks).sum();
+        if let Some(s) = samples.iter().find(|s| s.tokens != args.max_tokens) {
+            bail!(
+                "a request generated {} tokens, not --max-tokens {}: does the server honour ignore_eos?",
+                s.tokens,
+                args.max_tokens
+            );
+        }
+        let ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+        let gaps: Vec<Duration> = samples.iter().flat_map(|s| s.gaps.iter().copied()).collect();
+        let ms = |v: &[Duration], p: f64| {
+            percentile(v, p).map_or("-".to_string(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
+        };
+        println!(
+            "{n:>7} {:>8} {tokens:>8} {:>8.2} {:>10.1} {:>9} {:>9} {:>9} {:>9} {:>12.2}",
+            samples.len(),
+            wall.as_secs_f64(),
+            tokens as f64 / wall.as_secs_f64(),
+            ms(&ttft, 0.5),
+            ms(&ttft, 0.9),
+            ms(&gaps, 0.5),
+            ms(&gaps, 0.9),
+            tokens as f64 / chunks.max(1) as f64,
+        );
+    }
+    println!(
+        "(times in ms; TTFT: connecting to the first chunk with text; ITL: gaps between a stream's chunks with text)"
+    );
+    Ok(())
+}
+
+/// `n` clients, each running the warm-up requests, then the measured ones: the measured
+/// requests' samples and the wall time from their start (all clients at once) to the last
+/// one's end.
+fn run(addr: &str, args: &Args, n: usize) -> Result<(Vec<Sample>, Duration)> {
+    let start = Arc::new(Barrier::new(n + 1));
+    let clients: Vec<_> = (0..n)
+        .map(|i| {
+            let body = json!({
+                "messages": [{"role": "user", "content": format!("{i}: {}", args.prompt)}],
+                "stream": true, "stream_options": {"include_usage": true},
+                "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": true,
+            })
+            .to_string();
+            let (addr, start, warmup, rounds) = (addr.to_string(), start.clone(), args.warmup, args.rounds);
+            std::thread::spawn(move || -> Result<Vec<Sample>> {
+                let warm = (0..warmup).try_for_each(|_| request(&addr, &body).map(drop));
+                // Every client reaches the start, failed or not, so that none waits for ever.
+                start.wait();
+                warm?;
+                (0..rounds).map(|_| request(&addr, &body)).collect()
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    let mut samples = Vec::new();
+    for c in clients {
+        samples.extend(c.join().map_err(|_| anyhow::anyhow!("a client panicked"))??);
+    }
+    Ok((samples, t0.elapsed()))
+}
+
+/// One streamed chat request on a connection of its own.
+fn request(addr: &str, body: &str) -> Result<Sample> {
+    let t0 = Instant::now();
+    let mut stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+    stream.set_nodelay(true)?;
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut r = BufReader::new(stream);
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status = line.trim_end().to_string();
+    let mut chunked = false;
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 || line == "\r\n" {
+            break;
+        }
+        let (name, value) = line.split_once(':').unwrap_or((&line, ""));
+        chunked |= name.eq_ignore_ascii_case("transfer-encoding") && value.trim().eq_ignore_ascii_case("chunked");
+    }
+    if !status.starts_with("HTTP/1.1 200") {
+        let mut rest = String::new();
+        r.read_to_string(&mut rest)?;
+        bail!("{status}: {rest}");
+    }
+    let (mut events, mut sample, mut last) = (Events::default(), None::<Sample>, t0);
+    let mut tokens = None;
+    while let Some(bytes) = body_piece(&mut r, chunked)? {
+        let now = Instant::now();
+        for data in events.push(&bytes) {
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&data).with_context(|| format!("a chunk that is not JSON: {data}"))?;
+            if let Some(e) = v.get("error") {
+                bail!("the stream failed: {e}");
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                tokens = Some(n as usize);
+            }
+            let delta = &v["choices"][0]["delta"];
+            let text = ["content", "reasoning"].iter().any(|k| delta[k].as_str().is_some_and(|t| !t.is_empty()));
+            if !text && delta.get("tool_calls").is_none() {
+                continue;
+            }
+            match &mut sample {
+                None => sample = Some(Sample { ttft: now - t0, gaps: vec![], chunks: 1, tokens: 0 }),
+                Some(s) => {
+                    s.gaps.push(now - last);
+                    s.chunks += 1;
+                }
+            }
+            last = now;
+        }
+    }
+    let mut sample = sample.context("the stream ended without text")?;
+    sample.tokens = tokens.context("the stream ended without usage")?;
+    Ok(sample)
+}
+
+/// The next piece of the response body as it arrives (`None` at its end): a chunk of a
+/// chunked body, else whatever the connection has.
+fn body_piece(r: &mut BufReader<TcpStream>, chunked: bool) -> Result<Option<Vec<u8>>> {
+    if !chunked {
+        let mut buf = vec![0; 16384];
+        let n = r.read(&mut buf)?;
+        buf.truncate(n);
+        return Ok((n > 0).then_some(buf));
+    }
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+        .with_context(|| format!("a chunk size that is not hex: {line:?}"))?;
+    if size == 0 {
+        return Ok(None);
+    }
+    let mut buf = vec![0; size + 2];
+    r.read_exact(&mut buf)?;
+    buf.truncate(size);
+    Ok(Some(buf))
+}
+
+/// Server-sent events split out of a byte stream.
+#[derive(Default)]
+struct Events {
+    pending: Vec<u8>,
+}
+
+impl Events {
+    /// The `data` of each event that `bytes` completes.
+    fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.pending.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            let event = String::from_utf8_lossy(&event);
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            if !data.is_empty() {
+                out.push(data.join("\n"));
+            }
+        }
+        out
+    }
+}
+
+/// The `p` quantile of `v` (nearest rank), `None` for no values.
+fn percentile(v: &[Duration], p: f64) -> Option<Duration> {
+    let mut v = v.to_vec();
+    v.sort();
+    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
+    v.get(rank - 1).copied()
+}

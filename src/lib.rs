@@ -224,25 +224,25 @@ impl Timed<'_> {
     /// Prints cold and warm per-launch times with GB/s and % of the copy bandwidth for `bytes`
     /// moved per launch.
     pub fn report(&self, name: &str, bytes: usize) {
-        let line = |(med, p10, p90): (f64, f64, f64)| {
+        let (cold, warm) = self.lines(|med| {
             let rate = bytes as f64 / (med * 1e-6);
-            format!(
-                "{med:8.2} us [p10 {p10:.2}, p90 {p90:.2}] {:6.0} GB/s {:5.1}%",
-                rate / 1e9,
-                100.0 * rate / self.bench.copy_bytes_per_s
-            )
-        };
-        let (cold, warm) = (self.per_launch_us(&self.cold), self.per_launch_us(&self.warm));
-        println!("{name:<36} {bytes:>10} B  cold {}  warm {}", line(cold), line(warm));
+            format!("{:6.0} GB/s {:5.1}%", rate / 1e9, 100.0 * rate / self.bench.copy_bytes_per_s)
+        });
+        println!("{name:<36} {bytes:>10} B  cold {cold}  warm {warm}");
     }
 
     /// Prints cold and warm per-launch times with the TFLOP/s of `flops` per launch.
     pub fn report_flops(&self, name: &str, flops: f64) {
-        let line = |(med, p10, p90): (f64, f64, f64)| {
-            format!("{med:8.2} us [p10 {p10:.2}, p90 {p90:.2}] {:6.1} TFLOP/s", flops / (med * 1e-6) / 1e12)
-        };
-        let (cold, warm) = (self.per_launch_us(&self.cold), self.per_launch_us(&self.warm));
-        println!("{name:<36} {:>8.1} GFLOP  cold {}  warm {}", flops / 1e9, line(cold), line(warm));
+        let (cold, warm) = self.lines(|med| format!("{:6.1} TFLOP/s", flops / (med * 1e-6) / 1e12));
+        println!("{name:<36} {:>8.1} GFLOP  cold {cold}  warm {warm}", flops / 1e9);
+    }
+
+    /// The cold and warm lines of a report: median and spread of the per-launch time, then
+    /// `rate(median)`.
+    fn lines(&self, rate: impl Fn(f64) -> String) -> (String, String) {
+        let line =
+            |(med, p10, p90): (f64, f64, f64)| format!("{med:8.2} us [p10 {p10:.2}, p90 {p90:.2}] {}", rate(med));
+        (line(self.per_launch_us(&self.cold)), line(self.per_launch_us(&self.warm)))
     }
 
     /// GPU time of `iters` launches (cold graph replays) for criterion's `iter_custom`.

@@ -25,6 +25,27 @@ fn attention_shared_memory_does_not_wrap() {
     }
 }
 
+/// Each row of `(slot, first position, rows)` runs: its slot and position.
+fn rows_of(seqs: &[(i32, u32, usize)]) -> (Vec<i32>, Vec<u32>) {
+    seqs.iter().flat_map(|&(sl, p0, n)| (0..n as u32).map(move |t| (sl, p0 + t))).unzip()
+}
+
+/// The reference cache write: row r's key and value (rows of `kv_heads * head_dim`) at its
+/// slot and position of the caches.
+fn write_rows(
+    (kc, vc): (&mut [bf16], &mut [bf16]),
+    (k, v): (&[bf16], &[bf16]),
+    (slots, pos): (&[i32], &[u32]),
+    s: AttnShape,
+) {
+    let kw = s.kv_heads * s.head_dim;
+    for r in 0..slots.len() {
+        let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
+        kc[at..at + kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
+        vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
+    }
+}
+
 /// The reference output of one row and its magnitude `M = sum_j w_j |v_j|` (the weights
 /// applied to the values' magnitudes).
 fn reference(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], s: AttnShape) -> (Vec<f64>, Vec<f64>) {
@@ -58,8 +79,7 @@ fn gpu_attention_matches_reference() {
         let decodes = [(2i32, 7u32, 1usize), (0, 0, 1), (3, (s.max_len - 1) as u32, 1), (1, 17, 1)];
         for seqs in [mixed, decodes] {
             let own = seqs == decodes;
-            let (slots, pos): (Vec<i32>, Vec<u32>) =
-                seqs.iter().flat_map(|&(sl, p0, n)| (0..n as u32).map(move |t| (sl, p0 + t))).unzip();
+            let (slots, pos) = rows_of(&seqs);
             let rows = slots.len();
             let (q, k, v) =
                 (rng.bf16s(rows * qw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0));
@@ -82,11 +102,7 @@ fn gpu_attention_matches_reference() {
             arows.set(&gpu, &slots, &pos).unwrap();
             attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
             // Reference: write the new rows, then attend over positions 0..=pos.
-            for r in 0..rows {
-                let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
-                kc[at..at + kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
-                vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
-            }
+            write_rows((&mut kc, &mut vc), (&k, &v), (&slots, &pos), s);
             let f = |x: &[bf16]| to_f64(x);
             let (mut want, mut mag) = (Vec::new(), Vec::new());
             for r in 0..rows {
@@ -161,8 +177,7 @@ fn flash_tiles_follow_the_runs() {
     // (slot, first position, rows): a run of two full tiles and 2 rows, a single row, the same
     // slot after a gap in positions, a run of exactly one tile.
     let runs = [(0i32, 10u32, 2 * r + 2), (1, 0, 1), (0, 300 + 2 * r, 2), (2, 5, r)];
-    let (slots, pos): (Vec<i32>, Vec<u32>) =
-        runs.iter().flat_map(|&(sl, p0, n)| (0..n).map(move |t| (sl, p0 + t))).unzip();
+    let (slots, pos) = rows_of(&runs.map(|(sl, p0, n)| (sl, p0, n as usize)));
     let t = |row0, rows, slot, pos0| FlashTile { row0, rows, slot, pos0 };
     let mut want = vec![
         t(0, r, 0, 10),
@@ -195,8 +210,7 @@ fn gpu_flash_attention_prefills() {
         vec![(1, 0, 4096)],
     ] {
         let slots_n = 6;
-        let (slots, pos): (Vec<i32>, Vec<u32>) =
-            seqs.iter().flat_map(|&(sl, p0, n)| (0..n as u32).map(move |t| (sl, p0 + t))).unzip();
+        let (slots, pos) = rows_of(&seqs);
         let rows = slots.len();
         let (q, k, v) =
             (rng.bf16s(rows * qw, -3.0, 3.0), rng.bf16s(rows * kw, -1.0, 1.0), rng.bf16s(rows * kw, -1.0, 1.0));
@@ -208,11 +222,7 @@ fn gpu_flash_attention_prefills() {
         let arows = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len).unwrap();
         attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
         let got = to_f64(&gpu.download(&out).unwrap());
-        for r in 0..rows {
-            let at = (slots[r] as usize * s.max_len + pos[r] as usize) * kw;
-            kc[at..at + kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
-            vc[at..at + kw].copy_from_slice(&v[r * kw..(r + 1) * kw]);
-        }
+        write_rows((&mut kc, &mut vc), (&k, &v), (&slots, &pos), s);
         let mut row0 = 0;
         for &(sl, p0, n) in &seqs {
             let base = sl as usize * s.max_len * kw;

@@ -406,7 +406,7 @@ fn project(
             d.check_filled(kern.name())?;
             c.that("pieces", pieces <= d.experts, format!("at most the {} experts", d.experts), pieces)?;
             // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
-            (d.experts, d.entries(), if by_token { d.entries() / d.top_k } else { d.entries() })
+            (d.experts, d.entries(), if by_token { d.rows() } else { d.entries() })
         }
         Rows::Choices(ch, launched) => {
             let tokens = ch.rows(kern.name())?;
@@ -627,7 +627,7 @@ pub fn experts_mlp_gemm(
 ) -> Result<()> {
     let c = Check("moe_experts_gemm");
     d.check_filled("moe_experts_gemm")?;
-    c.len_at_least("x", d.entries() / d.top_k * hidden, x.len())?;
+    c.len_at_least("x", d.rows() * hidden, x.len())?;
     c.len("up", d.experts * inter * hidden, up.len())?;
     c.len("down", d.experts * hidden * inter, down.len())?;
     c.len("out", d.entries() * hidden, out.len())?;

@@ -71,8 +71,6 @@ pub struct FlashParams {
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
 unsafe impl KernelParams for FlashParams {}
-// SAFETY: #[repr(C)], Copy, only integers (read by the kernel from a device buffer).
-unsafe impl KernelParams for FlashTile {}
 
 /// Buffers of key and value tiles: the next one loads while this one is read, and a third
 /// lets one barrier a key tile keep both apart (see the kernel).

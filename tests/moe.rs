@@ -129,13 +129,12 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::grouped::experts_mlp_grouped;
     use host::moe::{
         Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dense_split, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
     };
-    use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+    use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, to_f64, w8a8};
 
     /// Router logits in f64 from the bf16 activations and weights, as the kernel forms them.
     fn logits(x: &[bf16], gate: &[bf16], hidden: usize) -> Vec<Vec<f64>> {
@@ -731,35 +730,6 @@ mod gpu {
         let expected: usize = cases.iter().map(|&(n, _, rows)| 2 * n * rows).sum();
         println!("dense kernels: {compared} values compared");
         assert_eq!(compared, expected);
-    }
-
-    /// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):
-    /// codes, scales, and the decoded code values.
-    fn fp8_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
-        let a = (3.0 / k as f64).sqrt();
-        let (mut codes, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..count {
-            let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
-            let s = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
-            let c: Vec<u8> = w.iter().map(|&v| e4m3_encode(v / s)).collect();
-            values.extend(c.iter().map(|&c| f64::from(e4m3_decode(c))));
-            codes.extend(c);
-            scales.push(s);
-        }
-        (codes, scales, values)
-    }
-
-    /// W8A8 as docs/MATH.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
-    /// code values multiplied in f64 and scaled by both scales.
-    fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f64> {
-        let s = in_scale.unwrap_or_else(|| {
-            let amax = x.iter().fold(0.0f64, |m, v| m.max(v.abs())) as f32;
-            (amax / E4M3_MAX).max(MIN_SCALE)
-        });
-        let xq: Vec<f64> = x.iter().map(|&v| f64::from(e4m3_decode(e4m3_encode(v as f32 / s)))).collect();
-        w.chunks(x.len())
-            .map(|row| row.iter().zip(&xq).map(|(a, b)| a * b).sum::<f64>() * f64::from(w_scale * s))
-            .collect()
     }
 
     #[test]

@@ -550,8 +550,9 @@ mod kernels {
     /// other row fields null). Grid `(ceil(n / WARP_BLOCK_ROWS), entries)`, block
     /// [`WARP_BLOCK`](crate::gemv::WARP_BLOCK): block `(b, a)` computes choice a, expert
     /// `idx[a]`, for row `a / per` of x into row a of out, as [`moe_expert_bf16`] computes an
-    /// expert's rows. The next kernel launches only once this one's wait has returned (the routing has completed):
-    /// the expert-combine kernel after it reads the choices before its wait.
+    /// expert's rows. The next kernel launches only once this one's wait has returned (the
+    /// routing has completed): the expert-combine kernel after it reads the choices before its
+    /// wait.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
         grid_dependency_wait_first();

@@ -1,12 +1,12 @@
 //! `cargo bench --bench gemv`: linear layers at decode batch sizes, Nemotron-3 Nano shapes,
-//! through the expert kernel's dense path (`host::moe::dense`), the split-k dense kernel
-//! (`host::moe::dense_split`) and through cuBLASLt
-//! (`host::gemm::linear`): which the CUDA backend takes for bf16 linear layers. Method as in
+//! through the gemv kernels' warp mode (`host::gemv::gemv`), their split mode
+//! (`host::gemv::gemv_split`) and through cuBLASLt (`host::gemm::linear`): which the CUDA
+//! backend takes for bf16 linear layers. Method as in
 //! benches/norm.rs (CUDA graph replays timed with events; cold: weights rotated through more
 //! than the L2); bytes: the weight, x and y once.
 
 use half::bf16;
-use host::moe::{ExpertWeights, dense, dense_split};
+use host::gemv::{Weights, gemv, gemv_split};
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -35,9 +35,9 @@ fn main() {
             let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
             let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
             let bytes = n * k * 2 + rows * (n + k) * 2;
-            let timed = b.capture(sets, |i| dense(gpu, &x, rows, ExpertWeights::Bf16(&ws[i]), (n, k), false, &mut y));
+            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, Weights::Bf16(&ws[i]), (n, k), false, &mut y));
             timed.report(&format!("gemv/{tag}/kernel"), bytes);
-            let timed = b.capture(sets, |i| dense_split(gpu, &x, rows, &ws[i], (n, k), &mut y));
+            let timed = b.capture(sets, |i| gemv_split(gpu, &x, rows, &ws[i], (n, k), &mut y));
             timed.report(&format!("gemv/{tag}/split"), bytes);
             let timed =
                 b.capture(sets, |i| host::gemm::linear(gpu, rows, &x.as_view(), &ws[i].as_view(), n, k, &mut y));

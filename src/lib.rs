@@ -1,7 +1,9 @@
 //! Test and bench support shared by the integration suites (`tests/`) and the benches
-//! (`benches/`): seeded random data, and comparisons that report what they compared.
+//! (`benches/`): seeded random data, FP8 weights and their W8A8 reference, and comparisons that
+//! report what they compared.
 
 use half::bf16;
+use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
 
 /// A small seeded generator (SplitMix64): the same seed gives the same data on every machine.
 pub struct Rng(u64);
@@ -132,6 +134,33 @@ pub fn gpu() -> host::Gpu {
         }
         Err(e) => panic!("this test needs a CUDA GPU: {e}"),
     }
+}
+
+/// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):
+/// codes, scales, and the decoded code values.
+pub fn fp8_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
+    let a = (3.0 / k as f64).sqrt();
+    let (mut codes, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..count {
+        let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
+        let s = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
+        let c: Vec<u8> = w.iter().map(|&v| e4m3_encode(v / s)).collect();
+        values.extend(c.iter().map(|&c| f64::from(e4m3_decode(c))));
+        codes.extend(c);
+        scales.push(s);
+    }
+    (codes, scales, values)
+}
+
+/// W8A8 as docs/MATH.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
+/// code values of the rows of `w` multiplied in f64 and scaled by both scales.
+pub fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f64> {
+    let s = in_scale.unwrap_or_else(|| {
+        let amax = x.iter().fold(0.0f64, |m, v| m.max(v.abs())) as f32;
+        (amax / E4M3_MAX).max(MIN_SCALE)
+    });
+    let xq: Vec<f64> = x.iter().map(|&v| f64::from(e4m3_decode(e4m3_encode(v as f32 / s)))).collect();
+    w.chunks(x.len()).map(|row| row.iter().zip(&xq).map(|(a, b)| a * b).sum::<f64>() * f64::from(w_scale * s)).collect()
 }
 
 /// A bf16 NaN, to poison output buffers before a kernel writes them.

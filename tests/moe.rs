@@ -129,13 +129,12 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
     use host::grouped::experts_mlp_grouped;
     use host::moe::{
-        Choices, Dispatch, ExpertWeights, RouteShape, combine, dense, dense_split, dispatch, experts, experts_mlp,
-        experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
+        Choices, Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_choices,
+        experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
     };
-    use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
+    use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, to_f64, w8a8};
 
     /// Router logits in f64 from the bf16 activations and weights, as the kernel forms them.
     fn logits(x: &[bf16], gate: &[bf16], hidden: usize) -> Vec<Vec<f64>> {
@@ -696,75 +695,7 @@ mod gpu {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn gpu_dense_kernels_match_reference() {
-        let gpu = gpu();
-        let mut rng = Rng::new(96);
-        let mut compared = 0;
-        // Nano's out_proj and shared down projection (the split kernel's rows), in_proj and the
-        // fused q/k/v (the dense kernel's) at one row; rows of k not a multiple of the
-        // kernels' strides, n not of their rows per block, a few rows, k of one chunk. Both
-        // kernels on every case.
-        let cases =
-            [(2688, 4096, 1), (2688, 3712, 1), (10304, 2688, 1), (4608, 2688, 1), (7, 1032, 3), (5, 40, 2), (9, 8, 1)];
-        for (n, k, rows) in cases {
-            let bound = (3.0 / k as f64).sqrt();
-            let (w, x) = (rng.bf16s(n * k, -bound, bound), rng.bf16s(rows * k, -1.0, 1.0));
-            let (dw, dx) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
-            let want: Vec<f64> = (0..rows * n)
-                .map(|i| {
-                    let (j, r) = (i / n, i % n);
-                    (0..k).map(|c| x[j * k + c].to_f64() * w[r * k + c].to_f64()).sum()
-                })
-                .collect();
-            for split in [true, false] {
-                let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-                if split {
-                    dense_split(&gpu, &dx, rows, &dw, (n, k), &mut out).unwrap();
-                } else {
-                    dense(&gpu, &dx, rows, ExpertWeights::Bf16(&dw), (n, k), false, &mut out).unwrap();
-                }
-                let label = format!("dense (split: {split}) {n} x {k}, rows {rows}");
-                // bf16 output (2^-8 relative) over f32 sums of bf16 products.
-                compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, 1.0 / 128.0);
-            }
-        }
-        let expected: usize = cases.iter().map(|&(n, _, rows)| 2 * n * rows).sum();
-        println!("dense kernels: {compared} values compared");
-        assert_eq!(compared, expected);
-    }
-
-    /// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):
-    /// codes, scales, and the decoded code values.
-    fn fp8_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
-        let a = (3.0 / k as f64).sqrt();
-        let (mut codes, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..count {
-            let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
-            let s = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
-            let c: Vec<u8> = w.iter().map(|&v| e4m3_encode(v / s)).collect();
-            values.extend(c.iter().map(|&c| f64::from(e4m3_decode(c))));
-            codes.extend(c);
-            scales.push(s);
-        }
-        (codes, scales, values)
-    }
-
-    /// W8A8 as docs/MATH.md defines it: `x` quantized with `in_scale` (or its per-token scale), the
-    /// code values multiplied in f64 and scaled by both scales.
-    fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f64> {
-        let s = in_scale.unwrap_or_else(|| {
-            let amax = x.iter().fold(0.0f64, |m, v| m.max(v.abs())) as f32;
-            (amax / E4M3_MAX).max(MIN_SCALE)
-        });
-        let xq: Vec<f64> = x.iter().map(|&v| f64::from(e4m3_decode(e4m3_encode(v as f32 / s)))).collect();
-        w.chunks(x.len())
-            .map(|row| row.iter().zip(&xq).map(|(a, b)| a * b).sum::<f64>() * f64::from(w_scale * s))
-            .collect()
-    }
-
-    #[test]
-    #[ignore = "needs a CUDA GPU"]
-    fn gpu_fp8_experts_and_dense_match_reference() {
+    fn gpu_fp8_experts_match_reference() {
         let gpu = gpu();
         let mut rng = Rng::new(96);
         let mut compared = 0;
@@ -822,25 +753,8 @@ mod gpu {
             // The codes are the same on both sides (same bf16 inputs, same f32 division);
             // sums in f32 against f64 can move a hidden value by one bf16 step.
             compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 64.0);
-            // The dense path: one expert, every row in order.
-            let rows = 5;
-            let xd = rng.bf16s(rows * hidden, -1.0, 1.0);
-            let in0 = up_i.as_ref().map(|_| gpu.upload(&up_in[..1]).unwrap());
-            let w0 = ExpertWeights::Fp8 {
-                codes: &gpu.upload(&up_c[..inter * hidden]).unwrap(),
-                w_scale: &gpu.upload(&up_s[..1]).unwrap(),
-                in_scale: in0.as_ref(),
-            };
-            let mut y = gpu.upload(&vec![POISON_BF16; rows * inter]).unwrap();
-            dense(&gpu, &gpu.upload(&xd).unwrap(), rows, w0, (inter, hidden), false, &mut y).unwrap();
-            let want: Vec<f64> = xd
-                .chunks(hidden)
-                .flat_map(|r| w8a8(&to_f64(r), &up_v[..inter * hidden], up_s[0], up_static.then_some(up_in[0])))
-                .collect();
-            compared +=
-                assert_close(&format!("{label} dense"), &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
         }
-        println!("FP8 experts and dense: {compared} values compared");
+        println!("FP8 experts: {compared} values compared");
     }
 
     /// Misuse the launchers cannot be trusted with: a dispatch never filled, x shorter than the

@@ -24,6 +24,7 @@ pub mod conv1d;
 pub mod cpu;
 mod error;
 pub mod gemm;
+pub mod gemv;
 mod gpu;
 pub mod grouped;
 pub mod mamba;

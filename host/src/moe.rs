@@ -3,10 +3,10 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
+use kernels_gpu::gemv::{WARP_BLOCK, WARP_BLOCK_ROWS};
 use kernels_gpu::moe::{
-    COMBINE_ROWS, CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, EXPERT_BLOCK, EXPERT_BLOCK_ROWS,
-    ExpertCombineParams, ExpertParams, LOGITS_BLOCK, LOGITS_TOKENS, ROUTE_SMEM_BYTES, ROUTE_UP_ROWS, RouteParams,
-    SPLIT_BLOCK, SPLIT_ROWS,
+    COMBINE_ROWS, CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, ExpertCombineParams,
+    ExpertParams, LOGITS_BLOCK, LOGITS_TOKENS, ROUTE_SMEM_BYTES, ROUTE_UP_ROWS, RouteParams,
 };
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
@@ -247,19 +247,9 @@ impl Dispatch {
     }
 }
 
-/// The weights of one projection of every expert, `[experts, n, k]`. FP8 scales must be finite
-/// and > 0 (the model's layout checks a checkpoint's); others give garbage, not unsafety.
-#[derive(Clone, Copy)]
-pub enum ExpertWeights<'a> {
-    Bf16(&'a CudaSlice<bf16>),
-    /// e4m3 codes with a weight scale per expert and, for static activation quantization, an
-    /// input scale per expert (none: each input row gets its own scale).
-    Fp8 {
-        codes: &'a CudaSlice<u8>,
-        w_scale: &'a CudaSlice<f32>,
-        in_scale: Option<&'a CudaSlice<f32>>,
-    },
-}
+/// The weights of one projection of every expert, `[experts, n, k]`: a matrix (and its scales)
+/// per expert.
+pub use crate::gemv::Weights as ExpertWeights;
 
 /// Groups the routing choices `idx [rows, top_k]` (from [`route`]) by expert into `d`. An
 /// expert id outside `0..experts` traps the kernel (an error at the next synchronization).
@@ -313,8 +303,8 @@ impl Choices<'_> {
     }
 }
 
-/// The rows an expert launch computes: the grouped rows of a dispatch, each routing choice
-/// (no dispatch), or all rows of a dense layer (one expert).
+/// The rows an expert launch computes: the grouped rows of a dispatch, or each routing choice
+/// (no dispatch).
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     Routed {
@@ -324,9 +314,6 @@ enum Rows<'a> {
     },
     /// Every choice, or (one token) only its first `usize`: the rest computed elsewhere.
     Choices(Choices<'a>, usize),
-    Dense(usize),
-    /// Dense, each weight row split along k over a block (bf16).
-    DenseSplit(usize),
 }
 
 /// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
@@ -335,8 +322,8 @@ enum Rows<'a> {
 /// experts may be the column blocks of one `[n, pieces * k]` matrix in their place (a shared
 /// expert's down projection cut into pieces; see [`experts_mlp`]); `f` is `relu(bf16(.))^2`
 /// when `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small
-/// batches: each warp streams its weight rows once per [`kernels_gpu::moe::EXPERT_TOKENS`]
-/// rows of the expert (again from cache for the next).
+/// batches: each warp streams its weight rows once per [`kernels_gpu::gemv::WARP_TOKENS`]
+/// rows of the expert (again from cache for the next), as [`crate::gemv::gemv`] for one matrix.
 #[allow(clippy::too_many_arguments)]
 pub fn experts(
     gpu: &Gpu,
@@ -352,36 +339,7 @@ pub fn experts(
     project(gpu, Rows::Routed { d, by_token, pieces }, x, w, nk, relu2, out)
 }
 
-/// A linear layer through the expert kernel: `out = f(x W^T)` for `rows` rows of `x`, `w [n,
-/// k]` one expert's weights, `f` as for [`experts`]: a bandwidth-bound GEMV for small batches,
-/// and the FP8 path of dense layers (W8A8 as for experts).
-pub fn dense(
-    gpu: &Gpu,
-    x: &impl DevicePtr<bf16>,
-    rows: usize,
-    w: ExpertWeights,
-    nk: (usize, usize),
-    relu2: bool,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    project(gpu, Rows::Dense(rows), x, w, nk, relu2, out)
-}
-
-/// As [`dense`] for bf16 weights, each weight row split along k over the threads of a block:
-/// faster than [`dense`] and than cuBLASLt (which splits k in a second launch) for a row or
-/// a few of a long k.
-pub fn dense_split(
-    gpu: &Gpu,
-    x: &impl DevicePtr<bf16>,
-    rows: usize,
-    w: &CudaSlice<bf16>,
-    nk: (usize, usize),
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    project(gpu, Rows::DenseSplit(rows), x, ExpertWeights::Bf16(w), nk, false, out)
-}
-
-/// [`experts`], [`dense`] and [`dense_split`].
+/// [`experts`], and the per-choice up projections of [`experts_mlp_choices`].
 fn project(
     gpu: &Gpu,
     rows: Rows,
@@ -391,11 +349,9 @@ fn project(
     relu2: bool,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let bf16_only = matches!(rows, Rows::Choices(..) | Rows::DenseSplit(_));
+    let bf16_only = matches!(rows, Rows::Choices(..));
     let kern = match (w, rows) {
         (ExpertWeights::Bf16(_), Rows::Choices(..)) => Kernel::MoeExpertChoices,
-        (ExpertWeights::Bf16(_), Rows::DenseSplit(_)) => Kernel::MoeDenseSplit,
-        (ExpertWeights::Bf16(_), Rows::Dense(_)) => Kernel::MoeDense,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
     };
@@ -414,33 +370,8 @@ fn project(
             c.that("choices", launched == all || (tokens == 1 && launched <= all), "all, or of one token", launched)?;
             (ch.experts, all, tokens)
         }
-        Rows::Dense(r) => {
-            c.count("rows", MAX_ENTRIES - 1, r)?;
-            (1, r, r)
-        }
-        Rows::DenseSplit(r) => {
-            c.count("rows", 65535, r)?;
-            (1, r, r)
-        }
     };
-    c.count("n", MAX_ELEMS, n)?;
-    c.count("k", MAX_ELEMS, k)?;
-    c.that("k", k.is_multiple_of(8), "a multiple of 8", k)?;
-    let (w_addr, w_scale, in_scale) = match w {
-        ExpertWeights::Bf16(w) => {
-            c.len("w", experts * n * k, w.len())?;
-            (gpu.addr(kern, "w", w)?, 0, 0)
-        }
-        ExpertWeights::Fp8 { codes, w_scale, in_scale } => {
-            c.len("w", experts * n * k, codes.len())?;
-            c.len("w_scale", experts, w_scale.len())?;
-            if let Some(s) = in_scale {
-                c.len("in_scale", experts, s.len())?;
-            }
-            let in_addr = gpu.opt_addr(kern, "in_scale", in_scale)?;
-            (gpu.addr(kern, "w", codes)?, gpu.addr(kern, "w_scale", w_scale)?, in_addr)
-        }
-    };
+    w.check(kern, experts, (n, k))?;
     c.len("out", entries * n, out.len())?;
     c.len_at_least("x", x_rows * k, x.len())?;
     let null = core::ptr::null();
@@ -458,23 +389,13 @@ fn project(
             pieces,
         ),
         Rows::Choices(_, launched) => (null, null, null, null, launched as u32, 0),
-        Rows::Dense(_) => (null, null, null, null, 1, 0),
-        Rows::DenseSplit(r) => (null, null, null, null, r as u32, 0),
     };
     let p = ExpertParams {
-        x: gpu.addr(kern, "x", x)? as *const u16,
+        o: crate::gemv::operands(gpu, kern, x, w, out, (n, k), relu2)?,
         x_row,
-        w: w_addr as *const u8,
-        w_scale: w_scale as *const f32,
-        in_scale: in_scale as *const f32,
         offsets,
         active,
         active_count,
-        out: gpu.addr_mut(kern, "out", out)? as *mut u16,
-        rows: entries as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
         piece0: (experts - pieces) as u32,
         pieces: pieces as u32,
         idx,
@@ -484,11 +405,9 @@ fn project(
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
     // choices read row a / per of x (entries / per rows) and trap on an id not below experts;
-    // a dense launch reads rows 0..entries of x and one expert's weights; w holds experts *
-    // n * k weights and the scales one per expert; out holds entries * n; k is a multiple of 8.
-    let (rows_per_block, block) =
-        if kern == Kernel::MoeDenseSplit { (SPLIT_ROWS, SPLIT_BLOCK) } else { (EXPERT_BLOCK_ROWS, EXPERT_BLOCK) };
-    unsafe { gpu.launch(kern, ((n as u32).div_ceil(rows_per_block), slots, 1), block, 0, p) }
+    // w holds experts * n * k weights and the scales one per expert; out holds entries * n; k
+    // is a multiple of 8.
+    unsafe { gpu.launch(kern, ((n as u32).div_ceil(WARP_BLOCK_ROWS), slots, 1), WARP_BLOCK, 0, p) }
 }
 
 /// The routed experts' MLPs `down_e(relu(up_e x)^2)` for every grouped row of `d`, into

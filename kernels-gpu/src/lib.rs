@@ -22,6 +22,7 @@ pub mod act;
 pub mod attn;
 pub mod conv1d;
 pub mod flash;
+pub mod gemv;
 pub mod grouped;
 pub mod mamba;
 pub mod mma;
@@ -143,6 +144,13 @@ kernels! {
     AttnFlash = "attn_flash_bf16",
     /// [`flash::FlashParams`]: as `AttnFlash`, heads of 113 to 128 channels.
     AttnFlashD128 = "attn_flash_d128_bf16",
+    /// [`gemv::DenseParams`]: a bf16 linear layer at few rows, a warp per weight row pair, its
+    /// first weights loading before it waits on the kernel before.
+    Gemv = "gemv_bf16",
+    /// [`gemv::DenseParams`]: as `Gemv`, e4m3 weights (W8A8).
+    GemvFp8 = "gemv_fp8",
+    /// [`gemv::SplitParams`]: a bf16 linear layer, each weight row split along k over a block.
+    GemvSplit = "gemv_split_bf16",
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
     MoeRoute = "moe_route_bf16",
@@ -154,11 +162,6 @@ kernels! {
     MoeExpertFp8 = "moe_expert_fp8",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
-    /// [`moe::ExpertParams`]: a bf16 linear layer, each weight row split along k over a block.
-    MoeDenseSplit = "moe_dense_split_bf16",
-    /// [`moe::ExpertParams`]: a bf16 linear layer, a warp per weight row pair (`MoeExpert`'s
-    /// dense mode), its first weights loading before it waits on the kernel before.
-    MoeDense = "moe_dense_bf16",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`grouped::GroupedParams`]: one projection of every expert with rows, on tensor cores.
@@ -184,11 +187,7 @@ impl Kernel {
     pub const fn loads_early(self) -> bool {
         matches!(
             self,
-            Kernel::MoeDense
-                | Kernel::MoeDenseSplit
-                | Kernel::MoeRoute
-                | Kernel::MoeExpertCombine
-                | Kernel::MambaDecode
+            Kernel::Gemv | Kernel::GemvSplit | Kernel::MoeRoute | Kernel::MoeExpertCombine | Kernel::MambaDecode
         )
     }
 }

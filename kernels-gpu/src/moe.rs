@@ -5,6 +5,7 @@
 //! its routing weights in f32, plus the shared expert's output.
 
 use crate::KernelParams;
+use crate::gemv::{Operands, WARP_ROWS};
 
 /// Tokens per block of the routing kernel (the router row read once for all of them).
 pub const LOGITS_TOKENS: u32 = 8;
@@ -102,37 +103,20 @@ pub struct DispatchParams {
 }
 
 /// One projection of every expert with rows: grouped row `j` of expert `e`
-/// (`offsets[e] <= j < offsets[e + 1]`) gets `out[j] = f(x[row(j)] W_e^T)`, `f` the identity or
-/// `relu(bf16(.))^2`. FP8 weights (W8A8, docs/MATH.md section 7): `W_e = codes * w_scale[e]`, and
-/// each input row is quantized to e4m3 first, with `in_scale[e]` or, when `in_scale` is null,
-/// its own per-token scale (docs/MATH.md section 4); the product of the codes is summed in f32 and
-/// scaled by both scales.
+/// (`offsets[e] <= j < offsets[e + 1]`) gets `out[j] = f(x[row(j)] W_e^T)`: [`Operands`] of
+/// `[experts, n, k]` weights (`out` of `[entries, n]`; `relu2` as the experts' hidden
+/// activation), by the warp mode of the gemv kernels (kernels-gpu/src/gemv.rs) with an expert
+/// per row.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertParams {
-    /// Input rows of `k` bf16.
-    pub x: *const u16,
+    pub o: Operands,
     /// `[entries]` grouped row -> row of `x`; null: row `j` of `x` itself.
     pub x_row: *const u32,
-    /// `[experts, n, k]` weights: bf16, or e4m3 codes for the FP8 kernel.
-    pub w: *const u8,
-    /// FP8: `[experts]` weight scales (unused by the bf16 kernel).
-    pub w_scale: *const f32,
-    /// FP8: `[experts]` static input scales, or null for per-token scales.
-    pub in_scale: *const f32,
-    /// The dispatch's offsets, active list and count; all null for a dense launch (one
-    /// expert, rows `0..rows`).
+    /// The dispatch's offsets, active list and count (null for [`moe_expert_choices_bf16`]).
     pub offsets: *const u32,
     pub active: *const u32,
     pub active_count: *const u32,
-    /// `[entries, n]` bf16, written.
-    pub out: *mut u16,
-    /// Rows of a dense launch (unused otherwise).
-    pub rows: u32,
-    pub n: u32,
-    pub k: u32,
-    /// 1: `relu(bf16(.))^2`, as the experts' hidden activation.
-    pub relu2: u32,
     /// Experts `piece0..piece0 + pieces` are the column blocks of one `[n, pieces * k]`
     /// matrix stored where expert `piece0` would start (a shared expert's down projection cut
     /// into pieces): row r of piece j at `(piece0 * n + r * pieces) * k + j * k`. 0: none.
@@ -179,7 +163,7 @@ unsafe impl KernelParams for RouteParams {}
 unsafe impl KernelParams for CombineParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for DispatchParams {}
-// SAFETY: as above.
+// SAFETY: as above (and Operands, likewise).
 unsafe impl KernelParams for ExpertParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for ExpertCombineParams {}
@@ -188,30 +172,12 @@ unsafe impl KernelParams for ExpertCombineParams {}
 pub const DISPATCH_BLOCK: u32 = 1024;
 /// Dynamic shared memory of the dispatch kernel: a count and a cursor per expert.
 pub const DISPATCH_SMEM_BYTES: u32 = 2 * MAX_EXPERTS * 4;
-/// Threads per block of the expert kernel.
-pub const EXPERT_BLOCK: u32 = 128;
-/// Weight rows each warp of the expert kernel computes together.
-pub const EXPERT_WARP_ROWS: u32 = 2;
-/// Chunks of each row a lane of the expert kernel loads at once (loads in flight). 6 and 8
-/// took more registers and made the batch-1 step slower (docs/PERFORMANCE.md, MoE).
-pub const EXPERT_UNROLL: usize = 4;
-/// Weight rows per block of the expert kernel.
-pub const EXPERT_BLOCK_ROWS: u32 = EXPERT_WARP_ROWS * EXPERT_BLOCK / 32;
-/// Tokens the expert kernel multiplies with one pass over its weight rows.
-pub const EXPERT_TOKENS: usize = 1;
-/// Threads per block of the split-k dense kernel (together over each weight row).
-pub const SPLIT_BLOCK: u32 = 128;
-/// Weight rows per block of the split-k dense kernel.
-pub const SPLIT_ROWS: u32 = 4;
-/// Chunks of each weight row a thread of the split-k dense kernel loads at once. 4 (128
-/// registers on sm_90) was no faster (docs/PERFORMANCE.md, linear layers).
-pub const SPLIT_UNROLL: usize = 2;
 /// Output rows per block of the expert-combine kernel (each warp streams them for its choice).
-pub const COMBINE_ROWS: u32 = EXPERT_WARP_ROWS;
+pub const COMBINE_ROWS: u32 = WARP_ROWS;
 
 /// Rows of an appended piece's up projection one block of [`moe_route_bf16`] computes (a warp
-/// per [`EXPERT_WARP_ROWS`]).
-pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * EXPERT_WARP_ROWS;
+/// per [`WARP_ROWS`]).
+pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * WARP_ROWS;
 
 /// Dynamic shared memory of the routing kernel: per token of a block, selection scores and
 /// group scores (group-limited routing).
@@ -222,6 +188,7 @@ mod kernels {
     use super::*;
     use crate::EW_BLOCK;
     use crate::device::*;
+    use crate::gemv::{Chunk, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows};
 
     /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
     /// values, by one full warp (lanes over i). NaN marks an entry already taken: skipped.
@@ -318,8 +285,8 @@ mod kernels {
 
     /// Block `b` past the experts' of [`moe_route_bf16`]: rows `(b % per_piece) *
     /// ROUTE_UP_ROWS..` of appended piece `b / per_piece`'s up projection for the one token,
-    /// each warp [`EXPERT_WARP_ROWS`] rows as [`moe_expert_choices_bf16`] computes them (the
-    /// same code: [`rows_from`]), into its choice's row `top_k + piece` of h.
+    /// each warp [`WARP_ROWS`] rows as [`moe_expert_choices_bf16`] computes them (the same
+    /// code: [`warp_rows`]), into its choice's row `top_k + piece` of h.
     ///
     /// # Safety
     /// [`RouteParams::up`] and `h` valid for one token; `b` below `shared * per_piece`.
@@ -328,34 +295,25 @@ mod kernels {
         let n = p.inter as usize;
         let per_piece = n.div_ceil(ROUTE_UP_ROWS as usize);
         let (piece, row0) =
-            (b / per_piece, (b % per_piece) * ROUTE_UP_ROWS as usize + (warp_id() * EXPERT_WARP_ROWS) as usize);
+            (b / per_piece, (b % per_piece) * ROUTE_UP_ROWS as usize + (warp_id() * WARP_ROWS) as usize);
         // The pieces' up projections are whole experts after the routed ones (row blocks of
         // the shared expert's; only its down projection is cut by columns): no pieces here.
-        let up = ExpertParams {
+        let up = Operands {
             x: p.x,
-            x_row: core::ptr::null(),
             w: p.up as *const u8,
             w_scale: core::ptr::null(),
             in_scale: core::ptr::null(),
-            offsets: core::ptr::null(),
-            active: core::ptr::null(),
-            active_count: core::ptr::null(),
             out: p.h,
-            rows: 1,
+            relu2: 1,
             n: p.inter,
             k: p.hidden,
-            relu2: 1,
-            piece0: 0,
-            pieces: 0,
-            idx: core::ptr::null(),
-            per: 1,
-            experts: p.experts + p.shared,
         };
-        let a = p.top_k as usize + piece;
+        let (e, a) = (p.experts as usize + piece, p.top_k as usize + piece);
+        let at = weight_rows(e, row0, (n, p.hidden as usize), (0, 0));
         // SAFETY: up holds (experts + shared) * n * k, x one row of k, h (top_k + shared) * n
         // (caller): choice a, of x row 0. It waits on the kernel before once its weights are
         // loading.
-        unsafe { rows_from::<Streamed, true>(up, p.experts as usize + piece, row0, (a, a + 1), 0, false) }
+        unsafe { warp_rows::<Streamed, true>(&up, false, e, row0, at, (a, a + 1), |_| 0) }
     }
 
     /// Experts per lane of [`select`]'s warp (lane l holds experts `l, l + 32, ..`).
@@ -556,99 +514,6 @@ mod kernels {
         }
     }
 
-    /// A chunk of 8 weights of one row, as loaded: bf16 pairs or e4m3 codes.
-    trait Chunk: Copy {
-        const ZERO: Self;
-        /// Bytes of a chunk: the alignment [`Chunk::load_whole`] needs.
-        const BYTES: usize;
-        /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
-        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
-        /// Elements `c..c + 8` of the row at `w`, all within it and aligned to
-        /// [`Chunk::BYTES`]: one load, no checks.
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self;
-        /// The weights as f32 (bf16 values, or e4m3 code values).
-        fn values(self) -> [f32; 8];
-    }
-
-    /// Eight bf16 weights that the launch reads once (one row: each weight row streamed by
-    /// one warp or block), loaded past L1 (see [`load8_stream`]). Where rows share weights
-    /// (a dispatch's rows of one expert), `[u32; 4]` keeps them in L1.
-    #[derive(Clone, Copy)]
-    struct Streamed([u32; 4]);
-
-    impl Chunk for Streamed {
-        const ZERO: Self = Streamed([0; 4]);
-        const BYTES: usize = 16;
-        #[inline(always)]
-        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-            // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
-            Streamed(unsafe { load8_stream(w as *const u16, c, k) })
-        }
-        #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
-            // SAFETY: forwarded (the chunk within the row and aligned, weights unchanged).
-            Streamed(unsafe { load8_stream_whole((w as *const u16).wrapping_add(c)) })
-        }
-        #[inline(always)]
-        fn values(self) -> [f32; 8] {
-            self.0.values()
-        }
-    }
-
-    impl Chunk for [u32; 4] {
-        const ZERO: Self = [0; 4];
-        const BYTES: usize = 16;
-        #[inline(always)]
-        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-            // SAFETY: forwarded (w holds k bf16).
-            unsafe { load8_raw(w as *const u16, c, k) }
-        }
-        #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
-            // SAFETY: forwarded (the chunk within the row and aligned).
-            unsafe { load8_raw_whole((w as *const u16).wrapping_add(c)) }
-        }
-        #[inline(always)]
-        fn values(self) -> [f32; 8] {
-            raw8_values(self)
-        }
-    }
-
-    impl Chunk for u64 {
-        const ZERO: Self = 0;
-        const BYTES: usize = 8;
-        #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
-            // SAFETY: forwarded (the chunk within the row and 8-byte aligned).
-            unsafe { *(w.wrapping_add(c) as *const u64) }
-        }
-        #[inline(always)]
-        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-            // SAFETY: forwarded (w holds k codes); 8-byte loads when whole and aligned.
-            unsafe {
-                if c + 8 <= k && (w.wrapping_add(c) as usize).is_multiple_of(8) {
-                    Self::load_whole(w, c)
-                } else {
-                    let mut v = 0u64;
-                    for i in 0..8 {
-                        if c + i < k {
-                            v |= u64::from(ld(w, c + i)) << (8 * i);
-                        }
-                    }
-                    v
-                }
-            }
-        }
-        #[inline(always)]
-        fn values(self) -> [f32; 8] {
-            let mut v = [0.0; 8];
-            for i in 0..4 {
-                (v[2 * i], v[2 * i + 1]) = e4m3x2_to_f32((self >> (16 * i)) as u16);
-            }
-            v
-        }
-    }
-
     /// Where the weight rows `row0..` of expert `e` of an `[experts, n, k]` array start (in
     /// elements) and the elements from one row to the next: experts `piece0..piece0 + pieces`
     /// are the column blocks of one `[n, pieces * k]` matrix stored where expert `piece0`
@@ -662,209 +527,32 @@ mod kernels {
         }
     }
 
-    /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
-    /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
-    /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
-    /// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
-    /// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
-    /// quantized to e4m3 with its token's `(scale, 1 / scale)`. Where the rows and inputs are
-    /// aligned to whole chunks (k is a multiple of 8, so a chunk is wholly within k or wholly
-    /// past it), each chunk is one unchecked load or zero; otherwise the loads check each
-    /// element. Either way the same sums in the same order.
-    ///
-    /// # Safety
-    /// The rows and inputs must be readable for `k` elements.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize, const EARLY: bool>(
-        w: *const u8,
-        (stride, elem): (usize, usize),
-        rows: usize,
-        xs: &[*const u16; T],
-        toks: usize,
-        scale: &[(f32, f32); T],
-        k: usize,
-        fp8: bool,
-        (me, threads): (usize, usize),
-    ) -> [[f32; T]; R] {
-        let step = threads * 8;
-        let mut acc = [[0.0f32; T]; R];
-        let mut c = me * 8;
-        let aligned = (w as usize).is_multiple_of(W::BYTES)
-            && (stride * elem).is_multiple_of(W::BYTES)
-            && xs.iter().all(|&x| (x as usize).is_multiple_of(16));
-        let d = Dots { w, stride: stride * elem, rows, xs, toks, scale, k, fp8, step };
-        // SAFETY: unchecked chunk loads only where all is aligned, without a test only where
-        // the pass lies within k (caller: the rows and inputs readable for k elements; with
-        // `early`, nothing else read yet that the kernel before writes).
-        unsafe {
-            if EARLY {
-                // The first pass on its own, waiting between its weights and its inputs (every
-                // lane, its chunks past k or not).
-                if aligned {
-                    d.pass::<W, R, U, CHUNKS, true>(c, &mut acc);
-                } else {
-                    d.pass::<W, R, U, ELEMENTS, true>(c, &mut acc);
-                }
-                c += step * U;
-            }
-            if aligned {
-                // Whole passes while every lane's chunks lie within k (in a warp's dot products,
-                // threads == 32: the last lane's chunk is `31 - me` chunks past this one's; a
-                // block's threads, the split kernel, test their own: its shapes split no warp,
-                // and the test would cost it registers), then one checked pass while the first
-                // thread's chunk (`me` chunks before this one's) does: the same for every lane,
-                // so a warp does not split into a whole pass for some lanes and a checked one
-                // for the others, each its own round trip.
-                let last = if threads == 32 { (threads - 1 - me) * 8 } else { 0 };
-                while c + last + (U - 1) * step < k {
-                    d.pass::<W, R, U, WHOLE, false>(c, &mut acc);
-                    c += step * U;
-                }
-                if c - me * 8 < k {
-                    d.pass::<W, R, U, CHUNKS, false>(c, &mut acc);
-                }
-            } else {
-                while c < k {
-                    d.pass::<W, R, U, ELEMENTS, false>(c, &mut acc);
-                    c += step * U;
-                }
-            }
-        }
-        acc
-    }
-
-    /// How a pass of [`partial_dots`] loads: every chunk within k, aligned (one load each);
-    /// aligned, a chunk within k or past it (one load or zero); elements checked.
-    const WHOLE: u8 = 0;
-    const CHUNKS: u8 = 1;
-    const ELEMENTS: u8 = 2;
-
-    /// What one pass of [`partial_dots`] reads (`stride` in bytes).
-    struct Dots<'a, const T: usize> {
-        w: *const u8,
-        stride: usize,
-        rows: usize,
-        xs: &'a [*const u16; T],
-        toks: usize,
-        scale: &'a [(f32, f32); T],
-        k: usize,
-        fp8: bool,
-        step: usize,
-    }
-
-    impl<const T: usize> Dots<'_, T> {
-        /// Chunks `c, c + step, .. c + (U - 1) * step` of every row, each against its
-        /// tokens' input chunk, added into `acc` in the order (token, chunk, row), chunks
-        /// past k as zeros, loaded as `MODE` ([`WHOLE`], [`CHUNKS`] or [`ELEMENTS`]) says.
-        /// `WAIT`: the weights' loads issued, the kernel waits on the one before, then reads
-        /// the inputs.
-        ///
-        /// # Safety
-        /// As [`partial_dots`]; `MODE` only as its constant says.
-        #[inline(always)]
-        unsafe fn pass<W: Chunk, const R: usize, const U: usize, const MODE: u8, const WAIT: bool>(
-            &self,
-            c: usize,
-            acc: &mut [[f32; T]; R],
-        ) {
-            let (k, step) = (self.k, self.step);
-            // Whether the chunk at `at` is one unchecked load (else zero, or, for ELEMENTS,
-            // checked element by element).
-            let whole = |at: usize| MODE == WHOLE || (MODE == CHUNKS && (at as u32) < k as u32);
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                let mut wv = [[W::ZERO; U]; R];
-                for (r, wv) in wv.iter_mut().enumerate() {
-                    if r < self.rows {
-                        let row = self.w.wrapping_add(r * self.stride);
-                        for (u, v) in wv.iter_mut().enumerate() {
-                            let at = c + u * step;
-                            *v = match MODE {
-                                ELEMENTS => W::load(row, at, k),
-                                _ if whole(at) => W::load_whole(row, at),
-                                _ => W::ZERO,
-                            };
-                        }
-                    }
-                }
-                if WAIT {
-                    grid_dependency_wait();
-                }
-                for (t, &x) in self.xs.iter().enumerate() {
-                    if t < self.toks {
-                        for u in 0..U {
-                            let at = c + u * step;
-                            let mut xv = match MODE {
-                                ELEMENTS => load8_bf16(x, at, k),
-                                _ if whole(at) => raw8_values(load8_raw_whole(x.wrapping_add(at))),
-                                _ => [0.0; 8],
-                            };
-                            if self.fp8 {
-                                let (s, inv) = self.scale[t];
-                                for i in 0..4 {
-                                    let q =
-                                        f32x2_to_e4m3(div_rn_by(xv[2 * i + 1], s, inv), div_rn_by(xv[2 * i], s, inv));
-                                    (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
-                                }
-                            }
-                            for (acc, wv) in acc.iter_mut().zip(&wv) {
-                                let wf = wv[u].values();
-                                for i in 0..8 {
-                                    acc[t] = fma(wf[i], xv[i], acc[t]);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
     /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`
     /// whether inputs are quantized.
     #[inline(always)]
     unsafe fn expert_rows<W: Chunk>(p: ExpertParams, fp8: bool) {
         grid_dependency_wait();
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
-        // the dispatch kernel over the same entries, all null for a dense launch.
+        // the dispatch kernel over the same entries.
         unsafe {
             let a = block_y() as usize;
-            // The expert, its first row of out and how many. (A count, not the end: a plain
-            // load on both sides would make the compiler select between a pointer into the
-            // parameters and one into global memory, and keep the parameters on the stack.)
-            let (e, lo, count) = if p.offsets.is_null() {
-                (0, 0, p.rows as usize)
-            } else {
-                if a as u32 >= ld(p.active_count, 0) {
-                    return;
-                }
-                let e = ld(p.active, a) as usize;
-                let lo = ld(p.offsets, e) as usize;
-                (e, lo, ld(p.offsets, e + 1) as usize - lo)
-            };
-            warp_rows::<W, false>(p, e, (lo, lo + count), usize::MAX, fp8);
+            if a as u32 >= ld(p.active_count, 0) {
+                return;
+            }
+            let e = ld(p.active, a) as usize;
+            let rows = (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize);
+            let x_row = |j| if p.x_row.is_null() { j } else { ld(p.x_row, j) as usize };
+            expert_warp::<W, false>(&p, e, block_row0(), rows, x_row, fp8);
         }
     }
 
-    /// A bf16 linear layer, [`ExpertParams`] of a dense launch (offsets, active, active_count,
-    /// x_row and idx null; pieces 0): [`moe_expert_bf16`]'s dense mode with the weights
-    /// streamed past L1 ([`Streamed`]), and the first of each warp's weight loads issued
-    /// before it waits on the kernel before (which, running, may be writing x). Grid `(ceil(n /
-    /// EXPERT_BLOCK_ROWS), 1)`, block [`EXPERT_BLOCK`].
-    #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn moe_dense_bf16(p: ExpertParams) {
-        // SAFETY: launch contract checked by host/src/moe.rs (x holds rows * k, w n * k, out
-        // rows * n, k a multiple of 8); it reads nothing of the kernel before until it waits.
-        unsafe { warp_rows::<Streamed, true>(p, 0, (0, p.rows as usize), usize::MAX, false) }
-    }
-
     /// Expert projection per routing choice, bf16 weights, [`ExpertParams`] with `idx` (the
-    /// other row fields null). Grid `(ceil(n / EXPERT_BLOCK_ROWS), entries)`, block
-    /// [`EXPERT_BLOCK`]: block `(b, a)` computes choice a, expert `idx[a]`, for row `a / per`
-    /// of x into row a of out, as [`moe_expert_bf16`] computes an expert's rows. The next
-    /// kernel launches only once this one's wait has returned (the routing has completed):
-    /// the expert-combine kernel after it reads the choices before its wait.
+    /// other row fields null). Grid `(ceil(n / WARP_BLOCK_ROWS), entries)`, block
+    /// [`WARP_BLOCK`](crate::gemv::WARP_BLOCK): block `(b, a)` computes choice a, expert
+    /// `idx[a]`, for row `a / per` of x into row a of out, as [`moe_expert_bf16`] computes an
+    /// expert's rows. The next kernel launches only once this one's wait has returned (the
+    /// routing has completed): the expert-combine kernel after it reads the choices before its
+    /// wait.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
         grid_dependency_wait_first();
@@ -876,202 +564,30 @@ mod kernels {
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }
-            warp_rows::<Streamed, false>(p, e as usize, (a, a + 1), a / p.per as usize, false);
+            let x = a / p.per as usize;
+            expert_warp::<Streamed, false>(&p, e as usize, block_row0(), (a, a + 1), |_| x, false);
         }
     }
 
-    /// One warp's share of an expert launch: the warp's weight rows `row0..`
-    /// ([`EXPERT_WARP_ROWS`] at most; block x's rows are the [`EXPERT_BLOCK_ROWS`] from
-    /// `block_x * EXPERT_BLOCK_ROWS`, none past n) of expert `e` for rows `lo..hi` of out, each
-    /// of x row `x_at` (choices) or, where that is `usize::MAX`, of `x_row[j]` (a dispatch) or
-    /// row j itself (dense).
+    /// One warp's share of an expert launch ([`warp_rows`]): its weight rows `row0..` of expert
+    /// `e` (pieces as [`ExpertParams::piece0`] says) for rows `rows` of out, row j of x row
+    /// `x_row(j)`.
     ///
     /// # Safety
     /// The launch contract of the calling kernel, `e` a valid expert.
     #[inline(always)]
-    unsafe fn warp_rows<W: Chunk, const EARLY: bool>(
-        p: ExpertParams,
+    unsafe fn expert_warp<W: Chunk, const EARLY: bool>(
+        p: &ExpertParams,
         e: usize,
+        row0: usize,
         rows: (usize, usize),
-        x_at: usize,
+        x_row: impl Fn(usize) -> usize,
         fp8: bool,
     ) {
-        let row0 = (block_x() * EXPERT_BLOCK_ROWS + warp_id() * EXPERT_WARP_ROWS) as usize;
+        let nk = (p.o.n as usize, p.o.k as usize);
+        let at = weight_rows(e, row0, nk, (p.piece0 as usize, p.pieces as usize));
         // SAFETY: forwarded.
-        unsafe { rows_from::<W, EARLY>(p, e, row0, rows, x_at, fp8) }
-    }
-
-    /// [`warp_rows`] for the warp's rows from `row0`, wherever the launch puts them (none
-    /// past n).
-    ///
-    /// # Safety
-    /// As [`warp_rows`].
-    #[inline(always)]
-    unsafe fn rows_from<W: Chunk, const EARLY: bool>(
-        p: ExpertParams,
-        e: usize,
-        row0: usize,
-        (lo, hi): (usize, usize),
-        x_at: usize,
-        fp8: bool,
-    ) {
-        let (n, k) = (p.n as usize, p.k as usize);
-        if row0 >= n {
-            return;
-        }
-        let elem = if fp8 { 1 } else { 2 };
-        // SAFETY: k a multiple of 8, w holds experts * n * k weights (and the scales experts
-        // values; the pieces, when any, among them) (caller).
-        unsafe {
-            let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
-            let w_scale = if fp8 { ld(p.w_scale, e) } else { 1.0 };
-            let wr = WarpRows { w: p.w.wrapping_add(at * elem), stride, elem, row0, e, w_scale, x_at, fp8 };
-            // EARLY: the first group apart (it waits on the kernel before once its weights
-            // are loading), so its loads are not hoisted out of the loop of the others.
-            let mut j0 = lo;
-            if EARLY && j0 < hi {
-                wr.group::<W, true>(&p, j0, hi);
-                j0 += EXPERT_TOKENS;
-            }
-            while j0 < hi {
-                wr.group::<W, false>(&p, j0, hi);
-                j0 += EXPERT_TOKENS;
-            }
-        }
-    }
-
-    /// A warp's weight rows of [`warp_rows`]: the first (`w`, `stride` elements of `elem`
-    /// bytes apart), the first's index, the expert and its weight scale; where x comes from
-    /// and FP8 or not.
-    struct WarpRows {
-        w: *const u8,
-        stride: usize,
-        elem: usize,
-        row0: usize,
-        e: usize,
-        w_scale: f32,
-        x_at: usize,
-        fp8: bool,
-    }
-
-    impl WarpRows {
-        /// Rows `j0..min(j0 + EXPERT_TOKENS, hi)` of out.
-        ///
-        /// # Safety
-        /// As [`warp_rows`]; x_row entries index rows of x, out holds entries * n. Each output
-        /// element is written by lane 0 of the one warp owning its weight row.
-        #[inline(always)]
-        unsafe fn group<W: Chunk, const EARLY: bool>(&self, p: &ExpertParams, j0: usize, hi: usize) {
-            const R: usize = EXPERT_WARP_ROWS as usize;
-            const T: usize = EXPERT_TOKENS;
-            let (n, k, fp8) = (p.n as usize, p.k as usize, self.fp8);
-            let lane = lane_id() as usize;
-            let rows = (n - self.row0).min(R);
-            let toks = (hi - j0).min(T);
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                // Constant indices only (t, r < T, R), so the arrays stay in registers.
-                let mut xs = [p.x; T];
-                // FP8: each token's scale and its reciprocal.
-                let mut scale = [(1.0f32, 1.0f32); T];
-                for (t, x) in xs.iter_mut().enumerate() {
-                    if t < toks {
-                        let r = if self.x_at != usize::MAX {
-                            self.x_at
-                        } else if p.x_row.is_null() {
-                            j0 + t
-                        } else {
-                            ld(p.x_row, j0 + t) as usize
-                        };
-                        *x = p.x.wrapping_add(r * k);
-                        if fp8 {
-                            let s = if p.in_scale.is_null() {
-                                let mut amax = 0.0f32;
-                                let mut c = lane * 8;
-                                while c < k {
-                                    amax = load8_bf16(*x, c, k).iter().fold(amax, |m, v| fmax(m, v.abs()));
-                                    c += 256;
-                                }
-                                crate::quant::token_scale(warp_max(amax), f32::INFINITY)
-                            } else {
-                                ld(p.in_scale, self.e)
-                            };
-                            scale[t] = (s, 1.0 / s);
-                        }
-                    }
-                }
-                let acc = partial_dots::<W, R, T, EXPERT_UNROLL, EARLY>(
-                    self.w,
-                    (self.stride, self.elem),
-                    rows,
-                    &xs,
-                    toks,
-                    &scale,
-                    k,
-                    fp8,
-                    (lane, 32),
-                );
-                for (r, acc) in acc.iter().enumerate() {
-                    for (t, &v) in acc.iter().enumerate() {
-                        if r < rows && t < toks {
-                            let s = warp_sum(v) * self.w_scale * scale[t].0;
-                            let y = if p.relu2 != 0 {
-                                let h = bf16_to_f32(f32_to_bf16(s)).max(0.0);
-                                h * h
-                            } else {
-                                s
-                            };
-                            if lane == 0 {
-                                st(p.out, (j0 + t) * n + self.row0 + r, f32_to_bf16(y));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// A bf16 linear layer at one row per block row, the weight rows split along k: for long
-    /// rows, where one warp per row needs many round trips. [`ExpertParams`] of a dense launch
-    /// (offsets, active, active_count, x_row and idx null; pieces 0). Grid `(ceil(n /
-    /// SPLIT_ROWS), rows)`, block [`SPLIT_BLOCK`]: block `(b, j)` computes outputs `b *
-    /// SPLIT_ROWS..` of row j, its threads over the chunks of k ([`SPLIT_UNROLL`] in flight per
-    /// weight row), each warp's sums through shared memory, added in warp order by one thread
-    /// per output.
-    #[unsafe(no_mangle)]
-    pub unsafe extern "ptx-kernel" fn moe_dense_split_bf16(p: ExpertParams) {
-        const R: usize = SPLIT_ROWS as usize;
-        const WARPS: usize = (SPLIT_BLOCK / 32) as usize;
-        let (n, k) = (p.n as usize, p.k as usize);
-        let (j, row0) = (block_y() as usize, block_x() as usize * R);
-        let rows = (n - row0).min(R);
-        let (warp, me) = (warp_id() as usize, thread_x() as usize);
-        // SAFETY: launch contract checked by host/src/moe.rs: x holds rows * k, w n * k, out
-        // rows * n, k a multiple of 8. Shared memory: the per-warp sums, each written by lane 0
-        // of its warp before the barrier; each output written by the one thread owning it.
-        unsafe {
-            let part = static_smem!("split_part", WARPS * R * 4);
-            let x = [p.x.wrapping_add(j * k)];
-            let w = p.w.wrapping_add(row0 * k * 2);
-            let block = (me, SPLIT_BLOCK as usize);
-            // It waits on the kernel before once its weights are loading (partial_dots).
-            let one = [(1.0, 1.0)];
-            let acc = partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, (k, 2), rows, &x, 1, &one, k, false, block);
-            for (r, a) in acc.iter().enumerate() {
-                let v = warp_sum(a[0]);
-                if lane_id() == 0 {
-                    st(part, warp * R + r, v);
-                }
-            }
-            sync_threads();
-            if me < rows {
-                let mut sum = 0.0f32;
-                for w in 0..WARPS {
-                    sum += ld(part, w * R + me);
-                }
-                st(p.out, j * n + row0 + me, f32_to_bf16(sum));
-            }
-        }
+        unsafe { warp_rows::<W, EARLY>(&p.o, fp8, e, row0, at, rows, x_row) }
     }
 
     /// Expert down projections and combining, bf16 weights, [`ExpertCombineParams`]. Grid
@@ -1106,7 +622,7 @@ mod kernels {
             let x = [p.x.wrapping_add(c * k)];
             let w = p.w.wrapping_add(at * 2);
             let warp = (lane_id() as usize, 32);
-            let dots = partial_dots::<Streamed, R, 1, EXPERT_UNROLL, true>(
+            let dots = partial_dots::<Streamed, R, 1, WARP_UNROLL, true>(
                 w,
                 (stride, 2),
                 rows,
@@ -1135,12 +651,11 @@ mod kernels {
         }
     }
 
-    /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / EXPERT_BLOCK_ROWS),
-    /// slots)` with `slots >= active_count` (blocks past it return; 1 for a dense launch),
-    /// block [`EXPERT_BLOCK`].
-    /// Block `(b, a)` takes expert `active[a]` (a dense launch: expert 0, rows `0..rows`, x
-    /// row j for row j); each warp streams [`EXPERT_WARP_ROWS`] weight rows once per
-    /// [`EXPERT_TOKENS`] of the expert's rows (see `partial_dots`).
+    /// Expert projection, bf16 weights, [`ExpertParams`]. Grid `(ceil(n / WARP_BLOCK_ROWS),
+    /// slots)` with `slots >= active_count` (blocks past it return), block
+    /// [`WARP_BLOCK`](crate::gemv::WARP_BLOCK). Block `(b, a)` takes expert `active[a]`; each
+    /// warp streams [`WARP_ROWS`] weight rows once per
+    /// [`WARP_TOKENS`](crate::gemv::WARP_TOKENS) of the expert's rows (see [`warp_rows`]).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
         // SAFETY: forwarded launch contract (it waits on the kernel before).

@@ -9,9 +9,10 @@
 //! synchronization to read the expert offsets).
 //!
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
-//! the expert kernel (dense layers as one expert), which quantizes each input row with the
-//! checkpoint's `input_scale` (or per token without one) before the product: right at any
-//! batch, fast at small ones (prefill of FP8 checkpoints does not use tensor cores yet).
+//! the FP8 gemv kernel and the expert kernel (the same row-dot code, an expert per row), which
+//! quantize each input row with the checkpoint's `input_scale` (or per token without one)
+//! before the product: right at any batch, fast at small ones (prefill of FP8 checkpoints does
+//! not use tensor cores yet).
 //!
 //! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
 //! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
@@ -29,11 +30,12 @@ use half::bf16;
 use host::attn::{AttnRows, AttnShape, attention};
 use host::batch::{Prefill, Slots};
 use host::conv1d::{ConvShape, conv_fwd, conv_update};
+use host::gemv::{gemv, gemv_split};
 use host::grouped::experts_mlp_grouped;
 use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
 use host::moe::{
-    Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dense, dense_split, dispatch, experts_mlp,
-    experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
+    Choices, Dispatch, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, combine, dispatch, experts_mlp, experts_mlp_choices,
+    experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
@@ -185,8 +187,8 @@ pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 /// (its 64 x 128 tiles reread their inputs from L2 more than the larger GEMMs do).
 pub const GROUPED_MAX_ROWS: usize = 1024;
 
-/// Shortest input of a bf16 linear layer that runs at one row through the split-k dense kernel
-/// ([`dense_split`]) rather than the expert kernel's dense path ([`dense`]), whose one warp per
+/// Shortest input of a bf16 linear layer that runs at one row through the split mode of the
+/// gemv kernels ([`gemv_split`]) rather than their warp mode ([`gemv`]), whose one warp per
 /// weight row needs more round trips on long rows.
 pub const SPLIT_MIN_K: usize = 3072;
 
@@ -266,10 +268,10 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 
 impl Cuda {
     /// `y = f(x W^T)` for `rows` contiguous rows of `x`, `f` relu^2 (in bf16) when `relu2`:
-    /// bf16 weights at one row through the split kernel (long rows) or the expert kernel's
-    /// dense path (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and
-    /// chained to the launches around them), at more rows through cuBLASLt; FP8 weights
-    /// through the dense path.
+    /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
+    /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
+    /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
+    /// mode.
     fn linear_rows(
         &self,
         x: &CudaView<bf16>,
@@ -281,10 +283,10 @@ impl Cuda {
         let g = &self.gpu;
         match &w.w {
             Weights::Bf16(b) if rows == 1 && w.k >= SPLIT_MIN_K && !relu2 => {
-                Ok(dense_split(g, x, rows, b, (w.n, w.k), y)?)
+                Ok(gemv_split(g, x, rows, b, (w.n, w.k), y)?)
             }
             Weights::Bf16(b) if rows != 1 => self.gemm_rows(x, rows, &b.as_view(), (w.n, w.k), relu2, y),
-            weights => Ok(dense(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
+            weights => Ok(gemv(g, x, rows, weights.view(), (w.n, w.k), relu2, y)?),
         }
     }
 

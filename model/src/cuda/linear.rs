@@ -1,0 +1,175 @@
+//! Linear layers and the dense MLP on the CUDA backend: a weight on the device ([`CudaWeight`],
+//! bf16 or FP8 codes with their scales) and the kernel it runs through, by rows and weight
+//! kind ([`CudaWeight::forward`]).
+
+use half::bf16;
+use host::gemv::{gemv, gemv_split};
+use host::moe::ExpertWeights;
+use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
+
+use super::unsupported;
+use crate::error::{Error, Result};
+use crate::layout::Linear;
+use crate::weights::Dtype;
+
+/// A weight `[n, k]` on the device.
+pub struct CudaWeight {
+    pub(super) w: Weights,
+    pub(super) n: usize,
+    pub(super) k: usize,
+}
+
+/// Weights of one shape, of one layer or of all experts of a MoE projection.
+pub(super) enum Weights {
+    Bf16(CudaSlice<bf16>),
+    /// e4m3 codes, a weight scale per matrix, and input scales per matrix when static.
+    Fp8 {
+        codes: CudaSlice<u8>,
+        w_scale: CudaSlice<f32>,
+        in_scale: Option<CudaSlice<f32>>,
+    },
+}
+
+impl Weights {
+    pub(super) fn view(&self) -> ExpertWeights<'_> {
+        match self {
+            Weights::Bf16(w) => ExpertWeights::Bf16(w),
+            Weights::Fp8 { codes, w_scale, in_scale } => {
+                ExpertWeights::Fp8 { codes, w_scale, in_scale: in_scale.as_ref() }
+            }
+        }
+    }
+
+    /// Uploads `list` (all of `shape`, all bf16 or all FP8 with or without input scales)
+    /// into one buffer, with room for `spare` more bf16 matrices (zeros) after them.
+    pub(super) fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2], spare: usize) -> Result<Weights> {
+        let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
+        let size = shape[0] * shape[1];
+        for l in list {
+            check_linear(l, shape, "its siblings'")?;
+            if l.fp8.is_some() != first.fp8.is_some()
+                || l.fp8.map(|f| f.input_scale.is_some()) != first.fp8.map(|f| f.input_scale.is_some())
+            {
+                return Err(Error::Unsupported(format!(
+                    "`{}` mixes FP8 and bf16, or static and dynamic FP8 inputs, with `{}`",
+                    l.weight.name, first.weight.name
+                )));
+            }
+        }
+        if first.fp8.is_none() {
+            let mut w = gpu.zeros::<bf16>((list.len() + spare) * size)?;
+            for (i, l) in list.iter().enumerate() {
+                put_bf16(gpu, l, &mut w.slice_mut(i * size..(i + 1) * size))?;
+            }
+            return Ok(Weights::Bf16(w));
+        }
+        if spare > 0 {
+            return Err(unsupported("FP8 matrices beside bf16 ones"));
+        }
+        let mut codes = gpu.zeros::<u8>(list.len() * size)?;
+        for (i, l) in list.iter().enumerate() {
+            if l.weight.dtype != Dtype::F8E4M3 {
+                return Err(Error::Unsupported(format!(
+                    "`{}`: FP8 scales on a {:?} weight",
+                    l.weight.name, l.weight.dtype
+                )));
+            }
+            gpu.upload_bytes_into(l.weight.bytes, &mut codes.slice_mut(i * size..(i + 1) * size))?;
+        }
+        let scales = |f: fn(&Linear) -> Option<f32>| list.iter().map(|l| f(l)).collect::<Option<Vec<f32>>>();
+        let w_scale = gpu.upload(&scales(|l| l.fp8.map(|f| f.weight_scale)).unwrap_or_default())?;
+        let in_scale = scales(|l| l.fp8.and_then(|f| f.input_scale)).map(|s| gpu.upload(&s)).transpose()?;
+        Ok(Weights::Fp8 { codes, w_scale, in_scale })
+    }
+}
+
+/// Shortest input of a bf16 linear layer that runs at one row through the split mode of the
+/// gemv kernels ([`gemv_split`]) rather than their warp mode ([`gemv`]), whose one warp per
+/// weight row needs more round trips on long rows.
+pub const SPLIT_MIN_K: usize = 3072;
+
+impl CudaWeight {
+    /// Uploads `l`'s weight (bf16 or FP8, no bias).
+    pub(super) fn upload(gpu: &Gpu, l: &Linear) -> Result<CudaWeight> {
+        let (n, k) = (l.weight.shape[0], l.weight.shape[1]);
+        Ok(CudaWeight { w: Weights::upload(gpu, &[l], [n, k], 0)?, n, k })
+    }
+
+    /// `y = f(x W^T)` for `rows` contiguous rows of `x`, `f` relu^2 (in bf16) when `relu2`:
+    /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
+    /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
+    /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
+    /// mode.
+    pub(super) fn forward(
+        &self,
+        g: &Gpu,
+        x: &CudaView<bf16>,
+        rows: usize,
+        relu2: bool,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        match &self.w {
+            Weights::Bf16(b) if rows == 1 && self.k >= SPLIT_MIN_K && !relu2 => {
+                Ok(gemv_split(g, x, rows, b, (self.n, self.k), y)?)
+            }
+            Weights::Bf16(b) if rows != 1 => gemm_rows(g, x, rows, &b.as_view(), (self.n, self.k), relu2, y),
+            weights => Ok(gemv(g, x, rows, weights.view(), (self.n, self.k), relu2, y)?),
+        }
+    }
+}
+
+/// `y = f(x w^T)` over `rows` rows of `x` through cuBLASLt, `w [n, k]`, `f` as for
+/// [`CudaWeight::forward`].
+pub(super) fn gemm_rows(
+    g: &Gpu,
+    x: &CudaView<bf16>,
+    rows: usize,
+    w: &CudaView<bf16>,
+    (n, k): (usize, usize),
+    relu2: bool,
+    y: &mut CudaViewMut<bf16>,
+) -> Result<()> {
+    host::gemm::linear(g, rows, x, w, n, k, y)?;
+    if relu2 {
+        host::act::relu2(g, y, rows * n)?;
+    }
+    Ok(())
+}
+
+/// `down(relu(up x)^2)` over `n` rows of `x`, into `out`.
+pub(super) fn mlp_rows(
+    g: &Gpu,
+    x: &CudaView<bf16>,
+    n: usize,
+    (up, down): (&CudaWeight, &CudaWeight),
+    out: &mut CudaViewMut<bf16>,
+) -> Result<()> {
+    // SAFETY: the up projection writes all n * up.n values before they are read.
+    let mut h = unsafe { g.scratch::<bf16>(n * up.n) }?;
+    up.forward(g, x, n, true, &mut h.as_view_mut())?;
+    down.forward(g, &h.as_view(), n, false, out)
+}
+
+/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
+/// Uploads `l`'s weight into `dst` as bf16: its bytes as they are where it is bf16 (staged, no
+/// copy in between), else converted.
+pub(super) fn put_bf16(gpu: &Gpu, l: &Linear, dst: &mut CudaViewMut<bf16>) -> Result<()> {
+    if l.weight.dtype == Dtype::Bf16 {
+        return Ok(gpu.upload_bytes_into(l.weight.bytes, dst)?);
+    }
+    Ok(gpu.upload_into(&l.weight.to_bf16()?, dst)?)
+}
+
+/// Fails unless `l` has `shape` (`whose`: whose shape that is, for the message) and no bias.
+pub(super) fn check_linear(l: &Linear, shape: [usize; 2], whose: &str) -> Result<()> {
+    if l.weight.shape != shape {
+        return Err(Error::Unsupported(format!(
+            "`{}` has shape {:?}; {whose} is {shape:?}",
+            l.weight.name, l.weight.shape
+        )));
+    }
+    if l.bias.is_some() {
+        return Err(unsupported("biased linear layers"));
+    }
+    Ok(())
+}

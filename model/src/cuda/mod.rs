@@ -1,0 +1,374 @@
+//! The CUDA backend: each operation through the host crate's kernels and cuBLASLt (bf16 linear
+//! layers of more than one row).
+//!
+//! MoE layers route and run their experts on the device: up to [`CHOICES_MAX_ROWS`] rows of
+//! bf16 experts per routing choice (no dispatch; down projections and combining in one
+//! launch), else dispatched: up to [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel
+//! (no synchronization), up to [`GROUPED_MAX_ROWS`] through the grouped GEMM on tensor cores
+//! (one launch a projection, no synchronization), more through per-expert cuBLASLt GEMMs (one
+//! synchronization to read the expert offsets).
+//!
+//! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
+//! the FP8 gemv kernel and the expert kernel (the same row-dot code, an expert per row), which
+//! quantize each input row with the checkpoint's `input_scale` (or per token without one)
+//! before the product: right at any batch, fast at small ones (prefill of FP8 checkpoints does
+//! not use tensor cores yet).
+//!
+//! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
+//! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
+//! them (no operation synchronizes then), are recorded into a CUDA graph once per row count
+//! and replayed after that, with the new rows copied over the recorded ones; the graph's
+//! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
+//! capture past it). The prefill scan's plan is still built per layer.
+//!
+//! The backend composes one module a layer kind, each owning its device weights and its choice
+//! of kernels: `linear` (linear layers and the dense MLP, [`CudaWeight`]), `moe`
+//! ([`CudaExperts`] and the row thresholds above), `mamba` (conv, state update, the fused
+//! decode), `attention`, and `rows` (a step's [`CudaRows`]); this file holds the buffers, the
+//! norms, embedding, sampling and graphs, and hands each layer operation to its module.
+
+mod attention;
+mod linear;
+mod mamba;
+mod moe;
+mod rows;
+
+use std::sync::Arc;
+
+use half::bf16;
+use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
+use host::sample::{RowSampling, SampleRows, read_out, sample_out};
+use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, Stamp, UPLOAD_STAGE_BYTES};
+
+use kernels_gpu::sample::SampleOut;
+
+use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, StepRows, rows_f32};
+use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
+use crate::error::{Error, Result};
+use crate::layout::{Linear, Mlp};
+use linear::mlp_rows;
+
+pub use linear::{CudaWeight, SPLIT_MIN_K};
+pub use mamba::FUSED_MAMBA_ROWS;
+pub use moe::{CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS, SHARED_PIECES_MAX_ROWS};
+pub use rows::CudaRows;
+
+/// The CUDA backend on one GPU.
+pub struct Cuda {
+    gpu: Arc<Gpu>,
+    graphs: bool,
+}
+
+impl Cuda {
+    /// Opens device `ordinal` (a clear error without a driver or GPU).
+    pub fn new(ordinal: usize) -> Result<Cuda> {
+        Ok(Cuda::on(Arc::new(Gpu::new(ordinal)?)))
+    }
+
+    /// The backend on an opened device, shared with other users of its stream.
+    pub fn on(gpu: Arc<Gpu>) -> Cuda {
+        Cuda { gpu, graphs: true }
+    }
+
+    /// Whether decode steps are recorded into CUDA graphs (the default) or every step's
+    /// operations are launched one by one.
+    pub fn with_graphs(self, graphs: bool) -> Cuda {
+        Cuda { graphs, ..self }
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+}
+
+/// A step's sampling rows on the device and where the kernel writes their tokens.
+pub struct CudaSampling {
+    rows: SampleRows,
+    out: CudaSlice<u32>,
+}
+
+/// The rows an [`In`] reads, from row 0 to the end of its buffer.
+fn view<'a>(x: &In<'a, Buffer<bf16>>) -> CudaView<'a, bf16> {
+    x.buf.slice(x.offset..)
+}
+
+/// The output region of an [`Out`] of `len` elements.
+fn view_mut<'a>(y: Out<'a, Buffer<bf16>>, len: usize) -> Result<CudaViewMut<'a, bf16>> {
+    let end = y.offset + len;
+    if end > y.buf.len() {
+        return Err(Error::Unsupported(format!("output region {}..{end} past a buffer of {}", y.offset, y.buf.len())));
+    }
+    Ok(y.buf.slice_mut(y.offset..end))
+}
+
+fn unsupported(what: &str) -> Error {
+    Error::Unsupported(format!("the CUDA backend has no {what} yet"))
+}
+
+impl Backend for Cuda {
+    type Buf = Buffer<bf16>;
+    type Buf32 = CudaSlice<f32>;
+    type Weight = CudaWeight;
+    type Experts = CudaExperts;
+    type Rows = CudaRows;
+    type Graph = Graph;
+    type Sampling = CudaSampling;
+    type Stamp = Stamp;
+
+    fn upload(&self, v: &[bf16]) -> Result<Buffer<bf16>> {
+        if std::mem::size_of_val(v) < UPLOAD_STAGE_BYTES {
+            return Ok(self.gpu.upload(v)?.into());
+        }
+        // SAFETY: the copy below writes every element, in stream order before any use.
+        let mut b = unsafe { self.gpu.uninit::<bf16>(v.len()) }?;
+        self.gpu.upload_bytes_into(bytemuck::cast_slice(v), &mut b.as_view_mut())?;
+        Ok(b.into())
+    }
+    fn upload32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        Ok(self.gpu.upload(v)?)
+    }
+    fn zeros(&self, n: usize) -> Result<Buffer<bf16>> {
+        Ok(self.gpu.zeros(n.max(1))?.into())
+    }
+    fn zeros32(&self, n: usize) -> Result<CudaSlice<f32>> {
+        Ok(self.gpu.zeros(n.max(1))?)
+    }
+    fn scratch(&self, n: usize) -> Result<Buffer<bf16>> {
+        // SAFETY: unwritten device memory holds arbitrary bf16 values, not undefined
+        // behaviour: no kernel indexes memory with activation values (routing ranks NaN last
+        // and traps on an empty pick). The model writes these buffers before reading them;
+        // one taken while recording lives only as long as the step it serves (Gpu::scratch).
+        Ok(unsafe { self.gpu.scratch(n.max(1)) }?)
+    }
+    fn download_rows(&self, b: &Buffer<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
+        Ok(self.gpu.download_with(b, |v| rows_f32(v, width))?)
+    }
+
+    fn weight(&self, l: &Linear) -> Result<CudaWeight> {
+        CudaWeight::upload(&self.gpu, l)
+    }
+
+    fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
+        CudaExperts::upload(&self.gpu, list, shared)
+    }
+
+    fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
+        CudaRows::new(&self.gpu, r, slots, max_len)
+    }
+
+    fn set_rows(&self, into: &mut CudaRows, r: &StepRows) -> Result<()> {
+        into.set(&self.gpu, r)
+    }
+
+    fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Graph>> {
+        if !self.graphs || decode > EXPERT_KERNEL_MAX_ROWS {
+            return f().map(|()| None);
+        }
+        self.gpu.capture(f).map(Some)
+    }
+
+    fn replay(&self, graph: &Graph) -> Result<()> {
+        Ok(graph.replay()?)
+    }
+
+    fn sampling(&self, rows: &[RowSampling], vocab: usize, capacity: usize) -> Result<CudaSampling> {
+        let g = &self.gpu;
+        Ok(CudaSampling { rows: SampleRows::new(g, rows, vocab, capacity)?, out: sample_out(g, rows.len())? })
+    }
+
+    fn set_sampling(&self, into: &mut CudaSampling, rows: &[RowSampling]) -> Result<()> {
+        Ok(into.rows.set(&self.gpu, rows)?)
+    }
+
+    fn sampling_fits(&self, s: &CudaSampling, rows: &[RowSampling]) -> bool {
+        rows.iter().map(|r| r.penalties.len()).sum::<usize>() <= s.rows.capacity()
+    }
+
+    fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {
+        Ok(host::sample::sample(&self.gpu, logits, vocab, &s.rows, &mut s.out)?)
+    }
+
+    fn sampled(&self, s: &CudaSampling) -> Result<Vec<SampleOut>> {
+        let mut out = read_out(&self.gpu.download(&s.out)?);
+        out.truncate(s.rows.len());
+        Ok(out)
+    }
+
+    fn stamp(&self) -> Result<Stamp> {
+        Ok(self.gpu.stamp()?)
+    }
+
+    fn ms_between(&self, from: &Stamp, to: &Stamp) -> Result<f64> {
+        Ok(f64::from(to.ms_since(from)?))
+    }
+
+    fn embed(&self, table: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {
+        let mut y = view_mut(out, rows.tokens.len() * width)?;
+        Ok(host::act::gather_by(&self.gpu, table, width, &rows.tokens, &mut y)?)
+    }
+
+    fn last_rows(&self, x: &Buffer<bf16>, width: usize, rows: &CudaRows, out: Out<Buffer<bf16>>) -> Result<()> {
+        let mut y = view_mut(out, rows.last.len() * width)?;
+        Ok(host::act::gather_by(&self.gpu, x, width, &rows.last, &mut y)?)
+    }
+
+    fn rms_norm(
+        &self,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let shape = NormShape { x_stride: x.stride, ..NormShape::new(rows, width, 1, eps) };
+        let mut y = view_mut(y, rows * width)?;
+        Ok(rms_norm(&self.gpu, shape, &view(&x), w, &mut y)?)
+    }
+
+    fn gated_norm(
+        &self,
+        x: In<Buffer<bf16>>,
+        z: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        rows: usize,
+        width: usize,
+        groups: usize,
+        eps: f32,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let shape = NormShape { x_stride: x.stride, z_stride: z.stride, ..NormShape::new(rows, width, groups, eps) };
+        let mut y = view_mut(y, rows * width)?;
+        Ok(gated_norm(&self.gpu, shape, &view(&x), &view(&z), w, &mut y)?)
+    }
+
+    fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {
+        if x.stride != w.k {
+            return Err(unsupported("strided linear inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * w.k);
+        let mut y = view_mut(y, rows * w.n)?;
+        w.forward(&self.gpu, &xv, rows, false, &mut y)
+    }
+
+    fn add_rms_norm(
+        &self,
+        h: &mut Buffer<bf16>,
+        x: &Buffer<bf16>,
+        w: &Buffer<bf16>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let n = rows * width;
+        let mut y = view_mut(y, n)?;
+        let shape = NormShape::new(rows, width, 1, eps);
+        Ok(add_rms_norm(&self.gpu, shape, &mut h.slice_mut(..n), &x.slice(..n), w, &mut y)?)
+    }
+
+    fn mlp(
+        &self,
+        x: In<Buffer<bf16>>,
+        rows: usize,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        if x.stride != up.k {
+            return Err(unsupported("strided MLP inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * up.k);
+        let mut y = view_mut(y, rows * down.n)?;
+        mlp_rows(&self.gpu, &xv, rows, (up, down), &mut y)
+    }
+
+    fn conv_decode(
+        &self,
+        c: &MambaConfig,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        bias: Option<&Buffer<bf16>>,
+        state: &mut Buffer<bf16>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        mamba::conv_decode(&self.gpu, c, x, w, bias, state, rows, y)
+    }
+
+    fn conv_prefill(
+        &self,
+        c: &MambaConfig,
+        x: In<Buffer<bf16>>,
+        w: &Buffer<bf16>,
+        bias: Option<&Buffer<bf16>>,
+        state: &mut Buffer<bf16>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        mamba::conv_prefill(&self.gpu, c, x, w, bias, state, rows, y)
+    }
+
+    fn ssm_decode(
+        &self,
+        c: &MambaConfig,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
+        heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        state: &mut CudaSlice<f32>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        mamba::ssm_decode(&self.gpu, c, xbc, dt, heads, state, rows, y)
+    }
+
+    fn mamba_decode(
+        &self,
+        c: &MambaConfig,
+        zx: In<Buffer<bf16>>,
+        nd: usize,
+        m: MambaDecode<Cuda>,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        mamba::decode(self, c, zx, nd, m, y)
+    }
+
+    fn ssm_prefill(
+        &self,
+        c: &MambaConfig,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
+        heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        state: &mut CudaSlice<f32>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        mamba::ssm_prefill(&self.gpu, c, xbc, dt, heads, state, rows, y)
+    }
+
+    fn moe(
+        &self,
+        c: &MoeConfig,
+        x: In<Buffer<bf16>>,
+        rows: usize,
+        w: &MoeWeights<Cuda>,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        w.experts.forward(&self.gpu, c, x, rows, (&*w.gate, &w.score_bias), y)
+    }
+
+    fn attention(
+        &self,
+        c: &AttentionConfig,
+        q: In<Buffer<bf16>>,
+        k: In<Buffer<bf16>>,
+        v: In<Buffer<bf16>>,
+        cache: (&mut Buffer<bf16>, &mut Buffer<bf16>),
+        max_len: usize,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        attention::forward(&self.gpu, c, q, k, v, cache, max_len, rows, y)
+    }
+}

@@ -1,0 +1,246 @@
+//! MoE layers on the CUDA backend: the experts on the device ([`CudaExperts`], the shared
+//! expert as pieces of the routed experts' shape or its own MLP) and how a step's rows run
+//! through them ([`CudaExperts::forward`]): routing, then by rows per routing choice
+//! ([`CHOICES_MAX_ROWS`]), through the expert kernel ([`EXPERT_KERNEL_MAX_ROWS`]), the grouped
+//! GEMM ([`GROUPED_MAX_ROWS`]) or per-expert cuBLASLt GEMMs (see the backend's doc).
+
+use half::bf16;
+use host::grouped::experts_mlp_grouped;
+use host::moe::{
+    Choices, Dispatch, MAX_EXPERTS, MAX_TOP_K, combine, dispatch, experts_mlp, experts_mlp_choices,
+    experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
+};
+use host::{Buffer, CudaSlice, Gpu};
+
+use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
+use super::{unsupported, view_mut};
+use crate::backend::{In, Out};
+use crate::config::MoeConfig;
+use crate::error::{Error, Result};
+use crate::layout::{Linear, Mlp};
+
+/// A MoE layer's experts on the device, each kind in one buffer: `up [experts, inter,
+/// hidden]`, `down [experts, hidden, inter]` (the routed experts, then the shared expert's
+/// pieces).
+pub struct CudaExperts {
+    up: Weights,
+    down: Weights,
+    inter: usize,
+    shared: Shared,
+}
+
+/// How the CUDA backend runs a MoE layer's shared expert.
+enum Shared {
+    None,
+    /// Cut into this many pieces of the routed experts' shape, stored after them: up rows
+    /// `j * inter..` and down columns `j * inter..` are piece j's; the up projection as one
+    /// `[pieces * inter, hidden]` matrix, the down projection as one `[hidden, pieces * inter]`
+    /// matrix, zero past the shared intermediate size (bf16 layers, when the routed experts
+    /// and the pieces are at most `MAX_EXPERTS`). At one row the routing appends the pieces to
+    /// the token's choices with weight 1 (when top-k and pieces are at most `MAX_TOP_K`), so
+    /// they run in the routed experts' launches and the combine sums them; otherwise the two
+    /// matrices go through cuBLASLt.
+    Pieces(usize),
+    /// Its own MLP (FP8 layers).
+    Mlp(Box<(CudaWeight, CudaWeight)>),
+}
+
+/// Most rows of a MoE layer that go through the expert kernel rather than a GEMM.
+pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
+
+/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM (one launch a
+/// projection, no synchronization); more go through per-expert cuBLASLt GEMMs. On the H200 at
+/// Nano size (benches/nano prefill breakdown, routing + experts a MoE layer) the grouped GEMM
+/// took 0.759 ms at 512 tokens against cuBLASLt's 1.412, but 4.368 ms at 4096 against 3.411
+/// (its 64 x 128 tiles reread their inputs from L2 more than the larger GEMMs do).
+pub const GROUPED_MAX_ROWS: usize = 1024;
+
+/// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
+/// down projections and the combining in one launch ([`experts_mlp_choices`]).
+pub const CHOICES_MAX_ROWS: usize = 1;
+
+/// Most rows of a MoE layer whose shared expert runs as pieces inside the routed experts'
+/// launches (see [`Shared::Pieces`]) rather than as two cuBLASLt GEMMs: the expert kernel
+/// streams the weights once per row, so only a single row gains.
+pub const SHARED_PIECES_MAX_ROWS: usize = 1;
+/// wide is cut into beside `routed` experts; 0 (its own MLP) where a dispatch could not count
+/// them among the experts.
+fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {
+    let pieces = shared.div_ceil(inter);
+    if routed + pieces <= MAX_EXPERTS as usize { pieces } else { 0 }
+}
+
+/// The pieces the routing appends to each token's top-k in a step of `rows` rows: all of them
+/// at one row (they then run in the routed experts' launches; the expert kernel streams weights
+/// once per row, so more rows take cuBLASLt) when the choices fit the routing, else none.
+fn appended_pieces(rows: usize, top_k: usize, pieces: usize) -> usize {
+    if rows <= SHARED_PIECES_MAX_ROWS && top_k + pieces <= MAX_TOP_K as usize { pieces } else { 0 }
+}
+
+/// Writes the shared expert `s` as pieces of the routed experts' shape after the `routed`
+/// experts of `up [.., inter, hidden]` and `down [.., hidden, inter]` (see [`Shared::Pieces`]).
+fn put_pieces(
+    gpu: &Gpu,
+    s: &Mlp,
+    routed: usize,
+    (inter, hidden): (usize, usize),
+    (up, down): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+) -> Result<()> {
+    let si = s.up.weight.shape[0];
+    for (l, shape) in [(&s.up, [si, hidden]), (&s.down, [hidden, si])] {
+        check_linear(l, shape, "the shared expert's")?;
+    }
+    let at = routed * inter * hidden;
+    let padded = si.next_multiple_of(inter);
+    // Up: the shared up's rows in order; down: its rows, each padded to `padded` columns.
+    put_bf16(gpu, &s.up, &mut up.slice_mut(at..at + si * hidden))?;
+    let d = s.down.weight.to_bf16()?;
+    let mut wide = vec![bf16::ZERO; hidden * padded];
+    for (to, from) in wide.chunks_mut(padded).zip(d.chunks(si)) {
+        to[..si].copy_from_slice(from);
+    }
+    Ok(gpu.upload_into(&wide, &mut down.slice_mut(at..at + hidden * padded))?)
+}
+
+impl CudaExperts {
+    /// Uploads the routed experts `list` (all of one shape) and the shared expert.
+    pub(super) fn upload(gpu: &Gpu, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
+        let first = list.first().ok_or_else(|| Error::Unsupported("a MoE layer without experts".into()))?;
+        let (inter, hidden) = (first.up.weight.shape[0], first.up.weight.shape[1]);
+        let bf16 = |m: &Mlp| m.up.fp8.is_none() && m.down.fp8.is_none();
+        let pieces = match shared {
+            Some(s) if bf16(s) && list.iter().all(bf16) => shared_pieces(list.len(), inter, s.up.weight.shape[0]),
+            _ => 0,
+        };
+        let ups: Vec<&Linear> = list.iter().map(|m| &m.up).collect();
+        let downs: Vec<&Linear> = list.iter().map(|m| &m.down).collect();
+        let mut up = Weights::upload(gpu, &ups, [inter, hidden], pieces)?;
+        let mut down = Weights::upload(gpu, &downs, [hidden, inter], pieces)?;
+        let shared = match (shared, &mut up, &mut down) {
+            (None, ..) => Shared::None,
+            (Some(s), Weights::Bf16(up), Weights::Bf16(down)) if pieces > 0 => {
+                put_pieces(gpu, s, list.len(), (inter, hidden), (up, down))?;
+                Shared::Pieces(pieces)
+            }
+            (Some(s), ..) => {
+                Shared::Mlp(Box::new((CudaWeight::upload(gpu, &s.up)?, CudaWeight::upload(gpu, &s.down)?)))
+            }
+        };
+        Ok(CudaExperts { up, down, inter, shared })
+    }
+
+    /// The MoE layer over `rows` rows of `x` into `y`, routed by `router` (`[experts, hidden]`
+    /// and the selection bias).
+    pub(super) fn forward(
+        &self,
+        g: &Gpu,
+        c: &MoeConfig,
+        x: In<Buffer<bf16>>,
+        rows: usize,
+        router: (&CudaSlice<bf16>, &CudaSlice<f32>),
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let hidden = router.0.len() / c.experts;
+        if x.stride != hidden {
+            return Err(unsupported("strided MoE inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
+        let pieces = match self.shared {
+            Shared::Pieces(n) => n,
+            _ => 0,
+        };
+        let mut shape = c.route_shape();
+        shape.shared = appended_pieces(rows, c.top_k, pieces);
+        let choices = shape.choices();
+        // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
+        // experts every grouped row, the shared expert every row of its output, each before
+        // the next operation reads it.
+        let (mut idx, mut wts) = unsafe { (g.scratch::<i32>(rows * choices)?, g.scratch::<f32>(rows * choices)?) };
+        // One token whose routing appends the shared expert's pieces: their up projections in
+        // the routing's launch (`h`, the choices' hidden rows, its last rows written there).
+        let mut h = match &self.up {
+            Weights::Bf16(up) if shape.shared > 0 && rows <= CHOICES_MAX_ROWS => {
+                // SAFETY: the routing writes the pieces' rows, the choices launch the others,
+                // before the down projections read them.
+                let mut h = unsafe { g.scratch::<bf16>(choices * self.inter) }?;
+                route_appended_up(g, shape, &xv, hidden, router, (&mut idx, &mut wts), (up, self.inter), &mut h)?;
+                Some(h)
+            }
+            _ => {
+                route(g, shape, &xv, hidden, router.0, router.1, &mut idx, &mut wts)?;
+                None
+            }
+        };
+        let shared = match (&self.shared, &self.up, &self.down) {
+            (Shared::Mlp(mlp), ..) => {
+                let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
+                mlp_rows(g, &xv, rows, (&mlp.0, &mlp.1), &mut out.as_view_mut())?;
+                Some(out)
+            }
+            (Shared::Pieces(n), Weights::Bf16(up), Weights::Bf16(down)) if shape.shared == 0 => {
+                // The pieces together are the shared expert's up and down projections, padded
+                // with zeros to n * inter.
+                let (si, at) = (n * self.inter, c.experts * self.inter * hidden);
+                let (up, down) = (up.slice(at..at + si * hidden), down.slice(at..at + si * hidden));
+                let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
+                // SAFETY: the up projection writes all rows * si values before they are read.
+                let mut h = unsafe { g.scratch::<bf16>(rows * si) }?;
+                gemm_rows(g, &xv, rows, &up, (si, hidden), true, &mut h.as_view_mut())?;
+                gemm_rows(g, &h.as_view(), rows, &down, (hidden, si), false, &mut out.as_view_mut())?;
+                Some(out)
+            }
+            _ => None,
+        };
+        let mut y = view_mut(y, rows * hidden)?;
+        let experts = c.experts + pieces;
+        if let (Weights::Bf16(up), Weights::Bf16(down)) = (&self.up, &self.down)
+            && rows <= CHOICES_MAX_ROWS
+        {
+            let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
+            let dims = (self.inter, hidden);
+            match &mut h {
+                Some(h) => {
+                    let pieces = (pieces, shared.as_deref());
+                    experts_mlp_choices_after(g, ch, &xv, (up, down), dims, pieces, (h, shape.shared), &mut y)?
+                }
+                None => experts_mlp_choices(g, ch, &xv, up, down, dims, pieces, shared.as_deref(), &mut y)?,
+            }
+            return Ok(());
+        }
+        let mut d = Dispatch::new(g, experts, choices, rows)?;
+        dispatch(g, &idx, &mut d)?;
+        let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
+        match (&self.up, &self.down) {
+            (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
+                if rows <= GROUPED_MAX_ROWS && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
+                    experts_mlp_grouped(g, &d, &xv, up, down, (self.inter, hidden), &mut grouped)?
+                } else {
+                    experts_mlp_gemm(g, &d, &xv, up, down, (self.inter, hidden), &mut grouped)?
+                }
+            }
+            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (self.inter, hidden), pieces, &mut grouped)?,
+        }
+        Ok(combine(g, &grouped, shared.as_deref(), d.slot(), &wts, choices, hidden, &mut y)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{appended_pieces, shared_pieces};
+
+    #[test]
+    fn shared_expert_pieces_only_where_the_kernels_take_them() {
+        // Nano: 128 experts of 1856, a shared expert of 3712; one wider; at the dispatch's
+        // limit of 256 experts and past it.
+        assert_eq!(shared_pieces(128, 1856, 3712), 2);
+        assert_eq!(shared_pieces(128, 1856, 3713), 3);
+        assert_eq!(shared_pieces(254, 32, 64), 2);
+        assert_eq!(shared_pieces(255, 32, 64), 0);
+        // Appended at one row only, and only when top-k and pieces fit the routing's 16.
+        assert_eq!(appended_pieces(1, 6, 2), 2);
+        assert_eq!(appended_pieces(2, 6, 2), 0);
+        assert_eq!(appended_pieces(1, 14, 2), 2);
+        assert_eq!(appended_pieces(1, 15, 3), 0);
+        assert_eq!(appended_pieces(1, 6, 0), 0);
+    }
+}

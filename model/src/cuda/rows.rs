@@ -1,0 +1,62 @@
+//! A step's rows on the CUDA backend ([`CudaRows`]): tokens, decode slots, prefill sequences,
+//! attention rows and the rows whose logits are wanted, checked and uploaded once a step and
+//! written over in place for a replayed graph.
+
+use host::attn::AttnRows;
+use host::batch::{Prefill, Slots};
+use host::{CudaSlice, Gpu};
+
+use crate::backend::StepRows;
+use crate::error::{Error, Result};
+
+/// A step's rows on the device, checked (see [`crate::backend::Backend::rows`]).
+pub struct CudaRows {
+    pub(super) tokens: CudaSlice<u32>,
+    pub(super) decode: Option<Slots>,
+    pub(super) prefill: Option<Prefill>,
+    pub(super) attn: AttnRows,
+    pub(super) last: CudaSlice<u32>,
+}
+
+impl CudaRows {
+    pub(super) fn decode(&self) -> Result<&Slots> {
+        self.decode
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported("a decode operation in a step without decode rows".into()))
+    }
+
+    pub(super) fn prefill(&self) -> Result<&Prefill> {
+        self.prefill.as_ref().ok_or_else(|| Error::Unsupported("a prefill operation in a step without prefill".into()))
+    }
+
+    /// Checks and uploads `r` for a cache of `slots` slots of `max_len` tokens.
+    pub(super) fn new(g: &Gpu, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
+        let p = &r.prefill;
+        Ok(CudaRows {
+            tokens: g.upload(&r.tokens)?,
+            decode: (!r.decode_slots.is_empty()).then(|| Slots::new(g, &r.decode_slots, slots)).transpose()?,
+            prefill: (!p.lens.is_empty()).then(|| Prefill::new(g, &p.lens, &p.slots, &p.initial, slots)).transpose()?,
+            attn: AttnRows::new(g, &r.slots, &r.positions, slots, max_len)?,
+            last: g.upload(&r.last)?,
+        })
+    }
+
+    /// Writes `r` over these rows in place (decode rows only, as many as before).
+    pub(super) fn set(&mut self, g: &Gpu, r: &StepRows) -> Result<()> {
+        let same = self.tokens.len() == r.tokens.len()
+            && self.last.len() == r.last.len()
+            && self.decode.as_ref().map_or(0, Slots::len) == r.decode_slots.len()
+            && self.prefill.is_none()
+            && r.prefill.lens.is_empty();
+        if !same {
+            return Err(Error::Unsupported("rows written in place must be decode rows only, as many as before".into()));
+        }
+        g.upload_into(&r.tokens, &mut self.tokens)?;
+        if let Some(d) = &mut self.decode {
+            d.set(g, &r.decode_slots)?;
+        }
+        // Not `last`: a step of decode rows only reads no gather of last rows (each row is its
+        // part's last; see model.rs `forward`).
+        Ok(self.attn.set(g, &r.slots, &r.positions)?)
+    }
+}

@@ -131,8 +131,8 @@ mod gpu {
     use host::cpu::moe::{Routing, route};
     use host::grouped::experts_mlp_grouped;
     use host::moe::{
-        Choices, Dispatch, ExpertWeights, RouteShape, combine, dispatch, experts, experts_mlp, experts_mlp_choices,
-        experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
+        Choices, Dispatch, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, combine, dispatch, experts, experts_mlp,
+        experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, to_f64, w8a8};
 
@@ -207,8 +207,13 @@ mod gpu {
             ),
         ];
         // One token, a partial tile of tokens and whole tiles (the kernel selects per tile of
-        // LOGITS_TOKENS); each call after the first also finds the arrival counters reset.
-        for ((s, bias_scale, ties), rows) in cases.into_iter().flat_map(|c| [1, 13, 64].map(|r| (c, r))) {
+        // LOGITS_TOKENS); each call after the first also finds the arrival counters reset. From
+        // ROUTE_TC_MIN_ROWS tokens on tensor cores (the experts a multiple of 32; the 16-expert
+        // case keeps the one-launch kernel): there, and a partial tile of 32, and 4096 tokens.
+        let many = [ROUTE_TC_MIN_ROWS, ROUTE_TC_MIN_ROWS + 13, 4096];
+        for ((s, bias_scale, ties), rows) in
+            cases.into_iter().flat_map(|c| [1, 13, 64].into_iter().chain(many).map(move |r| (c, r)))
+        {
             let hidden = 2688;
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
             let mut gate = rng.bf16s(s.experts * hidden, -0.05, 0.05);

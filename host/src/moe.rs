@@ -10,6 +10,7 @@ use kernels_gpu::moe::{
 };
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
+use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router_takes};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
@@ -150,11 +151,25 @@ fn launch_route(
         }
     };
     c.count("blocks", u32::MAX as usize, s.experts + extra)?;
+    let aligned = (p.x as u64).is_multiple_of(16) && (p.gate as u64).is_multiple_of(16);
+    if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
+        let kt = Kernel::MoeRouteTc;
+        // SAFETY: as below, and x and gate 16-byte aligned (hidden a multiple of 8), experts
+        // as the kernel takes them; no counters used.
+        return unsafe {
+            gpu.launch(kt, (rows.div_ceil(ROUTER_TOKENS as usize) as u32, 1, 1), ROUTER_BLOCK, router_smem_bytes(), p)
+        };
+    }
     // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
     // counter per tile; with the pieces' up projections, one token, up and h of their
     // shapes); the group settings can always fill top_k; outputs are `&mut`.
     unsafe { gpu.launch(k, ((s.experts + extra) as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
 }
+
+/// Fewest tokens whose routing runs on tensor cores (`moe_route_tc_bf16`: the router logits of
+/// 32 tokens against every expert as one product) rather than in the one-launch kernel (a
+/// block per expert and 8 tokens, each reading the tokens' activations again).
+pub const ROUTE_TC_MIN_ROWS: usize = 256;
 
 /// Routing choices grouped by expert, on the device (written by [`dispatch`]): expert `e`'s
 /// rows are `offsets[e]..offsets[e + 1]` of the grouped order, `token[j]` is the token of

@@ -29,6 +29,7 @@ pub mod mma;
 pub mod moe;
 pub mod norm;
 pub mod quant;
+pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
@@ -154,6 +155,8 @@ kernels! {
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
     MoeRoute = "moe_route_bf16",
+    /// [`moe::RouteParams`]: routing of many tokens, the router logits on tensor cores.
+    MoeRouteTc = "moe_route_tc_bf16",
     /// [`moe::DispatchParams`]: routing choices grouped by expert.
     MoeDispatch = "moe_dispatch",
     /// [`moe::ExpertParams`]: one projection of every expert with rows (small batches).

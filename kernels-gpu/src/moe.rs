@@ -184,6 +184,9 @@ pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * WARP_ROWS;
 pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 2 * MAX_EXPERTS * 4;
 
 #[cfg(target_arch = "nvptx64")]
+pub(crate) use kernels::select;
+
+#[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
     use crate::EW_BLOCK;
@@ -329,7 +332,7 @@ mod kernels {
     /// # Safety
     /// Launch contract of [`moe_route_bf16`]; `tok < rows`.
     #[inline(always)]
-    unsafe fn select(p: &RouteParams, tok: usize, smem: *mut f32) {
+    pub(crate) unsafe fn select(p: &RouteParams, tok: usize, smem: *mut f32) {
         let e = p.experts as usize;
         let lane = lane_id() as usize;
         let me = MAX_EXPERTS as usize;

@@ -11,7 +11,7 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
-use host::grouped::experts_mlp_grouped;
+use host::grouped::{Tiles, experts_mlp_grouped_as};
 use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
@@ -124,7 +124,12 @@ fn bench_layer(
                 .map(|_| {
                     gpu.time_ms(|| match path {
                         "cuBLASLt per expert" => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
-                        "grouped GEMM" => experts_mlp_grouped(gpu, &d, &x, up, up, (inter, hidden), &mut out),
+                        "grouped GEMM" => {
+                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Narrow, &mut out)
+                        }
+                        "grouped GEMM wide" => {
+                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Wide, &mut out)
+                        }
                         _ => experts_mlp(
                             gpu,
                             &d,

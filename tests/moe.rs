@@ -129,7 +129,7 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::grouped::experts_mlp_grouped;
+    use host::grouped::{Tiles, experts_mlp_grouped_as};
     use host::moe::{
         Choices, Dispatch, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, combine, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
@@ -563,13 +563,18 @@ mod gpu {
         let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
         let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
         dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-        let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-        experts_mlp_grouped(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
         let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
         assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
-        let out = to_f64(&gpu.download(&out).unwrap());
+        let outs: Vec<Vec<f64>> = [Tiles::Narrow, Tiles::Wide]
+            .into_iter()
+            .map(|tiles| {
+                let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+                experts_mlp_grouped_as(&gpu, &d, &dx, (&dup, &ddown), (inter, hidden), tiles, &mut out).unwrap();
+                to_f64(&gpu.download(&out).unwrap())
+            })
+            .collect();
         let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
-        let (mut got, mut want, mut sampled) = (Vec::new(), Vec::new(), 0);
+        let (mut got, mut want, mut sampled) = ([Vec::new(), Vec::new()], Vec::new(), 0);
         for ex in 0..e {
             let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
             let sample: Vec<usize> =
@@ -581,13 +586,17 @@ mod gpu {
             let dn = to_f64(&down[ex * hidden * inter..][..hidden * inter]);
             for &j in &sample {
                 want.extend(expert_reference(&to_f64(&x[token[j] as usize * hidden..][..hidden]), &u, &dn, inter));
-                got.extend_from_slice(&out[j * hidden..][..hidden]);
+                for (g, out) in got.iter_mut().zip(&outs) {
+                    g.extend_from_slice(&out[j * hidden..][..hidden]);
+                }
             }
             sampled += sample.len();
         }
-        let n = assert_close("grouped experts at Nano size", &got, &want, 2e-3, 1.0 / 128.0);
-        assert_eq!(n, sampled * hidden);
-        println!("grouped experts: {n} values compared ({sampled} grouped rows)");
+        for (g, tiles) in got.iter().zip(["narrow", "wide"]) {
+            let n = assert_close(&format!("grouped experts at Nano size, {tiles} tiles"), g, &want, 2e-3, 1.0 / 128.0);
+            assert_eq!(n, sampled * hidden);
+            println!("grouped experts, {tiles} tiles: {n} values compared ({sampled} grouped rows)");
+        }
     }
 
     #[test]
@@ -636,14 +645,15 @@ mod gpu {
                 want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
             }
             // cuBLASLt per expert and the grouped GEMM take no pieces (0: the expert kernel,
-            // 1: cuBLASLt, 2: grouped).
-            let paths: &[u8] = if pieces == 0 { &[0, 1, 2] } else { &[0] };
+            // 1: cuBLASLt, 2: grouped, 3: grouped with wide tiles).
+            let paths: &[u8] = if pieces == 0 { &[0, 1, 2, 3] } else { &[0] };
             for &path in paths {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
                 if path == 1 {
                     experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
-                } else if path == 2 {
-                    experts_mlp_grouped(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
+                } else if path >= 2 {
+                    let tiles = if path == 2 { Tiles::Narrow } else { Tiles::Wide };
+                    experts_mlp_grouped_as(&gpu, &d, &dx, (&dup, &ddown), (inter, hidden), tiles, &mut out).unwrap();
                 } else {
                     experts_mlp(
                         &gpu,
@@ -659,7 +669,7 @@ mod gpu {
                 }
                 let label = format!(
                     "experts {} hidden {hidden} inter {inter} rows {rows} pieces {pieces}",
-                    ["kernel", "cuBLASLt", "grouped"][path as usize]
+                    ["kernel", "cuBLASLt", "grouped", "grouped wide"][path as usize]
                 );
                 // bf16 output (2^-8 relative) over f32 sums of bf16 products.
                 compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 128.0);

@@ -169,6 +169,8 @@ kernels! {
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`grouped::GroupedParams`]: one projection of every expert with rows, on tensor cores.
     MoeGrouped = "moe_grouped_bf16",
+    /// [`grouped::GroupedParams`]: as `MoeGrouped`, tiles of 128 rows (experts of many rows).
+    MoeGroupedWide = "moe_grouped_m128_bf16",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
     MoeCombine = "moe_combine_bf16",
     /// [`mamba::MambaDecodeParams`]: a Mamba2 mixer's decode rows between its projections

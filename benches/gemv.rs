@@ -3,10 +3,15 @@
 //! (`host::gemv::gemv_split`) and through cuBLASLt (`host::gemm::linear`): which the CUDA
 //! backend takes for bf16 linear layers. Method as in
 //! benches/norm.rs (CUDA graph replays timed with events; cold: weights rotated through more
-//! than the L2); bytes: the weight, x and y once.
+//! than the L2); bytes: the weight, x and y once. Then FP8 (W8A8, static input scale):
+//! `fp8/.../m*` the FP8 gemv against the FP8 GEMM on tensor cores (`host::grouped::linear_fp8`,
+//! its quantization included) from 16 to 4096 rows, each timed with events around one call
+//! (median of 11; the GEMM's temporaries outgrow a graph's arena), with cuBLASLt's bf16 time
+//! beside it; TFLOP/s of `2 rows n k`.
 
 use half::bf16;
 use host::gemv::{Weights, gemv, gemv_split};
+use host::grouped::linear_fp8;
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -42,6 +47,32 @@ fn main() {
             let timed =
                 b.capture(sets, |i| host::gemm::linear(gpu, rows, &x.as_view(), &ws[i].as_view(), n, k, &mut y));
             timed.report(&format!("gemv/{tag}/cublaslt"), bytes);
+        }
+    }
+    // FP8: zero codes (the products' time does not depend on the values), unit scales.
+    let one = gpu.upload(&[1.0f32]).unwrap();
+    for (name, n, k) in shapes.into_iter().filter(|&(name, ..)| name != "lm_head") {
+        let (codes, wb) = (gpu.zeros::<u8>(n * k).unwrap(), gpu.zeros::<bf16>(n * k).unwrap());
+        let w = Weights::Fp8 { codes: &codes, w_scale: &one, in_scale: Some(&one) };
+        for rows in [16usize, 64, 128, 512, 4096] {
+            let tag = format!("fp8/{name}/{n}x{k}/m{rows}");
+            if !BenchGpu::selected(&format!("gemv/{tag}/")) {
+                continue;
+            }
+            let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
+            let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
+            let flops = 2.0 * (rows * n * k) as f64;
+            let line = |what: &str, (med, p10, p90): (f64, f64, f64)| {
+                let rate = flops / (med * 1e-6) / 1e12;
+                println!(
+                    "gemv/{tag}/{what:<9} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {rate:6.1} TFLOP/s"
+                );
+            };
+            if rows <= 128 {
+                line("gemv", b.calls_us(|| gemv(gpu, &x, rows, w, (n, k), false, &mut y)));
+            }
+            line("gemm", b.calls_us(|| linear_fp8(gpu, &x.as_view(), rows, w, (n, k), false, &mut y)));
+            line("cublaslt", b.calls_us(|| host::gemm::linear(gpu, rows, &x.as_view(), &wb.as_view(), n, k, &mut y)));
         }
     }
 }

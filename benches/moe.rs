@@ -6,12 +6,13 @@
 //!   expert through cuBLASLt, combine) at batch 1 and 64; bytes: the weights of the experts the
 //!   batch routes to (counted from its routing), the shared expert, the router, x and y.
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
-//!   (which reads the offsets back) and by the grouped GEMM, each timed with events around one
-//!   call, median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`).
+//!   (which reads the offsets back), by the grouped GEMM (both tiles) and by the FP8 grouped
+//!   GEMM (its quantizations included), each timed with events around one call, median of 11,
+//!   with the TFLOP/s of the two projections (`4 entries inter hidden`).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
-use host::grouped::{Tiles, experts_mlp_grouped_as};
+use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};
 use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
@@ -72,13 +73,38 @@ fn active_experts(
     gpu.download(d.active_count()).unwrap()[0] as usize
 }
 
+/// How `experts/b*` runs the routed experts.
+#[derive(Clone, Copy)]
+enum Path {
+    Kernel,
+    Cublas,
+    Grouped(Tiles),
+    /// The FP8 grouped GEMM, static input scales (each projection's rows quantized first).
+    GroupedFp8,
+}
+
+impl Path {
+    const ALL: [Path; 5] =
+        [Path::Kernel, Path::Cublas, Path::Grouped(Tiles::Narrow), Path::Grouped(Tiles::Wide), Path::GroupedFp8];
+
+    fn label(self) -> &'static str {
+        match self {
+            Path::Kernel => "expert kernel",
+            Path::Cublas => "cuBLASLt per expert",
+            Path::Grouped(Tiles::Narrow) => "grouped GEMM",
+            Path::Grouped(Tiles::Wide) => "grouped GEMM wide",
+            Path::GroupedFp8 => "grouped GEMM FP8",
+        }
+    }
+}
+
 fn bench_layer(
     b: &BenchGpu,
     nano: &Nano,
     rng: &mut Rng,
     cuda: &Cuda,
     w: &MoeWeights<Cuda>,
-    up: &host::CudaSlice<bf16>,
+    (up, fp8): (&host::CudaSlice<bf16>, ExpertWeights<'_>),
 ) {
     let gpu = &b.gpu;
     let (c, (hidden, n_exp, top_k, inter, shared_inter)) = (&nano.c, nano.sizes());
@@ -114,44 +140,21 @@ fn bench_layer(
         let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
         // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
-        let paths: &[&str] = if batch <= 1024 {
-            &["expert kernel", "cuBLASLt per expert", "grouped GEMM"]
-        } else {
-            &["cuBLASLt per expert", "grouped GEMM"]
-        };
+        let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[1..] };
         for &path in paths {
-            let mut t: Vec<f32> = (0..12)
-                .map(|_| {
-                    gpu.time_ms(|| match path {
-                        "cuBLASLt per expert" => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
-                        "grouped GEMM" => {
-                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Narrow, &mut out)
-                        }
-                        "grouped GEMM wide" => {
-                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Wide, &mut out)
-                        }
-                        _ => experts_mlp(
-                            gpu,
-                            &d,
-                            &x,
-                            ExpertWeights::Bf16(up),
-                            ExpertWeights::Bf16(up),
-                            (inter, hidden),
-                            0,
-                            &mut out,
-                        ),
-                    })
-                    .unwrap()
-                })
-                .skip(1)
-                .collect();
-            t.sort_by(f32::total_cmp);
+            let (med, p10, p90) = b.calls_us(|| match path {
+                Path::Cublas => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
+                Path::Grouped(tiles) => experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), tiles, &mut out),
+                Path::GroupedFp8 => experts_mlp_grouped(gpu, &d, &x, (fp8, fp8), (inter, hidden), &mut out),
+                Path::Kernel => {
+                    let w = ExpertWeights::Bf16(up);
+                    experts_mlp(gpu, &d, &x, w, w, (inter, hidden), 0, &mut out)
+                }
+            });
             println!(
-                "moe/{name} {path:<20} {:9.1} us (median of 11, p10 {:.1}, p90 {:.1}) {:6.1} TFLOP/s",
-                t[5] * 1e3,
-                t[1] * 1e3,
-                t[9] * 1e3,
-                flops / (f64::from(t[5]) * 1e-3) / 1e12
+                "moe/{name} {:<20} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {:6.1} TFLOP/s",
+                path.label(),
+                flops / (med * 1e-6) / 1e12
             );
         }
     }
@@ -181,7 +184,12 @@ fn benches(_: &mut Criterion) {
         experts: cuda.experts(&experts, Some(&shared)).unwrap(),
     };
     let up = b.gpu.zeros::<bf16>(n_exp * inter * hidden).unwrap();
-    bench_layer(&b, &nano, &mut rng, &cuda, &w, &up);
+    // FP8 experts: zero codes (the products' time does not depend on the values), unit weight
+    // scales, static input scales.
+    let codes = b.gpu.zeros::<u8>(n_exp * inter * hidden).unwrap();
+    let ones = b.gpu.upload(&vec![1.0f32; n_exp]).unwrap();
+    let fp8 = ExpertWeights::Fp8 { codes: &codes, w_scale: &ones, in_scale: Some(&ones) };
+    bench_layer(&b, &nano, &mut rng, &cuda, &w, (&up, fp8));
 }
 
 criterion_group!(moe, benches);

@@ -47,7 +47,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     // The row kernels keep [[f32; 8]; CHUNKS_PER_THREAD] per thread in registers; that needs
     // their loops fully unrolled, past LLVM's default threshold (else the array lives in local
     // memory: `cargo xtask ptx` fails on any stack frame or spill).
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}\x1f-Cllvm-args=-unroll-threshold=4000"));
+    // The FP8 tensor-core products (`mma.sync` m16n8k32 e4m3) need PTX ISA 8.4, above the 7.8
+    // rustc emits for sm_90 by default (its sm_110 and sm_121a PTX are newer already).
+    let isa = if arch == "sm_90" { "\x1f-Ctarget-feature=+ptx84" } else { "" };
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}{isa}\x1f-Cllvm-args=-unroll-threshold=4000"));
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
         return Err(format!(
@@ -79,10 +82,12 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 14] = [
+const LAUNCH_BOUNDS: [(&str, u32, u32); 16] = [
     ("moe_route_tc_bf16", 256, 2),
     ("moe_grouped_m128_bf16", 256, 2),
     ("moe_grouped_bf16", 256, 2),
+    ("moe_grouped_fp8", 256, 2),
+    ("gemm_fp8", 256, 2),
     ("attn_flash_bf16", 256, 1),
     ("attn_flash_d128_bf16", 256, 1),
     ("mamba_decode_bf16", 512, 0),

@@ -30,6 +30,22 @@ impl Rng {
     pub fn bf16s(&mut self, n: usize, lo: f64, hi: f64) -> Vec<bf16> {
         (0..n).map(|_| bf16::from_f64(self.uniform(lo, hi))).collect()
     }
+
+    /// Routing choices of `rows` tokens: `k` distinct experts of `e` each, uniformly.
+    pub fn choices(&mut self, rows: usize, k: usize, e: usize) -> Vec<i32> {
+        let mut idx = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            let mut row: Vec<i32> = Vec::with_capacity(k);
+            while row.len() < k {
+                let x = (self.next_u64() % e as u64) as i32;
+                if !row.contains(&x) {
+                    row.push(x);
+                }
+            }
+            idx.extend(row);
+        }
+        idx
+    }
 }
 
 /// Checks `|got - want| <= atol + rtol * |want|` element-wise and returns the number of
@@ -204,6 +220,16 @@ impl BenchGpu {
             copy_bytes_per_s / 1e9
         );
         Some(BenchGpu { gpu: std::sync::Arc::new(gpu), copy_bytes_per_s })
+    }
+
+    /// `f` timed with events around each of 12 calls, the first dropped (for work that a
+    /// graph of many launches cannot hold, e.g. temporaries larger than the capture arena, or
+    /// a host synchronization): (median, p10, p90) of the other 11, in microseconds.
+    pub fn calls_us(&self, mut f: impl FnMut() -> host::Result<()>) -> (f64, f64, f64) {
+        let mut t: Vec<f32> = (0..12).map(|_| self.gpu.time_ms(&mut f).expect("timing a call")).skip(1).collect();
+        t.sort_by(f32::total_cmp);
+        let us = |v: f32| f64::from(v) * 1e3;
+        (us(t[5]), us(t[1]), us(t[9]))
     }
 
     /// Whether the shape `name` is selected by the bench's filter argument (criterion's

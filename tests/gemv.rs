@@ -3,8 +3,10 @@
 //! Nemotron-3 Nano's projection shapes and odd ones, e4m3 weights (W8A8) with a static input
 //! scale and with per-token scales.
 
+use half::bf16;
 use host::cpu::gemm::linear;
 use host::gemv::{Weights, gemv, gemv_split};
+use host::grouped::linear_fp8;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
 
 #[test]
@@ -65,4 +67,49 @@ fn gpu_gemv_fp8_matches_reference() {
     }
     println!("FP8 gemv: {compared} values compared");
     assert_eq!(compared, cases.iter().map(|&(n, _, _)| rows * n).sum::<usize>());
+}
+
+/// The FP8 linear layer of many rows on tensor cores (`linear_fp8`: the rows quantized, then
+/// `gemm_fp8`) against W8A8 in f64: a Nano expert's up shape and in_proj's (n past the
+/// 128-column tiles' multiple) with a static input scale and with per-row scales, at one row,
+/// at 65 (a partial 64-row tile) and at 129 or 300; an odd shape (k not a multiple of the 64-byte
+/// stage); with relu^2 once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_linear_fp8_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(98);
+    let (mut compared, mut expected) = (0, 0);
+    let cases = [
+        (1856, 2688, true, false, [1, 65, 300]),
+        (10304, 2688, false, false, [1, 65, 129]),
+        (48, 144, true, true, [1, 65, 300]),
+        (48, 144, false, false, [1, 65, 300]),
+    ];
+    for (n, k, static_in, relu2, row_counts) in cases {
+        let (codes, w_scale, values) = fp8_weights(&mut rng, 1, n, k);
+        let in_scale = static_in.then(|| rng.uniform(0.002, 0.004) as f32);
+        let (dc, ds) = (gpu.upload(&codes).unwrap(), gpu.upload(&w_scale).unwrap());
+        let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
+        let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
+        for rows in row_counts {
+            let x = rng.bf16s(rows * k, -1.0, 1.0);
+            let dx = gpu.upload(&x).unwrap();
+            let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+            linear_fp8(&gpu, &dx.as_view(), rows, w, (n, k), relu2, &mut y).unwrap();
+            let want: Vec<f64> = x
+                .chunks(k)
+                .flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale))
+                .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
+                .collect();
+            let label = format!("FP8 GEMM {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}");
+            // f32 sums of exact products against f64; relu^2 doubles the relative error of
+            // its bf16-rounded input.
+            let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
+            compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, rtol);
+            expected += rows * n;
+        }
+    }
+    println!("FP8 GEMM: {compared} values compared");
+    assert_eq!(compared, expected);
 }

@@ -129,7 +129,7 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::grouped::{Tiles, experts_mlp_grouped_as};
+    use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};
     use host::moe::{
         Choices, Dispatch, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, combine, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
@@ -469,21 +469,6 @@ mod gpu {
     }
 
     /// `rows` tokens each choosing `k` distinct experts of `e` at random.
-    fn random_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
-        let mut idx = Vec::with_capacity(rows * k);
-        for _ in 0..rows {
-            let mut row: Vec<i32> = Vec::with_capacity(k);
-            while row.len() < k {
-                let x = (rng.next_u64() % e as u64) as i32;
-                if !row.contains(&x) {
-                    row.push(x);
-                }
-            }
-            idx.extend(row);
-        }
-        idx
-    }
-
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_dispatch_groups_by_expert() {
@@ -495,7 +480,7 @@ mod gpu {
         for (rows, k, e) in
             [(1, 6, 128), (7, 6, 128), (64, 6, 128), (1024, 6, 128), (16384, 6, 128), (300, 16, 256), (5, 8, 8)]
         {
-            let idx = random_choices(&mut rng, rows, k, e);
+            let idx = rng.choices(rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
             let routes: Vec<Vec<(usize, f64)>> =
@@ -536,6 +521,23 @@ mod gpu {
         down.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect()
     }
 
+    /// Routing choices that leave expert 0 without rows, give expert 1 one (token 0's) and
+    /// expert 2 every token (many tiles); the other choices distinct, from experts 3 on.
+    fn skewed_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
+        let mut idx = Vec::with_capacity(rows * k);
+        for t in 0..rows {
+            let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
+            while picks.len() < k {
+                let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
+                if !picks.contains(&c) {
+                    picks.push(c);
+                }
+            }
+            idx.extend(picks);
+        }
+        idx
+    }
+
     /// The grouped GEMM at Nemotron-3 Nano's sizes (128 experts of 2688 x 1856, top-6) with a
     /// skewed routing: expert 0 chosen by no token, expert 1 by one, expert 2 by every token
     /// (many tiles), the others at random; a sample of the grouped rows (expert 1's, the first
@@ -549,17 +551,7 @@ mod gpu {
         let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
         let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
         let x = rng.bf16s(rows * hidden, -1.0, 1.0);
-        let mut idx = Vec::with_capacity(rows * k);
-        for t in 0..rows {
-            let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
-            while picks.len() < k {
-                let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
-                if !picks.contains(&c) {
-                    picks.push(c);
-                }
-            }
-            idx.extend(picks);
-        }
+        let idx = skewed_choices(&mut rng, rows, k, e);
         let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
         let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
         dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
@@ -620,7 +612,7 @@ mod gpu {
             let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
             let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
-            let idx = random_choices(&mut rng, rows, k, e);
+            let idx = rng.choices(rows, k, e);
             let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
@@ -724,7 +716,7 @@ mod gpu {
             let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
             let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
-            let idx = random_choices(&mut rng, rows, k, e);
+            let idx = rng.choices(rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
             let slot = gpu.download(d.slot()).unwrap();
@@ -744,22 +736,10 @@ mod gpu {
             for (i, &ex) in idx.iter().enumerate() {
                 let ex = ex as usize;
                 let xr = to_f64(&x[i / k * hidden..][..hidden]);
-                let u =
-                    w8a8(&xr, &up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
-                let h: Vec<f64> = u
-                    .iter()
-                    .map(|&v| {
-                        let v = bf16::from_f64(v).to_f64().max(0.0);
-                        bf16::from_f64(v * v).to_f64()
-                    })
-                    .collect();
-                let y = w8a8(
-                    &h,
-                    &down_v[ex * hidden * inter..][..hidden * inter],
-                    down_s[ex],
-                    (!up_static).then_some(down_in[ex]),
-                );
-                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
+                let u = (&up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
+                let dn =
+                    (&down_v[ex * hidden * inter..][..hidden * inter], down_s[ex], (!up_static).then_some(down_in[ex]));
+                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&fp8_expert_reference(&xr, u, dn));
             }
             let label = format!(
                 "FP8 experts hidden {hidden} inter {inter} rows {rows} static {}",
@@ -770,6 +750,84 @@ mod gpu {
             compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 64.0);
         }
         println!("FP8 experts: {compared} values compared");
+    }
+
+    /// One FP8 (W8A8) expert MLP row in f64: `w8a8` up, relu^2 of the bf16-rounded value
+    /// rounded to bf16 (as the kernels store the hidden rows), `w8a8` down.
+    fn fp8_expert_reference(
+        x: &[f64],
+        (up, up_scale, up_in): (&[f64], f32, Option<f32>),
+        (down, down_scale, down_in): (&[f64], f32, Option<f32>),
+    ) -> Vec<f64> {
+        let h: Vec<f64> = w8a8(x, up, up_scale, up_in)
+            .iter()
+            .map(|&v| {
+                let v = bf16::from_f64(v).to_f64().max(0.0);
+                bf16::from_f64(v * v).to_f64()
+            })
+            .collect();
+        w8a8(&h, down, down_scale, down_in)
+    }
+
+    /// The FP8 grouped GEMM path (each projection's rows quantized, then multiplied on tensor
+    /// cores) at Nemotron-3 Nano's expert sizes with 16 experts and the skewed routing (an
+    /// expert without rows, one with one, one with every token), static input scales for up
+    /// and per-row for down and the other way round, and an odd shape (k not a multiple of
+    /// the 64-byte stage, n not of the 128-column tile): a sample of the grouped rows (expert
+    /// 1's, the first and last 16 of expert 2's, every 7th) against the W8A8 reference.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_fp8_grouped_experts_match_reference() {
+        let gpu = gpu();
+        let mut rng = Rng::new(98);
+        let mut compared = 0;
+        for (hidden, inter, e, k, rows, up_static) in
+            [(2688, 1856, 16, 6, 300, true), (2688, 1856, 16, 6, 300, false), (144, 48, 5, 2, 70, true)]
+        {
+            let (up_c, up_s, up_v) = fp8_weights(&mut rng, e, inter, hidden);
+            let (down_c, down_s, down_v) = fp8_weights(&mut rng, e, hidden, inter);
+            let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
+            let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
+            let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let idx = skewed_choices(&mut rng, rows, k, e);
+            let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+            dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+            let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+            assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+            let up_i = up_static.then(|| gpu.upload(&up_in).unwrap());
+            let down_i = (!up_static).then(|| gpu.upload(&down_in).unwrap());
+            let (uc, us) = (gpu.upload(&up_c).unwrap(), gpu.upload(&up_s).unwrap());
+            let (dc, ds) = (gpu.upload(&down_c).unwrap(), gpu.upload(&down_s).unwrap());
+            let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
+            let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
+            let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+            experts_mlp_grouped(&gpu, &d, &gpu.upload(&x).unwrap(), (up, down), (inter, hidden), &mut out).unwrap();
+            let out = to_f64(&gpu.download(&out).unwrap());
+            let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
+            let (mut got, mut want, mut sampled) = (Vec::new(), Vec::new(), 0);
+            for ex in 0..e {
+                let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+                let u = (&up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
+                let dn =
+                    (&down_v[ex * hidden * inter..][..hidden * inter], down_s[ex], (!up_static).then_some(down_in[ex]));
+                for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
+                    let xr = to_f64(&x[token[j] as usize * hidden..][..hidden]);
+                    want.extend(fp8_expert_reference(&xr, u, dn));
+                    got.extend_from_slice(&out[j * hidden..][..hidden]);
+                    sampled += 1;
+                }
+            }
+            let label = format!(
+                "FP8 grouped experts hidden {hidden} inter {inter} rows {rows} static {}",
+                if up_static { "up" } else { "down" }
+            );
+            // As the expert kernel's FP8 test: the same codes on both sides, f32 sums against
+            // f64 moving a hidden value by one bf16 step at most.
+            let n = assert_close(&label, &got, &want, 2e-3, 1.0 / 64.0);
+            assert_eq!(n, sampled * hidden);
+            compared += n;
+        }
+        println!("FP8 grouped experts: {compared} values compared");
     }
 
     /// Misuse the launchers cannot be trusted with: a dispatch never filled, x shorter than the
@@ -788,7 +846,7 @@ mod gpu {
         let err =
             experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("never dispatched"), "{err}");
-        dispatch(&gpu, &gpu.upload(&random_choices(&mut Rng::new(97), rows, k, e)).unwrap(), &mut d).unwrap();
+        dispatch(&gpu, &gpu.upload(&Rng::new(97).choices(rows, k, e)).unwrap(), &mut d).unwrap();
         let short = gpu.zeros::<bf16>((rows - 1) * hidden).unwrap();
         let err =
             experts(&gpu, &d, &short, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();

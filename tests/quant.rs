@@ -3,8 +3,9 @@
 
 use half::bf16;
 use host::cpu::quant as cpu;
+use host::moe::{Dispatch, dispatch};
 use host::norm::{MANY_ROWS, RowPath};
-use host::quant::{quant_static, quant_tensor, quant_token, quant_token_on};
+use host::quant::{Source, quant_rows, quant_static, quant_tensor, quant_token, quant_token_on};
 use nemotron_rs::{POISON_FP8, Rng, assert_same, gpu};
 
 #[test]
@@ -199,4 +200,70 @@ fn gpu_quant_tensor_back_to_back_bit_exact() {
         }
     }
     println!("quant_tensor back to back: {compared} values compared bit-exact");
+}
+
+/// The rows of an FP8 product's input (`quant_rows`), bit for bit against the reference: plain
+/// rows with one static scale and with per-row scales (as `quant_token` without a bound), the
+/// grouped order of a dispatch gathered by token and taken as it is, each with its expert's
+/// static scale and per row; NemotronH widths and odd ones, rows of mixed magnitude.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_quant_rows_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(16);
+    let mut compared = 0;
+    for &(rows, width, e, k) in &[(300, 2688, 16, 6), (7, 257, 5, 2), (600, 1856, 128, 6)] {
+        let x = inputs(&mut rng, rows, width);
+        let dx = gpu.upload(&x).unwrap();
+        let scales: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 3.0) as f32).collect();
+        let ds = gpu.upload(&scales).unwrap();
+        let row = |r: usize| &x[r * width..][..width];
+        // Plain: every row, one static scale or its own.
+        for fixed in [Some(scales[0]), None] {
+            let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
+            let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            let one = fixed.map(|f| gpu.upload(&[f]).unwrap());
+            quant_rows(&gpu, width, &dx, Source::Plain, one.as_ref(), &mut q, &mut s).unwrap();
+            let (want_q, want_s) = match fixed {
+                Some(f) => (cpu::quant_static(&x, f), vec![f; rows]),
+                None => cpu::quant_token(&x, width, None),
+            };
+            let label = format!("rows plain {rows}x{width} static {fixed:?}");
+            compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+            compared += assert_same(&format!("{label} scales"), &gpu.download(&s).unwrap(), &want_s);
+        }
+        // Grouped: the dispatch's order, by token (x is the layer input) and as it is (x is
+        // taken as the grouped rows: its first `entries` rows, so rows * k of them).
+        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+        dispatch(&gpu, &gpu.upload(&rng.choices(rows, k, e)).unwrap(), &mut d).unwrap();
+        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+        let entries = d.entries();
+        let expert = |j: usize| (0..e).find(|&ex| offsets[ex] as usize <= j && j < offsets[ex + 1] as usize).unwrap();
+        let grouped_x: Vec<bf16> = (0..entries).flat_map(|j| row(j % rows).to_vec()).collect();
+        let dg = gpu.upload(&grouped_x).unwrap();
+        for by_token in [true, false] {
+            for fixed in [true, false] {
+                let src = |j: usize| if by_token { row(token[j] as usize) } else { &grouped_x[j * width..][..width] };
+                let mut q = gpu.upload(&vec![POISON_FP8; entries * width]).unwrap();
+                let mut s = gpu.upload(&vec![f32::NAN; entries]).unwrap();
+                let input = if by_token { &dx } else { &dg };
+                let source = Source::Grouped { d: &d, by_token };
+                quant_rows(&gpu, width, input, source, fixed.then_some(&ds), &mut q, &mut s).unwrap();
+                let (mut want_q, mut want_s) = (Vec::new(), Vec::new());
+                for j in 0..entries {
+                    let (c, sc) = if fixed {
+                        (cpu::quant_static(src(j), scales[expert(j)]), vec![scales[expert(j)]])
+                    } else {
+                        cpu::quant_token(src(j), width, None)
+                    };
+                    want_q.extend(c);
+                    want_s.extend(sc);
+                }
+                let label = format!("rows grouped {entries}x{width} by token {by_token} static {fixed}");
+                compared += assert_same(&format!("{label} codes"), &gpu.download(&q).unwrap(), &want_q);
+                compared += assert_same(&format!("{label} scales"), &gpu.download(&s).unwrap(), &want_s);
+            }
+        }
+    }
+    println!("quant_rows: {compared} values compared bit-exact");
 }

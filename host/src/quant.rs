@@ -1,17 +1,19 @@
 //! Launchers of the FP8 e4m3 quantization family (kernels-gpu/src/quant.rs; reference:
 //! cpu/quant.rs).
 
+use cudarc::driver::CudaSlice;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::quant::{
-    AMAX_SMEM_BYTES, EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantStaticParams, QuantTensorParams,
-    QuantTokenParams, REDUCE_SMEM_BYTES,
+    AMAX_SMEM_BYTES, EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantRowsParams, QuantStaticParams,
+    QuantTensorParams, QuantTokenParams, REDUCE_SMEM_BYTES,
 };
 use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks};
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
+use crate::moe::Dispatch;
 use crate::norm::RowPath;
 
 /// The amax upper bound as the kernels take it (`INFINITY`: none); must be > 0 when given.
@@ -75,6 +77,67 @@ pub fn quant_token_on(
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
+    unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
+}
+
+/// The rows an FP8 product takes as its input ([`quant_rows`]).
+#[derive(Clone, Copy)]
+pub enum Source<'a> {
+    /// Every row of `x` in order, for one matrix (a linear layer).
+    Plain,
+    /// The grouped order of a dispatch: row j is row `token[j]` of `x` (the layer input) where
+    /// `by_token`, else row j (the grouped hidden rows); its matrix is its expert.
+    Grouped { d: &'a Dispatch, by_token: bool },
+}
+
+/// FP8 codes `q` and a scale per row (`scales`) of the rows `source` takes from `x`
+/// (`width` wide) for a W8A8 product: static where `in_scale` is given (a scale per matrix:
+/// each row's expert's, one for `Plain`), `q = e4m3(x / s)`; else dynamic per row as
+/// [`quant_token`] without a bound. One launch.
+pub fn quant_rows(
+    gpu: &Gpu,
+    width: usize,
+    x: &impl DevicePtr<bf16>,
+    source: Source<'_>,
+    in_scale: Option<&CudaSlice<f32>>,
+    q: &mut impl DevicePtrMut<u8>,
+    scales: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    let k = Kernel::QuantRows;
+    let c = Check(k.name());
+    let sources = rows_of(k, x.len(), width)?;
+    let (rows, token, offsets, matrices) = match source {
+        Source::Plain => (sources, 0, 0, 1),
+        Source::Grouped { d, by_token } => {
+            d.check_filled(k.name())?;
+            let need = if by_token { d.rows() } else { d.entries() };
+            c.that("x", sources == need, format!("{need} rows"), sources)?;
+            let token = if by_token { gpu.addr(k, "token", d.token())? } else { 0 };
+            (d.entries(), token, gpu.addr(k, "offsets", d.offsets())?, d.experts())
+        }
+    };
+    c.count("rows", MAX_ROWS, rows)?;
+    c.len("q", rows * width, q.len())?;
+    c.len("scales", rows, scales.len())?;
+    if let Some(s) = in_scale {
+        c.len("in_scale", matrices, s.len())?;
+    }
+    let p = QuantRowsParams {
+        x: gpu.addr(k, "x", x)? as *const u16,
+        token: token as *const u32,
+        in_scale: gpu.opt_addr(k, "in_scale", in_scale)? as *const f32,
+        offsets: offsets as *const u32,
+        q: gpu.addr_mut(k, "q", q)? as *mut u8,
+        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        rows: rows as u32,
+        width: width as u32,
+        experts: matrices as u32,
+    };
+    let path = RowPath::for_rows(rows);
+    // SAFETY: x holds `sources` rows of width, and a filled dispatch's tokens are below the
+    // rows it was made for (= sources where by_token), its offsets nondecreasing from 0 over
+    // its entries (= rows); in_scale a scale per matrix, q and scales rows each (`&mut`);
+    // grid/block/smem as quant_rows_fp8_bf16 documents.
     unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
 }
 

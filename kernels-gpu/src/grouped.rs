@@ -1,44 +1,55 @@
 //! Grouped GEMM on tensor cores: one projection of every MoE expert with rows, in one launch
-//! (docs/MATH.md's expert MLP). A dispatch (`moe_dispatch`) has grouped the routing choices by
-//! expert: expert e's rows are `offsets[e] .. offsets[e + 1]` of the grouped order. Grouped row
-//! j of expert e gets `out[j] = f(a_j W_eᵀ)` with `W [experts, n, k]` (each expert's weight
-//! row-major, a row per output), `a_j` row `token[j]` of `a` (gathered: the layer input) or row
-//! j (the grouped hidden rows), and `f` either the identity or `relu(bf16(.))^2`, rounded to
-//! bf16.
+//! (docs/MATH.md's expert MLP), and the same product for one matrix (a linear layer of many
+//! rows). A dispatch (`moe_dispatch`) has grouped the routing choices by expert: expert e's rows
+//! are `offsets[e] .. offsets[e + 1]` of the grouped order. Grouped row j of expert e gets
+//! `out[j] = f(a_j W_eᵀ)` with `W [experts, n, k]` (each expert's weight row-major, a row per
+//! output), and `f` either the identity or `relu(bf16(.))^2`, rounded to bf16.
+//!
+//! # Operands
+//! - bf16 ([`GroupedParams`]: `moe_grouped_bf16`, `moe_grouped_m128_bf16`): `a_j` row
+//!   `token[j]` of `a` (gathered: the layer input) or row j (the grouped hidden rows);
+//!   `mma.sync` m16n8k16, f32 sums.
+//! - FP8 W8A8 ([`GroupedFp8Params`]: `moe_grouped_fp8`; for one matrix [`GemmFp8Params`]:
+//!   `gemm_fp8`), the narrow tiles only: `a` the e4m3 codes of the rows with a scale `s_j` each
+//!   (`quant_rows_fp8_bf16` writes both), W e4m3 codes with a scale `ws_e` per matrix;
+//!   `out[j] = f((q_j · Q_eᵀ) (ws_e s_j))`, the codes' products on `mma.sync` m16n8k32 (e4m3
+//!   products are exact in f32; the sums f32). On sm_90 ptxas runs that instruction as two
+//!   f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers: the wide tiles
+//!   spill, so FP8 has none); sm_120 and later have it natively.
 //!
 //! # Work split
 //! The grid is `(m tiles, n tiles)`: each expert's rows in tiles of m = [`GROUPED_M`] rows
-//! (`moe_grouped_bf16`) or [`GROUPED_M_WIDE`] (`moe_grouped_m128_bf16`, staging
-//! [`GROUPED_K_WIDE`] of k at a time, for experts of many rows) (as many
-//! tiles as its rows need; the grid has room for the most any dispatch of this many rows and
-//! experts can need, and the blocks past the dispatch's tiles return at once), outputs in tiles
-//! of [`GROUPED_N`]. A block finds its expert and first row from the offsets (a warp's prefix
-//! sum of the experts' tile counts), then runs `k` in steps of [`GROUPED_K`] through a ring of
+//! (staging [`GROUPED_K_BYTES`] of each row at a time) or [`GROUPED_M_WIDE`]
+//! (`moe_grouped_m128_bf16`, staging [`GROUPED_K_BYTES_WIDE`], for experts of many rows) (as many tiles as its
+//! rows need; the grid has room for the most any dispatch of this many rows and experts can
+//! need, and the blocks past the dispatch's tiles return at once), outputs in tiles of
+//! [`GROUPED_N`]. A block finds its expert and first row from the offsets (a warp's prefix sum
+//! of the experts' tile counts; one matrix: block x's rows), then runs `k` through a ring of
 //! [`GROUPED_STAGES`] shared-memory stages loaded by `cp.async` (zero past the rows and the
-//! columns); warp w computes rows `(m / 2) (w / 4)` and columns `32 (w % 4)` of the block's tile on
-//! `mma.sync` m16n8k16 (bf16 in, f32 sums). Blocks next to each other along x share an expert's
-//! weight tile in L2.
+//! columns); warp w computes rows `(m / 2) (w / 4)` and columns `32 (w % 4)` of the block's
+//! tile, 32 bytes of k per `mma` step (16 bf16 or 32 e4m3). Blocks next to each other along x
+//! share an expert's weight tile in L2.
 
 use crate::KernelParams;
 use crate::mma::tile_bytes;
 
 /// Threads of a block: eight warps, 2 x 4 over the output tile.
 pub const GROUPED_BLOCK: u32 = 256;
-/// Rows of an output tile of `moe_grouped_bf16` (k staged [`GROUPED_K`] at a time).
+/// Rows of an output tile of the narrow kernels (k staged [`GROUPED_K_BYTES`] at a time).
 pub const GROUPED_M: u32 = 64;
-/// Rows of an output tile of `moe_grouped_m128_bf16` (k staged [`GROUPED_K_WIDE`] at a time):
-/// for experts of many rows, each input and weight tile read half as often per product.
+/// Rows of an output tile of `moe_grouped_m128_bf16` (k staged [`GROUPED_K_BYTES_WIDE`] at a
+/// time): for experts of many rows, each input and weight tile read half as often per product.
 pub const GROUPED_M_WIDE: u32 = 128;
 /// Columns of an output tile.
 pub const GROUPED_N: u32 = 128;
-/// k staged at a time by `moe_grouped_bf16`.
-pub const GROUPED_K: u32 = 32;
-/// k staged at a time by `moe_grouped_m128_bf16`.
-pub const GROUPED_K_WIDE: u32 = 64;
+/// Bytes of each row's k staged at a time by the narrow kernels (32 bf16, 64 e4m3).
+pub const GROUPED_K_BYTES: u32 = 64;
+/// Bytes of each row's k staged at a time by `moe_grouped_m128_bf16` (64 bf16).
+pub const GROUPED_K_BYTES_WIDE: u32 = 128;
 /// Stages of the shared-memory ring.
 pub const GROUPED_STAGES: u32 = 3;
 
-/// One grouped projection.
+/// One grouped bf16 projection.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct GroupedParams {
@@ -59,13 +70,61 @@ pub struct GroupedParams {
     pub relu2: u32,
 }
 
+/// One grouped FP8 projection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GroupedFp8Params {
+    /// `[entries, k]` e4m3 codes of the grouped rows.
+    pub a: *const u8,
+    /// `[entries]` their scales.
+    pub a_scale: *const f32,
+    /// `[experts, n, k]` e4m3 codes.
+    pub w: *const u8,
+    /// `[experts]` the weights' scales.
+    pub w_scale: *const f32,
+    /// `[experts + 1]`.
+    pub offsets: *const u32,
+    /// `[entries, n]`.
+    pub out: *mut u16,
+    pub experts: u32,
+    pub n: u32,
+    pub k: u32,
+    /// 1: `f = relu(bf16(.))^2`; 0: the identity.
+    pub relu2: u32,
+}
+
+/// One FP8 product of `rows` rows by one matrix (a linear layer).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GemmFp8Params {
+    /// `[rows, k]` e4m3 codes.
+    pub a: *const u8,
+    /// `[rows]` their scales.
+    pub a_scale: *const f32,
+    /// `[n, k]` e4m3 codes.
+    pub w: *const u8,
+    /// One f32, the weight's scale.
+    pub w_scale: *const f32,
+    /// `[rows, n]`.
+    pub out: *mut u16,
+    pub rows: u32,
+    pub n: u32,
+    pub k: u32,
+    /// 1: `f = relu(bf16(.))^2`; 0: the identity.
+    pub relu2: u32,
+}
+
 // SAFETY: #[repr(C)], Copy, only pointers and integers.
 unsafe impl KernelParams for GroupedParams {}
+// SAFETY: as above.
+unsafe impl KernelParams for GroupedFp8Params {}
+// SAFETY: as above.
+unsafe impl KernelParams for GemmFp8Params {}
 
-/// Dynamic shared memory of the grouped kernel of `m`-row tiles staging `k` at a time: the
-/// stages' A and B tiles, then the block's expert and first row.
-pub const fn grouped_smem_bytes(m: u32, k: u32) -> u32 {
-    GROUPED_STAGES * (tile_bytes(m, k) + tile_bytes(GROUPED_N, k)) + 8
+/// Dynamic shared memory of the grouped kernels of `m`-row tiles staging `k_bytes` of each row
+/// at a time: the stages' A and B tiles, then the block's expert and first row.
+pub const fn grouped_smem_bytes(m: u32, k_bytes: u32) -> u32 {
+    GROUPED_STAGES * (tile_bytes(m, k_bytes / 2) + tile_bytes(GROUPED_N, k_bytes / 2)) + 8
 }
 
 /// Most `m`-row tiles a dispatch of `entries` rows over `experts` experts can need: every
@@ -78,56 +137,140 @@ pub const fn grouped_m_tiles(entries: u32, experts: u32, m: u32) -> u32 {
 mod kernels {
     use super::*;
     use crate::device::*;
-    use crate::mma::{Tile, acc_col, acc_row, commit, copy16, mma, pack, smem_addr, staged_but, tile_stride};
+    use crate::mma::{Tile, acc_col, acc_row, commit, copy16, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
 
-    /// Grouped projection, [`GroupedParams`], [`GROUPED_M`]-row tiles. Grid
+    /// What a launch of the generic kernel multiplies, from any of the params structs (byte
+    /// pointers; the absent parts null, which the entry points fix at compile time).
+    #[derive(Clone, Copy)]
+    struct Job {
+        /// Rows of `k` elements.
+        a: *const u8,
+        /// Grouped row -> its row of `a`; null: row j itself.
+        token: *const u32,
+        /// A scale per row of the grouped order; null: none.
+        a_scale: *const f32,
+        w: *const u8,
+        /// A scale per matrix; null: none.
+        w_scale: *const f32,
+        /// `[experts + 1]`; null: one matrix over `rows` rows.
+        offsets: *const u32,
+        out: *mut u16,
+        experts: u32,
+        rows: u32,
+        n: u32,
+        k: u32,
+        relu2: u32,
+    }
+
+    /// Grouped bf16 projection, [`GroupedParams`], [`GROUPED_M`]-row tiles. Grid
     /// `(grouped_m_tiles(entries, experts, GROUPED_M), ceil(n / GROUPED_N))`, block
-    /// [`GROUPED_BLOCK`], dynamic shared memory `grouped_smem_bytes(GROUPED_M, GROUPED_K)`; the
-    /// module docs say what a block does.
+    /// [`GROUPED_BLOCK`], dynamic shared memory `grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES)`;
+    /// the module docs say what a block does.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_grouped_bf16(p: GroupedParams) {
         // SAFETY: the launch contract is the caller's.
-        unsafe { grouped::<2, GROUPED_K>(p) }
+        unsafe { grouped::<false, 2, GROUPED_K_BYTES>(bf16_job(p)) }
     }
 
-    /// As `moe_grouped_bf16` with [`GROUPED_M_WIDE`]-row tiles and [`GROUPED_K_WIDE`] staged at
-    /// a time (grid and shared memory of those sizes).
+    /// As `moe_grouped_bf16` with [`GROUPED_M_WIDE`]-row tiles and [`GROUPED_K_BYTES_WIDE`]
+    /// staged at a time (grid and shared memory of those sizes).
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_grouped_m128_bf16(p: GroupedParams) {
         // SAFETY: the launch contract is the caller's.
-        unsafe { grouped::<4, GROUPED_K_WIDE>(p) }
+        unsafe { grouped::<false, 4, GROUPED_K_BYTES_WIDE>(bf16_job(p)) }
     }
 
-    /// The grouped kernel: tiles of `32 MT` rows (each warp `MT` 16-row tiles of them) staging
-    /// `BK` of k at a time.
+    /// Grouped FP8 projection, [`GroupedFp8Params`]; grid, block and shared memory as
+    /// `moe_grouped_bf16`'s.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_grouped_fp8(p: GroupedFp8Params) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped::<true, 2, GROUPED_K_BYTES>(fp8_job(p)) }
+    }
+
+    /// FP8 product of rows by one matrix, [`GemmFp8Params`]. Grid `(ceil(rows / GROUPED_M),
+    /// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_fp8(p: GemmFp8Params) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped::<true, 2, GROUPED_K_BYTES>(gemm_job(p)) }
+    }
+
+    #[inline(always)]
+    fn bf16_job(p: GroupedParams) -> Job {
+        Job {
+            a: p.a as *const u8,
+            token: p.token,
+            a_scale: core::ptr::null(),
+            w: p.w as *const u8,
+            w_scale: core::ptr::null(),
+            offsets: p.offsets,
+            out: p.out,
+            experts: p.experts,
+            rows: 0,
+            n: p.n,
+            k: p.k,
+            relu2: p.relu2,
+        }
+    }
+
+    #[inline(always)]
+    fn fp8_job(p: GroupedFp8Params) -> Job {
+        Job {
+            a: p.a,
+            token: core::ptr::null(),
+            a_scale: p.a_scale,
+            w: p.w,
+            w_scale: p.w_scale,
+            offsets: p.offsets,
+            out: p.out,
+            experts: p.experts,
+            rows: 0,
+            n: p.n,
+            k: p.k,
+            relu2: p.relu2,
+        }
+    }
+
+    #[inline(always)]
+    fn gemm_job(p: GemmFp8Params) -> Job {
+        Job {
+            a: p.a,
+            token: core::ptr::null(),
+            a_scale: p.a_scale,
+            w: p.w,
+            w_scale: p.w_scale,
+            offsets: core::ptr::null(),
+            out: p.out,
+            experts: 1,
+            rows: p.rows,
+            n: p.n,
+            k: p.k,
+            relu2: p.relu2,
+        }
+    }
+
+    /// Block x's matrix and first row in the grouped order, for tiles of `bm` rows: lane l of
+    /// warp 0 sums the tiles of experts `l per .. (l + 1) per`, a prefix sum over the lanes
+    /// finds whose tiles hold block x; written to `found` (`u32::MAX` first: no tile). One
+    /// matrix: matrix 0, rows from `bm x`. Every thread gets it (a barrier inside: call it in
+    /// uniform flow).
     ///
     /// # Safety
-    /// Launch contract checked by host/src/grouped.rs: a, w, out and the dispatch's buffers of
-    /// the sizes given, k and n multiples of 8, a and w 16-byte aligned, grid and shared memory
-    /// for these tiles.
+    /// `found` two words of the block's shared memory; `j.offsets` (where given) `experts + 1`
+    /// readable offsets.
     #[inline(always)]
-    unsafe fn grouped<const MT: usize, const BK: u32>(p: GroupedParams) {
-        grid_dependency_wait();
-        let bm = 32 * MT as u32;
-        let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
-        let (a_bytes, b_bytes) = (tile_bytes(bm, BK), tile_bytes(GROUPED_N, BK));
-        let found = dyn_smem_f32().wrapping_add((GROUPED_STAGES * (a_bytes + b_bytes) / 4) as usize) as *mut u32;
-        let stride = tile_stride(BK);
-        let stage_tiles = |s: u32| {
-            let at = s * (a_bytes + b_bytes);
-            (Tile { addr: smem_addr(at), stride }, Tile { addr: smem_addr(at + a_bytes), stride })
-        };
-        // SAFETY: as the doc says; the stages and the two words fit in the shared memory;
-        // `staged_but` separates each stage's loads from its reads, and stage s is reloaded
-        // only after the barrier that follows every warp's reads of it.
+    unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
+        if j.offsets.is_null() {
+            return (0, block_x() * bm);
+        }
+        let lane = lane_id();
+        // SAFETY: as the doc says.
         unsafe {
-            if w == 0 {
-                // This block's expert and first row: lane l sums the tiles of experts
-                // `l per .. (l + 1) per`, a prefix sum over the lanes finds whose tiles hold
-                // block x.
-                let per = p.experts.div_ceil(32);
-                let (e0, e1) = ((lane * per).min(p.experts), ((lane + 1) * per).min(p.experts));
-                let tiles = |e: u32| (ld(p.offsets, e as usize + 1) - ld(p.offsets, e as usize)).div_ceil(bm);
+            if warp_id() == 0 {
+                let per = j.experts.div_ceil(32);
+                let (e0, e1) = ((lane * per).min(j.experts), ((lane + 1) * per).min(j.experts));
+                let tiles = |e: u32| (ld(j.offsets, e as usize + 1) - ld(j.offsets, e as usize)).div_ceil(bm);
                 let mut mine = 0u64;
                 for e in e0..e1 {
                     mine += tiles(e) as u64;
@@ -150,49 +293,88 @@ mod kernels {
                 }
             }
             sync_threads();
-            let (e, m0) = (ld(found, 0), ld(found, 1));
+            (ld(found, 0), ld(found, 1))
+        }
+    }
+
+    /// The grouped kernel: tiles of `32 MT` rows (each warp `MT` 16-row tiles of them) staging
+    /// `BKB` bytes of each row's k at a time, e4m3 operands where `FP8` (else bf16).
+    ///
+    /// # Safety
+    /// Launch contract checked by host/src/grouped.rs: a, w, out, the scales and the dispatch's
+    /// buffers of the sizes given, k a multiple of 8 (bf16) or 16 (e4m3) and n of 8, a and w
+    /// 16-byte aligned, grid and shared memory for these tiles.
+    #[inline(always)]
+    unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
+        grid_dependency_wait();
+        let bm = 32 * MT as u32;
+        let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
+        // The tiles' columns in bf16 units (two e4m3 codes each).
+        let (a_bytes, b_bytes) = (tile_bytes(bm, BKB / 2), tile_bytes(GROUPED_N, BKB / 2));
+        let found = dyn_smem_f32().wrapping_add((GROUPED_STAGES * (a_bytes + b_bytes) / 4) as usize) as *mut u32;
+        let stride = tile_stride(BKB / 2);
+        let stage_tiles = |s: u32| {
+            let at = s * (a_bytes + b_bytes);
+            (Tile { addr: smem_addr(at), stride }, Tile { addr: smem_addr(at + a_bytes), stride })
+        };
+        // SAFETY: as the doc says; the stages and the two words fit in the shared memory;
+        // `staged_but` separates each stage's loads from its reads, and stage s is reloaded
+        // only after the barrier that follows every warp's reads of it.
+        unsafe {
+            let (e, m0) = block_tile(&j, bm, found);
             if e == u32::MAX {
                 return;
             }
-            let lo = ld(p.offsets, e as usize) + m0;
-            let rows = (ld(p.offsets, e as usize + 1) - lo).min(bm);
+            let (lo, end) = if j.offsets.is_null() {
+                (m0, j.rows)
+            } else {
+                (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+            };
+            if lo >= end {
+                return;
+            }
+            let rows = (end - lo).min(bm);
             let n0 = block_y() * GROUPED_N;
-            let cols = (p.n - n0).min(GROUPED_N);
-            let k = p.k as usize;
+            let cols = (j.n - n0).min(GROUPED_N);
+            // A row's bytes (every row of a and w starts 16-byte aligned).
+            let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
             // This thread's 16-byte chunks of a stage: rows `r + rpp i` (A rows below bm, B rows
-            // below GROUPED_N), columns `c .. c + 8` of the step; the sources' rows fixed for the
+            // below GROUPED_N), bytes `c .. c + 16` of the step; the sources' rows fixed for the
             // whole product.
-            let per_row = BK / 8;
-            let (rpp, r, c) = (GROUPED_BLOCK / per_row, tid / per_row, 8 * (tid % per_row));
+            let per_row = BKB / 16;
+            let (rpp, r, c) = (GROUPED_BLOCK / per_row, tid / per_row, 16 * (tid % per_row));
             let (a_passes, b_passes) = ((bm / rpp) as usize, (GROUPED_N / rpp) as usize);
-            let mut a_src = [p.a; 4];
+            let mut a_src = [j.a; 4];
             let mut a_ok = [false; 4];
             for i in 0..a_passes {
                 let ar = r + rpp * i as u32;
                 a_ok[i] = ar < rows;
                 if a_ok[i] {
                     let row =
-                        if p.token.is_null() { (lo + ar) as usize } else { ld(p.token, (lo + ar) as usize) as usize };
-                    a_src[i] = p.a.wrapping_add(row * k + c as usize);
+                        if j.token.is_null() { (lo + ar) as usize } else { ld(j.token, (lo + ar) as usize) as usize };
+                    a_src[i] = j.a.wrapping_add(row * kb + c as usize);
                 }
             }
-            let b_src = p.w.wrapping_add((e as usize * p.n as usize + (n0 + r) as usize) * k + c as usize);
-            let steps = p.k.div_ceil(BK);
+            let b_src = j.w.wrapping_add((e as usize * j.n as usize + (n0 + r) as usize) * kb + c as usize);
+            let steps = (kb as u32).div_ceil(BKB);
+            // Tile addresses in bf16 units: byte c is unit c / 2.
+            let cu = c / 2;
             let load = |step: u32| {
                 if step < steps {
                     let (at, bt) = stage_tiles(step % GROUPED_STAGES);
-                    let k0 = step * BK;
-                    let in_k = k0 + c < p.k;
+                    let k0 = step * BKB;
+                    let in_k = k0 + c < kb as u32;
                     let off = k0 as usize;
                     for i in 0..a_passes {
                         let ok = a_ok[i] && in_k;
-                        copy16(at.at(r + rpp * i as u32, c), if ok { a_src[i].wrapping_add(off) } else { p.a }, ok);
+                        let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
+                        copy16(at.at(r + rpp * i as u32, cu), src as *const u16, ok);
                     }
                     for i in 0..b_passes {
                         let br = r + rpp * i as u32;
                         let ok = br < cols && in_k;
-                        let src = b_src.wrapping_add(off + i * rpp as usize * k);
-                        copy16(bt.at(br, c), if ok { src } else { p.w }, ok);
+                        let src = b_src.wrapping_add(off + i * rpp as usize * kb);
+                        copy16(bt.at(br, cu), if ok { src } else { j.w } as *const u16, ok);
                     }
                 }
                 commit();
@@ -206,18 +388,21 @@ mod kernels {
                 staged_but::<{ GROUPED_STAGES - 2 }>();
                 load(step + GROUPED_STAGES - 1);
                 let (at, bt) = stage_tiles(step % GROUPED_STAGES);
-                for ks in 0..BK / 16 {
+                // 32 bytes of k an mma step: 16 bf16 units of the tiles.
+                for ks in 0..BKB / 32 {
                     let a: [[u32; 4]; MT] = core::array::from_fn(|i| at.a(wm + 16 * i as u32, 16 * ks));
-                    for j in 0..2 {
-                        let b = bt.b_nk(16 * ks, wn + 16 * j);
+                    for jj in 0..2 {
+                        let b = bt.b_nk(16 * ks, wn + 16 * jj);
                         for (i, a) in a.iter().enumerate() {
-                            mma(&mut acc[i][2 * j as usize], *a, b[0]);
-                            mma(&mut acc[i][2 * j as usize + 1], *a, b[1]);
+                            for h in 0..2 {
+                                let t = &mut acc[i][2 * jj as usize + h];
+                                if FP8 { mma_e4m3(t, *a, b[h]) } else { mma(t, *a, b[h]) }
+                            }
                         }
                     }
                 }
             }
-            let relu2 = p.relu2 != 0;
+            let relu2 = j.relu2 != 0;
             let f = |v: f32| {
                 if relu2 {
                     let r = fmax(bf16_to_f32(f32_to_bf16(v)), 0.0);
@@ -226,15 +411,21 @@ mod kernels {
                     v
                 }
             };
+            let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
             for (i, tiles) in acc.iter().enumerate() {
-                for (j, t) in tiles.iter().enumerate() {
-                    let col = wn + 8 * j as u32 + acc_col(lane, 0);
-                    for h in 0..2 {
-                        let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
-                        if row < rows && col < cols {
-                            let v = pack(f(t[2 * h as usize]), f(t[2 * h as usize + 1]));
-                            let at = (lo + row) as usize * p.n as usize + (n0 + col) as usize;
-                            st(p.out.wrapping_add(at) as *mut u32, 0, v);
+                for h in 0..2 {
+                    let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
+                    if row >= rows {
+                        continue;
+                    }
+                    let s = if j.a_scale.is_null() { 1.0 } else { ws * ld(j.a_scale, (lo + row) as usize) };
+                    for (jj, t) in tiles.iter().enumerate() {
+                        let col = wn + 8 * jj as u32 + acc_col(lane, 0);
+                        if col < cols {
+                            let (v0, v1) = (t[2 * h as usize], t[2 * h as usize + 1]);
+                            let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
+                            let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
+                            st(j.out.wrapping_add(at) as *mut u32, 0, v);
                         }
                     }
                 }

@@ -104,6 +104,9 @@ kernels! {
     NormGatedFp8 = "norm_gated_fp8_bf16",
     /// [`quant::QuantTokenParams`]: per-token dynamic FP8 e4m3 quantization.
     QuantToken = "quant_token_fp8_bf16",
+    /// [`quant::QuantRowsParams`]: FP8 e4m3 quantization of gathered rows, each with its
+    /// matrix's static scale or its own dynamic one (a grouped or plain FP8 product's input).
+    QuantRows = "quant_rows_fp8_bf16",
     /// [`quant::QuantAmaxParams`]: per-tensor max |x| (first pass of per-tensor dynamic quantization).
     QuantAmax = "quant_amax_bf16",
     /// [`quant::QuantTensorParams`]: per-tensor dynamic FP8 e4m3 quantization (second pass).
@@ -171,6 +174,10 @@ kernels! {
     MoeGrouped = "moe_grouped_bf16",
     /// [`grouped::GroupedParams`]: as `MoeGrouped`, tiles of 128 rows (experts of many rows).
     MoeGroupedWide = "moe_grouped_m128_bf16",
+    /// [`grouped::GroupedFp8Params`]: as `MoeGrouped`, FP8 e4m3 codes (W8A8).
+    MoeGroupedFp8 = "moe_grouped_fp8",
+    /// [`grouped::GemmFp8Params`]: an FP8 linear layer of many rows on tensor cores (W8A8).
+    GemmFp8 = "gemm_fp8",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
     MoeCombine = "moe_combine_bf16",
     /// [`mamba::MambaDecodeParams`]: a Mamba2 mixer's decode rows between its projections

@@ -1,6 +1,8 @@
-//! Tensor-core matrix products: `mma.sync.aligned.m16n8k16` (bf16 inputs, f32 accumulators),
-//! `ldmatrix` fragment loads from shared memory and `cp.async` staging, through inline PTX.
-//! These exist on sm_80 and later, so every arch's PTX (sm_90, sm_110, sm_121a) has them.
+//! Tensor-core matrix products: `mma.sync.aligned.m16n8k16` (bf16 inputs, f32 accumulators)
+//! and its FP8 form `m16n8k32` (e4m3 inputs, `mma_e4m3`), `ldmatrix` fragment loads from
+//! shared memory and `cp.async` staging, through inline PTX. The bf16 forms exist on sm_80 and
+//! later, the e4m3 one on sm_89 and later (PTX ISA 8.4: the sm_90 build asks rustc for it), so
+//! every arch's PTX (sm_90, sm_110, sm_121a) has them.
 //!
 //! # Fragments
 //! One `mma` multiplies a 16x16 A block by a 16x8 B block into a 16x8 f32 accumulator, each
@@ -306,6 +308,21 @@ mod device {
         // (callers keep it in warp-uniform flow).
         unsafe {
             asm!("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c0}, {c1}, {c2}, {c3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
+                 c0 = inout(reg32) c[0], c1 = inout(reg32) c[1], c2 = inout(reg32) c[2], c3 = inout(reg32) c[3],
+                 a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                 b0 = in(reg32) b[0], b1 = in(reg32) b[1], options(pure, nomem, nostack))
+        }
+    }
+
+    /// `c += a · b` for one 16x32 A block and one 32x8 B block of FP8 e4m3 codes (f32 sums).
+    /// The fragments are the bf16 ones with each bf16 element two codes (the lower k in the
+    /// lower byte), so a [`Tile`] of codes, its columns counted in pairs, loads them as it
+    /// loads bf16 (rows of k bytes: [`Tile::a`], [`Tile::b_nk`]). sm_89 and later, PTX ISA 8.4.
+    #[inline(always)]
+    pub fn mma_e4m3(c: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+        // SAFETY: as in `mma`.
+        unsafe {
+            asm!("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {{{c0}, {c1}, {c2}, {c3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
                  c0 = inout(reg32) c[0], c1 = inout(reg32) c[1], c2 = inout(reg32) c[2], c3 = inout(reg32) c[3],
                  a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                  b0 = in(reg32) b[0], b1 = in(reg32) b[1], options(pure, nomem, nostack))

@@ -4,7 +4,9 @@
 //! - per-token dynamic: `s_t = max(min(amax_t, amax_ub) / 448, 1/(448*512))`, `q = e4m3(x / s_t)`;
 //! - per-tensor dynamic: `s = max(amax / 448, 1/(448*512))`, `q = e4m3(x * (1/s))`, in two
 //!   launches (amax, then quantize);
-//! - static: `q = e4m3(x / scale)` with a given scale (a checkpoint's `input_scale`).
+//! - static: `q = e4m3(x / scale)` with a given scale (a checkpoint's `input_scale`);
+//! - rows of a grouped or plain product's input: each output row a gathered row of x, with its
+//!   matrix's static scale or per row as per-token (`quant_rows_fp8_bf16`).
 //!
 //! Max |x| ignores NaN (`max.f32`). An all-zero input has amax 0, so the scale is the floor
 //! `1/(448*512)` and every code is +0: no NaN, no garbage.
@@ -30,6 +32,32 @@ pub struct QuantTokenParams {
     pub width: u32,
     /// Upper bound on a row's amax before the scale is taken (`f32::INFINITY`: none).
     pub amax_ub: f32,
+}
+
+/// Rows quantized each by its own scale, gathered and scaled as a grouped (MoE) or plain
+/// product's input wants them: output row r quantizes row `token[r]` of `x` (or row r), with
+/// the static scale of its matrix or, without static scales, per row as `quant_token` does
+/// (no amax bound).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct QuantRowsParams {
+    /// Rows of `width` bf16, read.
+    pub x: *const u16,
+    /// `[rows]` the row of `x` each output row quantizes; null: row r itself.
+    pub token: *const u32,
+    /// Static scales, one per matrix: output row r takes `in_scale[e]`, e its matrix in the
+    /// grouped order `offsets` (or 0 without offsets); null: per-row dynamic scales.
+    pub in_scale: *const f32,
+    /// `[experts + 1]` the grouped order's offsets (row r belongs to the e with
+    /// `offsets[e] <= r < offsets[e + 1]`); null: one matrix.
+    pub offsets: *const u32,
+    /// `[rows, width]` e4m3 codes, written.
+    pub q: *mut u8,
+    /// `[rows]` f32 scales, written.
+    pub scales: *mut f32,
+    pub rows: u32,
+    pub width: u32,
+    pub experts: u32,
 }
 
 /// First pass of per-tensor quantization: `*amax = max |x|`.
@@ -78,6 +106,8 @@ pub struct QuantStaticParams {
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
 unsafe impl KernelParams for QuantTokenParams {}
 // SAFETY: as above.
+unsafe impl KernelParams for QuantRowsParams {}
+// SAFETY: as above.
 unsafe impl KernelParams for QuantAmaxParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for QuantTensorParams {}
@@ -116,29 +146,108 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn quant_token_fp8_bf16(p: QuantTokenParams) {
         grid_dependency_wait();
         let r = block_x() as usize;
-        let (width, n) = (p.width as usize, chunks(p.width));
-        let (x, q) = (p.x.wrapping_add(r * width), p.q.wrapping_add(r * width));
+        let width = p.width as usize;
+        // SAFETY: launch contract checked by host/src/quant.rs: rows r of x and q hold width
+        // elements, scales rows entries.
+        unsafe {
+            quant_row(
+                p.x.wrapping_add(r * width),
+                p.q.wrapping_add(r * width),
+                p.width,
+                None,
+                p.amax_ub,
+                p.scales.wrapping_add(r),
+            )
+        }
+    }
+
+    /// FP8 of gathered rows with static or per-row scales, [`QuantRowsParams`]. Grid `(rows)`,
+    /// block `row_block(width)` (or `row_block_many`), dynamic shared memory
+    /// [`REDUCE_SMEM_BYTES`]. Block r finds its source row and, with static scales, its
+    /// matrix (a binary search of the offsets), then quantizes as `quant_token_fp8_bf16`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn quant_rows_fp8_bf16(p: QuantRowsParams) {
+        grid_dependency_wait();
+        let r = block_x();
+        let width = p.width as usize;
+        // SAFETY: launch contract checked by host/src/quant.rs: token (where given) holds rows
+        // entries, each a row of x; offsets (where given) experts + 1 nondecreasing entries from
+        // 0 covering rows; in_scale a scale per matrix; q rows x width, scales rows.
+        unsafe {
+            let src = if p.token.is_null() { r } else { ld(p.token, r as usize) } as usize;
+            let fixed = if p.in_scale.is_null() {
+                None
+            } else {
+                let e = if p.offsets.is_null() { 0 } else { matrix_of(p.offsets, p.experts, r) };
+                Some(ld(p.in_scale, e as usize))
+            };
+            let q = p.q.wrapping_add(r as usize * width);
+            quant_row(
+                p.x.wrapping_add(src * width),
+                q,
+                p.width,
+                fixed,
+                f32::INFINITY,
+                p.scales.wrapping_add(r as usize),
+            )
+        }
+    }
+
+    /// The matrix of grouped row r: the last e below `experts` with `offsets[e] <= r` (experts
+    /// without rows have `offsets[e] == offsets[e + 1]`, so that e's range holds r).
+    ///
+    /// # Safety
+    /// `offsets[0..experts]` readable, `offsets[0] == 0`.
+    #[inline(always)]
+    unsafe fn matrix_of(offsets: *const u32, experts: u32, r: u32) -> u32 {
+        let (mut lo, mut hi) = (0, experts);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            // SAFETY: mid < experts.
+            if unsafe { ld(offsets, mid as usize) } <= r {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// One row to e4m3: `x` its `width` bf16, loaded once into registers (thread t: chunks t,
+    /// t + B, ...), the scale `fixed` or else the row's per-token one (max |x| reduced over the
+    /// block, bounded by `amax_ub`), codes `e4m3(x / s)` to `q`, the scale to `*scale` (thread
+    /// 0). Called by a whole block in uniform flow (the reduction has barriers).
+    ///
+    /// # Safety
+    /// `x` and `q` hold `width` elements, `scale` one; the block has threads for the row's
+    /// chunks ([`CHUNKS_PER_THREAD`] each) and [`REDUCE_SMEM_BYTES`] of dynamic shared memory.
+    #[inline(always)]
+    unsafe fn quant_row(x: *const u16, q: *mut u8, width: u32, fixed: Option<f32>, amax_ub: f32, scale: *mut f32) {
+        let (w, n) = (width as usize, chunks(width));
         let mut v = [[0.0f32; 8]; CHUNKS_PER_THREAD as usize];
         let chunk = |j: usize| thread_x() + j as u32 * block_dim_x();
-        // SAFETY: launch contract checked by host/src/quant.rs; chunk k < n covers channels
-        // below width; each thread writes its own chunks.
+        // SAFETY: as the doc says; chunk k < n covers channels below width; each thread writes
+        // its own chunks.
         unsafe {
             let mut amax = 0.0f32;
             for (j, vj) in v.iter_mut().enumerate() {
                 if chunk(j) < n {
-                    *vj = load8_bf16(x, (chunk(j) * VEC) as usize, width);
+                    *vj = load8_bf16(x, (chunk(j) * VEC) as usize, w);
                     amax = vj.iter().fold(amax, |a, y| fmax(a, y.abs()));
                 }
             }
-            let s = token_scale(block_max(amax, dyn_smem_f32()), p.amax_ub);
+            let s = match fixed {
+                Some(s) => s,
+                None => token_scale(block_max(amax, dyn_smem_f32()), amax_ub),
+            };
             let inv_s = 1.0 / s;
             for (j, vj) in v.iter().enumerate() {
                 if chunk(j) < n {
-                    store8_e4m3(q, (chunk(j) * VEC) as usize, width, vj.map(|y| div_rn_by(y, s, inv_s)));
+                    store8_e4m3(q, (chunk(j) * VEC) as usize, w, vj.map(|y| div_rn_by(y, s, inv_s)));
                 }
             }
             if thread_x() == 0 {
-                st(p.scales, r, s);
+                st(scale, 0, s);
             }
         }
     }

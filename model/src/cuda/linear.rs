@@ -4,6 +4,7 @@
 
 use half::bf16;
 use host::gemv::{gemv, gemv_split};
+use host::grouped::linear_fp8;
 use host::moe::ExpertWeights;
 use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
 
@@ -88,6 +89,11 @@ impl Weights {
 /// weight row needs more round trips on long rows.
 pub const SPLIT_MIN_K: usize = 3072;
 
+/// Most rows of an FP8 linear layer that run through the gemv kernel; more run through the
+/// FP8 GEMM on tensor cores ([`linear_fp8`]; the two not yet measured against each other, so
+/// the expert kernel's bound until they are).
+pub const FP8_GEMV_MAX_ROWS: usize = 64;
+
 impl CudaWeight {
     /// Uploads `l`'s weight (bf16 or FP8, no bias).
     pub(super) fn upload(gpu: &Gpu, l: &Linear) -> Result<CudaWeight> {
@@ -99,7 +105,7 @@ impl CudaWeight {
     /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
     /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
     /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
-    /// mode.
+    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM.
     pub(super) fn forward(
         &self,
         g: &Gpu,
@@ -113,6 +119,11 @@ impl CudaWeight {
                 Ok(gemv_split(g, x, rows, b, (self.n, self.k), y)?)
             }
             Weights::Bf16(b) if rows != 1 => gemm_rows(g, x, rows, &b.as_view(), (self.n, self.k), relu2, y),
+            Weights::Fp8 { .. }
+                if rows > FP8_GEMV_MAX_ROWS && self.k.is_multiple_of(16) && self.n.is_multiple_of(8) =>
+            {
+                Ok(linear_fp8(g, x, rows, self.w.view(), (self.n, self.k), relu2, y)?)
+            }
             weights => Ok(gemv(g, x, rows, weights.view(), (self.n, self.k), relu2, y)?),
         }
     }

@@ -11,8 +11,9 @@
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
 //! the FP8 gemv kernel and the expert kernel (the same row-dot code, an expert per row), which
 //! quantize each input row with the checkpoint's `input_scale` (or per token without one)
-//! before the product: right at any batch, fast at small ones (prefill of FP8 checkpoints does
-//! not use tensor cores yet).
+//! before the product, at up to 64 rows; at more, the rows are quantized the same way into
+//! codes first and multiplied on tensor cores (the FP8 GEMM and grouped GEMM,
+//! [`FP8_GEMV_MAX_ROWS`], [`EXPERT_KERNEL_MAX_ROWS`]).
 //!
 //! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
 //! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
@@ -48,7 +49,7 @@ use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
 use linear::mlp_rows;
 
-pub use linear::{CudaWeight, SPLIT_MIN_K};
+pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
 pub use mamba::FUSED_MAMBA_ROWS;
 pub use moe::{CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS, SHARED_PIECES_MAX_ROWS};
 pub use rows::CudaRows;

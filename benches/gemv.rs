@@ -6,12 +6,13 @@
 //! than the L2); bytes: the weight, x and y once. Then FP8 (W8A8, static input scale):
 //! `fp8/.../m*` the FP8 gemv against the FP8 GEMM on tensor cores (`host::grouped::linear_fp8`,
 //! its quantization included) from 16 to 4096 rows, each timed with events around one call
-//! (median of 11; the GEMM's temporaries outgrow a graph's arena), with cuBLASLt's bf16 time
-//! beside it; TFLOP/s of `2 rows n k`.
+//! (median of 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it:
+//! cuBLASLt and the same tensor-core GEMM (`host::grouped::gemm`, both tiles); TFLOP/s of
+//! `2 rows n k`.
 
 use half::bf16;
 use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::linear_fp8;
+use host::grouped::{Tiles, gemm, linear_fp8};
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -72,7 +73,13 @@ fn main() {
                 line("gemv", b.calls_us(|| gemv(gpu, &x, rows, w, (n, k), false, &mut y)));
             }
             line("gemm", b.calls_us(|| linear_fp8(gpu, &x.as_view(), rows, w, (n, k), false, &mut y)));
+            // bf16 beside it: cuBLASLt (the model's path past one row) and the same tensor-core
+            // GEMM in bf16, both tiles.
             line("cublaslt", b.calls_us(|| host::gemm::linear(gpu, rows, &x.as_view(), &wb.as_view(), n, k, &mut y)));
+            for tiles in [Tiles::Narrow, Tiles::Wide] {
+                let what = if tiles == Tiles::Narrow { "bf16" } else { "bf16 wide" };
+                line(what, b.calls_us(|| gemm(gpu, &x, &wb, (rows, n, k), false, tiles, &mut y)));
+            }
         }
     }
 }

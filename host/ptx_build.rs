@@ -82,12 +82,14 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 16] = [
+const LAUNCH_BOUNDS: [(&str, u32, u32); 18] = [
     ("moe_route_tc_bf16", 256, 2),
     ("moe_grouped_m128_bf16", 256, 2),
     ("moe_grouped_bf16", 256, 2),
     ("moe_grouped_fp8", 256, 2),
     ("gemm_fp8", 256, 2),
+    ("gemm_m128_bf16", 256, 2),
+    ("gemm_bf16", 256, 2),
     ("attn_flash_bf16", 256, 1),
     ("attn_flash_d128_bf16", 256, 1),
     ("mamba_decode_bf16", 512, 0),

@@ -6,7 +6,7 @@
 use half::bf16;
 use host::cpu::gemm::linear;
 use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::linear_fp8;
+use host::grouped::{Tiles, gemm, linear_fp8};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
 
 #[test]
@@ -111,5 +111,48 @@ fn gpu_linear_fp8_matches_reference() {
         }
     }
     println!("FP8 GEMM: {compared} values compared");
+    assert_eq!(compared, expected);
+}
+
+/// The bf16 linear layer of many rows on tensor cores (`gemm`, both tile sizes) against the
+/// f64 reference: in_proj's shape (n past the 128-column tiles' multiple) at 65 rows (a
+/// partial 64-row tile) and 300, out_proj's at 129 (a partial 128-row tile), an odd shape (k
+/// not a multiple of the 32- or 64-element stage) at 1, 65 and 200 rows, with relu^2 once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemm_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(99);
+    let (mut compared, mut expected) = (0, 0);
+    let cases: [(usize, usize, &[usize], bool); 4] = [
+        (10304, 2688, &[65, 300], false),
+        (2688, 4096, &[129], false),
+        (40, 136, &[1, 65, 200], false),
+        (40, 136, &[65], true),
+    ];
+    for (n, k, row_counts, relu2) in cases {
+        let bound = (3.0 / k as f64).sqrt();
+        let w = rng.bf16s(n * k, -bound, bound);
+        let dw = gpu.upload(&w).unwrap();
+        for &rows in row_counts {
+            let x = rng.bf16s(rows * k, -1.0, 1.0);
+            let dx = gpu.upload(&x).unwrap();
+            let want: Vec<f64> = linear(&x, &w, rows, n, k)
+                .into_iter()
+                .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
+                .collect();
+            for tiles in [Tiles::Narrow, Tiles::Wide] {
+                let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+                gemm(&gpu, &dx, &dw, (rows, n, k), relu2, tiles, &mut out).unwrap();
+                let label = format!("gemm ({tiles:?}) {n} x {k}, rows {rows}, relu2 {relu2}");
+                // bf16 output over f32 sums of bf16 products; relu^2 doubles the relative
+                // error of its bf16-rounded input.
+                let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
+                compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, rtol);
+                expected += rows * n;
+            }
+        }
+    }
+    println!("gemm: {compared} values compared");
     assert_eq!(compared, expected);
 }

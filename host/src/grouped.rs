@@ -1,4 +1,4 @@
-//! Launchers of the grouped expert GEMM on tensor cores and of its one-matrix FP8 form
+//! Launchers of the grouped expert GEMM on tensor cores and of its one-matrix forms
 //! (kernels-gpu/src/grouped.rs; references: cpu/moe.rs's expert MLP, W8A8 as cpu/quant.rs
 //! quantizes).
 
@@ -7,7 +7,7 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::grouped::{
     GROUPED_BLOCK, GROUPED_K_BYTES, GROUPED_K_BYTES_WIDE, GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params,
-    GroupedFp8Params, GroupedParams, grouped_m_tiles, grouped_smem_bytes,
+    GemmParams, GroupedFp8Params, GroupedParams, grouped_m_tiles, grouped_smem_bytes,
 };
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
@@ -161,6 +161,42 @@ pub fn grouped_fp8(
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
     unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES), p) }
+}
+
+/// A bf16 linear layer over `rows` rows of `x` on tensor cores, one launch: `out [rows, n] =
+/// f(x wᵀ)`, `w [n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` and `k` multiples of 8;
+/// tiles of 64 rows or, [`Tiles::Wide`], 128 (k staged 64 at a time).
+pub fn gemm(
+    gpu: &Gpu,
+    x: &impl DevicePtr<bf16>,
+    w: &CudaSlice<bf16>,
+    (rows, n, k): (usize, usize, usize),
+    relu2: bool,
+    tiles: Tiles,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let (kn, m, bk) = match tiles {
+        Tiles::Narrow => (Kernel::GemmBf16, GROUPED_M, GROUPED_K_BYTES),
+        Tiles::Wide => (Kernel::GemmWideBf16, GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE),
+    };
+    let c = Check(kn.name());
+    check_nk(c, (n, k), 8)?;
+    c.count("rows", MAX_ROWS, rows)?;
+    c.len_at_least("x", rows * k, x.len())?;
+    c.len("w", n * k, w.len())?;
+    c.len_at_least("out", rows * n, out.len())?;
+    let p = GemmParams {
+        a: gpu.addr(kn, "x", x)? as *const u16,
+        w: gpu.addr(kn, "w", w)? as *const u16,
+        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+        rows: rows as u32,
+        n: n as u32,
+        k: k as u32,
+        relu2: u32::from(relu2),
+    };
+    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(GROUPED_N as usize) as u32, 1);
+    // SAFETY: extents checked above; out is `&mut`.
+    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, grouped_smem_bytes(m, bk), p) }
 }
 
 /// An FP8 (W8A8) linear layer over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ) ws

@@ -1,7 +1,8 @@
 //! Grouped GEMM on tensor cores: one projection of every MoE expert with rows, in one launch
 //! (docs/MATH.md's expert MLP), and the same product for one matrix (a linear layer of many
-//! rows). A dispatch (`moe_dispatch`) has grouped the routing choices by expert: expert e's rows
-//! are `offsets[e] .. offsets[e + 1]` of the grouped order. Grouped row j of expert e gets
+//! rows: [`GemmParams`], `gemm_bf16` and `gemm_m128_bf16`; `gemm_fp8`). A dispatch
+//! (`moe_dispatch`) has grouped the routing choices by expert: expert e's rows are
+//! `offsets[e] .. offsets[e + 1]` of the grouped order. Grouped row j of expert e gets
 //! `out[j] = f(a_j W_eᵀ)` with `W [experts, n, k]` (each expert's weight row-major, a row per
 //! output), and `f` either the identity or `relu(bf16(.))^2`, rounded to bf16.
 //!
@@ -93,6 +94,23 @@ pub struct GroupedFp8Params {
     pub relu2: u32,
 }
 
+/// One bf16 product of `rows` rows by one matrix (a linear layer).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GemmParams {
+    /// `[rows, k]`.
+    pub a: *const u16,
+    /// `[n, k]`.
+    pub w: *const u16,
+    /// `[rows, n]`.
+    pub out: *mut u16,
+    pub rows: u32,
+    pub n: u32,
+    pub k: u32,
+    /// 1: `f = relu(bf16(.))^2`; 0: the identity.
+    pub relu2: u32,
+}
+
 /// One FP8 product of `rows` rows by one matrix (a linear layer).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -118,6 +136,8 @@ pub struct GemmFp8Params {
 unsafe impl KernelParams for GroupedParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for GroupedFp8Params {}
+// SAFETY: as above.
+unsafe impl KernelParams for GemmParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for GemmFp8Params {}
 
@@ -188,6 +208,22 @@ mod kernels {
         unsafe { grouped::<true, 2, GROUPED_K_BYTES>(fp8_job(p)) }
     }
 
+    /// bf16 product of rows by one matrix, [`GemmParams`]. Grid `(ceil(rows / GROUPED_M),
+    /// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_bf16(p: GemmParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped::<false, 2, GROUPED_K_BYTES>(gemm_bf16_job(p)) }
+    }
+
+    /// As `gemm_bf16` with [`GROUPED_M_WIDE`]-row tiles (grid x `ceil(rows / GROUPED_M_WIDE)`)
+    /// and `moe_grouped_m128_bf16`'s shared memory.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_m128_bf16(p: GemmParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped::<false, 4, GROUPED_K_BYTES_WIDE>(gemm_bf16_job(p)) }
+    }
+
     /// FP8 product of rows by one matrix, [`GemmFp8Params`]. Grid `(ceil(rows / GROUPED_M),
     /// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
     #[unsafe(no_mangle)]
@@ -226,6 +262,24 @@ mod kernels {
             out: p.out,
             experts: p.experts,
             rows: 0,
+            n: p.n,
+            k: p.k,
+            relu2: p.relu2,
+        }
+    }
+
+    #[inline(always)]
+    fn gemm_bf16_job(p: GemmParams) -> Job {
+        Job {
+            a: p.a as *const u8,
+            token: core::ptr::null(),
+            a_scale: core::ptr::null(),
+            w: p.w as *const u8,
+            w_scale: core::ptr::null(),
+            offsets: core::ptr::null(),
+            out: p.out,
+            experts: 1,
+            rows: p.rows,
             n: p.n,
             k: p.k,
             relu2: p.relu2,

@@ -176,6 +176,10 @@ kernels! {
     MoeGroupedWide = "moe_grouped_m128_bf16",
     /// [`grouped::GroupedFp8Params`]: as `MoeGrouped`, FP8 e4m3 codes (W8A8).
     MoeGroupedFp8 = "moe_grouped_fp8",
+    /// [`grouped::GemmParams`]: a bf16 linear layer of many rows on tensor cores.
+    GemmBf16 = "gemm_bf16",
+    /// [`grouped::GemmParams`]: as `GemmBf16`, tiles of 128 rows.
+    GemmWideBf16 = "gemm_m128_bf16",
     /// [`grouped::GemmFp8Params`]: an FP8 linear layer of many rows on tensor cores (W8A8).
     GemmFp8 = "gemm_fp8",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.

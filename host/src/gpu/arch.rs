@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 /// A PTX flavour embedded in this crate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arch {
-    /// Hopper (H100, H200): compute capability 9.0; PTX ISA 7.8.
+    /// Hopper (H100, H200): compute capability 9.0; PTX ISA 8.4 (for the FP8 `mma`).
     Sm90,
     /// Jetson Thor: compute capability 11.0; PTX ISA 9.0.
     Sm110,
@@ -30,7 +30,7 @@ impl Arch {
     /// The PTX ISA version rustc emits for this arch.
     pub const fn ptx_isa(self) -> &'static str {
         match self {
-            Arch::Sm90 => "7.8",
+            Arch::Sm90 => "8.4",
             Arch::Sm110 => "9.0",
             Arch::Sm121a => "8.8",
         }

@@ -6,13 +6,14 @@
 //!   expert through cuBLASLt, combine) at batch 1 and 64; bytes: the weights of the experts the
 //!   batch routes to (counted from its routing), the shared expert, the router, x and y.
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
-//!   (which reads the offsets back), by the grouped GEMM (both tiles) and by the FP8 grouped
-//!   GEMM (its quantizations included), each timed with events around one call, median of 11,
+//!   (which reads the offsets back), by the grouped GEMM (each of its tiles, `wgmma` where the
+//!   GPU has it) and by the FP8 grouped GEMM (its quantizations included), each timed with events around one call, median of 11,
 //!   with the TFLOP/s of the two projections (`4 entries inter hidden`).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
-use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};
+use host::Kernel;
+use host::grouped::{Tiles, experts_mlp_grouped_as};
 use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
@@ -80,20 +81,26 @@ enum Path {
     Cublas,
     Grouped(Tiles),
     /// The FP8 grouped GEMM, static input scales (each projection's rows quantized first).
-    GroupedFp8,
+    GroupedFp8(Tiles),
 }
 
 impl Path {
-    const ALL: [Path; 5] =
-        [Path::Kernel, Path::Cublas, Path::Grouped(Tiles::Narrow), Path::Grouped(Tiles::Wide), Path::GroupedFp8];
+    const ALL: [Path; 7] = [
+        Path::Kernel,
+        Path::Cublas,
+        Path::Grouped(Tiles::Narrow),
+        Path::Grouped(Tiles::Wide),
+        Path::Grouped(Tiles::Wgmma),
+        Path::GroupedFp8(Tiles::Narrow),
+        Path::GroupedFp8(Tiles::Wgmma),
+    ];
 
-    fn label(self) -> &'static str {
+    fn label(self) -> String {
         match self {
-            Path::Kernel => "expert kernel",
-            Path::Cublas => "cuBLASLt per expert",
-            Path::Grouped(Tiles::Narrow) => "grouped GEMM",
-            Path::Grouped(Tiles::Wide) => "grouped GEMM wide",
-            Path::GroupedFp8 => "grouped GEMM FP8",
+            Path::Kernel => "expert kernel".into(),
+            Path::Cublas => "cuBLASLt per expert".into(),
+            Path::Grouped(t) => format!("grouped {t:?}"),
+            Path::GroupedFp8(t) => format!("grouped FP8 {t:?}"),
         }
     }
 }
@@ -141,11 +148,19 @@ fn bench_layer(
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
         // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
         let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[1..] };
-        for &path in paths {
+        let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
+        for &path in
+            paths.iter().filter(|p| wgmma || !matches!(p, Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma)))
+        {
             let (med, p10, p90) = b.calls_us(|| match path {
                 Path::Cublas => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
-                Path::Grouped(tiles) => experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), tiles, &mut out),
-                Path::GroupedFp8 => experts_mlp_grouped(gpu, &d, &x, (fp8, fp8), (inter, hidden), &mut out),
+                Path::Grouped(tiles) => {
+                    let w = ExpertWeights::Bf16(up);
+                    experts_mlp_grouped_as(gpu, &d, &x, (w, w), (inter, hidden), tiles, &mut out)
+                }
+                Path::GroupedFp8(tiles) => {
+                    experts_mlp_grouped_as(gpu, &d, &x, (fp8, fp8), (inter, hidden), tiles, &mut out)
+                }
                 Path::Kernel => {
                     let w = ExpertWeights::Bf16(up);
                     experts_mlp(gpu, &d, &x, w, w, (inter, hidden), 0, &mut out)

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The arches whose PTX the host embeds, by `-C target-cpu` name.
-pub const ARCHES: [&str; 3] = ["sm_90", "sm_110", "sm_121a"];
+pub const ARCHES: [&str; 4] = ["sm_90", "sm_90a", "sm_110", "sm_121a"];
 
 /// Environment a parent cargo (or clippy) sets that must not leak into the device build.
 const CLEARED_ENV: [&str; 8] = [
@@ -47,9 +47,9 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     // The row kernels keep [[f32; 8]; CHUNKS_PER_THREAD] per thread in registers; that needs
     // their loops fully unrolled, past LLVM's default threshold (else the array lives in local
     // memory: `cargo xtask ptx` fails on any stack frame or spill).
-    // The FP8 tensor-core products (`mma.sync` m16n8k32 e4m3) need PTX ISA 8.4, above the 7.8
-    // rustc emits for sm_90 by default (its sm_110 and sm_121a PTX are newer already).
-    let isa = if arch == "sm_90" { "\x1f-Ctarget-feature=+ptx84" } else { "" };
+    // The FP8 tensor-core products (`mma.sync` m16n8k32 e4m3) need PTX ISA 8.4, above what
+    // rustc emits for sm_90 and sm_90a by default (its sm_110 and sm_121a PTX are newer).
+    let isa = if arch.starts_with("sm_90") { "\x1f-Ctarget-feature=+ptx84" } else { "" };
     cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}{isa}\x1f-Cllvm-args=-unroll-threshold=4000"));
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
@@ -70,7 +70,7 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     // Written beside rustc's output, never over it: cargo may find the build fresh and not
     // rewrite that file.
     let bounded = dir.join("kernels-bounded.ptx");
-    std::fs::write(&bounded, with_launch_bounds(&ptx)?)
+    std::fs::write(&bounded, with_launch_bounds(&ptx, arch)?)
         .map_err(|e| format!("cannot write {}: {e}", bounded.display()))?;
     Ok(bounded)
 }
@@ -82,11 +82,13 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 18] = [
+const LAUNCH_BOUNDS: [(&str, u32, u32); 20] = [
     ("moe_route_tc_bf16", 256, 2),
     ("moe_grouped_m128_bf16", 256, 2),
     ("moe_grouped_bf16", 256, 2),
     ("moe_grouped_fp8", 256, 2),
+    ("moe_grouped_wgmma_bf16", 256, 1),
+    ("moe_grouped_wgmma_fp8", 256, 1),
     ("gemm_fp8", 256, 2),
     ("gemm_m128_bf16", 256, 2),
     ("gemm_bf16", 256, 2),
@@ -106,9 +108,13 @@ const LAUNCH_BOUNDS: [(&str, u32, u32); 18] = [
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
 /// [`LAUNCH_BOUNDS`] (rustc has no attribute for them), so ptxas keeps their registers within
 /// what the block size allows.
-fn with_launch_bounds(ptx: &str) -> Result<String, String> {
+fn with_launch_bounds(ptx: &str, arch: &str) -> Result<String, String> {
     let mut text = ptx.to_string();
     for (name, threads, blocks) in LAUNCH_BOUNDS {
+        let kernel = kernels_gpu::Kernel::ALL.iter().find(|k| k.name() == name).ok_or(format!("no kernel {name}"))?;
+        if !kernel.in_arch(arch) {
+            continue;
+        }
         let at = text.find(&format!(".entry {name}(")).ok_or(format!("no entry {name} in the PTX"))?;
         let body = at + text[at..].find("\n{").ok_or(format!("entry {name} has no body"))?;
         let min = if blocks > 0 { format!("\n.minnctapersm {blocks}") } else { String::new() };

@@ -129,7 +129,7 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
-    use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};
+    use host::grouped::{Tiles, experts_mlp_grouped_as};
     use host::moe::{
         Choices, Dispatch, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, combine, dispatch, experts, experts_mlp,
         experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
@@ -521,6 +521,16 @@ mod gpu {
         down.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect()
     }
 
+    /// The grouped GEMM's tiles this GPU runs (FP8: no wide ones): the `wgmma` ones where its
+    /// PTX is sm_90a (compute capability 9.0, the H200), where they must be present.
+    fn grouped_tiles(gpu: &host::Gpu, fp8: bool) -> Vec<Tiles> {
+        let wgmma = gpu.arch() == host::Arch::Sm90a;
+        assert_eq!(gpu.has(host::Kernel::MoeGroupedWgmma), wgmma, "wgmma kernels on {:?}", gpu.arch());
+        let mut tiles = if fp8 { vec![Tiles::Narrow] } else { vec![Tiles::Narrow, Tiles::Wide] };
+        tiles.extend(wgmma.then_some(Tiles::Wgmma));
+        tiles
+    }
+
     /// Routing choices that leave expert 0 without rows, give expert 1 one (token 0's) and
     /// expert 2 every token (many tiles); the other choices distinct, from experts 3 on.
     fn skewed_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
@@ -557,16 +567,18 @@ mod gpu {
         dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
         let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
         assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
-        let outs: Vec<Vec<f64>> = [Tiles::Narrow, Tiles::Wide]
-            .into_iter()
-            .map(|tiles| {
+        let tiles = grouped_tiles(&gpu, false);
+        let w = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
+        let outs: Vec<Vec<f64>> = tiles
+            .iter()
+            .map(|&t| {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-                experts_mlp_grouped_as(&gpu, &d, &dx, (&dup, &ddown), (inter, hidden), tiles, &mut out).unwrap();
+                experts_mlp_grouped_as(&gpu, &d, &dx, w, (inter, hidden), t, &mut out).unwrap();
                 to_f64(&gpu.download(&out).unwrap())
             })
             .collect();
         let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
-        let (mut got, mut want, mut sampled) = ([Vec::new(), Vec::new()], Vec::new(), 0);
+        let (mut got, mut want, mut sampled) = (vec![Vec::new(); tiles.len()], Vec::new(), 0);
         for ex in 0..e {
             let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
             let sample: Vec<usize> =
@@ -584,10 +596,10 @@ mod gpu {
             }
             sampled += sample.len();
         }
-        for (g, tiles) in got.iter().zip(["narrow", "wide"]) {
-            let n = assert_close(&format!("grouped experts at Nano size, {tiles} tiles"), g, &want, 2e-3, 1.0 / 128.0);
+        for (g, t) in got.iter().zip(&tiles) {
+            let n = assert_close(&format!("grouped experts at Nano size, {t:?} tiles"), g, &want, 2e-3, 1.0 / 128.0);
             assert_eq!(n, sampled * hidden);
-            println!("grouped experts, {tiles} tiles: {n} values compared ({sampled} grouped rows)");
+            println!("grouped experts, {t:?} tiles: {n} values compared ({sampled} grouped rows)");
         }
     }
 
@@ -637,15 +649,16 @@ mod gpu {
                 want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&y);
             }
             // cuBLASLt per expert and the grouped GEMM take no pieces (0: the expert kernel,
-            // 1: cuBLASLt, 2: grouped, 3: grouped with wide tiles).
-            let paths: &[u8] = if pieces == 0 { &[0, 1, 2, 3] } else { &[0] };
-            for &path in paths {
+            // 1: cuBLASLt, 2..: grouped with each of this GPU's tiles).
+            let tiles = grouped_tiles(&gpu, false);
+            let paths: Vec<usize> = if pieces == 0 { (0..2 + tiles.len()).collect() } else { vec![0] };
+            for &path in &paths {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
                 if path == 1 {
                     experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
                 } else if path >= 2 {
-                    let tiles = if path == 2 { Tiles::Narrow } else { Tiles::Wide };
-                    experts_mlp_grouped_as(&gpu, &d, &dx, (&dup, &ddown), (inter, hidden), tiles, &mut out).unwrap();
+                    let w = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
+                    experts_mlp_grouped_as(&gpu, &d, &dx, w, (inter, hidden), tiles[path - 2], &mut out).unwrap();
                 } else {
                     experts_mlp(
                         &gpu,
@@ -659,10 +672,12 @@ mod gpu {
                     )
                     .unwrap();
                 }
-                let label = format!(
-                    "experts {} hidden {hidden} inter {inter} rows {rows} pieces {pieces}",
-                    ["kernel", "cuBLASLt", "grouped", "grouped wide"][path as usize]
-                );
+                let label = match path {
+                    0 => "kernel".to_string(),
+                    1 => "cuBLASLt".to_string(),
+                    p => format!("grouped {:?}", tiles[p - 2]),
+                };
+                let label = format!("experts {label} hidden {hidden} inter {inter} rows {rows} pieces {pieces}");
                 // bf16 output (2^-8 relative) over f32 sums of bf16 products.
                 compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 128.0);
             }
@@ -800,11 +815,17 @@ mod gpu {
             let (dc, ds) = (gpu.upload(&down_c).unwrap(), gpu.upload(&down_s).unwrap());
             let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
             let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
-            let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-            experts_mlp_grouped(&gpu, &d, &gpu.upload(&x).unwrap(), (up, down), (inter, hidden), &mut out).unwrap();
-            let out = to_f64(&gpu.download(&out).unwrap());
+            let (dx, tiles) = (gpu.upload(&x).unwrap(), grouped_tiles(&gpu, true));
+            let outs: Vec<Vec<f64>> = tiles
+                .iter()
+                .map(|&t| {
+                    let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+                    experts_mlp_grouped_as(&gpu, &d, &dx, (up, down), (inter, hidden), t, &mut out).unwrap();
+                    to_f64(&gpu.download(&out).unwrap())
+                })
+                .collect();
             let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
-            let (mut got, mut want, mut sampled) = (Vec::new(), Vec::new(), 0);
+            let (mut got, mut want, mut sampled) = (vec![Vec::new(); tiles.len()], Vec::new(), 0);
             for ex in 0..e {
                 let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
                 let u = (&up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
@@ -813,19 +834,23 @@ mod gpu {
                 for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
                     let xr = to_f64(&x[token[j] as usize * hidden..][..hidden]);
                     want.extend(fp8_expert_reference(&xr, u, dn));
-                    got.extend_from_slice(&out[j * hidden..][..hidden]);
+                    for (g, out) in got.iter_mut().zip(&outs) {
+                        g.extend_from_slice(&out[j * hidden..][..hidden]);
+                    }
                     sampled += 1;
                 }
             }
-            let label = format!(
-                "FP8 grouped experts hidden {hidden} inter {inter} rows {rows} static {}",
-                if up_static { "up" } else { "down" }
-            );
-            // As the expert kernel's FP8 test: the same codes on both sides, f32 sums against
-            // f64 moving a hidden value by one bf16 step at most.
-            let n = assert_close(&label, &got, &want, 2e-3, 1.0 / 64.0);
-            assert_eq!(n, sampled * hidden);
-            compared += n;
+            for (g, t) in got.iter().zip(&tiles) {
+                let label = format!(
+                    "FP8 grouped experts ({t:?}) hidden {hidden} inter {inter} rows {rows} static {}",
+                    if up_static { "up" } else { "down" }
+                );
+                // As the expert kernel's FP8 test: the same codes on both sides, f32 sums
+                // against f64 moving a hidden value by one bf16 step at most.
+                let n = assert_close(&label, g, &want, 2e-3, 1.0 / 64.0);
+                assert_eq!(n, sampled * hidden);
+                compared += n;
+            }
         }
         println!("FP8 grouped experts: {compared} values compared");
     }

@@ -1,4 +1,4 @@
-//! The embedded PTX of every arch: right `.target`, every kernel entry present, and accepted
+//! The embedded PTX of every arch: right `.target`, its kernel entries present, and accepted
 //! by ptxas 13.x for that arch. Needs ptxas: `cargo xtask test` provisions it and sets PTXAS.
 
 use host::{Arch, Kernel};
@@ -13,19 +13,25 @@ fn every_arch_declares_its_target() {
     }
 }
 
+/// Each arch's PTX holds exactly the kernels `Kernel::in_arch` gives it: all of them on
+/// sm_90a, all but the `wgmma` ones elsewhere.
 #[test]
-fn every_kernel_is_an_entry_of_every_arch() {
+fn every_kernel_is_an_entry_of_its_arches() {
     let mut checked = 0;
     for arch in Arch::ALL {
+        let mine: Vec<Kernel> = Kernel::ALL.iter().copied().filter(|k| k.in_arch(arch.name())).collect();
         for k in Kernel::ALL {
             let decl = format!(".visible .entry {}(", k.name());
-            assert!(arch.ptx().contains(&decl), "{}: no `.entry {}`", arch.name(), k.name());
+            let has = arch.ptx().contains(&decl);
+            assert_eq!(has, k.in_arch(arch.name()), "{}: `.entry {}` present: {has}", arch.name(), k.name());
             checked += 1;
         }
         let entries = arch.ptx().matches(".visible .entry ").count();
-        assert_eq!(entries, Kernel::ALL.len(), "{}: entries not listed in Kernel", arch.name());
+        assert_eq!(entries, mine.len(), "{}: entries not listed in Kernel", arch.name());
     }
     assert_eq!(checked, Arch::ALL.len() * Kernel::ALL.len());
+    let wgmma = Kernel::ALL.iter().filter(|k| k.needs_wgmma()).count();
+    assert!(wgmma > 0 && Kernel::ALL.iter().all(|k| k.in_arch("sm_90a")));
 }
 
 #[test]
@@ -72,10 +78,11 @@ fn ptxas_assembles_every_arch() {
 
 #[test]
 fn arch_selection_by_compute_capability() {
-    assert_eq!(Arch::for_compute_capability(9, 0).unwrap(), Arch::Sm90);
+    assert_eq!(Arch::for_compute_capability(9, 0).unwrap(), Arch::Sm90a);
     assert_eq!(Arch::for_compute_capability(11, 0).unwrap(), Arch::Sm110);
     assert_eq!(Arch::for_compute_capability(12, 1).unwrap(), Arch::Sm121a);
     // Newer or other >= 9.0 devices get the forward-compatible sm_90 PTX.
+    assert_eq!(Arch::for_compute_capability(9, 1).unwrap(), Arch::Sm90);
     assert_eq!(Arch::for_compute_capability(10, 0).unwrap(), Arch::Sm90);
     assert_eq!(Arch::for_compute_capability(12, 0).unwrap(), Arch::Sm90);
     for (major, minor) in [(8, 9), (8, 0), (7, 5)] {

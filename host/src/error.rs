@@ -27,6 +27,8 @@ pub enum Error {
         "kernel entry `{0}` is missing from the loaded PTX module: the build is inconsistent, run `cargo clean` and rebuild"
     )]
     MissingEntry(&'static str),
+    #[error("kernel `{kernel}` is not in this GPU's PTX ({arch}): it needs sm_90a (`wgmma`); callers check `Gpu::has`")]
+    NotInArch { kernel: &'static str, arch: &'static str },
     #[error("{0} inside a CUDA graph capture: the graph would replay it with stale host data")]
     InCapture(&'static str),
     #[error("invalid batch: {0}")]

@@ -7,7 +7,8 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::grouped::{
     GROUPED_BLOCK, GROUPED_K_BYTES, GROUPED_K_BYTES_WIDE, GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params,
-    GemmParams, GroupedFp8Params, GroupedParams, grouped_m_tiles, grouped_smem_bytes,
+    GemmParams, GroupedFp8Params, GroupedParams, WGMMA_M, WGMMA_N, grouped_m_tiles, grouped_smem_bytes,
+    wgmma_smem_bytes,
 };
 
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
@@ -17,47 +18,92 @@ use crate::gpu::Gpu;
 use crate::moe::Dispatch;
 use crate::quant::{Source, quant_rows};
 
-/// The grouped kernel's output tiles.
+/// The grouped kernels' output tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tiles {
-    /// 64 rows (`moe_grouped_bf16`).
+    /// 64 x 128 on `mma.sync` (`moe_grouped_bf16`, `moe_grouped_fp8`, `gemm_bf16`,
+    /// `gemm_fp8`).
     Narrow,
-    /// 128 rows, k staged 64 at a time (`moe_grouped_m128_bf16`): each input and weight tile
-    /// read half as often per product, more rows wasted in an expert's last tile.
+    /// 128 x 128, k staged 64 at a time (`moe_grouped_m128_bf16`, `gemm_m128_bf16`; bf16
+    /// only): each input and weight tile read half as often per product, more rows wasted in
+    /// an expert's last tile.
     Wide,
+    /// 128 x 256 on `wgmma` (`moe_grouped_wgmma_bf16`, `moe_grouped_wgmma_fp8`; grouped
+    /// only, sm_90a only: [`Gpu::has`]).
+    Wgmma,
+}
+
+/// The launch shape of one grouped kernel.
+struct Shape {
+    kernel: Kernel,
+    m: u32,
+    n: u32,
+    smem: u32,
 }
 
 impl Tiles {
-    /// Wide where a dispatch's experts average at least 128 rows each.
-    pub fn for_dispatch(d: &Dispatch) -> Tiles {
-        if d.entries() >= GROUPED_M_WIDE as usize * d.experts() { Tiles::Wide } else { Tiles::Narrow }
-    }
-
-    /// The kernel, its tile rows and the bytes of k it stages at a time.
-    fn kernel(self) -> (Kernel, u32, u32) {
-        match self {
-            Tiles::Narrow => (Kernel::MoeGrouped, GROUPED_M, GROUPED_K_BYTES),
-            Tiles::Wide => (Kernel::MoeGroupedWide, GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE),
+    /// What a dispatch's rows should run on here (not yet measured against each other at
+    /// every size): `wgmma` where the GPU has it and the experts average at least 64 rows
+    /// each, else the 128-row tiles from 128 rows an expert, else the 64-row ones. FP8 takes
+    /// the 64-row tiles where this says wide.
+    pub fn for_dispatch(gpu: &Gpu, d: &Dispatch) -> Tiles {
+        let per_expert = d.entries() / d.experts().max(1);
+        if gpu.has(Kernel::MoeGroupedWgmma) && per_expert >= 64 {
+            Tiles::Wgmma
+        } else if per_expert >= GROUPED_M_WIDE as usize {
+            Tiles::Wide
+        } else {
+            Tiles::Narrow
         }
     }
+
+    /// The grouped kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
+    fn grouped(self, fp8: bool) -> Result<Shape> {
+        let narrow = grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES);
+        let (kernel, m, n, smem) = match (self, fp8) {
+            (Tiles::Narrow, false) => (Kernel::MoeGrouped, GROUPED_M, GROUPED_N, narrow),
+            (Tiles::Narrow, true) => (Kernel::MoeGroupedFp8, GROUPED_M, GROUPED_N, narrow),
+            (Tiles::Wide, false) => {
+                let smem = grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE);
+                (Kernel::MoeGroupedWide, GROUPED_M_WIDE, GROUPED_N, smem)
+            }
+            (Tiles::Wide, true) => {
+                return Err(Error::Shape {
+                    kernel: Kernel::MoeGroupedFp8.name(),
+                    arg: "tiles",
+                    expected: "Narrow or Wgmma tiles for FP8".into(),
+                    got: "Wide".into(),
+                });
+            }
+            (Tiles::Wgmma, false) => (Kernel::MoeGroupedWgmma, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
+            (Tiles::Wgmma, true) => (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
+        };
+        Ok(Shape { kernel, m, n, smem })
+    }
+}
+
+/// One projection's shape: `n` outputs of `k` inputs, relu^2 after it (in bf16) or not.
+#[derive(Clone, Copy, Debug)]
+pub struct Proj {
+    pub n: usize,
+    pub k: usize,
+    pub relu2: bool,
 }
 
 /// One projection of every expert with rows in `d`, one launch: grouped row j of expert e gets
 /// `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input), row j
 /// otherwise (grouped rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when `relu2`.
 /// `n` and `k` multiples of 8. No synchronization.
-#[allow(clippy::too_many_arguments)]
 pub fn grouped(
     gpu: &Gpu,
     d: &Dispatch,
     (a, by_token): (&impl DevicePtr<bf16>, bool),
     w: &CudaSlice<bf16>,
-    (n, k): (usize, usize),
-    relu2: bool,
+    Proj { n, k, relu2 }: Proj,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let (kn, m, bk) = tiles.kernel();
+    let Shape { kernel: kn, m, n: nt, smem } = tiles.grouped(false)?;
     let c = Check(kn.name());
     d.check_filled(kn.name())?;
     check_nk(c, (n, k), 8)?;
@@ -65,8 +111,6 @@ pub fn grouped(
     c.len_at_least("a", if by_token { d.rows() } else { entries } * k, a.len())?;
     c.len("w", experts * n * k, w.len())?;
     c.len("out", entries * n, out.len())?;
-    let m_tiles = grouped_m_tiles(entries as u32, experts as u32, m);
-    let n_tiles = n.div_ceil(GROUPED_N as usize) as u32;
     let p = GroupedParams {
         a: gpu.addr(kn, "a", a)? as *const u16,
         token: if by_token { gpu.addr(kn, "token", d.token())? as *const u32 } else { std::ptr::null() },
@@ -78,9 +122,11 @@ pub fn grouped(
         k: k as u32,
         relu2: u32::from(relu2),
     };
+    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
-    // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`.
-    unsafe { gpu.launch(kn, (m_tiles, n_tiles, 1), GROUPED_BLOCK, grouped_smem_bytes(m, bk), p) }
+    // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`; grid,
+    // block and shared memory as the kernel of these tiles documents.
+    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
 }
 
 /// Checks `n` and `k`: positive multiples of 8 (`k` of `k_multiple`: whole 16-byte chunks of a
@@ -125,18 +171,18 @@ pub struct Fp8Rows<'a, Q: DevicePtr<u8>, S: DevicePtr<f32>> {
 /// expert e gets `out[j] = f((q_j Q_eᵀ) ws_e s_j)`, `(q_j, s_j)` row j's codes and scale in
 /// `a` (the grouped rows, [`quant_rows`] with [`Source::Grouped`]), `w` the experts' codes
 /// `[experts, n, k]` and scales (its `in_scale` is what `a` was quantized with, not read
-/// here); `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16. 64-row
-/// tiles. No synchronization.
+/// here); `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16; tiles
+/// [`Tiles::Narrow`] or [`Tiles::Wgmma`]. No synchronization.
 pub fn grouped_fp8(
     gpu: &Gpu,
     d: &Dispatch,
     a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
     w: Weights<'_>,
-    (n, k): (usize, usize),
-    relu2: bool,
+    Proj { n, k, relu2 }: Proj,
+    tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kn = Kernel::MoeGroupedFp8;
+    let Shape { kernel: kn, m, n: nt, smem } = tiles.grouped(true)?;
     let c = Check(kn.name());
     d.check_filled(kn.name())?;
     check_nk(c, (n, k), 16)?;
@@ -157,10 +203,11 @@ pub fn grouped_fp8(
         k: k as u32,
         relu2: u32::from(relu2),
     };
-    let grid = (grouped_m_tiles(entries as u32, experts as u32, GROUPED_M), n.div_ceil(GROUPED_N as usize) as u32, 1);
+    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
-    // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES), p) }
+    // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`; grid,
+    // block and shared memory as the kernel of these tiles documents.
+    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
 }
 
 /// A bf16 linear layer over `rows` rows of `x` on tensor cores, one launch: `out [rows, n] =
@@ -178,6 +225,14 @@ pub fn gemm(
     let (kn, m, bk) = match tiles {
         Tiles::Narrow => (Kernel::GemmBf16, GROUPED_M, GROUPED_K_BYTES),
         Tiles::Wide => (Kernel::GemmWideBf16, GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE),
+        Tiles::Wgmma => {
+            return Err(Error::Shape {
+                kernel: Kernel::GemmBf16.name(),
+                arg: "tiles",
+                expected: "Narrow or Wide tiles (no one-matrix wgmma kernel)".into(),
+                got: "Wgmma".into(),
+            });
+        }
     };
     let c = Check(kn.name());
     check_nk(c, (n, k), 8)?;
@@ -238,38 +293,60 @@ pub fn gemm_fp8(
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
 /// cores: the up projection with relu^2 into a hidden buffer `[entries, inter]`, then the down
 /// projection into `out [entries, hidden]`. `x [rows, hidden]` the layer input. bf16 weights:
-/// two launches, tiles as [`Tiles::for_dispatch`]; FP8 weights (W8A8, both projections): each
-/// projection's input quantized first ([`quant_rows`], with the projection's static scales or
-/// per row), four launches. No synchronization: the path for many rows.
+/// two launches; FP8 weights (W8A8, both projections): each projection's input quantized
+/// first ([`quant_rows`], with the projection's static scales or per row), four launches.
+/// Tiles as [`Tiles::for_dispatch`] (FP8: narrow for wide). No synchronization: the path for
+/// many rows.
 pub fn experts_mlp_grouped(
+    gpu: &Gpu,
+    d: &Dispatch,
+    x: &impl DevicePtr<bf16>,
+    w: (Weights<'_>, Weights<'_>),
+    sizes: (usize, usize),
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let tiles = match (Tiles::for_dispatch(gpu, d), w.0) {
+        (Tiles::Wide, Weights::Fp8 { .. }) => Tiles::Narrow,
+        (tiles, _) => tiles,
+    };
+    experts_mlp_grouped_as(gpu, d, x, w, sizes, tiles, out)
+}
+
+/// [`experts_mlp_grouped`] with the tiles given.
+pub fn experts_mlp_grouped_as(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
     (up, down): (Weights<'_>, Weights<'_>),
     (inter, hidden): (usize, usize),
+    tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    let (up_p, down_p) = (Proj { n: inter, k: hidden, relu2: true }, Proj { n: hidden, k: inter, relu2: false });
+    let e = d.entries();
+    // SAFETY (the temporaries): each is written whole before it is read: the up projection
+    // writes every grouped row (every expert's tiles cover its rows), quant_rows every row's
+    // codes and scale.
+    let mut h = unsafe { gpu.scratch::<bf16>(e * inter) }?;
     match (up, down) {
         (Weights::Bf16(u), Weights::Bf16(dn)) => {
-            experts_mlp_grouped_as(gpu, d, x, (u, dn), (inter, hidden), Tiles::for_dispatch(d), out)
+            grouped(gpu, d, (x, true), u, up_p, tiles, &mut h)?;
+            grouped(gpu, d, (&h, false), dn, down_p, tiles, out)
         }
         (Weights::Fp8 { in_scale: up_in, .. }, Weights::Fp8 { in_scale: down_in, .. }) => {
-            let e = d.entries();
-            // SAFETY: each temporary is written whole (quant_rows writes every row's codes and
-            // scale; the up projection every grouped row) before it is read.
-            let (mut q, mut s, mut h, mut q2, mut s2) = unsafe {
+            // SAFETY: as above.
+            let (mut q, mut s, mut q2, mut s2) = unsafe {
                 (
                     gpu.scratch::<u8>(e * hidden)?,
                     gpu.scratch::<f32>(e)?,
-                    gpu.scratch::<bf16>(e * inter)?,
                     gpu.scratch::<u8>(e * inter)?,
                     gpu.scratch::<f32>(e)?,
                 )
             };
             quant_rows(gpu, hidden, x, Source::Grouped { d, by_token: true }, up_in, &mut q, &mut s)?;
-            grouped_fp8(gpu, d, Fp8Rows { codes: &q, scales: &s }, up, (inter, hidden), true, &mut h)?;
+            grouped_fp8(gpu, d, Fp8Rows { codes: &q, scales: &s }, up, up_p, tiles, &mut h)?;
             quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, down_in, &mut q2, &mut s2)?;
-            grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, (hidden, inter), false, out)
+            grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, down_p, tiles, out)
         }
         _ => Err(Error::Shape {
             kernel: Kernel::MoeGroupedFp8.name(),
@@ -278,22 +355,6 @@ pub fn experts_mlp_grouped(
             got: "bf16 and FP8 weights mixed".into(),
         }),
     }
-}
-
-/// The bf16 [`experts_mlp_grouped`] with the tiles given.
-pub fn experts_mlp_grouped_as(
-    gpu: &Gpu,
-    d: &Dispatch,
-    x: &impl DevicePtr<bf16>,
-    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-    (inter, hidden): (usize, usize),
-    tiles: Tiles,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    // SAFETY: the up projection writes every grouped row (every expert's tiles cover its rows).
-    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * inter) }?;
-    grouped(gpu, d, (x, true), up, (inter, hidden), true, tiles, &mut h)?;
-    grouped(gpu, d, (&h, false), down, (hidden, inter), false, tiles, out)
 }
 
 /// An FP8 (W8A8) linear layer over `rows` rows of `x` on tensor cores: the rows quantized

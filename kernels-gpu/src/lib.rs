@@ -33,6 +33,7 @@ pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
+pub mod wgmma;
 
 /// Elements in one chunk: the unit of a 16-byte bf16 load, and what a thread converts at once.
 pub const VEC: u32 = 8;
@@ -176,6 +177,12 @@ kernels! {
     MoeGroupedWide = "moe_grouped_m128_bf16",
     /// [`grouped::GroupedFp8Params`]: as `MoeGrouped`, FP8 e4m3 codes (W8A8).
     MoeGroupedFp8 = "moe_grouped_fp8",
+    /// [`grouped::GroupedParams`]: as `MoeGrouped`, 128 x 256 tiles on `wgmma` (sm_90a PTX
+    /// only).
+    MoeGroupedWgmma = "moe_grouped_wgmma_bf16",
+    /// [`grouped::GroupedFp8Params`]: as `MoeGroupedFp8`, 128 x 256 tiles on `wgmma` (sm_90a
+    /// PTX only).
+    MoeGroupedWgmmaFp8 = "moe_grouped_wgmma_fp8",
     /// [`grouped::GemmParams`]: a bf16 linear layer of many rows on tensor cores.
     GemmBf16 = "gemm_bf16",
     /// [`grouped::GemmParams`]: as `GemmBf16`, tiles of 128 rows.
@@ -193,6 +200,18 @@ kernels! {
 }
 
 impl Kernel {
+    /// Whether the entry is in the PTX built for `arch` (`-C target-cpu`): the `wgmma`
+    /// kernels exist in the sm_90a PTX only (arch-specific instructions), every other kernel
+    /// in every arch's.
+    pub const fn in_arch(self, arch: &str) -> bool {
+        !self.needs_wgmma() || matches!(arch.as_bytes(), b"sm_90a")
+    }
+
+    /// Whether the kernel runs on `wgmma` (warpgroup matrix products, sm_90a only).
+    pub const fn needs_wgmma(self) -> bool {
+        matches!(self, Kernel::MoeGroupedWgmma | Kernel::MoeGroupedWgmmaFp8)
+    }
+
     /// Whether the kernel issues its first loads before it waits on the kernel before it
     /// (weights; the fused Mamba decode also its slot's caches), so that starting while that
     /// one still runs (programmatic dependent launch) gains it something. The host launches

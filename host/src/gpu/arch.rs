@@ -6,8 +6,12 @@ use crate::error::{Error, Result};
 /// A PTX flavour embedded in this crate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arch {
-    /// Hopper (H100, H200): compute capability 9.0; PTX ISA 8.4 (for the FP8 `mma`).
+    /// Hopper and later without their own PTX: compute capability 9.0 and up, JIT-compiled
+    /// by the driver; PTX ISA 8.4 (for the FP8 `mma`).
     Sm90,
+    /// Hopper (H100, H200): compute capability 9.0 with its arch-specific instructions
+    /// (`wgmma`); PTX ISA 8.4.
+    Sm90a,
     /// Jetson Thor: compute capability 11.0; PTX ISA 9.0.
     Sm110,
     /// DGX Spark GB10: compute capability 12.1, arch-specific features; PTX ISA 8.8.
@@ -16,12 +20,13 @@ pub enum Arch {
 
 impl Arch {
     /// Every embedded arch.
-    pub const ALL: [Arch; 3] = [Arch::Sm90, Arch::Sm110, Arch::Sm121a];
+    pub const ALL: [Arch; 4] = [Arch::Sm90, Arch::Sm90a, Arch::Sm110, Arch::Sm121a];
 
     /// The `-C target-cpu` / `.target` name.
     pub const fn name(self) -> &'static str {
         match self {
             Arch::Sm90 => "sm_90",
+            Arch::Sm90a => "sm_90a",
             Arch::Sm110 => "sm_110",
             Arch::Sm121a => "sm_121a",
         }
@@ -30,7 +35,7 @@ impl Arch {
     /// The PTX ISA version rustc emits for this arch.
     pub const fn ptx_isa(self) -> &'static str {
         match self {
-            Arch::Sm90 => "8.4",
+            Arch::Sm90 | Arch::Sm90a => "8.4",
             Arch::Sm110 => "9.0",
             Arch::Sm121a => "8.8",
         }
@@ -40,6 +45,7 @@ impl Arch {
     pub const fn ptx(self) -> &'static str {
         match self {
             Arch::Sm90 => include_str!(concat!(env!("OUT_DIR"), "/sm_90.ptx")),
+            Arch::Sm90a => include_str!(concat!(env!("OUT_DIR"), "/sm_90a.ptx")),
             Arch::Sm110 => include_str!(concat!(env!("OUT_DIR"), "/sm_110.ptx")),
             Arch::Sm121a => include_str!(concat!(env!("OUT_DIR"), "/sm_121a.ptx")),
         }
@@ -47,12 +53,13 @@ impl Arch {
 
     /// Picks the PTX for a device of compute capability `major.minor`.
     ///
-    /// 9.0, 11.0 and 12.1 get their own PTX. Any other device of 9.0 or newer gets the sm_90
-    /// PTX, which the driver JIT-compiles for it (plain `sm_90` PTX is forward compatible);
-    /// that pairing is not verified by this project. Older devices are refused: the kernels
-    /// use sm_89+ FP8 conversions.
+    /// 9.0 (sm_90a: arch-specific PTX runs only there), 11.0 and 12.1 get their own PTX. Any
+    /// other device of 9.0 or newer gets the sm_90 PTX, which the driver JIT-compiles for it
+    /// (plain `sm_90` PTX is forward compatible); that pairing is not verified by this
+    /// project. Older devices are refused: the kernels use sm_89+ FP8 conversions.
     pub fn for_compute_capability(major: i32, minor: i32) -> Result<Arch> {
         match (major, minor) {
+            (9, 0) => Ok(Arch::Sm90a),
             (11, 0) => Ok(Arch::Sm110),
             (12, 1) => Ok(Arch::Sm121a),
             (m, _) if m >= 9 => Ok(Arch::Sm90),

@@ -72,6 +72,12 @@ impl Gpu {
         unsafe { self.launch_clusters(kernel, grid, 1, block, smem, params) }
     }
 
+    /// Whether this device's PTX has `kernel` (`Kernel::in_arch`: the `wgmma` kernels only on
+    /// sm_90a).
+    pub fn has(&self, kernel: Kernel) -> bool {
+        self.functions[kernel as usize].is_some()
+    }
+
     /// Most bytes of dynamic shared memory a block of `kernel` can have on this device.
     pub(crate) fn max_smem(&self, kernel: Kernel) -> u32 {
         self.max_smem[kernel as usize]
@@ -91,7 +97,9 @@ impl Gpu {
         smem: u32,
         params: P,
     ) -> Result<()> {
-        let f = &self.functions[kernel as usize];
+        let f = self.functions[kernel as usize]
+            .as_ref()
+            .ok_or(Error::NotInArch { kernel: kernel.name(), arch: self.arch.name() })?;
         if self.capturing.load(Ordering::Relaxed)
             && let Ok(mut k) = self.captured.lock()
         {

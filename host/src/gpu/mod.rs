@@ -44,7 +44,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: Arch,
-    functions: Vec<CudaFunction>,
+    /// Each kernel's function, `None` where this arch's PTX lacks it (`Kernel::in_arch`).
+    functions: Vec<Option<CudaFunction>>,
     /// Most threads per block each function can launch with (its register use decides).
     max_threads: Vec<u32>,
     /// cuBLASLt on `stream`, created on first use (see [`Gpu::blas`]).
@@ -96,24 +97,32 @@ impl Gpu {
             }
             source => Error::Driver { during: "loading the PTX module", source },
         })?;
+        // The kernels of this arch's PTX (`Kernel::in_arch`); the others stay `None`.
         let functions = Kernel::ALL
             .iter()
-            .map(|k| module.load_function(k.name()).map_err(|_| Error::MissingEntry(k.name())))
+            .map(|k| {
+                k.in_arch(arch.name())
+                    .then(|| module.load_function(k.name()).map_err(|_| Error::MissingEntry(k.name())))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
-        let max_threads = functions
-            .iter()
-            .map(|f| f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK))
-            .map(|r| r.map(|v| v.max(0) as u32))
-            .collect::<Result<Vec<_>, _>>()
-            .during("reading kernel attributes")?;
         let optin = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
         let optin = ctx.attribute(optin).during("reading the shared memory limit")?.max(0);
-        let mut max_smem = Vec::with_capacity(functions.len());
+        let (mut max_threads, mut max_smem) = (Vec::new(), Vec::new());
         for f in &functions {
-            let fixed = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
-            let dynamic = optin - f.get_attribute(fixed).during("reading kernel attributes")?.clamp(0, optin);
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, dynamic).during("enabling large shared memory")?;
+            let (threads, dynamic) = match f {
+                Some(f) => {
+                    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+                    let threads = f.get_attribute(attr).during("reading kernel attributes")?.max(0);
+                    let fixed = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+                    let dynamic = optin - f.get_attribute(fixed).during("reading kernel attributes")?.clamp(0, optin);
+                    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                    f.set_attribute(attr, dynamic).during("enabling large shared memory")?;
+                    (threads, dynamic)
+                }
+                None => (0, 0),
+            };
+            max_threads.push(threads as u32);
             max_smem.push(dynamic as u32);
         }
         let stream = ctx.new_stream().during("creating a stream")?;

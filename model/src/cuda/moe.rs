@@ -11,7 +11,7 @@ use host::moe::{
     Choices, Dispatch, MAX_EXPERTS, MAX_TOP_K, combine, dispatch, experts_mlp, experts_mlp_choices,
     experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
-use host::{Buffer, CudaSlice, Gpu};
+use host::{Buffer, CudaSlice, Gpu, Kernel};
 
 use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
 use super::{unsupported, view_mut};
@@ -50,9 +50,11 @@ enum Shared {
 /// FP8 alike; the FP8 grouped GEMM is not yet measured against the expert kernel).
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
-/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM (one launch a
-/// projection, no synchronization); more go through per-expert cuBLASLt GEMMs. On the H200 at
-/// Nano size (benches/nano prefill breakdown, routing + experts a MoE layer) the grouped GEMM
+/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` (one
+/// launch a projection, no synchronization); more go through per-expert cuBLASLt GEMMs, or,
+/// where the GPU has the `wgmma` kernels (sm_90a), through the grouped GEMM on those (its
+/// 128 x 256 tiles; not yet measured against cuBLASLt). On the H200 at Nano size
+/// (benches/nano prefill breakdown, routing + experts a MoE layer) the `mma.sync` grouped GEMM
 /// took 0.759 ms at 512 tokens against cuBLASLt's 1.412, but 4.368 ms at 4096 against 3.411
 /// (its 64 x 128 tiles reread their inputs from L2 more than the larger GEMMs do).
 pub const GROUPED_MAX_ROWS: usize = 1024;
@@ -214,7 +216,8 @@ impl CudaExperts {
         let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
         match (&self.up, &self.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
-                if rows <= GROUPED_MAX_ROWS && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
+                let grouped_rows = rows <= GROUPED_MAX_ROWS || g.has(Kernel::MoeGroupedWgmma);
+                if grouped_rows && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
                     let w = (self.up.view(), self.down.view());
                     experts_mlp_grouped(g, &d, &xv, w, (self.inter, hidden), &mut grouped)?
                 } else {

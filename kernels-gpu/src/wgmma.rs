@@ -1,0 +1,145 @@
+//! Warpgroup matrix products (`wgmma.mma_async`, sm_90a only): operands in shared memory
+//! described by 64-bit descriptors, f32 accumulators in the registers of a warpgroup (four
+//! warps, 128 threads), through inline PTX. Only the sm_90a PTX has them (`Kernel::in_arch`);
+//! the host picks that PTX on devices of compute capability 9.0.
+//!
+//! # Shared-memory tiles
+//! A [`SwizzledTile`] holds rows of 128 bytes (64 bf16 or 128 e4m3 of k: each operand
+//! "K-major", A `[m][k]` and B `[n][k]`) in the 128-byte swizzle `wgmma` reads: the 16-byte
+//! chunk c of row r sits at chunk `c ^ (r % 8)` of its row, rows 128 bytes apart, the tile
+//! 1024-byte aligned (the swizzle repeats every 8 rows, 1024 bytes). Its descriptor
+//! ([`SwizzledTile::desc`]): start address / 16 (bits 0-13), leading-dimension offset 1
+//! (unused with this swizzle), stride offset 1024 / 16 (bits 32-45: 8 rows of 128 bytes to
+//! the next 8), swizzle mode 1 (128 bytes, bits 62-63). The k16 (bf16) or k32 (e4m3) step kk
+//! of a row starts 32 kk bytes in: its descriptor's start address 2 kk higher (the hardware
+//! applies the swizzle to the address it forms).
+//!
+//! # One stage of products
+//! [`mma_stage`] runs a warpgroup's 64 x 256 block over one 128-byte stage of k: for each of
+//! the 4 k steps, two `m64n128` products (B rows 0..128 and 128..256), accumulating into
+//! two sets of 64 f32 a thread. The fence, the 8 products, their commit and the wait for them
+//! are one asm block, so no instruction the compiler places can touch the accumulators while
+//! the products are in flight. Accumulator i of a thread, in warp `wi` of the warpgroup, is
+//! element (row `16 wi + lane / 4 + 8 ((i / 2) % 2)`, column `8 (i / 4) + 2 (lane % 4) + i % 2`)
+//! of its 64 x 128 half ([`acc_row`], [`acc_col`]).
+
+/// Bytes of k in a stage row (one 128-byte swizzled row).
+pub const STAGE_ROW_BYTES: u32 = 128;
+
+/// Row (within its warpgroup's 64-row block) of accumulator `i` of `lane` in warp `wi`.
+pub const fn acc_row(wi: u32, lane: u32, i: u32) -> u32 {
+    16 * wi + lane / 4 + 8 * ((i / 2) % 2)
+}
+
+/// Column (within its 128-column half) of accumulator `i` of `lane`.
+pub const fn acc_col(lane: u32, i: u32) -> u32 {
+    8 * (i / 4) + 2 * (lane % 4) + i % 2
+}
+
+#[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
+pub(crate) use device::*;
+
+#[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
+mod device {
+    use super::*;
+    use core::arch::asm;
+
+    /// A tile of 128-byte rows in the 128-byte swizzle, at a 1024-byte aligned shared address.
+    #[derive(Clone, Copy)]
+    pub struct SwizzledTile {
+        pub addr: u32,
+    }
+
+    impl SwizzledTile {
+        /// Shared address of 16-byte chunk `c` (0..8) of row `r`.
+        #[inline(always)]
+        pub fn chunk(self, r: u32, c: u32) -> u32 {
+            self.addr + r * STAGE_ROW_BYTES + ((c ^ (r % 8)) << 4)
+        }
+
+        /// The descriptor of the tile from row `r0` (a multiple of 8), at byte `kb` (a multiple
+        /// of 32) of its rows.
+        #[inline(always)]
+        pub fn desc(self, r0: u32, kb: u32) -> u64 {
+            let start = u64::from((self.addr + r0 * STAGE_ROW_BYTES + kb) >> 4) & 0x3fff;
+            start | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+        }
+    }
+
+    /// Makes this thread's writes to shared memory (here: completed `cp.async` copies) visible
+    /// to the async proxy `wgmma` reads through; before the barrier that publishes them.
+    #[inline(always)]
+    pub fn fence_async_shared() {
+        // SAFETY: no operands.
+        unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
+    }
+
+    /// The positional operand list `{first}, {rest}...` of the macro below.
+    macro_rules! regs {
+        ($first:literal $($i:literal)*) => { concat!("{", $first, "}" $(, ", {", $i, "}")*) };
+    }
+
+    /// One stage of a warpgroup's products (the module docs), as one asm block: `$acc` the two
+    /// 64-register accumulators, `$a` the 4 k steps' A descriptors, `$b` the two halves' 4
+    /// each; `$ins` the instruction, `$tail` its operands after scale-d.
+    macro_rules! stage {
+        ($acc:ident, $a:ident, $b:ident, $ins:literal, $tail:literal;
+         $($lo:literal)*; $($hi:literal)*) => {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "setp.ne.b32 p, {one}, 0;",
+                "wgmma.fence.sync.aligned;",
+                concat!($ins, " {{", regs!($($lo)*), "}}, {a0}, {b00}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($hi)*), "}}, {a0}, {b10}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($lo)*), "}}, {a1}, {b01}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($hi)*), "}}, {a1}, {b11}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($lo)*), "}}, {a2}, {b02}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($hi)*), "}}, {a2}, {b12}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($lo)*), "}}, {a3}, {b03}, p, ", $tail, ";"),
+                concat!($ins, " {{", regs!($($hi)*), "}}, {a3}, {b13}, p, ", $tail, ";"),
+                "wgmma.commit_group.sync.aligned;",
+                "wgmma.wait_group.sync.aligned 0;",
+                "}}",
+                $(inout(reg32) $acc[0][$lo],)*
+                $(inout(reg32) $acc[1][$lo],)*
+                a0 = in(reg64) $a[0], a1 = in(reg64) $a[1], a2 = in(reg64) $a[2], a3 = in(reg64) $a[3],
+                b00 = in(reg64) $b[0][0], b01 = in(reg64) $b[0][1], b02 = in(reg64) $b[0][2], b03 = in(reg64) $b[0][3],
+                b10 = in(reg64) $b[1][0], b11 = in(reg64) $b[1][1], b12 = in(reg64) $b[1][2], b13 = in(reg64) $b[1][3],
+                one = in(reg32) 1u32,
+                options(nostack),
+            )
+        };
+    }
+
+    /// `acc += A B` over one stage (the module docs): `a[kk]` the A descriptors of the 4 k
+    /// steps (the warpgroup's 64 rows), `b[h][kk]` those of B's rows `128 h .. + 128`; e4m3
+    /// operands (k32 a step) where `FP8`, else bf16 (k16). Returns with the products done.
+    ///
+    /// # Safety
+    /// The whole warpgroup calls it in uniform flow; the descriptors describe tiles of the
+    /// block's shared memory that every thread's writes (fenced with [`fence_async_shared`])
+    /// reached before a barrier all of the warpgroup passed.
+    #[inline(always)]
+    pub unsafe fn mma_stage<const FP8: bool>(acc: &mut [[f32; 64]; 2], a: [u64; 4], b: [[u64; 4]; 2]) {
+        // SAFETY: guaranteed by the caller; register operands only, the products waited for
+        // inside the block.
+        unsafe {
+            if FP8 {
+                stage!(acc, a, b, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "1, 1";
+                    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+                    32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63;
+                    64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95
+                    96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120
+                    121 122 123 124 125 126 127)
+            } else {
+                stage!(acc, a, b, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0";
+                    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+                    32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63;
+                    64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95
+                    96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120
+                    121 122 123 124 125 126 127)
+            }
+        }
+    }
+}

@@ -4,15 +4,15 @@
 //! backend takes for bf16 linear layers. Method as in
 //! benches/norm.rs (CUDA graph replays timed with events; cold: weights rotated through more
 //! than the L2); bytes: the weight, x and y once. Then FP8 (W8A8, static input scale):
-//! `fp8/.../m*` the FP8 gemv against the FP8 GEMM on tensor cores (`host::grouped::linear_fp8`,
-//! its quantization included) from 16 to 4096 rows, each timed with events around one call
-//! (median of 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it:
-//! cuBLASLt and the same tensor-core GEMM (`host::grouped::gemm`, both tiles); TFLOP/s of
-//! `2 rows n k`.
+//! `fp8/.../m*` the FP8 gemv against the FP8 GEMM on tensor cores
+//! (`host::grouped::linear_fp8_as`, its quantization included; 64-row tiles and, where the GPU
+//! has it, `wgmma`) from 16 to 4096 rows, each timed with events around one call (median of
+//! 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it: cuBLASLt and the
+//! same tensor-core GEMMs (`host::grouped::gemm`, every tile); TFLOP/s of `2 rows n k`.
 
 use half::bf16;
 use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::{Tiles, gemm, linear_fp8};
+use host::grouped::{Proj, Tiles, gemm, linear_fp8_as};
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -52,6 +52,8 @@ fn main() {
     }
     // FP8: zero codes (the products' time does not depend on the values), unit scales.
     let one = gpu.upload(&[1.0f32]).unwrap();
+    let mut dense_tiles = vec![Tiles::Narrow, Tiles::Wide];
+    dense_tiles.extend(gpu.has(host::Kernel::GemmWgmma).then_some(Tiles::Wgmma));
     for (name, n, k) in shapes.into_iter().filter(|&(name, ..)| name != "lm_head") {
         let (codes, wb) = (gpu.zeros::<u8>(n * k).unwrap(), gpu.zeros::<bf16>(n * k).unwrap());
         let w = Weights::Fp8 { codes: &codes, w_scale: &one, in_scale: Some(&one) };
@@ -72,13 +74,17 @@ fn main() {
             if rows <= 128 {
                 line("gemv", b.calls_us(|| gemv(gpu, &x, rows, w, (n, k), false, &mut y)));
             }
-            line("gemm", b.calls_us(|| linear_fp8(gpu, &x.as_view(), rows, w, (n, k), false, &mut y)));
+            let proj = Proj { n, k, relu2: false };
+            for tiles in dense_tiles.iter().copied().filter(|&t| t != Tiles::Wide) {
+                let what = format!("fp8 {tiles:?}");
+                line(&what, b.calls_us(|| linear_fp8_as(gpu, &x.as_view(), rows, w, proj, tiles, &mut y)));
+            }
             // bf16 beside it: cuBLASLt (the model's path past one row) and the same tensor-core
-            // GEMM in bf16, both tiles.
+            // GEMMs in bf16.
             line("cublaslt", b.calls_us(|| host::gemm::linear(gpu, rows, &x.as_view(), &wb.as_view(), n, k, &mut y)));
-            for tiles in [Tiles::Narrow, Tiles::Wide] {
-                let what = if tiles == Tiles::Narrow { "bf16" } else { "bf16 wide" };
-                line(what, b.calls_us(|| gemm(gpu, &x, &wb, (rows, n, k), false, tiles, &mut y)));
+            for &tiles in &dense_tiles {
+                let what = format!("bf16 {tiles:?}");
+                line(&what, b.calls_us(|| gemm(gpu, &x, &wb, (rows, n, k), false, tiles, &mut y)));
             }
         }
     }

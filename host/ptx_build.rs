@@ -82,13 +82,15 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 20] = [
+const LAUNCH_BOUNDS: [(&str, u32, u32); 22] = [
     ("moe_route_tc_bf16", 256, 2),
     ("moe_grouped_m128_bf16", 256, 2),
     ("moe_grouped_bf16", 256, 2),
     ("moe_grouped_fp8", 256, 2),
     ("moe_grouped_wgmma_bf16", 256, 1),
     ("moe_grouped_wgmma_fp8", 256, 1),
+    ("gemm_wgmma_bf16", 256, 1),
+    ("gemm_wgmma_fp8", 256, 1),
     ("gemm_fp8", 256, 2),
     ("gemm_m128_bf16", 256, 2),
     ("gemm_bf16", 256, 2),

@@ -6,7 +6,7 @@
 use half::bf16;
 use host::cpu::gemm::linear;
 use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::{Tiles, gemm, linear_fp8};
+use host::grouped::{Proj, Tiles, gemm, linear_fp8_as};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
 
 #[test]
@@ -69,11 +69,12 @@ fn gpu_gemv_fp8_matches_reference() {
     assert_eq!(compared, cases.iter().map(|&(n, _, _)| rows * n).sum::<usize>());
 }
 
-/// The FP8 linear layer of many rows on tensor cores (`linear_fp8`: the rows quantized, then
-/// `gemm_fp8`) against W8A8 in f64: a Nano expert's up shape and in_proj's (n past the
-/// 128-column tiles' multiple) with a static input scale and with per-row scales, at one row,
-/// at 65 (a partial 64-row tile) and at 129 or 300; an odd shape (k not a multiple of the 64-byte
-/// stage); with relu^2 once.
+/// The FP8 linear layer of many rows on tensor cores (`linear_fp8_as`: the rows quantized, then
+/// `gemm_fp8`, with each FP8 tile kind this GPU has) against W8A8 in f64: a Nano expert's up
+/// shape and in_proj's (n past the 128- and 256-column tiles' multiples) with a static input
+/// scale and with per-row scales, at one row, at 65 (a partial 64-row tile) and at 129 or 300
+/// (partial 128-row tiles); an odd shape (k not a multiple of the 64- or 128-byte stage); with
+/// relu^2 once.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_linear_fp8_matches_reference() {
@@ -95,26 +96,30 @@ fn gpu_linear_fp8_matches_reference() {
         for rows in row_counts {
             let x = rng.bf16s(rows * k, -1.0, 1.0);
             let dx = gpu.upload(&x).unwrap();
-            let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-            linear_fp8(&gpu, &dx.as_view(), rows, w, (n, k), relu2, &mut y).unwrap();
             let want: Vec<f64> = x
                 .chunks(k)
                 .flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale))
                 .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
                 .collect();
-            let label = format!("FP8 GEMM {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}");
-            // f32 sums of exact products against f64; relu^2 doubles the relative error of
-            // its bf16-rounded input.
-            let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
-            compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, rtol);
-            expected += rows * n;
+            for &tiles in dense_tiles(&gpu).iter().filter(|&&t| t != Tiles::Wide) {
+                let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+                linear_fp8_as(&gpu, &dx.as_view(), rows, w, Proj { n, k, relu2 }, tiles, &mut y).unwrap();
+                let label = format!(
+                    "FP8 GEMM ({tiles:?}) {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}"
+                );
+                // f32 sums of exact products against f64; relu^2 doubles the relative error
+                // of its bf16-rounded input.
+                let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
+                compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, rtol);
+                expected += rows * n;
+            }
         }
     }
     println!("FP8 GEMM: {compared} values compared");
     assert_eq!(compared, expected);
 }
 
-/// The bf16 linear layer of many rows on tensor cores (`gemm`, both tile sizes) against the
+/// The bf16 linear layer of many rows on tensor cores (`gemm`, every tile kind this GPU has) against the
 /// f64 reference: in_proj's shape (n past the 128-column tiles' multiple) at 65 rows (a
 /// partial 64-row tile) and 300, out_proj's at 129 (a partial 128-row tile), an odd shape (k
 /// not a multiple of the 32- or 64-element stage) at 1, 65 and 200 rows, with relu^2 once.
@@ -141,7 +146,7 @@ fn gpu_gemm_matches_reference() {
                 .into_iter()
                 .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
                 .collect();
-            for tiles in [Tiles::Narrow, Tiles::Wide] {
+            for tiles in dense_tiles(&gpu) {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
                 gemm(&gpu, &dx, &dw, (rows, n, k), relu2, tiles, &mut out).unwrap();
                 let label = format!("gemm ({tiles:?}) {n} x {k}, rows {rows}, relu2 {relu2}");
@@ -155,4 +160,14 @@ fn gpu_gemm_matches_reference() {
     }
     println!("gemm: {compared} values compared");
     assert_eq!(compared, expected);
+}
+
+/// The one-matrix GEMM's tiles this GPU runs: the `wgmma` ones where its PTX is sm_90a
+/// (compute capability 9.0, the H200), where they must be present.
+fn dense_tiles(gpu: &host::Gpu) -> Vec<Tiles> {
+    let wgmma = gpu.arch() == host::Arch::Sm90a;
+    assert_eq!(gpu.has(host::Kernel::GemmWgmma), wgmma, "wgmma kernels on {:?}", gpu.arch());
+    let mut tiles = vec![Tiles::Narrow, Tiles::Wide];
+    tiles.extend(wgmma.then_some(Tiles::Wgmma));
+    tiles
 }

@@ -82,6 +82,38 @@ impl Tiles {
     }
 }
 
+impl Tiles {
+    /// The one-matrix kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
+    fn dense(self, fp8: bool) -> Result<Shape> {
+        let narrow = grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES);
+        let (kernel, m, n, smem) = match (self, fp8) {
+            (Tiles::Narrow, false) => (Kernel::GemmBf16, GROUPED_M, GROUPED_N, narrow),
+            (Tiles::Narrow, true) => (Kernel::GemmFp8, GROUPED_M, GROUPED_N, narrow),
+            (Tiles::Wide, false) => {
+                let smem = grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE);
+                (Kernel::GemmWideBf16, GROUPED_M_WIDE, GROUPED_N, smem)
+            }
+            (Tiles::Wide, true) => {
+                return Err(Error::Shape {
+                    kernel: Kernel::GemmFp8.name(),
+                    arg: "tiles",
+                    expected: "Narrow or Wgmma tiles for FP8".into(),
+                    got: "Wide".into(),
+                });
+            }
+            (Tiles::Wgmma, false) => (Kernel::GemmWgmma, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
+            (Tiles::Wgmma, true) => (Kernel::GemmWgmmaFp8, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
+        };
+        Ok(Shape { kernel, m, n, smem })
+    }
+
+    /// The tiles of an FP8 linear layer here: `wgmma` where the GPU has it, else the 64-row
+    /// ones.
+    pub fn for_fp8_linear(gpu: &Gpu) -> Tiles {
+        if gpu.has(Kernel::GemmWgmmaFp8) { Tiles::Wgmma } else { Tiles::Narrow }
+    }
+}
+
 /// One projection's shape: `n` outputs of `k` inputs, relu^2 after it (in bf16) or not.
 #[derive(Clone, Copy, Debug)]
 pub struct Proj {
@@ -212,7 +244,7 @@ pub fn grouped_fp8(
 
 /// A bf16 linear layer over `rows` rows of `x` on tensor cores, one launch: `out [rows, n] =
 /// f(x wᵀ)`, `w [n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` and `k` multiples of 8;
-/// tiles of 64 rows or, [`Tiles::Wide`], 128 (k staged 64 at a time).
+/// any [`Tiles`] (`Wgmma` where the GPU has it).
 pub fn gemm(
     gpu: &Gpu,
     x: &impl DevicePtr<bf16>,
@@ -222,18 +254,7 @@ pub fn gemm(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let (kn, m, bk) = match tiles {
-        Tiles::Narrow => (Kernel::GemmBf16, GROUPED_M, GROUPED_K_BYTES),
-        Tiles::Wide => (Kernel::GemmWideBf16, GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE),
-        Tiles::Wgmma => {
-            return Err(Error::Shape {
-                kernel: Kernel::GemmBf16.name(),
-                arg: "tiles",
-                expected: "Narrow or Wide tiles (no one-matrix wgmma kernel)".into(),
-                got: "Wgmma".into(),
-            });
-        }
-    };
+    let Shape { kernel: kn, m, n: nt, smem } = tiles.dense(false)?;
     let c = Check(kn.name());
     check_nk(c, (n, k), 8)?;
     c.count("rows", MAX_ROWS, rows)?;
@@ -249,24 +270,26 @@ pub fn gemm(
         k: k as u32,
         relu2: u32::from(relu2),
     };
-    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(GROUPED_N as usize) as u32, 1);
-    // SAFETY: extents checked above; out is `&mut`.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, grouped_smem_bytes(m, bk), p) }
+    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
+    // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
+    // kernel of these tiles documents.
+    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
 }
 
 /// An FP8 (W8A8) linear layer over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ) ws
 /// s)`, `a` the rows' codes and scales ([`quant_rows`] with [`Source::Plain`]), `w` one
-/// matrix `[n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16.
+/// matrix `[n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16;
+/// tiles [`Tiles::Narrow`] or [`Tiles::Wgmma`].
 pub fn gemm_fp8(
     gpu: &Gpu,
     a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
     rows: usize,
     w: Weights<'_>,
-    (n, k): (usize, usize),
-    relu2: bool,
+    Proj { n, k, relu2 }: Proj,
+    tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kn = Kernel::GemmFp8;
+    let Shape { kernel: kn, m, n: nt, smem } = tiles.dense(true)?;
     let c = Check(kn.name());
     check_nk(c, (n, k), 16)?;
     c.count("rows", MAX_ROWS, rows)?;
@@ -285,9 +308,10 @@ pub fn gemm_fp8(
         k: k as u32,
         relu2: u32::from(relu2),
     };
-    let grid = (rows.div_ceil(GROUPED_M as usize) as u32, n.div_ceil(GROUPED_N as usize) as u32, 1);
-    // SAFETY: extents checked above; out is `&mut`.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES), p) }
+    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
+    // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
+    // kernel of these tiles documents.
+    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -358,24 +382,38 @@ pub fn experts_mlp_grouped_as(
 }
 
 /// An FP8 (W8A8) linear layer over `rows` rows of `x` on tensor cores: the rows quantized
-/// ([`quant_rows`], the weight's static scale or per row), then [`gemm_fp8`]. Two launches.
+/// ([`quant_rows`], the weight's static scale or per row), then [`gemm_fp8`] with the tiles of
+/// [`Tiles::for_fp8_linear`]. Two launches.
 pub fn linear_fp8(
     gpu: &Gpu,
     x: &CudaView<'_, bf16>,
     rows: usize,
     w: Weights<'_>,
-    (n, k): (usize, usize),
-    relu2: bool,
+    proj: Proj,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    linear_fp8_as(gpu, x, rows, w, proj, Tiles::for_fp8_linear(gpu), out)
+}
+
+/// [`linear_fp8`] with the tiles given.
+pub fn linear_fp8_as(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    rows: usize,
+    w: Weights<'_>,
+    proj: Proj,
+    tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let in_scale = match w {
         Weights::Fp8 { in_scale, .. } => in_scale,
         Weights::Bf16(_) => None,
     };
+    let k = proj.k;
     Check(Kernel::GemmFp8.name()).len_at_least("x", rows * k, x.len())?;
     let xs = x.slice(0..rows * k);
     // SAFETY: quant_rows writes every row's codes and scale before gemm_fp8 reads them.
     let (mut q, mut s) = unsafe { (gpu.scratch::<u8>(rows * k)?, gpu.scratch::<f32>(rows)?) };
     quant_rows(gpu, k, &xs, Source::Plain, in_scale, &mut q, &mut s)?;
-    gemm_fp8(gpu, Fp8Rows { codes: &q, scales: &s }, rows, w, (n, k), relu2, out)
+    gemm_fp8(gpu, Fp8Rows { codes: &q, scales: &s }, rows, w, proj, tiles, out)
 }

@@ -242,6 +242,24 @@ mod kernels {
         unsafe { grouped_wgmma::<true>(fp8_job(p)) }
     }
 
+    /// bf16 product of rows by one matrix on `wgmma`, [`GemmParams`]: grid `(ceil(rows /
+    /// WGMMA_M), ceil(n / WGMMA_N))`, block and shared memory as `moe_grouped_wgmma_bf16`'s;
+    /// sm_90a only.
+    #[cfg(target_feature = "sm_90a")]
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped_wgmma::<false>(gemm_bf16_job(p)) }
+    }
+
+    /// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
+    #[cfg(target_feature = "sm_90a")]
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { grouped_wgmma::<true>(gemm_job(p)) }
+    }
+
     /// bf16 product of rows by one matrix, [`GemmParams`]. Grid `(ceil(rows / GROUPED_M),
     /// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
     #[unsafe(no_mangle)]
@@ -554,8 +572,15 @@ mod kernels {
             if e == u32::MAX {
                 return;
             }
-            let lo = ld(j.offsets, e as usize) + m0;
-            let rows = (ld(j.offsets, e as usize + 1) - lo).min(WGMMA_M);
+            let (lo, end) = if j.offsets.is_null() {
+                (m0, j.rows)
+            } else {
+                (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+            };
+            if lo >= end {
+                return;
+            }
+            let rows = (end - lo).min(WGMMA_M);
             let n0 = block_y() * WGMMA_N;
             let cols = (j.n - n0).min(WGMMA_N);
             let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;

@@ -187,6 +187,10 @@ kernels! {
     GemmBf16 = "gemm_bf16",
     /// [`grouped::GemmParams`]: as `GemmBf16`, tiles of 128 rows.
     GemmWideBf16 = "gemm_m128_bf16",
+    /// [`grouped::GemmParams`]: as `GemmBf16`, 128 x 256 tiles on `wgmma` (sm_90a PTX only).
+    GemmWgmma = "gemm_wgmma_bf16",
+    /// [`grouped::GemmFp8Params`]: as `GemmFp8`, 128 x 256 tiles on `wgmma` (sm_90a PTX only).
+    GemmWgmmaFp8 = "gemm_wgmma_fp8",
     /// [`grouped::GemmFp8Params`]: an FP8 linear layer of many rows on tensor cores (W8A8).
     GemmFp8 = "gemm_fp8",
     /// [`moe::CombineParams`]: weighted sum of a token's expert outputs and the shared one.
@@ -209,7 +213,7 @@ impl Kernel {
 
     /// Whether the kernel runs on `wgmma` (warpgroup matrix products, sm_90a only).
     pub const fn needs_wgmma(self) -> bool {
-        matches!(self, Kernel::MoeGroupedWgmma | Kernel::MoeGroupedWgmmaFp8)
+        matches!(self, Kernel::MoeGroupedWgmma | Kernel::MoeGroupedWgmmaFp8 | Kernel::GemmWgmma | Kernel::GemmWgmmaFp8)
     }
 
     /// Whether the kernel issues its first loads before it waits on the kernel before it

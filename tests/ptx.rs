@@ -85,6 +85,20 @@ fn arch_selection_by_compute_capability() {
     assert_eq!(Arch::for_compute_capability(9, 1).unwrap(), Arch::Sm90);
     assert_eq!(Arch::for_compute_capability(10, 0).unwrap(), Arch::Sm90);
     assert_eq!(Arch::for_compute_capability(12, 0).unwrap(), Arch::Sm90);
+    // NEMO_ARCH's choices: the plain sm_90 PTX on any of them, each arch-specific one on its
+    // own device only, and names of no arch refused.
+    assert_eq!(Arch::named("sm_90", 9, 0).unwrap(), Arch::Sm90);
+    assert_eq!(Arch::named("sm_90", 12, 1).unwrap(), Arch::Sm90);
+    assert_eq!(Arch::named("sm_90a", 9, 0).unwrap(), Arch::Sm90a);
+    for (name, major, minor) in
+        [("sm_90a", 10, 0), ("sm_90a", 9, 1), ("sm_110", 9, 0), ("sm_121a", 12, 0), ("sm_80", 9, 0)]
+    {
+        let err = Arch::named(name, major, minor).unwrap_err();
+        assert!(matches!(err, host::Error::ArchRefused { .. }), "{name} on {major}.{minor}: {err}");
+    }
+    for arch in Arch::ALL {
+        assert_eq!(arch.runs_on(9, 0), matches!(arch, Arch::Sm90 | Arch::Sm90a), "{arch:?} on 9.0");
+    }
     for (major, minor) in [(8, 9), (8, 0), (7, 5)] {
         let err = Arch::for_compute_capability(major, minor).unwrap_err();
         assert!(matches!(err, host::Error::UnsupportedArch { .. }), "{major}.{minor}: {err}");

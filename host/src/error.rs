@@ -29,6 +29,10 @@ pub enum Error {
     MissingEntry(&'static str),
     #[error("kernel `{kernel}` is not in this GPU's PTX ({arch}): it needs sm_90a (`wgmma`); callers check `Gpu::has`")]
     NotInArch { kernel: &'static str, arch: &'static str },
+    #[error(
+        "NEMO_ARCH={name}: not a PTX this build has that runs on a device of compute capability {major}.{minor} (sm_90 runs on 9.0 and newer; sm_90a, sm_110, sm_121a each on its own)"
+    )]
+    ArchRefused { name: String, major: i32, minor: i32 },
     #[error("{0} inside a CUDA graph capture: the graph would replay it with stale host data")]
     InCapture(&'static str),
     #[error("invalid batch: {0}")]

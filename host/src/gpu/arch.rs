@@ -51,6 +51,37 @@ impl Arch {
         }
     }
 
+    /// The PTX a device of compute capability `major.minor` loads: `NEMO_ARCH` where set (an
+    /// arch name, e.g. `sm_90` on an H200 to compare the plain PTX with sm_90a's; refused
+    /// where that PTX cannot run on the device, [`Arch::runs_on`]), else
+    /// [`Arch::for_compute_capability`].
+    pub fn for_device(major: i32, minor: i32) -> Result<Arch> {
+        match std::env::var("NEMO_ARCH") {
+            Ok(name) => Arch::named(&name, major, minor),
+            Err(_) => Arch::for_compute_capability(major, minor),
+        }
+    }
+
+    /// The arch called `name`, where its PTX runs on a device of `major.minor`.
+    pub fn named(name: &str, major: i32, minor: i32) -> Result<Arch> {
+        let arch = Arch::ALL.into_iter().find(|a| a.name() == name);
+        match arch {
+            Some(a) if a.runs_on(major, minor) => Ok(a),
+            _ => Err(Error::ArchRefused { name: name.to_string(), major, minor }),
+        }
+    }
+
+    /// Whether this PTX runs on a device of compute capability `major.minor`: sm_90's on 9.0
+    /// and newer (the driver JIT-compiles it), the arch-specific ones on their own device only.
+    pub fn runs_on(self, major: i32, minor: i32) -> bool {
+        match self {
+            Arch::Sm90 => major >= 9,
+            Arch::Sm90a => (major, minor) == (9, 0),
+            Arch::Sm110 => (major, minor) == (11, 0),
+            Arch::Sm121a => (major, minor) == (12, 1),
+        }
+    }
+
     /// Picks the PTX for a device of compute capability `major.minor`.
     ///
     /// 9.0 (sm_90a: arch-specific PTX runs only there), 11.0 and 12.1 get their own PTX. Any

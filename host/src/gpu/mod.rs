@@ -90,7 +90,7 @@ impl Gpu {
         // SAFETY: no buffers exist yet; everything this Gpu does is on one stream.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().during("reading the compute capability")?;
-        let arch = Arch::for_compute_capability(major, minor)?;
+        let arch = Arch::for_device(major, minor)?;
         let module = ctx.load_module(Ptx::from_src(arch.ptx())).map_err(|e| match e {
             DriverError(CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION) => {
                 Error::DriverTooOld { driver: driver_version(), arch: arch.name(), isa: arch.ptx_isa() }

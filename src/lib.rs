@@ -31,6 +31,17 @@ impl Rng {
         (0..n).map(|_| bf16::from_f64(self.uniform(lo, hi))).collect()
     }
 
+    /// `rows` rows of `width` bf16, row r uniform in +-(1 - (r % 5) / 10): rows whose max |x|
+    /// differ, so their per-row FP8 scales do (uniform rows in +-1 all have max |x| near 1).
+    pub fn bf16_rows(&mut self, rows: usize, width: usize) -> Vec<bf16> {
+        (0..rows)
+            .flat_map(|r| {
+                let m = 1.0 - (r % 5) as f64 / 10.0;
+                self.bf16s(width, -m, m)
+            })
+            .collect()
+    }
+
     /// Routing choices of `rows` tokens: `k` distinct experts of `e` each, uniformly.
     pub fn choices(&mut self, rows: usize, k: usize, e: usize) -> Vec<i32> {
         let mut idx = Vec::with_capacity(rows * k);
@@ -152,12 +163,14 @@ pub fn gpu() -> host::Gpu {
     }
 }
 
-/// FP8 weights `[count, n, k]` (uniform in +-sqrt(3 / k), e4m3 with one scale per matrix):
-/// codes, scales, and the decoded code values.
+/// FP8 weights `[count, n, k]` (matrix i uniform in +-(1 + (i % 4) / 4) sqrt(3 / k), e4m3
+/// with one scale per matrix): codes, scales, and the decoded code values. The matrices'
+/// ranges differ so their scales do (a kernel reading another matrix's scale fails a test;
+/// with one range, every scale is the same max |w| / 448 to about seven digits).
 pub fn fp8_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
-    let a = (3.0 / k as f64).sqrt();
     let (mut codes, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..count {
+    for i in 0..count {
+        let a = (1.0 + (i % 4) as f64 / 4.0) * (3.0 / k as f64).sqrt();
         let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
         let s = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
         let c: Vec<u8> = w.iter().map(|&v| e4m3_encode(v / s)).collect();

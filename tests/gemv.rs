@@ -94,7 +94,7 @@ fn gpu_linear_fp8_matches_reference() {
         let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
         let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
         for rows in row_counts {
-            let x = rng.bf16s(rows * k, -1.0, 1.0);
+            let x = rng.bf16_rows(rows, k);
             let dx = gpu.upload(&x).unwrap();
             let want: Vec<f64> = x
                 .chunks(k)

@@ -803,7 +803,7 @@ mod gpu {
             let (down_c, down_s, down_v) = fp8_weights(&mut rng, e, hidden, inter);
             let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
             let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
-            let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let x = rng.bf16_rows(rows, hidden);
             let idx = skewed_choices(&mut rng, rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();

@@ -154,6 +154,7 @@ pub fn grouped(
         k: k as u32,
         relu2: u32::from(relu2),
     };
+    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
     let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
     // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`; grid,
@@ -172,6 +173,17 @@ fn check_nk(c: Check, (n, k): (usize, usize), k_multiple: usize) -> Result<()> {
         k,
     )?;
     c.count("n (tiles)", 65535, n.div_ceil(GROUPED_N as usize))
+}
+
+/// Checks the operands' addresses: `a` and `w` 16-byte aligned (the kernels stage 16-byte
+/// chunks with `cp.async`; with k a multiple of 8 bf16 or 16 e4m3 every row is then aligned),
+/// `out` 4-byte aligned (pairs of bf16 stored as one word). A misaligned access would end the
+/// CUDA context, so a misaligned view is refused here.
+fn check_aligned(c: Check, (a, w, out): (u64, u64, u64)) -> Result<()> {
+    for (arg, addr, align) in [("a", a, 16), ("w", w, 16), ("out", out, 4)] {
+        c.that(arg, addr.is_multiple_of(align), format!("a {align}-byte aligned address"), format!("{addr:#x}"))?;
+    }
+    Ok(())
 }
 
 /// FP8 weights' codes and scales, checked to be `matrices` of `[n, k]` with a scale each.
@@ -235,6 +247,7 @@ pub fn grouped_fp8(
         k: k as u32,
         relu2: u32::from(relu2),
     };
+    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
     let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`; grid,
@@ -270,6 +283,7 @@ pub fn gemm(
         k: k as u32,
         relu2: u32::from(relu2),
     };
+    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
     let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
     // kernel of these tiles documents.
@@ -308,6 +322,7 @@ pub fn gemm_fp8(
         k: k as u32,
         relu2: u32::from(relu2),
     };
+    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
     let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
     // kernel of these tiles documents.
@@ -416,4 +431,37 @@ pub fn linear_fp8_as(
     let (mut q, mut s) = unsafe { (gpu.scratch::<u8>(rows * k)?, gpu.scratch::<f32>(rows)?) };
     quant_rows(gpu, k, &xs, Source::Plain, in_scale, &mut q, &mut s)?;
     gemm_fp8(gpu, Fp8Rows { codes: &q, scales: &s }, rows, w, proj, tiles, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arg_of(r: Result<()>) -> &'static str {
+        match r {
+            Err(Error::Shape { arg, .. }) => arg,
+            other => panic!("expected a shape error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn misaligned_operands_are_refused() {
+        let c = Check("test");
+        check_aligned(c, (0x1000, 0x2000, 0x3004)).unwrap();
+        assert_eq!(arg_of(check_aligned(c, (0x1008, 0x2000, 0x3000))), "a");
+        assert_eq!(arg_of(check_aligned(c, (0x1000, 0x2008, 0x3000))), "w");
+        assert_eq!(arg_of(check_aligned(c, (0x1000, 0x2000, 0x3002))), "out");
+    }
+
+    #[test]
+    fn fp8_has_no_wide_tiles_and_dense_tiles_match_grouped() {
+        assert!(Tiles::Wide.grouped(true).is_err());
+        assert!(Tiles::Wide.dense(true).is_err());
+        for t in [Tiles::Narrow, Tiles::Wide, Tiles::Wgmma] {
+            let (g, d) = (t.grouped(false).unwrap(), t.dense(false).unwrap());
+            assert_eq!((g.m, g.n, g.smem), (d.m, d.n, d.smem), "{t:?}: grouped and dense tiles agree");
+        }
+        let w = Tiles::Wgmma.grouped(true).unwrap();
+        assert_eq!((w.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N));
+    }
 }

@@ -111,7 +111,7 @@ pub fn quant_rows(
         Source::Grouped { d, by_token } => {
             d.check_filled(k.name())?;
             let need = if by_token { d.rows() } else { d.entries() };
-            c.that("x", sources == need, format!("{need} rows"), sources)?;
+            c.that("x", sources >= need, format!("at least {need} rows"), sources)?;
             let token = if by_token { gpu.addr(k, "token", d.token())? } else { 0 };
             (d.entries(), token, gpu.addr(k, "offsets", d.offsets())?, d.experts())
         }
@@ -135,8 +135,8 @@ pub fn quant_rows(
     };
     let path = RowPath::for_rows(rows);
     // SAFETY: x holds `sources` rows of width, and a filled dispatch's tokens are below the
-    // rows it was made for (= sources where by_token), its offsets nondecreasing from 0 over
-    // its entries (= rows); in_scale a scale per matrix, q and scales rows each (`&mut`);
+    // rows it was made for (at most sources where by_token), its offsets nondecreasing from 0
+    // over its entries (= rows, at most sources otherwise); in_scale a scale per matrix, q and scales rows each (`&mut`);
     // grid/block/smem as quant_rows_fp8_bf16 documents.
     unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
 }

@@ -72,7 +72,7 @@ mod kernels {
             // A: token `tid / 4` (128 chunks: threads 0..128), columns `c .. c + 8`; B: expert rows
             // `tid / 4 + 64 i`.
             let (r, c) = (tid / 4, 8 * (tid % 4));
-            let x = p.x.wrapping_add(((t0 + r) * h + c) as usize);
+            let x = p.x.wrapping_add((t0 + r) as usize * h as usize + c as usize);
             let g = p.gate.wrapping_add((r * h + c) as usize);
             let steps = h.div_ceil(ROUTER_K);
             let load = |step: u32| {

@@ -13,11 +13,11 @@
 //! quantize each input row with the checkpoint's `input_scale` (or per token without one)
 //! before the product, at up to 64 rows; at more, the rows are quantized the same way into
 //! codes first and multiplied on tensor cores (the FP8 GEMM and grouped GEMM,
-//! [`FP8_GEMV_MAX_ROWS`], [`EXPERT_KERNEL_MAX_ROWS`]).
+//! [`FP8_GEMV_MAX_ROWS`], [`FP8_EXPERT_KERNEL_MAX_ROWS`]).
 //!
 //! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
-//! per step ([`CudaRows`]). Steps of decode rows only, up to [`EXPERT_KERNEL_MAX_ROWS`] of
-//! them (no operation synchronizes then), are recorded into a CUDA graph once per row count
+//! per step ([`CudaRows`]). Steps of decode rows only, up to [`GRAPH_MAX_ROWS`] of them (no
+//! operation synchronizes at up to [`GROUPED_MAX_ROWS`] rows), are recorded into a CUDA graph once per row count
 //! and replayed after that, with the new rows copied over the recorded ones; the graph's
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
 //! capture past it). The prefill scan's plan is still built per layer.
@@ -51,7 +51,15 @@ use linear::mlp_rows;
 
 pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
 pub use mamba::FUSED_MAMBA_ROWS;
-pub use moe::{CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS, SHARED_PIECES_MAX_ROWS};
+pub use moe::{
+    CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
+    SHARED_PIECES_MAX_ROWS,
+};
+
+/// Most decode rows of a step recorded as a CUDA graph (and replayed): every operation of a
+/// step of up to [`GROUPED_MAX_ROWS`] rows runs without synchronizing, and the engine's
+/// batches go up to 64.
+pub const GRAPH_MAX_ROWS: usize = 64;
 pub use rows::CudaRows;
 
 /// The CUDA backend on one GPU.
@@ -163,7 +171,7 @@ impl Backend for Cuda {
     }
 
     fn record(&self, decode: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Graph>> {
-        if !self.graphs || decode > EXPERT_KERNEL_MAX_ROWS {
+        if !self.graphs || decode > GRAPH_MAX_ROWS {
             return f().map(|()| None);
         }
         self.gpu.capture(f).map(Some)

@@ -3,7 +3,8 @@
 //! through them ([`CudaExperts::forward`]): routing, then by rows per routing choice
 //! ([`CHOICES_MAX_ROWS`]), through the expert kernel ([`EXPERT_KERNEL_MAX_ROWS`]), the grouped
 //! GEMM ([`GROUPED_MAX_ROWS`]) or per-expert cuBLASLt GEMMs (see the backend's doc); FP8
-//! experts of more rows than the expert kernel's through the FP8 grouped GEMM.
+//! experts through the expert kernel up to [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows, the FP8
+//! grouped GEMM past them.
 
 use half::bf16;
 use host::grouped::experts_mlp_grouped;
@@ -46,9 +47,15 @@ enum Shared {
     Mlp(Box<(CudaWeight, CudaWeight)>),
 }
 
-/// Most rows of a MoE layer that go through the expert kernel rather than a GEMM (bf16 and
-/// FP8 alike; the FP8 grouped GEMM is not yet measured against the expert kernel).
-pub const EXPERT_KERNEL_MAX_ROWS: usize = 64;
+/// Most rows of a bf16 MoE layer that go through the expert kernel rather than a GEMM: the
+/// routed experts alone (`cargo bench --bench moe -- experts/b`, H200, 31fa652) took 428.7 us
+/// by the expert kernel against 590.1 by the grouped GEMM at 16 rows, 1206.8 against 944.2 at
+/// 64; the two lines cross near 34 rows.
+pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
+
+/// Most rows of an FP8 MoE layer that go through the expert kernel rather than the FP8
+/// grouped GEMM (the two not yet measured against each other).
+pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` (one
 /// launch a projection, no synchronization); more go through per-expert cuBLASLt GEMMs, or,
@@ -225,7 +232,7 @@ impl CudaExperts {
                 }
             }
             (Weights::Fp8 { .. }, Weights::Fp8 { .. })
-                if rows > EXPERT_KERNEL_MAX_ROWS
+                if rows > FP8_EXPERT_KERNEL_MAX_ROWS
                     && pieces == 0
                     && self.inter.is_multiple_of(16)
                     && hidden.is_multiple_of(16) =>

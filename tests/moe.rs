@@ -726,35 +726,19 @@ mod gpu {
         for (hidden, inter, e, k, rows, up_static) in
             [(2688, 1856, 8, 2, 7, true), (2688, 1856, 8, 2, 7, false), (136, 40, 5, 2, 33, true)]
         {
-            let (up_c, up_s, up_v) = fp8_weights(&mut rng, e, inter, hidden);
-            let (down_c, down_s, down_v) = fp8_weights(&mut rng, e, hidden, inter);
-            let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
-            let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
+            let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), up_static);
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
             let idx = rng.choices(rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
             let slot = gpu.download(d.slot()).unwrap();
-            let up_i = if up_static { Some(gpu.upload(&up_in).unwrap()) } else { None };
-            let down_i = if up_static { None } else { Some(gpu.upload(&down_in).unwrap()) };
-            let (uc, us, dc, ds) = (
-                gpu.upload(&up_c).unwrap(),
-                gpu.upload(&up_s).unwrap(),
-                gpu.upload(&down_c).unwrap(),
-                gpu.upload(&down_s).unwrap(),
-            );
-            let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
-            let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
+            let (up, down) = ex8.weights();
             let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
             experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), up, down, (inter, hidden), 0, &mut out).unwrap();
             let mut want = vec![0.0; rows * k * hidden];
             for (i, &ex) in idx.iter().enumerate() {
-                let ex = ex as usize;
                 let xr = to_f64(&x[i / k * hidden..][..hidden]);
-                let u = (&up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
-                let dn =
-                    (&down_v[ex * hidden * inter..][..hidden * inter], down_s[ex], (!up_static).then_some(down_in[ex]));
-                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&fp8_expert_reference(&xr, u, dn));
+                want[slot[i] as usize * hidden..][..hidden].copy_from_slice(&ex8.reference(ex as usize, &xr));
             }
             let label = format!(
                 "FP8 experts hidden {hidden} inter {inter} rows {rows} static {}",
@@ -767,21 +751,62 @@ mod gpu {
         println!("FP8 experts: {compared} values compared");
     }
 
-    /// One FP8 (W8A8) expert MLP row in f64: `w8a8` up, relu^2 of the bf16-rounded value
-    /// rounded to bf16 (as the kernels store the hidden rows), `w8a8` down.
-    fn fp8_expert_reference(
-        x: &[f64],
-        (up, up_scale, up_in): (&[f64], f32, Option<f32>),
-        (down, down_scale, down_in): (&[f64], f32, Option<f32>),
-    ) -> Vec<f64> {
-        let h: Vec<f64> = w8a8(x, up, up_scale, up_in)
-            .iter()
-            .map(|&v| {
-                let v = bf16::from_f64(v).to_f64().max(0.0);
-                bf16::from_f64(v * v).to_f64()
-            })
-            .collect();
-        w8a8(&h, down, down_scale, down_in)
+    /// FP8 experts for the tests: `e` experts' up `[inter, hidden]` and down `[hidden, inter]`
+    /// projections (codes, scales and code values), with static input scales for the up
+    /// projections (`up_static`) or for the down ones (the other per row), on the host and on
+    /// the device.
+    struct Fp8Experts {
+        sizes: (usize, usize),
+        /// Per projection: code values, weight scales, static input scales (or none).
+        host: [Fp8Proj<Vec<f64>, Vec<f32>>; 2],
+        /// Per projection: codes, weight scales, static input scales (or none).
+        dev: [Fp8Proj<host::CudaSlice<u8>, host::CudaSlice<f32>>; 2],
+    }
+
+    /// One projection's weights, their scales and static input scales.
+    type Fp8Proj<W, S> = (W, S, Option<S>);
+
+    impl Fp8Experts {
+        fn new(gpu: &host::Gpu, rng: &mut Rng, (e, inter, hidden): (usize, usize, usize), up_static: bool) -> Self {
+            let mut one = |(n, k): (usize, usize), range: (f64, f64), fixed: bool| {
+                let (codes, scales, values) = fp8_weights(rng, e, n, k);
+                let input: Vec<f32> = (0..e).map(|_| rng.uniform(range.0, range.1) as f32).collect();
+                let input = fixed.then_some(input);
+                let dev = (
+                    gpu.upload(&codes).unwrap(),
+                    gpu.upload(&scales).unwrap(),
+                    input.as_ref().map(|s| gpu.upload(s).unwrap()),
+                );
+                ((values, scales, input), dev)
+            };
+            let (up, up_dev) = one((inter, hidden), (0.002, 0.004), up_static);
+            let (down, down_dev) = one((hidden, inter), (0.004, 0.008), !up_static);
+            Fp8Experts { sizes: (inter, hidden), host: [up, down], dev: [up_dev, down_dev] }
+        }
+
+        fn weights(&self) -> (ExpertWeights<'_>, ExpertWeights<'_>) {
+            let [(uc, us, ui), (dc, ds, di)] = &self.dev;
+            (
+                ExpertWeights::Fp8 { codes: uc, w_scale: us, in_scale: ui.as_ref() },
+                ExpertWeights::Fp8 { codes: dc, w_scale: ds, in_scale: di.as_ref() },
+            )
+        }
+
+        /// Expert `ex`'s MLP of one row in f64: `w8a8` up, relu^2 of the bf16-rounded value
+        /// rounded to bf16 (as the kernels store the hidden rows), `w8a8` down.
+        fn reference(&self, ex: usize, x: &[f64]) -> Vec<f64> {
+            let (inter, hidden) = self.sizes;
+            let [(uv, us, ui), (dv, ds, di)] = &self.host;
+            let input = |s: &Option<Vec<f32>>| s.as_ref().map(|s| s[ex]);
+            let h: Vec<f64> = w8a8(x, &uv[ex * inter * hidden..][..inter * hidden], us[ex], input(ui))
+                .iter()
+                .map(|&v| {
+                    let v = bf16::from_f64(v).to_f64().max(0.0);
+                    bf16::from_f64(v * v).to_f64()
+                })
+                .collect();
+            w8a8(&h, &dv[ex * hidden * inter..][..hidden * inter], ds[ex], input(di))
+        }
     }
 
     /// The FP8 grouped GEMM path (each projection's rows quantized, then multiplied on tensor
@@ -799,22 +824,14 @@ mod gpu {
         for (hidden, inter, e, k, rows, up_static) in
             [(2688, 1856, 16, 6, 300, true), (2688, 1856, 16, 6, 300, false), (144, 48, 5, 2, 70, true)]
         {
-            let (up_c, up_s, up_v) = fp8_weights(&mut rng, e, inter, hidden);
-            let (down_c, down_s, down_v) = fp8_weights(&mut rng, e, hidden, inter);
-            let up_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.002, 0.004) as f32).collect();
-            let down_in: Vec<f32> = (0..e).map(|_| rng.uniform(0.004, 0.008) as f32).collect();
+            let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), up_static);
             let x = rng.bf16_rows(rows, hidden);
             let idx = skewed_choices(&mut rng, rows, k, e);
             let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
             dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
             let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
             assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
-            let up_i = up_static.then(|| gpu.upload(&up_in).unwrap());
-            let down_i = (!up_static).then(|| gpu.upload(&down_in).unwrap());
-            let (uc, us) = (gpu.upload(&up_c).unwrap(), gpu.upload(&up_s).unwrap());
-            let (dc, ds) = (gpu.upload(&down_c).unwrap(), gpu.upload(&down_s).unwrap());
-            let up = ExpertWeights::Fp8 { codes: &uc, w_scale: &us, in_scale: up_i.as_ref() };
-            let down = ExpertWeights::Fp8 { codes: &dc, w_scale: &ds, in_scale: down_i.as_ref() };
+            let (up, down) = ex8.weights();
             let (dx, tiles) = (gpu.upload(&x).unwrap(), grouped_tiles(&gpu, true));
             let outs: Vec<Vec<f64>> = tiles
                 .iter()
@@ -828,12 +845,9 @@ mod gpu {
             let (mut got, mut want, mut sampled) = (vec![Vec::new(); tiles.len()], Vec::new(), 0);
             for ex in 0..e {
                 let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
-                let u = (&up_v[ex * inter * hidden..][..inter * hidden], up_s[ex], up_static.then_some(up_in[ex]));
-                let dn =
-                    (&down_v[ex * hidden * inter..][..hidden * inter], down_s[ex], (!up_static).then_some(down_in[ex]));
                 for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
                     let xr = to_f64(&x[token[j] as usize * hidden..][..hidden]);
-                    want.extend(fp8_expert_reference(&xr, u, dn));
+                    want.extend(ex8.reference(ex, &xr));
                     for (g, out) in got.iter_mut().zip(&outs) {
                         g.extend_from_slice(&out[j * hidden..][..hidden]);
                     }

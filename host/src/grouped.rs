@@ -59,50 +59,42 @@ impl Tiles {
 
     /// The grouped kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
     fn grouped(self, fp8: bool) -> Result<Shape> {
-        let narrow = grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES);
-        let (kernel, m, n, smem) = match (self, fp8) {
-            (Tiles::Narrow, false) => (Kernel::MoeGrouped, GROUPED_M, GROUPED_N, narrow),
-            (Tiles::Narrow, true) => (Kernel::MoeGroupedFp8, GROUPED_M, GROUPED_N, narrow),
-            (Tiles::Wide, false) => {
-                let smem = grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE);
-                (Kernel::MoeGroupedWide, GROUPED_M_WIDE, GROUPED_N, smem)
-            }
-            (Tiles::Wide, true) => {
-                return Err(Error::Shape {
-                    kernel: Kernel::MoeGroupedFp8.name(),
-                    arg: "tiles",
-                    expected: "Narrow or Wgmma tiles for FP8".into(),
-                    got: "Wide".into(),
-                });
-            }
-            (Tiles::Wgmma, false) => (Kernel::MoeGroupedWgmma, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
-            (Tiles::Wgmma, true) => (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
-        };
-        Ok(Shape { kernel, m, n, smem })
+        self.shape(fp8, true)
     }
-}
 
-impl Tiles {
     /// The one-matrix kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
     fn dense(self, fp8: bool) -> Result<Shape> {
-        let narrow = grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES);
-        let (kernel, m, n, smem) = match (self, fp8) {
-            (Tiles::Narrow, false) => (Kernel::GemmBf16, GROUPED_M, GROUPED_N, narrow),
-            (Tiles::Narrow, true) => (Kernel::GemmFp8, GROUPED_M, GROUPED_N, narrow),
-            (Tiles::Wide, false) => {
-                let smem = grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE);
-                (Kernel::GemmWideBf16, GROUPED_M_WIDE, GROUPED_N, smem)
-            }
-            (Tiles::Wide, true) => {
+        self.shape(fp8, false)
+    }
+
+    /// The kernel of these tiles, operands and kind (`grouped` or one matrix), with its tile
+    /// and shared memory sizes.
+    fn shape(self, fp8: bool, grouped: bool) -> Result<Shape> {
+        use Kernel::*;
+        let (m, n, smem) = match self {
+            Tiles::Narrow => (GROUPED_M, GROUPED_N, grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES)),
+            Tiles::Wide => (GROUPED_M_WIDE, GROUPED_N, grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE)),
+            Tiles::Wgmma => (WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
+        };
+        let kernel = match (self, fp8, grouped) {
+            (Tiles::Narrow, false, true) => MoeGrouped,
+            (Tiles::Narrow, true, true) => MoeGroupedFp8,
+            (Tiles::Wide, false, true) => MoeGroupedWide,
+            (Tiles::Wgmma, false, true) => MoeGroupedWgmma,
+            (Tiles::Wgmma, true, true) => MoeGroupedWgmmaFp8,
+            (Tiles::Narrow, false, false) => GemmBf16,
+            (Tiles::Narrow, true, false) => GemmFp8,
+            (Tiles::Wide, false, false) => GemmWideBf16,
+            (Tiles::Wgmma, false, false) => GemmWgmma,
+            (Tiles::Wgmma, true, false) => GemmWgmmaFp8,
+            (Tiles::Wide, true, _) => {
                 return Err(Error::Shape {
-                    kernel: Kernel::GemmFp8.name(),
+                    kernel: if grouped { MoeGroupedFp8.name() } else { GemmFp8.name() },
                     arg: "tiles",
                     expected: "Narrow or Wgmma tiles for FP8".into(),
                     got: "Wide".into(),
                 });
             }
-            (Tiles::Wgmma, false) => (Kernel::GemmWgmma, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
-            (Tiles::Wgmma, true) => (Kernel::GemmWgmmaFp8, WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
         };
         Ok(Shape { kernel, m, n, smem })
     }

@@ -284,76 +284,49 @@ mod kernels {
         unsafe { grouped::<true, 2, GROUPED_K_BYTES>(gemm_job(p)) }
     }
 
+    impl Job {
+        /// One matrix `w` over `rows` rows of `a`, no gather, no scales.
+        #[inline(always)]
+        fn plain(a: *const u8, w: *const u8, out: *mut u16, (rows, n, k, relu2): (u32, u32, u32, u32)) -> Job {
+            let null = core::ptr::null();
+            Job {
+                a,
+                token: null as _,
+                a_scale: null as _,
+                w,
+                w_scale: null as _,
+                offsets: null as _,
+                out,
+                experts: 1,
+                rows,
+                n,
+                k,
+                relu2,
+            }
+        }
+    }
+
     #[inline(always)]
     fn bf16_job(p: GroupedParams) -> Job {
-        Job {
-            a: p.a as *const u8,
-            token: p.token,
-            a_scale: core::ptr::null(),
-            w: p.w as *const u8,
-            w_scale: core::ptr::null(),
-            offsets: p.offsets,
-            out: p.out,
-            experts: p.experts,
-            rows: 0,
-            n: p.n,
-            k: p.k,
-            relu2: p.relu2,
-        }
+        let job = Job::plain(p.a as *const u8, p.w as *const u8, p.out, (0, p.n, p.k, p.relu2));
+        Job { token: p.token, offsets: p.offsets, experts: p.experts, ..job }
     }
 
     #[inline(always)]
     fn fp8_job(p: GroupedFp8Params) -> Job {
-        Job {
-            a: p.a,
-            token: core::ptr::null(),
-            a_scale: p.a_scale,
-            w: p.w,
-            w_scale: p.w_scale,
-            offsets: p.offsets,
-            out: p.out,
-            experts: p.experts,
-            rows: 0,
-            n: p.n,
-            k: p.k,
-            relu2: p.relu2,
-        }
+        let job = Job::plain(p.a, p.w, p.out, (0, p.n, p.k, p.relu2));
+        Job { a_scale: p.a_scale, w_scale: p.w_scale, offsets: p.offsets, experts: p.experts, ..job }
     }
 
     #[inline(always)]
     fn gemm_bf16_job(p: GemmParams) -> Job {
-        Job {
-            a: p.a as *const u8,
-            token: core::ptr::null(),
-            a_scale: core::ptr::null(),
-            w: p.w as *const u8,
-            w_scale: core::ptr::null(),
-            offsets: core::ptr::null(),
-            out: p.out,
-            experts: 1,
-            rows: p.rows,
-            n: p.n,
-            k: p.k,
-            relu2: p.relu2,
-        }
+        Job::plain(p.a as *const u8, p.w as *const u8, p.out, (p.rows, p.n, p.k, p.relu2))
     }
 
     #[inline(always)]
     fn gemm_job(p: GemmFp8Params) -> Job {
-        Job {
-            a: p.a,
-            token: core::ptr::null(),
-            a_scale: p.a_scale,
-            w: p.w,
-            w_scale: p.w_scale,
-            offsets: core::ptr::null(),
-            out: p.out,
-            experts: 1,
-            rows: p.rows,
-            n: p.n,
-            k: p.k,
-            relu2: p.relu2,
-        }
+        let job = Job::plain(p.a, p.w, p.out, (p.rows, p.n, p.k, p.relu2));
+        Job { a_scale: p.a_scale, w_scale: p.w_scale, ..job }
     }
 
     /// Block x's matrix and first row in the grouped order, for tiles of `bm` rows: lane l of

@@ -6,7 +6,7 @@
 //! than the L2); bytes: the weight, x and y once.
 
 use half::bf16;
-use host::gemv::{Weights, gemv, gemv_split};
+use host::gemv::{Proj, Weights, gemv, gemv_split};
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -35,7 +35,8 @@ fn main() {
             let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
             let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
             let bytes = n * k * 2 + rows * (n + k) * 2;
-            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, Weights::Bf16(&ws[i]), (n, k), false, &mut y));
+            let proj = |i: usize| Proj { w: Weights::Bf16(&ws[i]), n, k, relu2: false };
+            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, proj(i), &mut y));
             timed.report(&format!("gemv/{tag}/kernel"), bytes);
             let timed = b.capture(sets, |i| gemv_split(gpu, &x, rows, &ws[i], (n, k), &mut y));
             timed.report(&format!("gemv/{tag}/split"), bytes);

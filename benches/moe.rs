@@ -12,7 +12,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped_as};
-use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
+use host::moe::{Dispatch, ExpertMlp, ExpertWeights, Router, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
 use model::config::MoeConfig;
@@ -51,7 +51,8 @@ fn bench_route(b: &BenchGpu, nano: &Nano, rng: &mut Rng, gate: &host::CudaSlice<
         let sets = BenchGpu::cold_sets(batch * hidden * 2);
         let xs: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap()).collect();
         let (mut idx, mut w) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-        let timed = b.capture(sets, |i| route(gpu, shape, &xs[i], hidden, gate, bias, &mut idx, &mut w));
+        let router = Router { gate, bias };
+        let timed = b.capture(sets, |i| route(gpu, shape, (&xs[i], hidden), router, (&mut idx, &mut w)));
         timed.report(&format!("moe/{name}"), bytes);
     }
 }
@@ -66,7 +67,8 @@ fn active_experts(
 ) -> usize {
     let (hidden, n_exp, top_k, _, _) = nano.sizes();
     let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-    route(gpu, nano.c.route_shape(), x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+    let router = Router { gate: &w.gate, bias: &w.score_bias };
+    route(gpu, nano.c.route_shape(), (x, hidden), router, (&mut idx, &mut wt)).unwrap();
     let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
     dispatch(gpu, &idx, &mut d).unwrap();
     gpu.download(d.active_count()).unwrap()[0] as usize
@@ -108,11 +110,14 @@ fn bench_layer(
         }
         let x = gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap();
         let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-        route(gpu, c.route_shape(), &x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+        let router = Router { gate: &w.gate, bias: &w.score_bias };
+        route(gpu, c.route_shape(), (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
         let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
         dispatch(gpu, &idx, &mut d).unwrap();
         let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
+        // The up projections' weights stand in for the down projections too (the same size).
+        let mlp = ExpertMlp { up, down: up, inter, hidden };
         // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
         let paths: &[&str] = if batch <= 1024 {
             &["expert kernel", "cuBLASLt per expert", "grouped GEMM"]
@@ -123,23 +128,13 @@ fn bench_layer(
             let mut t: Vec<f32> = (0..12)
                 .map(|_| {
                     gpu.time_ms(|| match path {
-                        "cuBLASLt per expert" => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
-                        "grouped GEMM" => {
-                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Narrow, &mut out)
+                        "cuBLASLt per expert" => experts_mlp_gemm(gpu, &d, &x, mlp, &mut out),
+                        "grouped GEMM" => experts_mlp_grouped_as(gpu, &d, &x, mlp, Tiles::Narrow, &mut out),
+                        "grouped GEMM wide" => experts_mlp_grouped_as(gpu, &d, &x, mlp, Tiles::Wide, &mut out),
+                        _ => {
+                            let up = ExpertWeights::Bf16(up);
+                            experts_mlp(gpu, &d, &x, ExpertMlp { up, down: up, inter, hidden }, 0, &mut out)
                         }
-                        "grouped GEMM wide" => {
-                            experts_mlp_grouped_as(gpu, &d, &x, (up, up), (inter, hidden), Tiles::Wide, &mut out)
-                        }
-                        _ => experts_mlp(
-                            gpu,
-                            &d,
-                            &x,
-                            ExpertWeights::Bf16(up),
-                            ExpertWeights::Bf16(up),
-                            (inter, hidden),
-                            0,
-                            &mut out,
-                        ),
                     })
                     .unwrap()
                 })

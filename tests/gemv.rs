@@ -4,7 +4,7 @@
 //! scale and with per-token scales.
 
 use host::cpu::gemm::linear;
-use host::gemv::{Weights, gemv, gemv_split};
+use host::gemv::{Proj, Weights, gemv, gemv_split};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
 
 #[test]
@@ -29,7 +29,7 @@ fn gpu_gemv_matches_reference() {
             if split {
                 gemv_split(&gpu, &dx, rows, &dw, (n, k), &mut out).unwrap();
             } else {
-                gemv(&gpu, &dx, rows, Weights::Bf16(&dw), (n, k), false, &mut out).unwrap();
+                gemv(&gpu, &dx, rows, Proj { w: Weights::Bf16(&dw), n, k, relu2: false }, &mut out).unwrap();
             }
             let label = format!("gemv (split: {split}) {n} x {k}, rows {rows}");
             // bf16 output (2^-8 relative) over f32 sums of bf16 products.
@@ -58,7 +58,7 @@ fn gpu_gemv_fp8_matches_reference() {
         let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
         let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
         let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, w, (n, k), false, &mut y).unwrap();
+        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, Proj { w, n, k, relu2: false }, &mut y).unwrap();
         let want: Vec<f64> = x.chunks(k).flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale)).collect();
         let label = format!("FP8 gemv {n} x {k}, rows {rows}, static input scale {static_in}");
         compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);

@@ -9,10 +9,12 @@ use kernels_gpu::grouped::{
     grouped_smem_bytes,
 };
 
-use crate::check::{Check, MAX_ELEMS};
+use crate::args::Len;
+use crate::check::MAX_ELEMS;
 use crate::error::Result;
+use crate::gemv::Proj;
 use crate::gpu::Gpu;
-use crate::moe::Dispatch;
+use crate::moe::{Dispatch, ExpertMlp};
 
 /// The grouped kernel's output tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,48 +41,43 @@ impl Tiles {
     }
 }
 
-/// One projection of every expert with rows in `d`, one launch: grouped row j of expert e gets
-/// `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input), row j
-/// otherwise (grouped rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when `relu2`.
-/// `n` and `k` multiples of 8. No synchronization.
-#[allow(clippy::too_many_arguments)]
+/// One projection `p` of every expert with rows in `d`, one launch: grouped row j of expert e
+/// gets `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input),
+/// row j otherwise (grouped rows); `p.w [experts, n, k]`. `n` and `k` multiples of 8. No
+/// synchronization.
 pub fn grouped(
     gpu: &Gpu,
     d: &Dispatch,
     (a, by_token): (&impl DevicePtr<bf16>, bool),
-    w: &CudaSlice<bf16>,
-    (n, k): (usize, usize),
-    relu2: bool,
+    p: Proj<&CudaSlice<bf16>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let (kn, m, bk) = tiles.kernel();
-    let c = Check(kn.name());
+    let args = gpu.args(kn);
+    let c = args.check();
     d.check_filled(kn.name())?;
-    for (what, v) in [("n", n), ("k", k)] {
+    for (what, v) in [("n", p.n), ("k", p.k)] {
         c.that(what, v.is_multiple_of(8) && v > 0 && v <= MAX_ELEMS, "a positive multiple of 8", v)?;
     }
     let (entries, experts) = (d.entries(), d.experts());
-    c.len_at_least("a", if by_token { d.rows() } else { entries } * k, a.len())?;
-    c.len("w", experts * n * k, w.len())?;
-    c.len("out", entries * n, out.len())?;
     let m_tiles = grouped_m_tiles(entries as u32, experts as u32, m);
-    let n_tiles = n.div_ceil(GROUPED_N as usize);
+    let n_tiles = p.n.div_ceil(GROUPED_N as usize);
     c.count("n (tiles)", 65535, n_tiles)?;
-    let p = GroupedParams {
-        a: gpu.addr(kn, "a", a)? as *const u16,
-        token: if by_token { gpu.addr(kn, "token", d.token())? as *const u32 } else { std::ptr::null() },
-        w: gpu.addr(kn, "w", w)? as *const u16,
-        offsets: gpu.addr(kn, "offsets", d.offsets())? as *const u32,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+    let params = GroupedParams {
+        a: args.input("a", a, Len::AtLeast(if by_token { d.rows() } else { entries } * p.k))?,
+        token: if by_token { args.input("token", d.token(), Len::Any)? } else { std::ptr::null() },
+        w: args.input("w", p.w, Len::Exactly(experts * p.n * p.k))?,
+        offsets: args.input("offsets", d.offsets(), Len::Any)?,
+        out: args.output("out", out, Len::Exactly(entries * p.n))?,
         experts: experts as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
     };
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
     // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`.
-    unsafe { gpu.launch(kn, (m_tiles, n_tiles as u32, 1), GROUPED_BLOCK, grouped_smem_bytes(m, bk), p) }
+    unsafe { gpu.launch(kn, (m_tiles, n_tiles as u32, 1), GROUPED_BLOCK, grouped_smem_bytes(m, bk), params) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -91,12 +88,10 @@ pub fn experts_mlp_grouped(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    up: &CudaSlice<bf16>,
-    down: &CudaSlice<bf16>,
-    sizes: (usize, usize),
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    experts_mlp_grouped_as(gpu, d, x, (up, down), sizes, Tiles::for_dispatch(d), out)
+    experts_mlp_grouped_as(gpu, d, x, mlp, Tiles::for_dispatch(d), out)
 }
 
 /// [`experts_mlp_grouped`] with the tiles given.
@@ -104,13 +99,12 @@ pub fn experts_mlp_grouped_as(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every grouped row (every expert's tiles cover its rows).
-    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * inter) }?;
-    grouped(gpu, d, (x, true), up, (inter, hidden), true, tiles, &mut h)?;
-    grouped(gpu, d, (&h, false), down, (hidden, inter), false, tiles, out)
+    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * mlp.inter) }?;
+    grouped(gpu, d, (x, true), mlp.up_proj(), tiles, &mut h)?;
+    grouped(gpu, d, (&h, false), mlp.down_proj(), tiles, out)
 }

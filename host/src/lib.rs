@@ -17,6 +17,7 @@
 //! ```
 
 pub mod act;
+mod args;
 pub mod attn;
 pub mod batch;
 mod check;

@@ -9,6 +9,7 @@ use kernels_gpu::quant::{
 };
 use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks};
 
+use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -62,13 +63,12 @@ pub fn quant_token_on(
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     let k = Kernel::QuantToken;
+    let a = gpu.args(k);
     let rows = rows_of(k, x.len(), width)?;
-    Check(k.name()).len("q", x.len(), q.len())?;
-    Check(k.name()).len("scales", rows, scales.len())?;
     let p = QuantTokenParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        x: a.input("x", x, Len::Any)?,
+        q: a.output("q", q, Len::Exactly(x.len()))?,
+        scales: a.output("scales", scales, Len::Exactly(rows))?,
         rows: rows as u32,
         width: width as u32,
         amax_ub: check_amax_ub(k, amax_ub)?,
@@ -87,49 +87,42 @@ pub fn quant_tensor(
     amax: &mut impl DevicePtrMut<f32>,
     scale: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let (ka, kq) = (Kernel::QuantAmax, Kernel::QuantTensor);
+    let (ka, kq) = (gpu.args(Kernel::QuantAmax), gpu.args(Kernel::QuantTensor));
     let n = x.len();
-    Check(ka.name()).count("x", MAX_ELEMS, n)?;
-    Check(ka.name()).len("amax", 1, amax.len())?;
-    Check(kq.name()).len("q", n, q.len())?;
-    Check(kq.name()).len("scale", 1, scale.len())?;
-    let grid = elementwise_grid(n);
+    ka.check().count("x", MAX_ELEMS, n)?;
     let pa = QuantAmaxParams {
-        x: gpu.addr(ka, "x", x)? as *const u16,
-        amax: gpu.addr_mut(ka, "amax", amax)? as *mut f32,
+        x: ka.input("x", x, Len::Any)?,
+        amax: ka.output("amax", amax, Len::Exactly(1))?,
         scratch: gpu.counters() as *mut u32,
         n: n as u32,
     };
-    // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
-    // which the kernel leaves zero (every kernel waits for the one before it before it touches
-    // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(ka, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
     let pq = QuantTensorParams {
         x: pa.x,
         amax: pa.amax,
-        q: gpu.addr_mut(kq, "q", q)? as *mut u8,
-        scale: gpu.addr_mut(kq, "scale", scale)? as *mut f32,
+        q: kq.output("q", q, Len::Exactly(n))?,
+        scale: kq.output("scale", scale, Len::Exactly(1))?,
         n: n as u32,
     };
+    let grid = elementwise_grid(n);
+    // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
+    // which the kernel leaves zero (every kernel waits for the one before it before it touches
+    // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
+    unsafe { gpu.launch(Kernel::QuantAmax, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
     // the scale write cannot race the amax reads); runs after the amax launch on the stream,
     // with its grid.
-    unsafe { gpu.launch(kq, (grid, 1, 1), EW_BLOCK, 0, pq) }
+    unsafe { gpu.launch(Kernel::QuantTensor, (grid, 1, 1), EW_BLOCK, 0, pq) }
 }
 
 /// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
 pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut impl DevicePtrMut<u8>) -> Result<()> {
     let k = Kernel::QuantStatic;
+    let a = gpu.args(k);
     let n = x.len();
-    Check(k.name()).count("x", MAX_ELEMS, n)?;
-    Check(k.name()).len("q", n, q.len())?;
-    Check(k.name()).positive("scale", scale)?;
-    let p = QuantStaticParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        n: n as u32,
-        scale,
-    };
+    a.check().count("x", MAX_ELEMS, n)?;
+    a.check().positive("scale", scale)?;
+    let p =
+        QuantStaticParams { x: a.input("x", x, Len::Any)?, q: a.output("q", q, Len::Exactly(n))?, n: n as u32, scale };
     // SAFETY: x and q hold n elements, q is `&mut`; any grid, block EW_BLOCK.
     unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
 }

@@ -3,7 +3,7 @@
 //! kind ([`CudaWeight::forward`]).
 
 use half::bf16;
-use host::gemv::{gemv, gemv_split};
+use host::gemv::{Proj, gemv, gemv_split};
 use host::moe::ExpertWeights;
 use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
 
@@ -113,7 +113,7 @@ impl CudaWeight {
                 Ok(gemv_split(g, x, rows, b, (self.n, self.k), y)?)
             }
             Weights::Bf16(b) if rows != 1 => gemm_rows(g, x, rows, &b.as_view(), (self.n, self.k), relu2, y),
-            weights => Ok(gemv(g, x, rows, weights.view(), (self.n, self.k), relu2, y)?),
+            weights => Ok(gemv(g, x, rows, Proj { w: weights.view(), n: self.n, k: self.k, relu2 }, y)?),
         }
     }
 }

@@ -36,6 +36,7 @@ mod rows;
 use std::sync::Arc;
 
 use half::bf16;
+use host::moe::Router;
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, Stamp, UPLOAD_STAGE_BYTES};
@@ -355,7 +356,7 @@ impl Backend for Cuda {
         w: &MoeWeights<Cuda>,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        w.experts.forward(&self.gpu, c, x, rows, (&*w.gate, &w.score_bias), y)
+        w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
     }
 
     fn attention(

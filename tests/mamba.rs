@@ -8,7 +8,7 @@ use host::batch::Slots;
 use host::conv1d::{ConvShape, conv_update};
 use host::cpu::conv1d::ConvRef;
 use host::cpu::norm::gated_norm as cpu_gated_norm;
-use host::cpu::ssm::{SsmRef, group_of};
+use host::cpu::ssm::{SsmRef, Token, group_of};
 use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
 use host::norm::{NormShape, gated_norm};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
@@ -169,8 +169,7 @@ fn check(gpu: &host::Gpu, rng: &mut Rng, case: &Case) -> usize {
         let mut st: Vec<f64> = ssm_state[slot * s.slot_len()..][..s.slot_len()].iter().map(|&v| f64::from(v)).collect();
         let dt = &zx[r * stride + inner + conv_dim..][..s.heads];
         let group = |h| group_of(h, s.heads, s.groups);
-        let yr =
-            ssm_ref.step_with_groups(&mut st, &xr[..inner], dt, &xr[inner..inner + gn], &xr[inner + gn..], None, group);
+        let yr = ssm_ref.step_with_groups(&mut st, Token::of_xbc(&xr, dt, (inner, gn)), group);
         let z = &zx[r * stride..][..inner];
         want.extend(cpu_gated_norm(&round(&yr), Some(z), &norm_w, inner, s.groups, f64::from(EPS)));
     }

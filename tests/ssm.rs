@@ -59,7 +59,7 @@ where
     for (r, &s) in slots.iter().enumerate() {
         let mut st = if s < 0 { vec![0.0; sl] } else { want_state[s as usize * sl..][..sl].to_vec() };
         let z = case.gate_and_d.then(|| prob.z(r));
-        want_y.extend(reference.step(&mut st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), z));
+        want_y.extend(reference.step(&mut st, prob.token(r, z)));
         let d = dst.as_ref().map_or(s, |d| d[r]);
         if d >= 0 {
             want_state[d as usize * sl..][..sl].copy_from_slice(&st);
@@ -139,7 +139,7 @@ fn gpu_ssm_update_head_to_group_mapping() {
             .flat_map(|r| {
                 let mut st: Vec<f64> =
                     init[r * shape.slot_len()..][..shape.slot_len()].iter().map(|&v| f64::from(v as f32)).collect();
-                reference.step_with_groups(&mut st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), None, group)
+                reference.step_with_groups(&mut st, prob.token(r, None), group)
             })
             .collect()
     };
@@ -181,7 +181,7 @@ fn gpu_ssm_update_100_steps() {
         for (i, &s) in slots.as_slice().iter().enumerate() {
             let r = t * batch + i;
             let st = &mut want_state[s as usize * sl..][..sl];
-            want_y.extend(reference.step(st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), Some(prob.z(r))));
+            want_y.extend(reference.step(st, prob.token(r, Some(prob.z(r)))));
         }
         compared += assert_close(&format!("step {t} y"), &to_f64(&gpu.download(&y).unwrap()), &want_y, ATOL, RTOL);
         if [0, 9, 99].contains(&t) {

@@ -5,7 +5,7 @@
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::moe::{Routing, route};
-use host::cpu::ssm::SsmRef;
+use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, gemm, norm};
 use host::sample::{RowSampling, check_row};
 use kernels_gpu::sample::{SampleOut, SampleRow};
@@ -124,7 +124,7 @@ fn ssm_token(
     let s = carry.get_or_insert_with(|| {
         if slot < 0 { vec![0.0; sl] } else { state[slot as usize * sl..][..sl].iter().map(|&v| f64::from(v)).collect() }
     });
-    r.step(s, &xr[..inner], dr, &xr[inner..inner + gn], &xr[inner + gn..], None)
+    r.step(s, Token::of_xbc(xr, dr, (inner, gn)))
 }
 
 fn store_state(state: &mut [f32], slot: i32, sl: usize, s: &[f64]) {

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use host::CudaSlice;
-use host::cpu::ssm::SsmRef;
+use host::cpu::ssm::{SsmRef, Token};
 use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape};
 use nemotron_rs::Rng;
 
@@ -58,6 +58,11 @@ impl Problem {
 
     pub fn z(&self, r: usize) -> &[bf16] {
         &self.z[r * self.shape.width()..][..self.shape.width()]
+    }
+
+    /// Row `r`'s inputs, as the reference takes them, with the gate `z`.
+    pub fn token<'a>(&'a self, r: usize, z: Option<&'a [bf16]>) -> Token<'a, bf16> {
+        Token { x: self.x(r), dt: self.dt(r), b: self.b(r), c: self.c(r), z }
     }
 
     /// The f64 reference with this problem's parameters; `with_d`: the D skip term.

@@ -3,13 +3,13 @@
 //! for prefill sequences.
 
 use half::bf16;
-use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
+use host::conv1d::{Conv, ConvShape, conv_fwd, conv_update};
+use host::mamba::{MambaLayer, mamba_decode, mamba_decode_fits};
 use host::ssd::{SsdPlan, ssd_scan};
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
+use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{Buffer, CudaSlice, Gpu};
 
-use super::{Cuda, CudaRows, view, view_mut};
+use super::{Cuda, CudaRows, rows_of, view_mut};
 use crate::backend::{In, MambaDecode, Out, mamba_decode_apart};
 use crate::config::MambaConfig;
 use crate::error::Result;
@@ -20,14 +20,16 @@ use crate::error::Result;
 /// with cold caches, took 18.7 us fused against 15.1 us for the three.
 pub const FUSED_MAMBA_ROWS: usize = 1;
 
-fn rows<'a>(x: &In<'a, Buffer<bf16>>, cols: usize) -> Rows<'a> {
-    Rows { buf: x.buf, offset: x.offset + cols, stride: x.stride }
-}
-
-/// x, B and C inside the conv output rows, dt inside in_proj's.
-fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, Buffer<bf16>>, dt: &In<'a, Buffer<bf16>>) -> SsmInputs<'a> {
-    let gn = c.groups * c.state_size;
-    SsmInputs { x: rows(xbc, 0), dt: rows(dt, 0), b: rows(xbc, c.inner()), c: rows(xbc, c.inner() + gn) }
+/// x, B and C of `n` rows of the conv output `xbc`, dt of in_proj's.
+fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, Buffer<bf16>>, dt: &In<'a, Buffer<bf16>>, n: usize) -> SsmInputs<'a> {
+    let (inner, gn) = (c.inner(), c.groups * c.state_size);
+    let xbc = rows_of(xbc, n, c.conv_dim());
+    SsmInputs {
+        x: xbc.cols(0, inner),
+        dt: rows_of(dt, n, c.heads),
+        b: xbc.cols(inner, gn),
+        c: xbc.cols(inner + gn, gn),
+    }
 }
 
 fn ssm_shape(c: &MambaConfig) -> SsmShape {
@@ -53,16 +55,8 @@ pub(super) fn conv_decode(
     let (cd, k) = (c.conv_dim(), c.conv_kernel);
     let slots = rows.decode()?;
     let mut y = view_mut(y, slots.len() * cd)?;
-    Ok(conv_update(
-        g,
-        ConvShape { dim: cd, k, x_stride: x.stride },
-        &view(&x),
-        w,
-        bias.map(|b| &**b),
-        state,
-        slots,
-        &mut y,
-    )?)
+    let conv = Conv { w, bias: bias.map(|b| &**b), state };
+    Ok(conv_update(g, ConvShape { dim: cd, k }, rows_of(&x, slots.len(), cd), conv, slots, &mut y)?)
 }
 
 /// The conv of the step's prefill sequences.
@@ -80,7 +74,8 @@ pub(super) fn conv_prefill(
     let (cd, k) = (c.conv_dim(), c.conv_kernel);
     let p = rows.prefill()?;
     let mut y = view_mut(y, p.tokens() * cd)?;
-    Ok(conv_fwd(g, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias.map(|b| &**b), state, p, &mut y)?)
+    let conv = Conv { w, bias: bias.map(|b| &**b), state };
+    Ok(conv_fwd(g, ConvShape { dim: cd, k }, rows_of(&x, p.tokens(), cd), conv, p, &mut y)?)
 }
 
 /// The state update of the step's decode rows.
@@ -97,10 +92,10 @@ pub(super) fn ssm_decode(
 ) -> Result<()> {
     let shape = ssm_shape(c);
     let slots = rows.decode()?;
-    let inputs = ssm_inputs(c, &xbc, &dt);
+    let inputs = ssm_inputs(c, &xbc, &dt, slots.len());
     let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
     let mut y = view_mut(y, slots.len() * c.inner())?;
-    Ok(ssm_update(g, shape, inputs, None, h, state, slots, None, &mut y)?)
+    Ok(ssm_update(g, shape, inputs, None, h, SsmCache { state, slots, dst: None }, &mut y)?)
 }
 
 /// A Mamba mixer's decode rows after in_proj: in one launch at up to [`FUSED_MAMBA_ROWS`]
@@ -119,12 +114,17 @@ pub(super) fn decode(
     }
     let slots = m.rows.decode()?;
     let mut y = view_mut(y, slots.len() * c.inner())?;
-    let (w, bias, conv_state) = m.conv;
-    let conv = MambaConv { w, bias: bias.map(|b| &**b), k: c.conv_kernel };
-    let heads = SsmHeads { dt_bias: m.heads.0, a: m.heads.1, d: Some(m.heads.2) };
-    let zx = (&view(&zx), zx.stride);
-    let norm = (&**m.norm.0, m.norm.1);
-    Ok(mamba_decode(&cuda.gpu, shape, zx, (conv, &mut **conv_state), (heads, m.state), norm, slots, &mut y)?)
+    let (w, bias, state) = m.conv;
+    let layer = MambaLayer {
+        conv: Conv { w, bias: bias.map(|b| &**b), state },
+        k: c.conv_kernel,
+        heads: SsmHeads { dt_bias: m.heads.0, a: m.heads.1, d: Some(m.heads.2) },
+        state: m.state,
+        norm: m.norm.0,
+        eps: m.norm.1,
+    };
+    let zx = rows_of(&zx, slots.len(), c.in_proj_width());
+    Ok(mamba_decode(&cuda.gpu, shape, zx, layer, slots, &mut y)?)
 }
 
 /// The chunked scan of the step's prefill sequences.
@@ -142,7 +142,7 @@ pub(super) fn ssm_prefill(
     let shape = ssm_shape(c);
     let p = rows.prefill()?;
     let mut plan = SsdPlan::new(g, p, shape)?;
-    let inputs = ssm_inputs(c, &xbc, &dt);
+    let inputs = ssm_inputs(c, &xbc, &dt, p.tokens());
     let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
     let mut y = view_mut(y, p.tokens() * c.inner())?;
     Ok(ssd_scan(g, shape, inputs, h, state, p, &mut plan, &mut y)?)

@@ -39,7 +39,7 @@ use half::bf16;
 use host::moe::Router;
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
-use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, Stamp, UPLOAD_STAGE_BYTES};
+use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
@@ -89,9 +89,9 @@ pub struct CudaSampling {
     out: CudaSlice<u32>,
 }
 
-/// The rows an [`In`] reads, from row 0 to the end of its buffer.
-fn view<'a>(x: &In<'a, Buffer<bf16>>) -> CudaView<'a, bf16> {
-    x.buf.slice(x.offset..)
+/// `rows` rows of `width` of an [`In`].
+fn rows_of<'a>(x: &In<'a, Buffer<bf16>>, rows: usize, width: usize) -> Rows<'a> {
+    Rows { buf: x.buf, offset: x.offset, rows, width, stride: x.stride }
 }
 
 /// The output region of an [`Out`] of `len` elements.
@@ -187,7 +187,7 @@ impl Backend for Cuda {
     }
 
     fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {
-        Ok(host::sample::sample(&self.gpu, logits, vocab, &s.rows, &mut s.out)?)
+        Ok(host::sample::sample(&self.gpu, Rows::new(logits, s.rows.len(), vocab), &s.rows, &mut s.out)?)
     }
 
     fn sampled(&self, s: &CudaSampling) -> Result<Vec<SampleOut>> {
@@ -223,9 +223,8 @@ impl Backend for Cuda {
         eps: f32,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let shape = NormShape { x_stride: x.stride, ..NormShape::new(rows, width, 1, eps) };
         let mut y = view_mut(y, rows * width)?;
-        Ok(rms_norm(&self.gpu, shape, &view(&x), w, &mut y)?)
+        Ok(rms_norm(&self.gpu, NormShape::new(rows, width, 1, eps), rows_of(&x, rows, width), w, &mut y)?)
     }
 
     fn gated_norm(
@@ -239,9 +238,9 @@ impl Backend for Cuda {
         eps: f32,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let shape = NormShape { x_stride: x.stride, z_stride: z.stride, ..NormShape::new(rows, width, groups, eps) };
+        let shape = NormShape::new(rows, width, groups, eps);
         let mut y = view_mut(y, rows * width)?;
-        Ok(gated_norm(&self.gpu, shape, &view(&x), &view(&z), w, &mut y)?)
+        Ok(gated_norm(&self.gpu, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), w, &mut y)?)
     }
 
     fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {

@@ -111,8 +111,9 @@ impl Args<'_> {
 /// `rows` rows of `width` bf16 activations inside a device buffer, row r from element
 /// `offset + r * stride` (a column block of wider rows, such as q, k and v in the fused
 /// projection's output, or the mixer's xBC inside in_proj's). Nothing is checked until a
-/// launch takes them ([`Args::rows`]). `B` is the buffer: a device buffer for launches (the
-/// default), anything for the pure check ([`Rows::check`]).
+/// launcher takes them: then their row count and width, a stride of at least the width, and
+/// that the extent fits in the buffer (an overflowing one is refused). `B` is the buffer: a
+/// device buffer for launches (the default), anything for the pure check.
 pub struct Rows<'a, B = CudaSlice<bf16>> {
     pub buf: &'a B,
     pub offset: usize,

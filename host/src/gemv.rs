@@ -1,5 +1,6 @@
 //! Launchers of the matrix-vector kernels (kernels-gpu/src/gemv.rs): linear layers at few rows,
-//! and the weight checks the expert launchers (host/src/moe.rs) share with them.
+//! and the projections ([`Proj`], [`Weights`]) and their checked operands that the expert
+//! launchers (host/src/moe.rs, host/src/grouped.rs) share with them.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;

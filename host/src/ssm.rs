@@ -74,7 +74,9 @@ impl SsmShape {
         self.heads * self.head_dim * self.state_size
     }
 
-    /// Checks the geometry, the per-head parameters and the state cache (`num_slots` slots).
+    /// Checks the geometry, the per-head parameters and the state cache (`num_slots` slots):
+    /// the chunked scan's check (the state update and the fused decode check the lengths where
+    /// they take the pointers, [`SsmHeads::args`]).
     pub(crate) fn check(&self, k: Kernel, heads: &SsmHeads, state: usize, num_slots: usize) -> Result<()> {
         let c = Check(k.name());
         self.check_geometry(c)?;
@@ -119,8 +121,8 @@ impl SsmShape {
     }
 }
 
-/// A state-cache element type: f32 or bf16, with its kernels.
-/// (`Elem::Raw`: the element as the kernels see it, f32, or u16 holding bf16 bits.)
+/// A state-cache element type: f32 or bf16 (as the kernels see it, `Elem::Raw`: f32, or u16
+/// holding bf16 bits), with its kernels.
 pub trait StateDtype: Elem + ValidAsZeroBits {
     /// The state update kernel for this state type.
     const UPDATE: Kernel;

@@ -6,7 +6,8 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use host::attn::{AttnRows, AttnShape, attention};
+use host::Rows;
+use host::attn::{AttnRows, AttnShape, Qkv, attention};
 use nemotron_rs::{BenchGpu, Rng};
 use std::time::Duration;
 
@@ -36,7 +37,8 @@ fn benches(c: &mut Criterion) {
         let rows = AttnRows::new(gpu, &vec![0; n], &pos, 1, n).unwrap();
         let mut launch = |i: usize| {
             let (kc, vc) = &mut caches[i];
-            attention(gpu, s, (&q[i], qw), (&k[i], &v[i], kw), kc, vc, &rows, &mut out[i])
+            let qkv = Qkv { q: Rows::new(&q[i], n, qw), k: Rows::new(&k[i], n, kw), v: Rows::new(&v[i], n, kw) };
+            attention(gpu, s, qkv, kc, vc, &rows, &mut out[i])
         };
         let timed = b.capture(sets, &mut launch);
         timed.report_flops(&format!("attn/{name}"), 4.0 * (qw * n) as f64 * (n + 1) as f64 / 2.0);

@@ -7,8 +7,9 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
+use host::Rows;
 use host::batch::{Prefill, Slots};
-use host::conv1d::{ConvPath, ConvShape, conv_fwd_on, conv_update};
+use host::conv1d::{Conv, ConvPath, ConvShape, conv_fwd_on, conv_update};
 use nemotron_rs::{BenchGpu, Rng};
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::new(10);
     let mut group = c.benchmark_group("conv1d");
     group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
-    let shape = ConvShape { dim: 6144, k: 4, x_stride: 10304 };
+    let shape = ConvShape { dim: 6144, k: 4 };
     let w = gpu.upload(&rng.bf16s(6144 * 4, -0.5, 0.5)).unwrap();
     let bias = gpu.upload(&rng.bf16s(6144, -0.5, 0.5)).unwrap();
     let wbytes = 2 * 6144 * 5;
@@ -68,9 +69,14 @@ fn benches(c: &mut Criterion) {
             "fwd-tiled" => Some(ConvPath::Tiled),
             _ => None,
         };
-        let mut launch = |i: usize| match variant {
-            "update" => conv_update(gpu, shape, &x, &w, Some(&bias), &mut states[i % sets], &slots, &mut y),
-            _ => conv_fwd_on(gpu, path, shape, &x, &w, Some(&bias), &mut states[i % sets], &seqs, &mut y),
+        // The conv's channels of in_proj's rows of 10304.
+        let xr = Rows::strided(&x, n, 6144, 10304);
+        let mut launch = |i: usize| {
+            let conv = Conv { w: &w, bias: Some(&bias), state: &mut states[i % sets] };
+            match variant {
+                "update" => conv_update(gpu, shape, xr, conv, &slots, &mut y),
+                _ => conv_fwd_on(gpu, path, shape, xr, conv, &seqs, &mut y),
+            }
         };
         let timed = b.capture(sets, &mut launch);
         timed.report(&format!("conv1d/{name}"), bytes);

@@ -11,8 +11,8 @@
 //! same tensor-core GEMMs (`host::grouped::gemm`, every tile); TFLOP/s of `2 rows n k`.
 
 use half::bf16;
-use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::{Proj, Tiles, gemm, linear_fp8_as};
+use host::gemv::{Proj, Weights, gemv, gemv_split};
+use host::grouped::{Tiles, gemm, linear_fp8_as};
 use nemotron_rs::{BenchGpu, Rng};
 
 fn main() {
@@ -41,7 +41,8 @@ fn main() {
             let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
             let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
             let bytes = n * k * 2 + rows * (n + k) * 2;
-            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, Weights::Bf16(&ws[i]), (n, k), false, &mut y));
+            let proj = |i: usize| Proj { w: Weights::Bf16(&ws[i]), n, k, relu2: false };
+            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, proj(i), &mut y));
             timed.report(&format!("gemv/{tag}/kernel"), bytes);
             let timed = b.capture(sets, |i| gemv_split(gpu, &x, rows, &ws[i], (n, k), &mut y));
             timed.report(&format!("gemv/{tag}/split"), bytes);
@@ -72,19 +73,19 @@ fn main() {
                 );
             };
             if rows <= 128 {
-                line("gemv", b.calls_us(|| gemv(gpu, &x, rows, w, (n, k), false, &mut y)));
+                line("gemv", b.calls_us(|| gemv(gpu, &x, rows, Proj { w, n, k, relu2: false }, &mut y)));
             }
-            let proj = Proj { n, k, relu2: false };
+            let proj = Proj { w, n, k, relu2: false };
             for tiles in dense_tiles.iter().copied().filter(|&t| t != Tiles::Wide) {
                 let what = format!("fp8 {tiles:?}");
-                line(&what, b.calls_us(|| linear_fp8_as(gpu, &x.as_view(), rows, w, proj, tiles, &mut y)));
+                line(&what, b.calls_us(|| linear_fp8_as(gpu, (&x.as_view(), rows), proj, tiles, &mut y)));
             }
             // bf16 beside it: cuBLASLt (the model's path past one row) and the same tensor-core
             // GEMMs in bf16.
             line("cublaslt", b.calls_us(|| host::gemm::linear(gpu, rows, &x.as_view(), &wb.as_view(), n, k, &mut y)));
             for &tiles in &dense_tiles {
                 let what = format!("bf16 {tiles:?}");
-                line(&what, b.calls_us(|| gemm(gpu, &x, &wb, (rows, n, k), false, tiles, &mut y)));
+                line(&what, b.calls_us(|| gemm(gpu, (&x, rows), Proj { w: &wb, n, k, relu2: false }, tiles, &mut y)));
             }
         }
     }

@@ -14,7 +14,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
 use host::Kernel;
 use host::grouped::{Tiles, experts_mlp_grouped_as};
-use host::moe::{Dispatch, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm, route};
+use host::moe::{Dispatch, ExpertMlp, ExpertWeights, Router, dispatch, experts_mlp, experts_mlp_gemm, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
 use model::config::MoeConfig;
@@ -53,7 +53,8 @@ fn bench_route(b: &BenchGpu, nano: &Nano, rng: &mut Rng, gate: &host::CudaSlice<
         let sets = BenchGpu::cold_sets(batch * hidden * 2);
         let xs: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap()).collect();
         let (mut idx, mut w) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-        let timed = b.capture(sets, |i| route(gpu, shape, &xs[i], hidden, gate, bias, &mut idx, &mut w));
+        let router = Router { gate, bias };
+        let timed = b.capture(sets, |i| route(gpu, shape, (&xs[i], hidden), router, (&mut idx, &mut w)));
         timed.report(&format!("moe/{name}"), bytes);
     }
 }
@@ -68,7 +69,8 @@ fn active_experts(
 ) -> usize {
     let (hidden, n_exp, top_k, _, _) = nano.sizes();
     let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-    route(gpu, nano.c.route_shape(), x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+    let router = Router { gate: &w.gate, bias: &w.score_bias };
+    route(gpu, nano.c.route_shape(), (x, hidden), router, (&mut idx, &mut wt)).unwrap();
     let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
     dispatch(gpu, &idx, &mut d).unwrap();
     gpu.download(d.active_count()).unwrap()[0] as usize
@@ -141,30 +143,29 @@ fn bench_layer(
         }
         let x = gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap();
         let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
-        route(gpu, c.route_shape(), &x, hidden, &w.gate, &w.score_bias, &mut idx, &mut wt).unwrap();
+        let router = Router { gate: &w.gate, bias: &w.score_bias };
+        route(gpu, c.route_shape(), (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
         let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
         dispatch(gpu, &idx, &mut d).unwrap();
         let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
+        // The up projections' weights stand in for the down projections too (the same size).
+        let mlp = ExpertMlp { up, down: up, inter, hidden };
         // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
         let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[1..] };
         let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
         for &path in
             paths.iter().filter(|p| wgmma || !matches!(p, Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma)))
         {
+            let bf16 = ExpertMlp { up: ExpertWeights::Bf16(up), down: ExpertWeights::Bf16(up), inter, hidden };
             let (med, p10, p90) = b.calls_us(|| match path {
-                Path::Cublas => experts_mlp_gemm(gpu, &d, &x, up, up, (inter, hidden), &mut out),
-                Path::Grouped(tiles) => {
-                    let w = ExpertWeights::Bf16(up);
-                    experts_mlp_grouped_as(gpu, &d, &x, (w, w), (inter, hidden), tiles, &mut out)
-                }
+                Path::Cublas => experts_mlp_gemm(gpu, &d, &x, mlp, &mut out),
+                Path::Grouped(tiles) => experts_mlp_grouped_as(gpu, &d, &x, bf16, tiles, &mut out),
                 Path::GroupedFp8(tiles) => {
-                    experts_mlp_grouped_as(gpu, &d, &x, (fp8, fp8), (inter, hidden), tiles, &mut out)
+                    let fp8 = ExpertMlp { up: fp8, down: fp8, inter, hidden };
+                    experts_mlp_grouped_as(gpu, &d, &x, fp8, tiles, &mut out)
                 }
-                Path::Kernel => {
-                    let w = ExpertWeights::Bf16(up);
-                    experts_mlp(gpu, &d, &x, w, w, (inter, hidden), 0, &mut out)
-                }
+                Path::Kernel => experts_mlp(gpu, &d, &x, bf16, 0, &mut out),
             });
             println!(
                 "moe/{name} {:<20} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {:6.1} TFLOP/s",

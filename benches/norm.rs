@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
+use host::Rows;
 use host::norm::{NormShape, RowPath, gated_norm, gated_norm_fp8, rms_norm};
 use nemotron_rs::{BenchGpu, Rng};
 
@@ -79,10 +80,11 @@ fn benches(c: &mut Criterion) {
         let nsets = sets.len();
         let mut launch = |i: usize| {
             let s = &mut sets[i % nsets];
+            let (x, z) = (Rows::new(&s.x, rows, width), Rows::new(&s.z, rows, width));
             match variant {
-                "rms" => rms_norm(gpu, shape, &s.x, &w, &mut s.y),
-                "gated" => gated_norm(gpu, shape, &s.x, &s.z, &w, &mut s.y),
-                _ => gated_norm_fp8(gpu, shape, &s.x, &s.z, &w, None, &mut s.q, &mut s.s),
+                "rms" => rms_norm(gpu, shape, x, &w, &mut s.y),
+                "gated" => gated_norm(gpu, shape, x, z, &w, &mut s.y),
+                _ => gated_norm_fp8(gpu, shape, (x, z), &w, None, (&mut s.q, &mut s.s)),
             }
         };
         let tag = path.map_or(String::new(), |p| format!("-{p:?}").to_lowercase());

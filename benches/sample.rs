@@ -7,6 +7,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
+use host::Rows;
 use host::sample::{RowSampling, SampleRows, sample, sample_out};
 use kernels_gpu::sample::SampleRow;
 use nemotron_rs::{BenchGpu, Rng};
@@ -61,7 +62,7 @@ fn benches(c: &mut Criterion) {
                 .collect();
             let rs = SampleRows::new(gpu, &spec, VOCAB, rows * penalties.len()).unwrap();
             let mut out = sample_out(gpu, rows).unwrap();
-            let timed = b.capture(sets, |i| sample(gpu, &logits[i % sets], VOCAB, &rs, &mut out));
+            let timed = b.capture(sets, |i| sample(gpu, Rows::new(&logits[i % sets], rows, VOCAB), &rs, &mut out));
             timed.report(&format!("sample/{name}"), bytes);
             group.throughput(Throughput::Bytes(bytes as u64));
             group.bench_function(&name, |bench| bench.iter_custom(|iters| timed.criterion(iters)));

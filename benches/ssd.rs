@@ -5,9 +5,10 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
+use host::Rows;
 use host::batch::Prefill;
 use host::ssd::{SsdPlan, ssd_scan};
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape};
+use host::ssm::{SsmHeads, SsmInputs, SsmShape};
 use nemotron_rs::{BenchGpu, Rng};
 use std::time::Duration;
 
@@ -46,12 +47,9 @@ fn benches(c: &mut Criterion) {
         let seqs = Prefill::new(gpu, &vec![len; nseq], &slots, &vec![nseq == 1; nseq], nseq).unwrap();
         let mut plan = SsdPlan::new(gpu, &seqs, shape).unwrap();
         let mut launch = |i: usize| {
-            let inputs = SsmInputs {
-                x: Rows { buf: &xbc[i], offset: 0, stride },
-                dt: Rows::contiguous(&dt[i], 64),
-                b: Rows { buf: &xbc[i], offset: w, stride },
-                c: Rows { buf: &xbc[i], offset: w + gn, stride },
-            };
+            let xbcr = Rows::new(&xbc[i], tokens, stride);
+            let dt = Rows::new(&dt[i], tokens, 64);
+            let inputs = SsmInputs { x: xbcr.cols(0, w), dt, b: xbcr.cols(w, gn), c: xbcr.cols(w + gn, gn) };
             ssd_scan(gpu, shape, inputs, heads, &mut state[i], &seqs, &mut plan, &mut y[i])
         };
         let timed = b.capture(sets, &mut launch);

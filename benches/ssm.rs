@@ -4,8 +4,9 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
+use host::Rows;
 use host::batch::Slots;
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, StateDtype, ssm_update};
+use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, StateDtype, ssm_update};
 use kernels_gpu::KernelParams;
 use kernels_gpu::ssm::SsmUpdateParams;
 use nemotron_rs::{BenchGpu, Rng};
@@ -40,14 +41,17 @@ fn bench_dtype<T: StateDtype>(
         let mut states: Vec<_> = (0..sets).map(|_| gpu.zeros::<T>(batch * shape.slot_len()).unwrap()).collect();
         let slots = Slots::new(gpu, &(0..batch as i32).collect::<Vec<_>>(), batch).unwrap();
         let mut y = gpu.zeros::<bf16>(batch * w).unwrap();
+        let xbcr = Rows::new(&xbc, batch, stride);
         let inputs = SsmInputs {
-            x: Rows { buf: &xbc, offset: 0, stride },
-            dt: Rows::contiguous(&dt, 64),
-            b: Rows { buf: &xbc, offset: w, stride },
-            c: Rows { buf: &xbc, offset: w + gn, stride },
+            x: xbcr.cols(0, w),
+            dt: Rows::new(&dt, batch, 64),
+            b: xbcr.cols(w, gn),
+            c: xbcr.cols(w + gn, gn),
         };
-        let mut launch =
-            |i: usize| ssm_update(gpu, shape, inputs, None, heads, &mut states[i % sets], &slots, None, &mut y);
+        let mut launch = |i: usize| {
+            let cache = SsmCache { state: &mut states[i % sets], slots: &slots, dst: None };
+            ssm_update(gpu, shape, inputs, None, heads, cache, &mut y)
+        };
         let timed = b.capture(sets, &mut launch);
         timed.report(&format!("ssm/{bench_name}"), bytes);
         group.throughput(Throughput::Bytes(bytes as u64));

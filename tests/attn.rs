@@ -7,7 +7,8 @@
 //! fresh and after a cached prefix, through the flash kernel.
 
 use half::bf16;
-use host::attn::{AttnRows, AttnShape, attention, flash_tiles};
+use host::Rows;
+use host::attn::{AttnRows, AttnShape, Qkv, attention, flash_tiles};
 use host::cpu::attn::attend;
 use kernels_gpu::attn::{ATTN_BLOCK, smem_bytes};
 use kernels_gpu::flash::{FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashTile};
@@ -100,7 +101,8 @@ fn gpu_attention_matches_reference() {
             let stale: Vec<u32> = pos.iter().map(|&p| (p + 1) % s.max_len as u32).collect();
             let mut arows = AttnRows::new(&gpu, &slots, &stale, slots_n, s.max_len).unwrap();
             arows.set(&gpu, &slots, &pos).unwrap();
-            attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
+            let apart = Qkv { q: Rows::new(&dq, rows, qw), k: Rows::new(&dk, rows, kw), v: Rows::new(&dv, rows, kw) };
+            attention(&gpu, s, apart, &mut dkc, &mut dvc, &arows, &mut out).unwrap();
             // Reference: write the new rows, then attend over positions 0..=pos.
             write_rows((&mut kc, &mut vc), (&k, &v), (&slots, &pos), s);
             let f = |x: &[bf16]| to_f64(x);
@@ -128,10 +130,11 @@ fn gpu_attention_matches_reference() {
                 .flat_map(|r| q[r * qw..][..qw].iter().chain(&k[r * kw..][..kw]).chain(&v[r * kw..][..kw]).copied())
                 .collect();
             let df = gpu.upload(&fused).unwrap();
-            let (fq, fk, fv) = (df.slice(..), df.slice(qw..), df.slice(qw + kw..));
+            let f = Rows::new(&df, rows, width);
+            let fused = Qkv { q: f.cols(0, qw), k: f.cols(qw, kw), v: f.cols(qw + kw, kw) };
             let (mut fkc, mut fvc) = (gpu.upload(&kc0).unwrap(), gpu.upload(&vc0).unwrap());
             let mut fout = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
-            attention(&gpu, s, (&fq, width), (&fk, &fv, width), &mut fkc, &mut fvc, &arows, &mut fout).unwrap();
+            attention(&gpu, s, fused, &mut fkc, &mut fvc, &arows, &mut fout).unwrap();
             compared +=
                 assert_same(&format!("{label} strided"), &gpu.download(&fout).unwrap(), &gpu.download(&out).unwrap());
             compared += assert_same(&format!("{label} strided k cache"), &gpu.download(&fkc).unwrap(), &kc);
@@ -146,18 +149,21 @@ fn gpu_attention_matches_reference() {
             assert!(err(arows.set(&gpu, &[0], &[3])).contains("`slots`"));
             let other = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len + 1).unwrap();
             let mut out2 = gpu.zeros::<bf16>(rows * qw).unwrap();
-            let (q1, kv1) = ((&dq, qw), (&dk, &dv, kw));
-            assert!(err(attention(&gpu, s, q1, kv1, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
+            assert!(err(attention(&gpu, s, apart, &mut dkc, &mut dvc, &other, &mut out2)).contains("max_len"));
             // Heads wider than the kernel's 256 channels.
             let wide = AttnShape { head_dim: 264, ..s };
-            assert!(err(attention(&gpu, wide, q1, kv1, &mut dkc, &mut dvc, &arows, &mut out2)).contains("head_dim"));
-            // Rows overlapping (a stride below the width); strided rows past the buffer's end.
-            let narrow = (&dk, &dv, kw - 1);
-            assert!(err(attention(&gpu, s, q1, narrow, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`kv_stride`"));
-            let (short, wider) = (df.slice(..(rows - 1) * width + qw - 1), (&fk, &fv, width));
-            assert!(
-                err(attention(&gpu, s, (&short, width), wider, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`q`")
-            );
+            assert!(err(attention(&gpu, wide, apart, &mut dkc, &mut dvc, &arows, &mut out2)).contains("head_dim"));
+            // Rows overlapping (a stride below the width); strided rows past the buffer's end;
+            // keys and values of different strides; a row too few.
+            let narrow = Qkv { k: Rows { stride: kw - 1, ..apart.k }, ..apart };
+            let e = err(attention(&gpu, s, narrow, &mut dkc, &mut dvc, &arows, &mut out2));
+            assert!(e.contains("`k`") && e.contains("row stride"), "{e}");
+            let past = Qkv { q: f.cols(2 * kw + 1, qw), ..fused };
+            assert!(err(attention(&gpu, s, past, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`q`"));
+            let mixed = Qkv { v: apart.v, ..fused };
+            assert!(err(attention(&gpu, s, mixed, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`v`"));
+            let fewer = Qkv { q: Rows { rows: rows - 1, ..apart.q }, ..apart };
+            assert!(err(attention(&gpu, s, fewer, &mut dkc, &mut dvc, &arows, &mut out2)).contains("`q`"));
             if own {
                 // Rows written in place keep each in a slot of its own (the recorded step has
                 // no cache-write launch).
@@ -220,7 +226,8 @@ fn gpu_flash_attention_prefills() {
         let (mut dkc, mut dvc) = (gpu.upload(&kc).unwrap(), gpu.upload(&vc).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
         let arows = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len).unwrap();
-        attention(&gpu, s, (&dq, qw), (&dk, &dv, kw), &mut dkc, &mut dvc, &arows, &mut out).unwrap();
+        let qkv = Qkv { q: Rows::new(&dq, rows, qw), k: Rows::new(&dk, rows, kw), v: Rows::new(&dv, rows, kw) };
+        attention(&gpu, s, qkv, &mut dkc, &mut dvc, &arows, &mut out).unwrap();
         let got = to_f64(&gpu.download(&out).unwrap());
         write_rows((&mut kc, &mut vc), (&k, &v), (&slots, &pos), s);
         let mut row0 = 0;

@@ -2,8 +2,9 @@
 //! repeated update) in CI; the kernels against the reference on the GPU (`#[ignore]`d).
 
 use half::bf16;
+use host::Rows;
 use host::batch::{Prefill, Slots};
-use host::conv1d::{ConvPath, ConvShape, TILED_TOKENS, conv_fwd, conv_fwd_on, conv_update};
+use host::conv1d::{Conv, ConvPath, ConvShape, TILED_TOKENS, conv_fwd, conv_fwd_on, conv_update};
 use host::cpu::conv1d::ConvRef;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu};
 
@@ -101,12 +102,14 @@ fn gpu_conv_update_matches_reference() {
         let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
         let x = rng.bf16s(batch * x_stride, -3.0, 3.0);
         let mut state = rng.bf16s(num_slots * dim * (k - 1), -3.0, 3.0);
-        let shape = ConvShape { dim, k, x_stride };
+        let shape = ConvShape { dim, k };
         let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
         let mut dstate = gpu.upload(&state).unwrap();
         let mut dy = gpu.upload(&vec![POISON_BF16; batch * dim]).unwrap();
         let dslots = Slots::new(&gpu, &slots, num_slots).unwrap();
-        conv_update(&gpu, shape, &dx, &dw, Some(&db), &mut dstate, &dslots, &mut dy).unwrap();
+        let (xr, conv) =
+            (Rows::strided(&dx, batch, dim, x_stride), Conv { w: &dw, bias: Some(&db), state: &mut dstate });
+        conv_update(&gpu, shape, xr, conv, &dslots, &mut dy).unwrap();
         let want = ConvRef { dim, k, w: &w, bias: Some(&bias) }.update(&x, x_stride, &mut state, &slots);
         let label = format!("update b{batch} dim{dim} k{k}");
         compared += compare_rows(&label, &gpu.download(&dy).unwrap(), &want, dim);
@@ -136,12 +139,13 @@ fn gpu_conv_fwd_matches_reference() {
         let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
         let x = rng.bf16s(tokens * x_stride, -3.0, 3.0);
         let mut state = rng.bf16s(num_slots * dim * (k - 1), -3.0, 3.0);
-        let shape = ConvShape { dim, k, x_stride };
+        let shape = ConvShape { dim, k };
         let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
         let mut dstate = gpu.upload(&state).unwrap();
         let mut dy = gpu.upload(&vec![POISON_BF16; tokens * dim]).unwrap();
         let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
-        conv_fwd(&gpu, shape, &dx, &dw, Some(&db), &mut dstate, &seqs, &mut dy).unwrap();
+        let xr = Rows::strided(&dx, tokens, dim, x_stride);
+        conv_fwd(&gpu, shape, xr, Conv { w: &dw, bias: Some(&db), state: &mut dstate }, &seqs, &mut dy).unwrap();
         let conv = ConvRef { dim, k, w: &w, bias: Some(&bias) };
         let want = conv.forward(&x, x_stride, &mut state, lens, &slots, &has_initial);
         let label = format!("forward dim{dim} k{k} lens {lens:?}");
@@ -185,7 +189,7 @@ fn gpu_conv_fwd_tiled_matches_reference_and_per_token() {
         let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
         let x = rng.bf16s(tokens * x_stride, -3.0, 3.0);
         let state0 = rng.bf16s(num_slots * dim * (k - 1), -3.0, 3.0);
-        let shape = ConvShape { dim, k, x_stride };
+        let shape = ConvShape { dim, k };
         let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
         let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
         let mut runs = Vec::new();
@@ -194,7 +198,9 @@ fn gpu_conv_fwd_tiled_matches_reference_and_per_token() {
                 let mut dstate = gpu.upload(&state0).unwrap();
                 let mut dy = gpu.upload(&vec![POISON_BF16; tokens * dim]).unwrap();
                 let b = with_bias.then_some(&db);
-                conv_fwd_on(&gpu, Some(path), shape, &dx, &dw, b, &mut dstate, &seqs, &mut dy).unwrap();
+                let (xr, conv) =
+                    (Rows::strided(&dx, tokens, dim, x_stride), Conv { w: &dw, bias: b, state: &mut dstate });
+                conv_fwd_on(&gpu, Some(path), shape, xr, conv, &seqs, &mut dy).unwrap();
                 runs.push((path, with_bias, gpu.download(&dy).unwrap(), gpu.download(&dstate).unwrap()));
             }
         }
@@ -234,17 +240,19 @@ fn gpu_conv_fwd_picks_a_path_and_tiled_refuses_other_shapes() {
         let (w, bias) = (rng.bf16s(dim * k, -1.0, 1.0), rng.bf16s(dim, -1.0, 1.0));
         let x = rng.bf16s(tokens * x_stride, -3.0, 3.0);
         let mut state = rng.bf16s(2 * dim * (k - 1), -3.0, 3.0);
-        let shape = ConvShape { dim, k, x_stride };
+        let shape = ConvShape { dim, k };
         let (dx, dw, db) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
         let mut dstate = gpu.upload(&state).unwrap();
         let mut dy = gpu.upload(&vec![POISON_BF16; tokens * dim]).unwrap();
         let seqs = Prefill::new(&gpu, &lens, &slots, &has_initial, 2).unwrap();
+        let xr = Rows::strided(&dx, tokens, dim, x_stride);
         if dim % 4 != 0 || k > 4 {
-            let e = conv_fwd_on(&gpu, Some(ConvPath::Tiled), shape, &dx, &dw, Some(&db), &mut dstate, &seqs, &mut dy);
+            let conv = Conv { w: &dw, bias: Some(&db), state: &mut dstate };
+            let e = conv_fwd_on(&gpu, Some(ConvPath::Tiled), shape, xr, conv, &seqs, &mut dy);
             println!("tiled refuses dim {dim} k {k}: {}", e.as_ref().unwrap_err());
             assert!(e.is_err());
         }
-        conv_fwd(&gpu, shape, &dx, &dw, Some(&db), &mut dstate, &seqs, &mut dy).unwrap();
+        conv_fwd(&gpu, shape, xr, Conv { w: &dw, bias: Some(&db), state: &mut dstate }, &seqs, &mut dy).unwrap();
         let want =
             ConvRef { dim, k, w: &w, bias: Some(&bias) }.forward(&x, x_stride, &mut state, &lens, &slots, &has_initial);
         let label = format!("picked dim{dim} k{k} {tokens} tokens");

@@ -5,8 +5,8 @@
 
 use half::bf16;
 use host::cpu::gemm::linear;
-use host::gemv::{Weights, gemv, gemv_split};
-use host::grouped::{Proj, Tiles, gemm, linear_fp8_as};
+use host::gemv::{Proj, Weights, gemv, gemv_split};
+use host::grouped::{Tiles, gemm, linear_fp8_as};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
 
 #[test]
@@ -31,7 +31,7 @@ fn gpu_gemv_matches_reference() {
             if split {
                 gemv_split(&gpu, &dx, rows, &dw, (n, k), &mut out).unwrap();
             } else {
-                gemv(&gpu, &dx, rows, Weights::Bf16(&dw), (n, k), false, &mut out).unwrap();
+                gemv(&gpu, &dx, rows, Proj { w: Weights::Bf16(&dw), n, k, relu2: false }, &mut out).unwrap();
             }
             let label = format!("gemv (split: {split}) {n} x {k}, rows {rows}");
             // bf16 output (2^-8 relative) over f32 sums of bf16 products.
@@ -60,7 +60,7 @@ fn gpu_gemv_fp8_matches_reference() {
         let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
         let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
         let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, w, (n, k), false, &mut y).unwrap();
+        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, Proj { w, n, k, relu2: false }, &mut y).unwrap();
         let want: Vec<f64> = x.chunks(k).flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale)).collect();
         let label = format!("FP8 gemv {n} x {k}, rows {rows}, static input scale {static_in}");
         compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
@@ -103,7 +103,7 @@ fn gpu_linear_fp8_matches_reference() {
                 .collect();
             for &tiles in dense_tiles(&gpu).iter().filter(|&&t| t != Tiles::Wide) {
                 let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-                linear_fp8_as(&gpu, &dx.as_view(), rows, w, Proj { n, k, relu2 }, tiles, &mut y).unwrap();
+                linear_fp8_as(&gpu, (&dx.as_view(), rows), Proj { w, n, k, relu2 }, tiles, &mut y).unwrap();
                 let label = format!(
                     "FP8 GEMM ({tiles:?}) {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}"
                 );
@@ -148,7 +148,7 @@ fn gpu_gemm_matches_reference() {
                 .collect();
             for tiles in dense_tiles(&gpu) {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-                gemm(&gpu, &dx, &dw, (rows, n, k), relu2, tiles, &mut out).unwrap();
+                gemm(&gpu, (&dx, rows), Proj { w: &dw, n, k, relu2 }, tiles, &mut out).unwrap();
                 let label = format!("gemm ({tiles:?}) {n} x {k}, rows {rows}, relu2 {relu2}");
                 // bf16 output over f32 sums of bf16 products; relu^2 doubles the relative
                 // error of its bf16-rounded input.

@@ -4,14 +4,15 @@
 //! NemotronH geometry (64 heads x 64, state 128, 8 groups, 4 taps) and odd shapes.
 
 use half::bf16;
+use host::Rows;
 use host::batch::Slots;
-use host::conv1d::{ConvShape, conv_update};
+use host::conv1d::{Conv, ConvShape, conv_update};
 use host::cpu::conv1d::ConvRef;
 use host::cpu::norm::gated_norm as cpu_gated_norm;
-use host::cpu::ssm::{SsmRef, group_of};
-use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
+use host::cpu::ssm::{SsmRef, Token, group_of};
+use host::mamba::{MambaLayer, mamba_decode, mamba_decode_fits};
 use host::norm::{NormShape, gated_norm};
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
+use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use kernels_gpu::conv1d::PAD_SLOT;
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
@@ -105,27 +106,30 @@ fn check(gpu: &host::Gpu, rng: &mut Rng, case: &Case) -> usize {
     // Apart: conv update, state update (no gate), gated norm.
     let (mut conv_a, mut ssm_a) = (gpu.upload(&conv_state).unwrap(), gpu.upload(&ssm_state).unwrap());
     let mut xbc = gpu.upload(&vec![POISON_BF16; batch * conv_dim]).unwrap();
-    let cs = ConvShape { dim: conv_dim, k, x_stride: stride };
-    conv_update(gpu, cs, &dzx.slice(inner..), &dw, db.as_ref(), &mut conv_a, &dslots, &mut xbc).unwrap();
-    let rows = |off: usize, stride: usize| Rows { buf: &xbc, offset: off, stride };
+    // in_proj's rows, and the conv's output rows: x, B, C.
+    let zxr = Rows::strided(&dzx, batch, inner + conv_dim + s.heads, stride);
+    let cs = ConvShape { dim: conv_dim, k };
+    let conv = Conv { w: &dw, bias: db.as_ref(), state: &mut conv_a };
+    conv_update(gpu, cs, zxr.cols(inner, conv_dim), conv, &dslots, &mut xbc).unwrap();
+    let xbcr = Rows::new(&xbc, batch, conv_dim);
     let inputs = SsmInputs {
-        x: rows(0, conv_dim),
-        dt: Rows { buf: &dzx, offset: inner + conv_dim, stride },
-        b: rows(inner, conv_dim),
-        c: rows(inner + gn, conv_dim),
+        x: xbcr.cols(0, inner),
+        dt: zxr.cols(inner + conv_dim, s.heads),
+        b: xbcr.cols(inner, gn),
+        c: xbcr.cols(inner + gn, gn),
     };
     let mut y = gpu.upload(&vec![POISON_BF16; batch * inner]).unwrap();
-    ssm_update(gpu, s, inputs, None, heads, &mut ssm_a, &dslots, None, &mut y).unwrap();
+    ssm_update(gpu, s, inputs, None, heads, SsmCache { state: &mut ssm_a, slots: &dslots, dst: None }, &mut y).unwrap();
     let mut yn_a = gpu.upload(&vec![POISON_BF16; batch * inner]).unwrap();
-    let ns = NormShape { z_stride: stride, ..NormShape::new(batch, inner, s.groups, EPS) };
-    gated_norm(gpu, ns, &y, &dzx, &dnorm, &mut yn_a).unwrap();
+    let ns = NormShape::new(batch, inner, s.groups, EPS);
+    gated_norm(gpu, ns, Rows::new(&y, batch, inner), zxr.cols(0, inner), &dnorm, &mut yn_a).unwrap();
 
     // Fused.
     let (mut conv_f, mut ssm_f) = (gpu.upload(&conv_state).unwrap(), gpu.upload(&ssm_state).unwrap());
     let mut yn_f = gpu.upload(&vec![POISON_BF16; batch * inner]).unwrap();
-    let conv = MambaConv { w: &dw, bias: db.as_ref(), k };
-    mamba_decode(gpu, s, (&dzx, stride), (conv, &mut conv_f), (heads, &mut ssm_f), (&dnorm, EPS), &dslots, &mut yn_f)
-        .unwrap();
+    let conv = Conv { w: &dw, bias: db.as_ref(), state: &mut conv_f };
+    let layer = MambaLayer { conv, k, heads, state: &mut ssm_f, norm: &dnorm, eps: EPS };
+    mamba_decode(gpu, s, zxr, layer, &dslots, &mut yn_f).unwrap();
 
     let label = format!(
         "{} heads x {}, {} groups, state {}, k {k}, batch {batch}",
@@ -169,8 +173,7 @@ fn check(gpu: &host::Gpu, rng: &mut Rng, case: &Case) -> usize {
         let mut st: Vec<f64> = ssm_state[slot * s.slot_len()..][..s.slot_len()].iter().map(|&v| f64::from(v)).collect();
         let dt = &zx[r * stride + inner + conv_dim..][..s.heads];
         let group = |h| group_of(h, s.heads, s.groups);
-        let yr =
-            ssm_ref.step_with_groups(&mut st, &xr[..inner], dt, &xr[inner..inner + gn], &xr[inner + gn..], None, group);
+        let yr = ssm_ref.step_with_groups(&mut st, Token::of_xbc(&xr, dt, (inner, gn)), group);
         let z = &zx[r * stride..][..inner];
         want.extend(cpu_gated_norm(&round(&yr), Some(z), &norm_w, inner, s.groups, f64::from(EPS)));
     }
@@ -196,15 +199,15 @@ fn gpu_mamba_decode_pad_rows_touch_nothing() {
     let hb = gpu.upload(&vec![-1.0f32; s.heads]).unwrap();
     let norm = gpu.upload(&rng.bf16s(inner, -2.0, 2.0)).unwrap();
     let heads = SsmHeads { dt_bias: &hb, a: &hb, d: None };
-    let conv = MambaConv { w: &w, bias: None, k };
     // The rows of `zx` from `row0`, at `slots`: both caches and y afterwards, as bits.
     let run = |row0: usize, slots: &[i32]| {
         let dslots = Slots::new(&gpu, slots, nslots).unwrap();
         let (mut cst, mut st) = (gpu.upload(&conv0).unwrap(), gpu.upload(&ssm0).unwrap());
         let mut y = gpu.upload(&vec![POISON_BF16; slots.len() * inner]).unwrap();
-        let zx = dzx.slice(row0 * stride..);
-        mamba_decode(&gpu, s, (&zx, stride), (conv, &mut cst), (heads, &mut st), (&norm, EPS), &dslots, &mut y)
-            .unwrap();
+        let zx = Rows { offset: row0 * stride, ..Rows::new(&dzx, slots.len(), stride) };
+        let conv = Conv { w: &w, bias: None, state: &mut cst };
+        let layer = MambaLayer { conv, k, heads, state: &mut st, norm: &norm, eps: EPS };
+        mamba_decode(&gpu, s, zx, layer, &dslots, &mut y).unwrap();
         (bits(&gpu.download(&cst).unwrap()), fbits(&gpu.download(&st).unwrap()), bits(&gpu.download(&y).unwrap()))
     };
     let poison = vec![POISON_BF16.to_bits(); inner];
@@ -234,7 +237,7 @@ fn gpu_mamba_decode_misuse_is_refused() {
         (SsmShape::new(32, 64, 2, 128), false, "`heads`"),
         (SsmShape::new(8, 72, 1, 16), false, "`head_dim`"),
         (SsmShape::new(8, 8, 1, 132), false, "`state_size`"),
-        (SsmShape::new(8, 8, 1, 16), true, "`zx_stride`"),
+        (SsmShape::new(8, 8, 1, 16), true, "`zx`"),
     ] {
         let (inner, k) = (shape.width(), 4);
         let conv_dim = inner + 2 * shape.groups * shape.state_size;
@@ -244,10 +247,10 @@ fn gpu_mamba_decode_misuse_is_refused() {
         let (hb, mut st) = (gpu.zeros::<f32>(shape.heads).unwrap(), gpu.zeros::<f32>(shape.slot_len()).unwrap());
         let (norm, mut y) = (gpu.zeros::<bf16>(inner).unwrap(), gpu.zeros::<bf16>(inner).unwrap());
         let heads = SsmHeads { dt_bias: &hb, a: &hb, d: None };
-        let conv = MambaConv { w: &w, bias: None, k };
-        let err =
-            mamba_decode(&gpu, shape, (&zx, stride), (conv, &mut cst), (heads, &mut st), (&norm, EPS), &dslots, &mut y)
-                .unwrap_err();
+        let conv = Conv { w: &w, bias: None, state: &mut cst };
+        let layer = MambaLayer { conv, k, heads, state: &mut st, norm: &norm, eps: EPS };
+        let zx = Rows::strided(&zx, 1, inner + conv_dim + shape.heads, stride);
+        let err = mamba_decode(&gpu, shape, zx, layer, &dslots, &mut y).unwrap_err();
         assert!(err.to_string().contains(arg), "{arg}: {err}");
     }
 }

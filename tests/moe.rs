@@ -129,10 +129,12 @@ mod gpu {
     use half::bf16;
     use host::cpu::moe::dispatch as cpu_dispatch;
     use host::cpu::moe::{Routing, route};
+    use host::gemv::Proj;
     use host::grouped::{Tiles, experts_mlp_grouped_as};
     use host::moe::{
-        Choices, Dispatch, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, combine, dispatch, experts, experts_mlp,
-        experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route, route_appended_up,
+        Choices, Dispatch, ExpertMlp, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, Router, combine, dispatch, experts,
+        experts_mlp, experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route as gpu_route,
+        route_appended_up,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, to_f64, w8a8};
 
@@ -227,7 +229,7 @@ mod gpu {
                 gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
                 gpu.upload(&vec![f32::NAN; rows * s.choices()]).unwrap(),
             );
-            gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+            gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
             let r = Routing {
                 top_k: s.top_k,
                 n_group: s.n_group,
@@ -306,7 +308,7 @@ mod gpu {
                     gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
                     gpu.upload(&vec![0.0f32; rows * s.choices()]).unwrap(),
                 );
-                gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+                gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
                 let got_idx = gpu.download(&idx).expect("the routing kernel must not trap");
                 assert!(
                     got_idx.iter().all(|&i| (0..(s.experts + s.shared) as i32).contains(&i)),
@@ -343,7 +345,7 @@ mod gpu {
             gpu.upload(&[0.0f32; 16]).unwrap(),
         );
         let (mut idx, mut w) = (gpu.zeros::<i32>(2).unwrap(), gpu.zeros::<f32>(2).unwrap());
-        gpu_route(&gpu, s, &dx, hidden, &dg, &db, &mut idx, &mut w).unwrap();
+        gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
         assert!(gpu.download(&idx).unwrap().iter().all(|&i| (0..16).contains(&i)));
         println!("routing on bad values: {compared} values checked, no trap");
     }
@@ -379,27 +381,18 @@ mod gpu {
             let choice_bufs = || (gpu.zeros::<i32>(per).unwrap(), gpu.zeros::<f32>(per).unwrap());
             // Apart: the routing, then every choice's MLP.
             let ((mut idx, mut wt), mut out) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
-            gpu_route(&gpu, s, &x, hidden, &gate, &bias, &mut idx, &mut wt).unwrap();
+            let router = Router { gate: &gate, bias: &bias };
+            gpu_route(&gpu, s, (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
             let ch = Choices { idx: &idx, weight: &wt, per, experts: all };
-            experts_mlp_choices(&gpu, ch, &x, &up, &down, (inter, hidden), pieces, Some(&shared), &mut out).unwrap();
+            let mlp = ExpertMlp { up: &up, down: &down, inter, hidden };
+            experts_mlp_choices(&gpu, ch, &x, mlp, (pieces, Some(&shared)), &mut out).unwrap();
             // The pieces' up projections in the routing's launch.
             let ((mut idx2, mut wt2), mut out2) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
             let mut h = gpu.upload(&vec![POISON_BF16; per * inter]).unwrap();
-            let (router, choices) = ((&gate, &bias), (&mut idx2, &mut wt2));
-            route_appended_up(&gpu, s, &x, hidden, router, choices, (&up, inter), &mut h).unwrap();
+            route_appended_up(&gpu, s, (&x, hidden), router, (&mut idx2, &mut wt2), (&up, inter), &mut h).unwrap();
             let ch2 = Choices { idx: &idx2, weight: &wt2, per, experts: all };
-            let dims = (inter, hidden);
-            experts_mlp_choices_after(
-                &gpu,
-                ch2,
-                &x,
-                (&up, &down),
-                dims,
-                (pieces, Some(&shared)),
-                (&mut h, pieces),
-                &mut out2,
-            )
-            .unwrap();
+            experts_mlp_choices_after(&gpu, ch2, &x, mlp, (pieces, Some(&shared)), (&mut h, pieces), &mut out2)
+                .unwrap();
             let label = format!("experts {e} top-{top_k} pieces {pieces} {inter}x{hidden}");
             compared +=
                 assert_same(&format!("{label} idx"), &gpu.download(&idx2).unwrap(), &gpu.download(&idx).unwrap());
@@ -418,24 +411,15 @@ mod gpu {
             // Misuse: more than one token; h of another length; more appended rows than pieces.
             let (mut i2, mut w2) = (gpu.zeros::<i32>(2 * per).unwrap(), gpu.zeros::<f32>(2 * per).unwrap());
             let two = gpu.upload(&rng.bf16s(2 * hidden, -1.0, 1.0)).unwrap();
-            let err =
-                route_appended_up(&gpu, s, &two, hidden, router, (&mut i2, &mut w2), (&up, inter), &mut h).unwrap_err();
+            let err = route_appended_up(&gpu, s, (&two, hidden), router, (&mut i2, &mut w2), (&up, inter), &mut h)
+                .unwrap_err();
             assert!(err.to_string().contains("`rows`"), "{err}");
             let mut short = gpu.zeros::<bf16>(per * inter - 1).unwrap();
-            let err = route_appended_up(&gpu, s, &x, hidden, router, (&mut idx2, &mut wt2), (&up, inter), &mut short)
+            let err = route_appended_up(&gpu, s, (&x, hidden), router, (&mut idx2, &mut wt2), (&up, inter), &mut short)
                 .unwrap_err();
             assert!(err.to_string().contains("`h`"), "{err}");
-            let err = experts_mlp_choices_after(
-                &gpu,
-                ch,
-                &x,
-                (&up, &down),
-                dims,
-                (pieces, None),
-                (&mut h, pieces + 1),
-                &mut out2,
-            )
-            .unwrap_err();
+            let err = experts_mlp_choices_after(&gpu, ch, &x, mlp, (pieces, None), (&mut h, pieces + 1), &mut out2)
+                .unwrap_err();
             assert!(err.to_string().contains("`appended`"), "{err}");
         }
         println!("route with the pieces' up projections: {compared} values compared");
@@ -454,7 +438,7 @@ mod gpu {
         let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
         let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-        combine(&gpu, &dy, Some(&dsh), &gpu.upload(&slot).unwrap(), &dw, k, hidden, &mut out).unwrap();
+        combine(&gpu, (&dy, hidden), Some(&dsh), (&gpu.upload(&slot).unwrap(), &dw, k), &mut out).unwrap();
         let want: Vec<f64> = (0..rows * hidden)
             .map(|i| {
                 let (t, c) = (i / hidden, i % hidden);
@@ -568,12 +552,12 @@ mod gpu {
         let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
         assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
         let tiles = grouped_tiles(&gpu, false);
-        let w = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
+        let w = ExpertMlp { up: ExpertWeights::Bf16(&dup), down: ExpertWeights::Bf16(&ddown), inter, hidden };
         let outs: Vec<Vec<f64>> = tiles
             .iter()
             .map(|&t| {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-                experts_mlp_grouped_as(&gpu, &d, &dx, w, (inter, hidden), t, &mut out).unwrap();
+                experts_mlp_grouped_as(&gpu, &d, &dx, w, t, &mut out).unwrap();
                 to_f64(&gpu.download(&out).unwrap())
             })
             .collect();
@@ -654,23 +638,16 @@ mod gpu {
             let paths: Vec<usize> = if pieces == 0 { (0..2 + tiles.len()).collect() } else { vec![0] };
             for &path in &paths {
                 let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+                let mlp = ExpertMlp { up: &dup, down: &ddown, inter, hidden };
                 if path == 1 {
-                    experts_mlp_gemm(&gpu, &d, &dx, &dup, &ddown, (inter, hidden), &mut out).unwrap();
+                    experts_mlp_gemm(&gpu, &d, &dx, mlp, &mut out).unwrap();
                 } else if path >= 2 {
-                    let w = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
-                    experts_mlp_grouped_as(&gpu, &d, &dx, w, (inter, hidden), tiles[path - 2], &mut out).unwrap();
+                    let w =
+                        ExpertMlp { up: ExpertWeights::Bf16(&dup), down: ExpertWeights::Bf16(&ddown), inter, hidden };
+                    experts_mlp_grouped_as(&gpu, &d, &dx, w, tiles[path - 2], &mut out).unwrap();
                 } else {
-                    experts_mlp(
-                        &gpu,
-                        &d,
-                        &dx,
-                        ExpertWeights::Bf16(&dup),
-                        ExpertWeights::Bf16(&ddown),
-                        (inter, hidden),
-                        pieces,
-                        &mut out,
-                    )
-                    .unwrap();
+                    let (up, down) = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
+                    experts_mlp(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, pieces, &mut out).unwrap();
                 }
                 let label = match path {
                     0 => "kernel".to_string(),
@@ -690,13 +667,14 @@ mod gpu {
             let dsh = shared.as_ref().map(|s| gpu.upload(s).unwrap());
             let mut grouped = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
             let (up_w, down_w) = (ExpertWeights::Bf16(&dup), ExpertWeights::Bf16(&ddown));
-            experts_mlp(&gpu, &d, &dx, up_w, down_w, (inter, hidden), pieces, &mut grouped).unwrap();
+            experts_mlp(&gpu, &d, &dx, ExpertMlp { up: up_w, down: down_w, inter, hidden }, pieces, &mut grouped)
+                .unwrap();
             let mut unfused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-            combine(&gpu, &grouped, dsh.as_ref(), d.slot(), &dw, k, hidden, &mut unfused).unwrap();
+            combine(&gpu, (&grouped, hidden), dsh.as_ref(), (d.slot(), &dw, k), &mut unfused).unwrap();
             let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
             let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
-            experts_mlp_choices(&gpu, ch, &dx, &dup, &ddown, (inter, hidden), pieces, dsh.as_ref(), &mut fused)
-                .unwrap();
+            let mlp = ExpertMlp { up: &dup, down: &ddown, inter, hidden };
+            experts_mlp_choices(&gpu, ch, &dx, mlp, (pieces, dsh.as_ref()), &mut fused).unwrap();
             let label =
                 format!("experts per choice, combined: hidden {hidden} inter {inter} rows {rows} pieces {pieces}");
             let (fused, grouped) = (gpu.download(&fused).unwrap(), gpu.download(&grouped).unwrap());
@@ -734,7 +712,8 @@ mod gpu {
             let slot = gpu.download(d.slot()).unwrap();
             let (up, down) = ex8.weights();
             let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-            experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), up, down, (inter, hidden), 0, &mut out).unwrap();
+            experts_mlp(&gpu, &d, &gpu.upload(&x).unwrap(), ExpertMlp { up, down, inter, hidden }, 0, &mut out)
+                .unwrap();
             let mut want = vec![0.0; rows * k * hidden];
             for (i, &ex) in idx.iter().enumerate() {
                 let xr = to_f64(&x[i / k * hidden..][..hidden]);
@@ -837,7 +816,7 @@ mod gpu {
                 .iter()
                 .map(|&t| {
                     let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-                    experts_mlp_grouped_as(&gpu, &d, &dx, (up, down), (inter, hidden), t, &mut out).unwrap();
+                    experts_mlp_grouped_as(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
                     to_f64(&gpu.download(&out).unwrap())
                 })
                 .collect();
@@ -882,18 +861,16 @@ mod gpu {
         let x = gpu.zeros::<bf16>(rows * hidden).unwrap();
         let mut out = gpu.zeros::<bf16>(rows * k * inter).unwrap();
         let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
-        let err =
-            experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();
+        let up = Proj { w: ExpertWeights::Bf16(&w), n: inter, k: hidden, relu2: false };
+        let err = experts(&gpu, &d, (&x, true), up, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("never dispatched"), "{err}");
         dispatch(&gpu, &gpu.upload(&Rng::new(97).choices(rows, k, e)).unwrap(), &mut d).unwrap();
         let short = gpu.zeros::<bf16>((rows - 1) * hidden).unwrap();
-        let err =
-            experts(&gpu, &d, &short, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap_err();
+        let err = experts(&gpu, &d, (&short, true), up, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("`x`"), "{err}");
-        let err =
-            experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, e + 1, &mut out).unwrap_err();
+        let err = experts(&gpu, &d, (&x, true), up, e + 1, &mut out).unwrap_err();
         assert!(err.to_string().contains("`pieces`"), "{err}");
-        experts(&gpu, &d, &x, true, ExpertWeights::Bf16(&w), (inter, hidden), false, 0, &mut out).unwrap();
+        experts(&gpu, &d, (&x, true), up, 0, &mut out).unwrap();
         assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
         // Per choice: weights not one per choice, a short down projection, no choices per
         // token, an intermediate size not a multiple of 8, more choices than block rows.
@@ -901,33 +878,39 @@ mod gpu {
         let mut y = gpu.zeros::<bf16>(rows * hidden).unwrap();
         let ch = Choices { idx: &cidx, weight: &cw, per: k, experts: e };
         let short = gpu.zeros::<f32>(rows * k - 1).unwrap();
-        let err =
-            experts_mlp_choices(&gpu, Choices { weight: &short, ..ch }, &x, &w, &w, (inter, hidden), 0, None, &mut y)
-                .unwrap_err();
+        let mlp = ExpertMlp { up: &w, down: &w, inter, hidden };
+        let err = experts_mlp_choices(&gpu, Choices { weight: &short, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`weight`"), "{err}");
         let down = gpu.zeros::<bf16>(e * hidden * inter - 1).unwrap();
-        let err = experts_mlp_choices(&gpu, ch, &x, &w, &down, (inter, hidden), 0, None, &mut y).unwrap_err();
+        let err = experts_mlp_choices(&gpu, ch, &x, ExpertMlp { down: &down, ..mlp }, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`down`"), "{err}");
-        let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, &w, &w, (inter, hidden), 0, None, &mut y)
-            .unwrap_err();
+        let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`top_k`"), "{err}");
         let odd = gpu.zeros::<bf16>(e * (inter - 1) * hidden).unwrap();
-        let err = experts_mlp_choices(&gpu, ch, &x, &odd, &odd, (inter - 1, hidden), 0, None, &mut y).unwrap_err();
+        let odd = ExpertMlp { up: &odd, down: &odd, inter: inter - 1, hidden };
+        let err = experts_mlp_choices(&gpu, ch, &x, odd, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`inter`"), "{err}");
         let many = gpu.zeros::<i32>(65536).unwrap();
         let (wmany, mut ymany) = (gpu.zeros::<f32>(65536).unwrap(), gpu.zeros::<bf16>(65536 / k * hidden).unwrap());
         let big = Choices { idx: &many, weight: &wmany, per: k, experts: e };
-        let err = experts_mlp_choices(&gpu, big, &x, &w, &w, (inter, hidden), 0, None, &mut ymany).unwrap_err();
+        let err = experts_mlp_choices(&gpu, big, &x, mlp, (0, None), &mut ymany).unwrap_err();
         assert!(err.to_string().contains("`idx`"), "{err}");
-        experts_mlp_choices(&gpu, ch, &x, &w, &w, (inter, hidden), 0, None, &mut y).unwrap();
+        experts_mlp_choices(&gpu, ch, &x, mlp, (0, None), &mut y).unwrap();
         let s =
             RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };
         let mut xs = vec![bf16::ONE; rows * hidden];
         xs[hidden..2 * hidden].fill(bf16::NAN);
         let gate = gpu.upload(&vec![bf16::from_f32(0.01); e * hidden]).unwrap();
         let (mut idx, mut wt) = (gpu.zeros::<i32>(rows * k).unwrap(), gpu.zeros::<f32>(rows * k).unwrap());
-        gpu_route(&gpu, s, &gpu.upload(&xs).unwrap(), hidden, &gate, &gpu.zeros(e).unwrap(), &mut idx, &mut wt)
-            .unwrap();
+        let bias = gpu.zeros(e).unwrap();
+        gpu_route(
+            &gpu,
+            s,
+            (&gpu.upload(&xs).unwrap(), hidden),
+            Router { gate: &gate, bias: &bias },
+            (&mut idx, &mut wt),
+        )
+        .unwrap();
         let idx = gpu.download(&idx).unwrap();
         for r in idx.chunks(k) {
             assert!(r.iter().all(|&i| (0..e as i32).contains(&i)) && r[0] != r[1], "{idx:?}");

@@ -2,6 +2,7 @@
 //! against the reference on the GPU (`#[ignore]`d: run with `--include-ignored` on a GPU).
 
 use half::bf16;
+use host::Rows;
 use host::cpu::{norm as cpu, quant as cpu_quant};
 use host::norm::{MANY_ROWS, NormShape, RowPath, add_rms_norm, gated_norm, gated_norm_fp8, rms_norm};
 use host::quant::quant_token;
@@ -88,11 +89,11 @@ fn gpu_rms_norm_matches_reference() {
         for x_stride in [width, width + 3] {
             let x = activations(&mut rng, rows, width);
             let w = rng.bf16s(width, -2.0, 2.0);
-            let shape = NormShape { x_stride, ..NormShape::new(rows, width, 1, EPS) };
+            let shape = NormShape::new(rows, width, 1, EPS);
             let dx = gpu.upload(&strided(&mut rng, &x, width, x_stride)).unwrap();
             let dw = gpu.upload(&w).unwrap();
             let mut dy = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
-            rms_norm(&gpu, shape, &dx, &dw, &mut dy).unwrap();
+            rms_norm(&gpu, shape, Rows::strided(&dx, rows, width, x_stride), &dw, &mut dy).unwrap();
             let got = to_f64(&gpu.download(&dy).unwrap());
             let want = cpu::rms_norm(&x, &w, width, EPS as f64);
             compared += assert_close(&format!("rms {rows}x{width} stride {x_stride}"), &got, &want, ATOL, RTOL);
@@ -135,12 +136,13 @@ fn gpu_gated_norm_matches_reference() {
         for (x_stride, z_stride) in [(width, width), (width + 1, 10304.max(width))] {
             let (x, z) = (activations(&mut rng, rows, width), rng.bf16s(rows * width, -6.0, 6.0));
             let w = rng.bf16s(width, -2.0, 2.0);
-            let shape = NormShape { x_stride, z_stride, ..NormShape::new(rows, width, groups, EPS) };
+            let shape = NormShape::new(rows, width, groups, EPS);
             let dx = gpu.upload(&strided(&mut rng, &x, width, x_stride)).unwrap();
             let dz = gpu.upload(&strided(&mut rng, &z, width, z_stride)).unwrap();
             let dw = gpu.upload(&w).unwrap();
             let mut dy = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
-            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut dy).unwrap();
+            let (xr, zr) = (Rows::strided(&dx, rows, width, x_stride), Rows::strided(&dz, rows, width, z_stride));
+            gated_norm(&gpu, shape, xr, zr, &dw, &mut dy).unwrap();
             let got = to_f64(&gpu.download(&dy).unwrap());
             let want = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
             let label = format!("gated {rows}x{width} g{groups} strides {x_stride}/{z_stride}");
@@ -165,7 +167,8 @@ fn gpu_gated_norm_tolerance_catches_wrong_groups() {
     let w = rng.bf16s(width, -2.0, 2.0);
     let (dx, dz, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap());
     let mut dy = gpu.zeros::<bf16>(rows * width).unwrap();
-    gated_norm(&gpu, NormShape::new(rows, width, groups, EPS), &dx, &dz, &dw, &mut dy).unwrap();
+    let (xr, zr) = (Rows::new(&dx, rows, width), Rows::new(&dz, rows, width));
+    gated_norm(&gpu, NormShape::new(rows, width, groups, EPS), xr, zr, &dw, &mut dy).unwrap();
     let got = to_f64(&gpu.download(&dy).unwrap());
     let right = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
     let wrong = cpu::gated_norm(&x, Some(&z), &w, width, 1, EPS as f64);
@@ -194,10 +197,11 @@ fn gpu_gated_norm_fp8_equals_unfused_and_reference() {
             let (dx, dz, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap());
             let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
             let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
-            gated_norm_fp8(&gpu, shape, &dx, &dz, &dw, amax_ub, &mut q, &mut s).unwrap();
+            let (xr, zr) = (Rows::new(&dx, rows, width), Rows::new(&dz, rows, width));
+            gated_norm_fp8(&gpu, shape, (xr, zr), &dw, amax_ub, (&mut q, &mut s)).unwrap();
             // Unfused: gated norm, then per-token quantization of its bf16 output.
             let mut y = gpu.zeros::<bf16>(rows * width).unwrap();
-            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut y).unwrap();
+            gated_norm(&gpu, shape, xr, zr, &dw, &mut y).unwrap();
             let mut q2 = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
             let mut s2 = gpu.upload(&vec![f32::NAN; rows]).unwrap();
             quant_token(&gpu, width, &y, amax_ub, &mut q2, &mut s2).unwrap();
@@ -262,15 +266,16 @@ fn gpu_norms_many_rows_path_matches_reference_and_few_rows_path() {
             let shape = NormShape { path: Some(path), ..NormShape::new(rows, width, groups, EPS) };
             let plain = NormShape { groups: 1, ..shape };
             let mut y = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
-            gated_norm(&gpu, shape, &dx, &dz, &dw, &mut y).unwrap();
+            let (xr, zr) = (Rows::new(&dx, rows, width), Rows::new(&dz, rows, width));
+            gated_norm(&gpu, shape, xr, zr, &dw, &mut y).unwrap();
             let mut r = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
-            rms_norm(&gpu, plain, &dx, &dw, &mut r).unwrap();
+            rms_norm(&gpu, plain, xr, &dw, &mut r).unwrap();
             let mut h = gpu.upload(&x).unwrap();
             let mut ar = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
             add_rms_norm(&gpu, plain, &mut h, &dadd, &dw, &mut ar).unwrap();
             let mut q = gpu.upload(&vec![POISON_FP8; rows * width]).unwrap();
             let mut s = gpu.upload(&vec![f32::NAN; rows]).unwrap();
-            gated_norm_fp8(&gpu, shape, &dx, &dz, &dw, None, &mut q, &mut s).unwrap();
+            gated_norm_fp8(&gpu, shape, (xr, zr), &dw, None, (&mut q, &mut s)).unwrap();
             let d = |b: &host::CudaSlice<bf16>| gpu.download(b).unwrap();
             outs.push((d(&y), d(&r), d(&h), d(&ar), gpu.download(&q).unwrap(), gpu.download(&s).unwrap()));
         }

@@ -17,9 +17,9 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use half::bf16;
-use host::Gpu;
 use host::cpu::sample::sample_row;
 use host::sample::{RowSampling, SampleRows, check_row, read_out, sample, sample_out};
+use host::{Gpu, Rows};
 use kernels_gpu::sample::{
     Q_ONE, SAMPLE_ALL_NEG_INF, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SAMPLE_NAN, SAMPLE_OK, SAMPLE_OUT_WORDS, SampleOut,
     SampleRow, keeps_min_p, keeps_top_p, key, log2e_over, penalize, philox4x32, random, scaled, target, weight,
@@ -895,7 +895,7 @@ fn gpu_run(gpu: &Gpu, cases: &[Case], stride: usize, launches: &[u64]) -> Vec<Ve
             rows.set(gpu, &rows_at(offset)).unwrap();
             // Poisoned: every field of every row must be written.
             let mut out = gpu.upload(&vec![0xDEAD_BEEFu32; cases.len() * SAMPLE_OUT_WORDS as usize]).unwrap();
-            sample(gpu, &logits, stride, &rows, &mut out).unwrap();
+            sample(gpu, Rows::strided(&logits, cases.len(), vocab, stride), &rows, &mut out).unwrap();
             read_out(&gpu.download(&out).unwrap())
         })
         .collect()
@@ -1077,7 +1077,8 @@ fn gpu_launcher_refuses_bad_arguments() {
     let mut rows = SampleRows::new(&gpu, &two, vocab, 2).unwrap();
     let logits = gpu.upload(&vec![bf16::from_f32(0.5); 2 * vocab]).unwrap();
     let mut out = sample_out(&gpu, 2).unwrap();
-    sample(&gpu, &logits, vocab, &rows, &mut out).unwrap();
+    let two_rows = Rows::new(&logits, 2, vocab);
+    sample(&gpu, two_rows, &rows, &mut out).unwrap();
     let before = read_out(&gpu.download(&out).unwrap());
     // Refused rewrites leave the rows as they were.
     names(rows.set(&gpu, &two[..1]), "1 sampling rows given for 2");
@@ -1085,12 +1086,13 @@ fn gpu_launcher_refuses_bad_arguments() {
     names(rows.set(&gpu, &three), "`penalties`");
     names(rows.set(&gpu, &[two[0], RowSampling { row: t1, penalties: &[(vocab as u32, 1)] }]), "`penalties`");
     names(rows.set(&gpu, &[two[0], RowSampling { row: SampleRow { min_p: 2.0, ..t1 }, penalties: &[] }]), "`min_p`");
-    sample(&gpu, &logits, vocab, &rows, &mut out).unwrap();
+    sample(&gpu, two_rows, &rows, &mut out).unwrap();
     assert_eq!(read_out(&gpu.download(&out).unwrap()), before, "the rows after refused rewrites");
     // The launch itself.
-    names(sample(&gpu, &logits, vocab - 1, &rows, &mut out), "`stride`");
-    names(sample(&gpu, &logits, vocab + 1, &rows, &mut out), "`logits`");
+    names(sample(&gpu, Rows { stride: vocab - 1, ..two_rows }, &rows, &mut out), "`logits`: expected a row stride");
+    names(sample(&gpu, Rows { stride: vocab + 1, ..two_rows }, &rows, &mut out), "`logits`");
+    names(sample(&gpu, Rows { rows: 1, ..two_rows }, &rows, &mut out), "`logits`: expected 2 rows");
     let mut short = sample_out(&gpu, 1).unwrap();
-    names(sample(&gpu, &logits, vocab, &rows, &mut short), "`out`");
+    names(sample(&gpu, two_rows, &rows, &mut short), "`out`");
     println!("launcher: refusals name their argument; the rows survive refused rewrites");
 }

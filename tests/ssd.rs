@@ -5,9 +5,10 @@ mod common;
 
 use common::{Problem, TestState, random_states};
 use half::bf16;
+use host::Rows;
 use host::batch::{Prefill, Slots};
 use host::ssd::{SsdPlan, chunk_table, ssd_scan};
-use host::ssm::{Rows, SsmInputs, SsmShape, ssm_update};
+use host::ssm::{SsmCache, SsmInputs, SsmShape, ssm_update};
 use kernels_gpu::ssd::SsdChunk;
 use nemotron_rs::{POISON_BF16, Rng, assert_band, assert_same, gpu, to_f64};
 
@@ -105,7 +106,7 @@ where
     let seqs = Prefill::new(gpu, lens, &slots, &has_initial, num_slots).unwrap();
     let mut plan = SsdPlan::new(gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
-    ssd_scan(gpu, shape, dev.inputs_at(0), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
+    ssd_scan(gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
 
     let sl = shape.slot_len();
     let mut want_state: Vec<f64> = init.iter().map(|v| v.to_f64()).collect();
@@ -209,7 +210,8 @@ fn gpu_ssd_equals_update_kernel_token_by_token() {
     let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
     let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut scan_y = gpu.zeros::<bf16>(tokens * shape.width()).unwrap();
-    ssd_scan(&gpu, shape, dev.inputs_at(0), dev.heads(true), &mut scan_state, &seqs, &mut plan, &mut scan_y).unwrap();
+    ssd_scan(&gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut scan_state, &seqs, &mut plan, &mut scan_y)
+        .unwrap();
 
     // The update path starts fresh sequences from a zeroed slot.
     let mut upd_init = init.clone();
@@ -227,15 +229,17 @@ fn gpu_ssd_equals_update_kernel_token_by_token() {
         };
         let (x, dt, b, c) = (gather(Problem::x), gather(Problem::dt), gather(Problem::b), gather(Problem::c));
         let gn = shape.groups * shape.state_size;
+        let n = live.len();
         let inputs = SsmInputs {
-            x: Rows::contiguous(&x, shape.width()),
-            dt: Rows::contiguous(&dt, shape.heads),
-            b: Rows::contiguous(&b, gn),
-            c: Rows::contiguous(&c, gn),
+            x: Rows::new(&x, n, shape.width()),
+            dt: Rows::new(&dt, n, shape.heads),
+            b: Rows::new(&b, n, gn),
+            c: Rows::new(&c, n, gn),
         };
         let step_slots = Slots::new(&gpu, &live.iter().map(|&s| slots[s]).collect::<Vec<_>>(), num_slots).unwrap();
         let mut y = gpu.zeros::<bf16>(live.len() * shape.width()).unwrap();
-        ssm_update(&gpu, shape, inputs, None, dev.heads(true), &mut upd_state, &step_slots, None, &mut y).unwrap();
+        let cache = SsmCache { state: &mut upd_state, slots: &step_slots, dst: None };
+        ssm_update(&gpu, shape, inputs, None, dev.heads(true), cache, &mut y).unwrap();
         let y = gpu.download(&y).unwrap();
         for (i, &r) in rows.iter().enumerate() {
             upd_y[r * shape.width()..][..shape.width()].copy_from_slice(&y[i * shape.width()..][..shape.width()]);
@@ -323,7 +327,7 @@ fn gpu_ssd_16k_tokens_sampled_heads_against_recurrence() {
     let seqs = Prefill::new(&gpu, &[tokens], &[0], &[true], 1).unwrap();
     let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
-    ssd_scan(&gpu, shape, dev.inputs_at(0), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
+    ssd_scan(&gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
     let got = to_f64(&gpu.download(&y).unwrap());
     let hn = shape.head_dim * shape.state_size;
     // The band of assert_y.

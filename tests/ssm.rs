@@ -7,7 +7,7 @@ use common::{Problem, TestState, random_states};
 use half::bf16;
 use host::batch::Slots;
 use host::cpu::ssm::group_of;
-use host::ssm::{SsmShape, ssm_update};
+use host::ssm::{SsmCache, SsmShape, ssm_update};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, to_f64};
 
 /// y is bf16: half an ulp (2^-8 relative) plus f32 accumulation over state_size products.
@@ -47,9 +47,9 @@ where
     let dslots = Slots::new(gpu, &slots, num_slots).unwrap();
     let ddst = dst.as_ref().map(|d| Slots::new(gpu, d, num_slots).unwrap());
     let mut y = gpu.upload(&vec![POISON_BF16; batch * shape.width()]).unwrap();
-    let z = case.gate_and_d.then(|| dev.z_at(0));
-    ssm_update(gpu, shape, dev.inputs_at(0), z, dev.heads(case.gate_and_d), &mut state, &dslots, ddst.as_ref(), &mut y)
-        .unwrap();
+    let z = case.gate_and_d.then(|| dev.z_at(0, batch));
+    let cache = SsmCache { state: &mut state, slots: &dslots, dst: ddst.as_ref() };
+    ssm_update(gpu, shape, dev.inputs_at(0, batch), z, dev.heads(case.gate_and_d), cache, &mut y).unwrap();
 
     let reference = prob.reference(case.gate_and_d);
     let mut want_state: Vec<f64> = init.iter().map(|v| v.to_f64()).collect();
@@ -59,7 +59,7 @@ where
     for (r, &s) in slots.iter().enumerate() {
         let mut st = if s < 0 { vec![0.0; sl] } else { want_state[s as usize * sl..][..sl].to_vec() };
         let z = case.gate_and_d.then(|| prob.z(r));
-        want_y.extend(reference.step(&mut st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), z));
+        want_y.extend(reference.step(&mut st, prob.token(r, z)));
         let d = dst.as_ref().map_or(s, |d| d[r]);
         if d >= 0 {
             want_state[d as usize * sl..][..sl].copy_from_slice(&st);
@@ -131,7 +131,8 @@ fn gpu_ssm_update_head_to_group_mapping() {
     let mut state = gpu.upload(&init.iter().map(|&v| v as f32).collect::<Vec<_>>()).unwrap();
     let slots = Slots::new(&gpu, &[0, 1, 2, 3], 4).unwrap();
     let mut y = gpu.zeros::<bf16>(4 * shape.width()).unwrap();
-    ssm_update(&gpu, shape, dev.inputs_at(0), None, dev.heads(true), &mut state, &slots, None, &mut y).unwrap();
+    let cache = SsmCache { state: &mut state, slots: &slots, dst: None };
+    ssm_update(&gpu, shape, dev.inputs_at(0, 4), None, dev.heads(true), cache, &mut y).unwrap();
     let got = to_f64(&gpu.download(&y).unwrap());
     let reference = prob.reference(true);
     let run = |group: &dyn Fn(usize) -> usize| -> Vec<f64> {
@@ -139,7 +140,7 @@ fn gpu_ssm_update_head_to_group_mapping() {
             .flat_map(|r| {
                 let mut st: Vec<f64> =
                     init[r * shape.slot_len()..][..shape.slot_len()].iter().map(|&v| f64::from(v as f32)).collect();
-                reference.step_with_groups(&mut st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), None, group)
+                reference.step_with_groups(&mut st, prob.token(r, None), group)
             })
             .collect()
     };
@@ -174,14 +175,13 @@ fn gpu_ssm_update_100_steps() {
     let mut compared = 0;
     for t in 0..steps {
         let mut y = gpu.zeros::<bf16>(batch * shape.width()).unwrap();
-        let z = Some(dev.z_at(t * batch));
-        ssm_update(&gpu, shape, dev.inputs_at(t * batch), z, dev.heads(true), &mut state, &slots, None, &mut y)
-            .unwrap();
+        let (z, cache) = (Some(dev.z_at(t * batch, batch)), SsmCache { state: &mut state, slots: &slots, dst: None });
+        ssm_update(&gpu, shape, dev.inputs_at(t * batch, batch), z, dev.heads(true), cache, &mut y).unwrap();
         let mut want_y = Vec::new();
         for (i, &s) in slots.as_slice().iter().enumerate() {
             let r = t * batch + i;
             let st = &mut want_state[s as usize * sl..][..sl];
-            want_y.extend(reference.step(st, prob.x(r), prob.dt(r), prob.b(r), prob.c(r), Some(prob.z(r))));
+            want_y.extend(reference.step(st, prob.token(r, Some(prob.z(r)))));
         }
         compared += assert_close(&format!("step {t} y"), &to_f64(&gpu.download(&y).unwrap()), &want_y, ATOL, RTOL);
         if [0, 9, 99].contains(&t) {

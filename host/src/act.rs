@@ -5,6 +5,7 @@ use half::bf16;
 use kernels_gpu::act::{GatherParams, Relu2Params};
 use kernels_gpu::{EW_BLOCK, Kernel, chunks};
 
+use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -17,9 +18,9 @@ fn grid(n: usize) -> u32 {
 /// `x = bf16(relu(x)^2)` over the first `n` elements.
 pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()> {
     let k = Kernel::ActRelu2;
-    Check(k.name()).count("n", MAX_ELEMS, n)?;
-    Check(k.name()).len_at_least("x", n, x.len())?;
-    let p = Relu2Params { x: gpu.addr_mut(k, "x", x)? as *mut u16, n: n as u32 };
+    let a = gpu.args(k);
+    a.check().count("n", MAX_ELEMS, n)?;
+    let p = Relu2Params { x: a.output("x", x, Len::AtLeast(n))?, n: n as u32 };
     // SAFETY: x holds at least n elements.
     unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
 }
@@ -52,14 +53,13 @@ pub fn gather_by(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::ActGather;
-    let c = Check(k.name());
-    c.count("width", MAX_ELEMS, width)?;
-    c.count("rows", MAX_ROWS, idx.len())?;
-    c.len("out", idx.len() * width, out.len())?;
+    let a = gpu.args(k);
+    a.check().count("width", MAX_ELEMS, width)?;
+    a.check().count("rows", MAX_ROWS, idx.len())?;
     let p = GatherParams {
-        table: gpu.addr(k, "table", table)? as *const u16,
-        idx: gpu.addr(k, "idx", idx)? as *const u32,
-        out: gpu.addr_mut(k, "out", out)? as *mut u16,
+        table: a.input("table", table, Len::Any)?,
+        idx: a.input("idx", idx, Len::Any)?,
+        out: a.output("out", out, Len::Exactly(idx.len() * width))?,
         rows: idx.len() as u32,
         width: width as u32,
         table_rows: (table.len() / width) as u32,

@@ -3,13 +3,14 @@
 
 use std::collections::HashSet;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
 use kernels_gpu::flash::{FLASH_BLOCK, FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile, flash_smem_bytes};
 
-use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
+use crate::args::{Len, Rows};
+use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
 
@@ -118,26 +119,33 @@ fn tile_words(tiles: &[FlashTile]) -> Vec<u32> {
     tiles.iter().flat_map(|t| [t.row0, t.rows, t.slot, t.pos0]).collect()
 }
 
+/// A step's queries, keys and values: rows of `heads * head_dim` and of `kv_heads * head_dim`
+/// channels, one row per [`AttnRows`] row (q, k and v may be column blocks of one buffer); the
+/// keys and values with one row stride.
+#[derive(Clone, Copy)]
+pub struct Qkv<'a> {
+    pub q: Rows<'a>,
+    pub k: Rows<'a>,
+    pub v: Rows<'a>,
+}
+
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
 /// launches, or one where each row has a slot of its own (decode rows); the second is the
 /// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
-/// channels, the row kernel for wider ones. Row r's
-/// query starts at element `r * q_stride` of `q`, its key and value at `r * kv_stride` of `k`
-/// and `v` (the widths for contiguous rows; q, k and v may be column blocks of one buffer).
-#[allow(clippy::too_many_arguments)]
+/// channels, the row kernel for wider ones.
 pub fn attention(
     gpu: &Gpu,
     s: AttnShape,
-    (q, q_stride): (&impl DevicePtr<bf16>, usize),
-    (k, v, kv_stride): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>, usize),
+    qkv: Qkv,
     k_cache: &mut CudaSlice<bf16>,
     v_cache: &mut CudaSlice<bf16>,
     rows: &AttnRows,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kn = Kernel::Attn;
-    let c = Check(kn.name());
+    let a = gpu.args(kn);
+    let c = a.check();
     let n = rows.len();
     c.count("heads", 65535, s.heads)?;
     c.count("kv_heads", s.heads, s.kv_heads)?;
@@ -145,29 +153,24 @@ pub fn attention(
     c.count("head_dim", MAX_HEAD_DIM as usize, s.head_dim)?;
     c.that("rows", rows.max_len == s.max_len, format!("rows checked against max_len {}", s.max_len), rows.max_len)?;
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    c.that("q_stride", (qw..=MAX_ELEMS).contains(&q_stride), format!("in {qw}..={MAX_ELEMS}"), q_stride)?;
-    c.that("kv_stride", (kw..=MAX_ELEMS).contains(&kv_stride), format!("in {kw}..={MAX_ELEMS}"), kv_stride)?;
-    // The last row ends at (n - 1) * stride + width.
-    let extent = |stride: usize, width: usize| n.saturating_sub(1) * stride + width;
-    c.len_at_least("q", extent(q_stride, qw), q.len())?;
-    c.len_at_least("k", extent(kv_stride, kw), k.len())?;
-    c.len_at_least("v", extent(kv_stride, kw), v.len())?;
-    c.len("out", n * qw, out.len())?;
+    let (q, q_stride) = a.rows("q", &qkv.q, (n, qw))?;
+    let (k, kv_stride) = a.rows("k", &qkv.k, (n, kw))?;
+    let (v, v_stride) = a.rows("v", &qkv.v, (n, kw))?;
+    c.that("v", v_stride == kv_stride, format!("the row stride of k, {kv_stride}"), format!("stride {v_stride}"))?;
     let cache = rows.num_slots.checked_mul(s.max_len).and_then(|v| v.checked_mul(kw));
     c.that("max_len", cache.is_some(), "a cache whose size fits in memory", s.max_len)?;
-    c.len("k_cache", cache.unwrap_or(usize::MAX), k_cache.len())?;
-    c.len("v_cache", k_cache.len(), v_cache.len())?;
+    let cache = Len::Exactly(cache.unwrap_or(usize::MAX));
     let p = AttnParams {
-        q: gpu.addr(kn, "q", q)? as *const u16,
-        k: gpu.addr(kn, "k", k)? as *const u16,
-        v: gpu.addr(kn, "v", v)? as *const u16,
-        q_stride: q_stride as u32,
-        kv_stride: kv_stride as u32,
-        k_cache: gpu.addr_mut(kn, "k_cache", k_cache)? as *mut u16,
-        v_cache: gpu.addr_mut(kn, "v_cache", v_cache)? as *mut u16,
-        slot: gpu.addr(kn, "slots", &rows.slot)? as *const i32,
-        pos: gpu.addr(kn, "pos", &rows.pos)? as *const u32,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+        q,
+        k,
+        v,
+        q_stride,
+        kv_stride,
+        k_cache: a.output("k_cache", k_cache, cache)?,
+        v_cache: a.output("v_cache", v_cache, cache)?,
+        slot: a.input("slots", &rows.slot, Len::Any)?,
+        pos: a.input("pos", &rows.pos, Len::Any)?,
+        out: a.output("out", out, Len::Exactly(n * qw))?,
         rows: n as u32,
         heads: s.heads as u32,
         kv_heads: s.kv_heads as u32,
@@ -196,7 +199,7 @@ pub fn attention(
                     q_stride: p.q_stride,
                     k_cache: p.k_cache,
                     v_cache: p.v_cache,
-                    tiles: gpu.addr(kf, "tiles", tiles)? as *const FlashTile,
+                    tiles: gpu.args(kf).input("tiles", tiles, Len::Any)?.cast(),
                     out: p.out,
                     heads: p.heads,
                     kv_heads: p.kv_heads,

@@ -1,50 +1,28 @@
 //! Launchers of the causal conv1d family (kernels-gpu/src/conv1d.rs; reference: cpu/conv1d.rs).
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::conv1d::{CONV_BLOCK, ConvFwdParams, ConvUpdateParams, MAX_K, TILE_BATCH, TILE_CHANNELS, TILED_MAX_K};
 
+use crate::args::{Args, Len, Rows};
 use crate::batch::{Prefill, Slots};
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
 use crate::gpu::Gpu;
 
-/// Geometry of the conv: `dim` channels, `k` taps, input rows `x_stride` elements apart
-/// (channels `0..dim` at the start of each row).
+/// Geometry of the conv: `dim` channels, `k` taps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvShape {
     pub dim: usize,
     pub k: usize,
-    pub x_stride: usize,
 }
 
 impl ConvShape {
-    /// Checks the geometry, the weights and the state cache (`num_slots` slots); `rows` input
-    /// rows must fit in `x`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn check(
-        &self,
-        kernel: Kernel,
-        rows: usize,
-        x: usize,
-        w: usize,
-        bias: Option<usize>,
-        state: usize,
-        num_slots: usize,
-    ) -> Result<()> {
-        let c = Check(kernel.name());
+    /// Checks the geometry.
+    pub(crate) fn check(&self, c: Check) -> Result<()> {
         c.count("dim", MAX_ELEMS, self.dim)?;
-        c.that("k", (2..=MAX_K as usize).contains(&self.k), format!("2..={MAX_K} taps"), self.k)?;
-        c.that("x_stride", self.x_stride >= self.dim, format!(">= dim {}", self.dim), self.x_stride)?;
-        let need = (rows - 1).checked_mul(self.x_stride).and_then(|v| v.checked_add(self.dim));
-        c.that("x", need.is_some(), "an extent that fits in usize", format!("stride {}", self.x_stride))?;
-        c.len_at_least("x", need.unwrap_or(0), x)?;
-        c.len("w", self.dim * self.k, w)?;
-        if let Some(b) = bias {
-            c.len("bias", self.dim, b)?;
-        }
-        c.len("state", num_slots * self.dim * (self.k - 1), state)
+        c.that("k", (2..=MAX_K as usize).contains(&self.k), format!("2..={MAX_K} taps"), self.k)
     }
 
     fn blocks(&self) -> u32 {
@@ -52,38 +30,63 @@ impl ConvShape {
     }
 }
 
-/// Decode step (docs/MATH.md section 1): for each row, `y = silu(bias + w . [state[slot], x])`,
-/// then the slot's state shifted left with x appended. Pad rows are skipped entirely.
-/// `state` is the whole `[slots, dim, k - 1]` cache; `y` is `[batch, dim]`.
-#[allow(clippy::too_many_arguments)]
+/// A causal conv's weights `[dim, k]`, its bias `[dim]` or none, and its state cache
+/// `[slots, dim, k - 1]` (the last k - 1 inputs of each slot's sequence, updated in place).
+pub struct Conv<'a> {
+    pub w: &'a CudaSlice<bf16>,
+    pub bias: Option<&'a CudaSlice<bf16>>,
+    pub state: &'a mut CudaSlice<bf16>,
+}
+
+impl Conv<'_> {
+    /// The kernel's pointers to the weights, the bias (null without) and the state cache of a
+    /// conv of `shape` with `num_slots` slots.
+    pub(crate) fn args(
+        &mut self,
+        a: &Args,
+        shape: ConvShape,
+        num_slots: usize,
+    ) -> Result<(*const u16, *const u16, *mut u16)> {
+        let state = Len::Exactly(num_slots * shape.dim * (shape.k - 1));
+        Ok((
+            a.input("w", self.w, Len::Exactly(shape.dim * shape.k))?,
+            a.opt_input("bias", self.bias, Len::Exactly(shape.dim))?,
+            a.output("state", self.state, state)?,
+        ))
+    }
+}
+
+/// Decode step (docs/MATH.md section 1): for each row of `x` (`[batch, dim]` rows),
+/// `y = silu(bias + w . [state[slot], x])`, then the slot's state shifted left with x appended.
+/// Pad rows are skipped entirely. `y` is `[batch, dim]`.
 pub fn conv_update(
     gpu: &Gpu,
     shape: ConvShape,
-    x: &impl DevicePtr<bf16>,
-    w: &CudaSlice<bf16>,
-    bias: Option<&CudaSlice<bf16>>,
-    state: &mut impl DevicePtrMut<bf16>,
+    x: Rows,
+    mut conv: Conv,
     slots: &Slots,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::ConvUpdate;
+    let a = gpu.args(k);
     let batch = slots.len();
-    Check(k.name()).count("batch", 65535, batch)?;
-    shape.check(k, batch, x.len(), w.len(), bias.map(|b| b.len()), state.len(), slots.num_slots())?;
-    Check(k.name()).len("y", batch * shape.dim, y.len())?;
+    a.check().count("batch", 65535, batch)?;
+    shape.check(a.check())?;
+    let (x, x_stride) = a.rows("x", &x, (batch, shape.dim))?;
+    let (w, bias, state) = conv.args(&a, shape, slots.num_slots())?;
     let p = ConvUpdateParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        w: gpu.addr(k, "w", w)? as *const u16,
-        bias: gpu.opt_addr(k, "bias", bias)? as *const u16,
-        state: gpu.addr_mut(k, "state", state)? as *mut u16,
-        cache_index: gpu.addr(k, "slots", &slots.dev)? as *const i32,
-        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        x,
+        w,
+        bias,
+        state,
+        cache_index: a.input("slots", &slots.dev, Len::Any)?,
+        y: a.output("y", y, Len::Exactly(batch * shape.dim))?,
         batch: batch as u32,
         dim: shape.dim as u32,
         k: shape.k as u32,
-        x_stride: shape.x_stride as u32,
+        x_stride,
     };
-    // SAFETY: `check` proved x, w, bias, the state cache and y cover the shape; Slots holds
+    // SAFETY: `Args` proved x, w, bias, the state cache and y cover the shape; Slots holds
     // only PAD_SLOT or distinct slots < num_slots, the cache's slot count; state and y are
     // `&mut`; grid/block as conv1d_update_bf16 documents.
     unsafe { gpu.launch(k, (shape.blocks(), batch as u32, 1), CONV_BLOCK, 0, p) }
@@ -96,7 +99,7 @@ pub enum ConvPath {
     PerToken,
     /// `conv1d_fwd_tiled_bf16`: a thread per 4 channels and a run of tokens, 8-byte loads and
     /// each input read once: the copy bandwidth at many tokens. Needs `k <= 4`, `dim` and
-    /// `x_stride` multiples of 4 and 8-byte aligned buffers.
+    /// x's row stride multiples of 4 and 8-byte aligned buffers.
     Tiled,
 }
 
@@ -111,56 +114,52 @@ fn tile_tokens(tokens: usize) -> u32 {
 }
 
 /// Prefill (docs/MATH.md section 1): each sequence's outputs from its slot's state (or zeros) and
-/// its inputs, then its last k - 1 inputs as the slot's new state. Two launches. Pad
-/// sequences are skipped entirely. `y` is `[tokens, dim]`. The outputs' kernel is picked by
-/// token count and shape ([`ConvPath`]).
-#[allow(clippy::too_many_arguments)]
+/// its inputs (`x`, `[tokens, dim]` rows), then its last k - 1 inputs as the slot's new state.
+/// Two launches. Pad sequences are skipped entirely. `y` is `[tokens, dim]`. The outputs'
+/// kernel is picked by token count and shape ([`ConvPath`]).
 pub fn conv_fwd(
     gpu: &Gpu,
     shape: ConvShape,
-    x: &impl DevicePtr<bf16>,
-    w: &CudaSlice<bf16>,
-    bias: Option<&CudaSlice<bf16>>,
-    state: &mut impl DevicePtrMut<bf16>,
+    x: Rows,
+    conv: Conv,
     seqs: &Prefill,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    conv_fwd_on(gpu, None, shape, x, w, bias, state, seqs, y)
+    conv_fwd_on(gpu, None, shape, x, conv, seqs, y)
 }
 
 /// [`conv_fwd`] with the outputs' kernel given (`None`: as [`conv_fwd`] picks); tests and
 /// benches compare them. [`ConvPath::Tiled`] on a shape it does not take is an error.
-#[allow(clippy::too_many_arguments)]
 pub fn conv_fwd_on(
     gpu: &Gpu,
     path: Option<ConvPath>,
     shape: ConvShape,
-    x: &impl DevicePtr<bf16>,
-    w: &CudaSlice<bf16>,
-    bias: Option<&CudaSlice<bf16>>,
-    state: &mut impl DevicePtrMut<bf16>,
+    x: Rows,
+    mut conv: Conv,
     seqs: &Prefill,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let (kf, ks, kt) = (Kernel::ConvFwd, Kernel::ConvFwdState, Kernel::ConvFwdTiled);
+    let a = gpu.args(kf);
     let tokens = seqs.tokens();
     Check(ks.name()).count("sequences", 65535, seqs.nseq())?;
-    shape.check(kf, tokens, x.len(), w.len(), bias.map(|b| b.len()), state.len(), seqs.num_slots())?;
-    Check(kf.name()).len("y", tokens * shape.dim, y.len())?;
+    shape.check(a.check())?;
+    let (x, x_stride) = a.rows("x", &x, (tokens, shape.dim))?;
+    let (w, bias, state) = conv.args(&a, shape, seqs.num_slots())?;
     let mut p = ConvFwdParams {
-        x: gpu.addr(kf, "x", x)? as *const u16,
-        w: gpu.addr(kf, "w", w)? as *const u16,
-        bias: gpu.opt_addr(kf, "bias", bias)? as *const u16,
-        state: gpu.addr_mut(kf, "state", state)? as *mut u16,
-        cu_seqlens: gpu.addr(kf, "seqs", &seqs.cu_seqlens)? as *const i32,
-        cache_index: gpu.addr(kf, "seqs", &seqs.slots)? as *const i32,
-        has_initial: gpu.addr(kf, "seqs", &seqs.has_initial)? as *const u8,
-        y: gpu.addr_mut(kf, "y", y)? as *mut u16,
+        x,
+        w,
+        bias,
+        state,
+        cu_seqlens: a.input("seqs", &seqs.cu_seqlens, Len::Any)?,
+        cache_index: a.input("seqs", &seqs.slots, Len::Any)?,
+        has_initial: a.input("seqs", &seqs.has_initial, Len::Any)?,
+        y: a.output("y", y, Len::Exactly(tokens * shape.dim))?,
         tokens: tokens as u32,
         nseq: seqs.nseq() as u32,
         dim: shape.dim as u32,
         k: shape.k as u32,
-        x_stride: shape.x_stride as u32,
+        x_stride,
         tile: tile_tokens(tokens),
     };
     let tiled = tiled_refusal(&shape, &p);
@@ -200,11 +199,11 @@ fn tiled_refusal(shape: &ConvShape, p: &ConvFwdParams) -> Option<(&'static str, 
     if shape.k > TILED_MAX_K as usize {
         return Some(("k", format!("at most {TILED_MAX_K} taps"), shape.k.to_string()));
     }
-    if !shape.dim.is_multiple_of(v) || !shape.x_stride.is_multiple_of(v) {
+    if !shape.dim.is_multiple_of(v) || !(p.x_stride as usize).is_multiple_of(v) {
         return Some((
             "dim",
-            format!("dim and x_stride multiples of {v}"),
-            format!("{} and {}", shape.dim, shape.x_stride),
+            format!("dim and x's row stride multiples of {v}"),
+            format!("{} and {}", shape.dim, p.x_stride),
         ));
     }
     let addrs = [

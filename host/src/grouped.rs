@@ -11,11 +11,12 @@ use kernels_gpu::grouped::{
     wgmma_smem_bytes,
 };
 
+use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::{Error, Result};
-use crate::gemv::Weights;
+use crate::gemv::{Proj, Weights};
 use crate::gpu::Gpu;
-use crate::moe::Dispatch;
+use crate::moe::{Dispatch, ExpertMlp};
 use crate::quant::{Source, quant_rows};
 
 /// The grouped kernels' output tiles.
@@ -106,52 +107,41 @@ impl Tiles {
     }
 }
 
-/// One projection's shape: `n` outputs of `k` inputs, relu^2 after it (in bf16) or not.
-#[derive(Clone, Copy, Debug)]
-pub struct Proj {
-    pub n: usize,
-    pub k: usize,
-    pub relu2: bool,
-}
-
-/// One projection of every expert with rows in `d`, one launch: grouped row j of expert e gets
-/// `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input), row j
-/// otherwise (grouped rows); `w [experts, n, k]`; `f` is `relu(bf16(.))^2` when `relu2`.
-/// `n` and `k` multiples of 8. No synchronization.
+/// One projection `p` of every expert with rows in `d`, one launch: grouped row j of expert e
+/// gets `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input),
+/// row j otherwise (grouped rows); `p.w [experts, n, k]`. `n` and `k` multiples of 8. No
+/// synchronization.
 pub fn grouped(
     gpu: &Gpu,
     d: &Dispatch,
     (a, by_token): (&impl DevicePtr<bf16>, bool),
-    w: &CudaSlice<bf16>,
-    Proj { n, k, relu2 }: Proj,
+    p: Proj<&CudaSlice<bf16>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel: kn, m, n: nt, smem } = tiles.grouped(false)?;
-    let c = Check(kn.name());
-    d.check_filled(kn.name())?;
-    check_nk(c, (n, k), 8)?;
+    let Shape { kernel, m, n: nt, smem } = tiles.grouped(false)?;
+    let args = gpu.args(kernel);
+    let c = args.check();
+    d.check_filled(kernel.name())?;
+    check_nk(c, (p.n, p.k), 8)?;
     let (entries, experts) = (d.entries(), d.experts());
-    c.len_at_least("a", if by_token { d.rows() } else { entries } * k, a.len())?;
-    c.len("w", experts * n * k, w.len())?;
-    c.len("out", entries * n, out.len())?;
-    let p = GroupedParams {
-        a: gpu.addr(kn, "a", a)? as *const u16,
-        token: if by_token { gpu.addr(kn, "token", d.token())? as *const u32 } else { std::ptr::null() },
-        w: gpu.addr(kn, "w", w)? as *const u16,
-        offsets: gpu.addr(kn, "offsets", d.offsets())? as *const u32,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+    let params = GroupedParams {
+        a: args.input("a", a, Len::AtLeast(if by_token { d.rows() } else { entries } * p.k))?,
+        token: if by_token { args.input("token", d.token(), Len::Any)? } else { std::ptr::null() },
+        w: args.input("w", p.w, Len::Exactly(experts * p.n * p.k))?,
+        offsets: args.input("offsets", d.offsets(), Len::Any)?,
+        out: args.output("out", out, Len::Exactly(entries * p.n))?,
         experts: experts as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
-    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), p.n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
     // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`; grid,
     // block and shared memory as the kernel of these tiles documents.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
+    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
 }
 
 /// Checks `n` and `k`: positive multiples of 8 (`k` of `k_multiple`: whole 16-byte chunks of a
@@ -178,22 +168,22 @@ fn check_aligned(c: Check, (a, w, out): (u64, u64, u64)) -> Result<()> {
     Ok(())
 }
 
-/// FP8 weights' codes and scales, checked to be `matrices` of `[n, k]` with a scale each.
-fn fp8_weights<'a>(
-    c: Check,
-    w: Weights<'a>,
+/// The kernel's pointers to FP8 weights' codes and their scales: `matrices` of `[n, k]`, a
+/// scale each (their input scales are what the rows were quantized with, not read here).
+fn fp8_weights(
+    args: &Args,
+    w: Weights<'_>,
     matrices: usize,
     (n, k): (usize, usize),
-) -> Result<(&'a CudaSlice<u8>, &'a CudaSlice<f32>)> {
+) -> Result<(*const u8, *const f32)> {
     match w {
-        Weights::Fp8 { codes, w_scale, .. } => {
-            c.len("w", matrices * n * k, codes.len())?;
-            c.len("w_scale", matrices, w_scale.len())?;
-            Ok((codes, w_scale))
-        }
-        Weights::Bf16(_) => {
-            Err(Error::Shape { kernel: c.0, arg: "w", expected: "FP8 weights".into(), got: "bf16 weights".into() })
-        }
+        Weights::Fp8 { .. } => w.args(args, matrices, (n, k)).map(|(codes, scale, _)| (codes, scale)),
+        Weights::Bf16(_) => Err(Error::Shape {
+            kernel: args.check().0,
+            arg: "w",
+            expected: "FP8 weights".into(),
+            got: "bf16 weights".into(),
+        }),
     }
 }
 
@@ -203,122 +193,110 @@ pub struct Fp8Rows<'a, Q: DevicePtr<u8>, S: DevicePtr<f32>> {
     pub scales: &'a S,
 }
 
-/// One FP8 (W8A8) projection of every expert with rows in `d`, one launch: grouped row j of
-/// expert e gets `out[j] = f((q_j Q_eᵀ) ws_e s_j)`, `(q_j, s_j)` row j's codes and scale in
-/// `a` (the grouped rows, [`quant_rows`] with [`Source::Grouped`]), `w` the experts' codes
-/// `[experts, n, k]` and scales (its `in_scale` is what `a` was quantized with, not read
-/// here); `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16; tiles
-/// [`Tiles::Narrow`] or [`Tiles::Wgmma`]. No synchronization.
+/// One FP8 (W8A8) projection `p` of every expert with rows in `d`, one launch: grouped row j
+/// of expert e gets `out[j] = f((q_j Q_eᵀ) ws_e s_j)`, `(q_j, s_j)` row j's codes and scale in
+/// `a` (the grouped rows, [`quant_rows`] with [`Source::Grouped`]), `p.w` the experts' codes
+/// `[experts, n, k]` and scales. `n` a multiple of 8, `k` of 16; tiles [`Tiles::Narrow`] or
+/// [`Tiles::Wgmma`]. No synchronization.
 pub fn grouped_fp8(
     gpu: &Gpu,
     d: &Dispatch,
     a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
-    w: Weights<'_>,
-    Proj { n, k, relu2 }: Proj,
+    p: Proj<Weights<'_>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel: kn, m, n: nt, smem } = tiles.grouped(true)?;
-    let c = Check(kn.name());
-    d.check_filled(kn.name())?;
-    check_nk(c, (n, k), 16)?;
+    let Shape { kernel, m, n: nt, smem } = tiles.grouped(true)?;
+    let args = gpu.args(kernel);
+    let c = args.check();
+    d.check_filled(kernel.name())?;
+    check_nk(c, (p.n, p.k), 16)?;
     let (entries, experts) = (d.entries(), d.experts());
-    let (codes, w_scale) = fp8_weights(c, w, experts, (n, k))?;
-    c.len("a", entries * k, a.codes.len())?;
-    c.len("a scales", entries, a.scales.len())?;
-    c.len("out", entries * n, out.len())?;
-    let p = GroupedFp8Params {
-        a: gpu.addr(kn, "a", a.codes)? as *const u8,
-        a_scale: gpu.addr(kn, "a scales", a.scales)? as *const f32,
-        w: gpu.addr(kn, "w", codes)? as *const u8,
-        w_scale: gpu.addr(kn, "w_scale", w_scale)? as *const f32,
-        offsets: gpu.addr(kn, "offsets", d.offsets())? as *const u32,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+    let (w, w_scale) = fp8_weights(&args, p.w, experts, (p.n, p.k))?;
+    let params = GroupedFp8Params {
+        a: args.input("a", a.codes, Len::Exactly(entries * p.k))?,
+        a_scale: args.input("a scales", a.scales, Len::Exactly(entries))?,
+        w,
+        w_scale,
+        offsets: args.input("offsets", d.offsets(), Len::Any)?,
+        out: args.output("out", out, Len::Exactly(entries * p.n))?,
         experts: experts as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
-    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), n.div_ceil(nt as usize) as u32, 1);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), p.n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`; grid,
     // block and shared memory as the kernel of these tiles documents.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
+    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
 }
 
-/// A bf16 linear layer over `rows` rows of `x` on tensor cores, one launch: `out [rows, n] =
-/// f(x wᵀ)`, `w [n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` and `k` multiples of 8;
-/// any [`Tiles`] (`Wgmma` where the GPU has it).
+/// A bf16 linear layer `p` over `rows` rows of `x` on tensor cores, one launch: `out [rows,
+/// n] = f(x wᵀ)`, `p.w [n, k]`. `n` and `k` multiples of 8; any [`Tiles`] (`Wgmma` where the
+/// GPU has it).
 pub fn gemm(
     gpu: &Gpu,
-    x: &impl DevicePtr<bf16>,
-    w: &CudaSlice<bf16>,
-    (rows, n, k): (usize, usize, usize),
-    relu2: bool,
+    (x, rows): (&impl DevicePtr<bf16>, usize),
+    p: Proj<&CudaSlice<bf16>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel: kn, m, n: nt, smem } = tiles.dense(false)?;
-    let c = Check(kn.name());
-    check_nk(c, (n, k), 8)?;
+    let Shape { kernel, m, n: nt, smem } = tiles.dense(false)?;
+    let args = gpu.args(kernel);
+    let c = args.check();
+    check_nk(c, (p.n, p.k), 8)?;
     c.count("rows", MAX_ROWS, rows)?;
-    c.len_at_least("x", rows * k, x.len())?;
-    c.len("w", n * k, w.len())?;
-    c.len_at_least("out", rows * n, out.len())?;
-    let p = GemmParams {
-        a: gpu.addr(kn, "x", x)? as *const u16,
-        w: gpu.addr(kn, "w", w)? as *const u16,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+    let params = GemmParams {
+        a: args.input("x", x, Len::AtLeast(rows * p.k))?,
+        w: args.input("w", p.w, Len::Exactly(p.n * p.k))?,
+        out: args.output("out", out, Len::AtLeast(rows * p.n))?,
         rows: rows as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
-    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let grid = (rows.div_ceil(m as usize) as u32, p.n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
     // kernel of these tiles documents.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
+    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
 }
 
-/// An FP8 (W8A8) linear layer over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ) ws
-/// s)`, `a` the rows' codes and scales ([`quant_rows`] with [`Source::Plain`]), `w` one
-/// matrix `[n, k]`; `f` is `relu(bf16(.))^2` when `relu2`. `n` a multiple of 8, `k` of 16;
-/// tiles [`Tiles::Narrow`] or [`Tiles::Wgmma`].
+/// An FP8 (W8A8) linear layer `p` over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ)
+/// ws s)`, `a` the rows' codes and scales ([`quant_rows`] with [`Source::Plain`]), `p.w` one
+/// matrix `[n, k]` of codes with its scale. `n` a multiple of 8, `k` of 16; tiles
+/// [`Tiles::Narrow`] or [`Tiles::Wgmma`].
 pub fn gemm_fp8(
     gpu: &Gpu,
-    a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
-    rows: usize,
-    w: Weights<'_>,
-    Proj { n, k, relu2 }: Proj,
+    (a, rows): (Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>, usize),
+    p: Proj<Weights<'_>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel: kn, m, n: nt, smem } = tiles.dense(true)?;
-    let c = Check(kn.name());
-    check_nk(c, (n, k), 16)?;
+    let Shape { kernel, m, n: nt, smem } = tiles.dense(true)?;
+    let args = gpu.args(kernel);
+    let c = args.check();
+    check_nk(c, (p.n, p.k), 16)?;
     c.count("rows", MAX_ROWS, rows)?;
-    let (codes, w_scale) = fp8_weights(c, w, 1, (n, k))?;
-    c.len("a", rows * k, a.codes.len())?;
-    c.len("a scales", rows, a.scales.len())?;
-    c.len("out", rows * n, out.len())?;
-    let p = GemmFp8Params {
-        a: gpu.addr(kn, "a", a.codes)? as *const u8,
-        a_scale: gpu.addr(kn, "a scales", a.scales)? as *const f32,
-        w: gpu.addr(kn, "w", codes)? as *const u8,
-        w_scale: gpu.addr(kn, "w_scale", w_scale)? as *const f32,
-        out: gpu.addr_mut(kn, "out", out)? as *mut u16,
+    let (w, w_scale) = fp8_weights(&args, p.w, 1, (p.n, p.k))?;
+    let params = GemmFp8Params {
+        a: args.input("a", a.codes, Len::Exactly(rows * p.k))?,
+        a_scale: args.input("a scales", a.scales, Len::Exactly(rows))?,
+        w,
+        w_scale,
+        out: args.output("out", out, Len::Exactly(rows * p.n))?,
         rows: rows as u32,
-        n: n as u32,
-        k: k as u32,
-        relu2: u32::from(relu2),
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (p.a as u64, p.w as u64, p.out as u64))?;
-    let grid = (rows.div_ceil(m as usize) as u32, n.div_ceil(nt as usize) as u32, 1);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let grid = (rows.div_ceil(m as usize) as u32, p.n.div_ceil(nt as usize) as u32, 1);
     // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
     // kernel of these tiles documents.
-    unsafe { gpu.launch(kn, grid, GROUPED_BLOCK, smem, p) }
+    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -332,15 +310,14 @@ pub fn experts_mlp_grouped(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    w: (Weights<'_>, Weights<'_>),
-    sizes: (usize, usize),
+    mlp: ExpertMlp<Weights<'_>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let tiles = match (Tiles::for_dispatch(gpu, d), w.0) {
+    let tiles = match (Tiles::for_dispatch(gpu, d), mlp.up) {
         (Tiles::Wide, Weights::Fp8 { .. }) => Tiles::Narrow,
         (tiles, _) => tiles,
     };
-    experts_mlp_grouped_as(gpu, d, x, w, sizes, tiles, out)
+    experts_mlp_grouped_as(gpu, d, x, mlp, tiles, out)
 }
 
 /// [`experts_mlp_grouped`] with the tiles given.
@@ -348,21 +325,21 @@ pub fn experts_mlp_grouped_as(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    (up, down): (Weights<'_>, Weights<'_>),
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<Weights<'_>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let (up_p, down_p) = (Proj { n: inter, k: hidden, relu2: true }, Proj { n: hidden, k: inter, relu2: false });
-    let e = d.entries();
+    let (e, inter, hidden) = (d.entries(), mlp.inter, mlp.hidden);
+    let (up, down) = (mlp.up_proj(), mlp.down_proj());
     // SAFETY (the temporaries): each is written whole before it is read: the up projection
     // writes every grouped row (every expert's tiles cover its rows), quant_rows every row's
     // codes and scale.
     let mut h = unsafe { gpu.scratch::<bf16>(e * inter) }?;
-    match (up, down) {
+    match (mlp.up, mlp.down) {
         (Weights::Bf16(u), Weights::Bf16(dn)) => {
-            grouped(gpu, d, (x, true), u, up_p, tiles, &mut h)?;
-            grouped(gpu, d, (&h, false), dn, down_p, tiles, out)
+            let bf16 = ExpertMlp { up: u, down: dn, inter, hidden };
+            grouped(gpu, d, (x, true), bf16.up_proj(), tiles, &mut h)?;
+            grouped(gpu, d, (&h, false), bf16.down_proj(), tiles, out)
         }
         (Weights::Fp8 { in_scale: up_in, .. }, Weights::Fp8 { in_scale: down_in, .. }) => {
             // SAFETY: as above.
@@ -375,9 +352,9 @@ pub fn experts_mlp_grouped_as(
                 )
             };
             quant_rows(gpu, hidden, x, Source::Grouped { d, by_token: true }, up_in, &mut q, &mut s)?;
-            grouped_fp8(gpu, d, Fp8Rows { codes: &q, scales: &s }, up, up_p, tiles, &mut h)?;
+            grouped_fp8(gpu, d, Fp8Rows { codes: &q, scales: &s }, up, tiles, &mut h)?;
             quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, down_in, &mut q2, &mut s2)?;
-            grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, down_p, tiles, out)
+            grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, tiles, out)
         }
         _ => Err(Error::Shape {
             kernel: Kernel::MoeGroupedFp8.name(),
@@ -388,41 +365,36 @@ pub fn experts_mlp_grouped_as(
     }
 }
 
-/// An FP8 (W8A8) linear layer over `rows` rows of `x` on tensor cores: the rows quantized
+/// An FP8 (W8A8) linear layer `p` over `rows` rows of `x` on tensor cores: the rows quantized
 /// ([`quant_rows`], the weight's static scale or per row), then [`gemm_fp8`] with the tiles of
 /// [`Tiles::for_fp8_linear`]. Two launches.
 pub fn linear_fp8(
     gpu: &Gpu,
-    x: &CudaView<'_, bf16>,
-    rows: usize,
-    w: Weights<'_>,
-    proj: Proj,
+    (x, rows): (&CudaView<'_, bf16>, usize),
+    p: Proj<Weights<'_>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    linear_fp8_as(gpu, x, rows, w, proj, Tiles::for_fp8_linear(gpu), out)
+    linear_fp8_as(gpu, (x, rows), p, Tiles::for_fp8_linear(gpu), out)
 }
 
 /// [`linear_fp8`] with the tiles given.
 pub fn linear_fp8_as(
     gpu: &Gpu,
-    x: &CudaView<'_, bf16>,
-    rows: usize,
-    w: Weights<'_>,
-    proj: Proj,
+    (x, rows): (&CudaView<'_, bf16>, usize),
+    p: Proj<Weights<'_>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let in_scale = match w {
+    let in_scale = match p.w {
         Weights::Fp8 { in_scale, .. } => in_scale,
         Weights::Bf16(_) => None,
     };
-    let k = proj.k;
-    Check(Kernel::GemmFp8.name()).len_at_least("x", rows * k, x.len())?;
-    let xs = x.slice(0..rows * k);
+    Check(Kernel::GemmFp8.name()).len_at_least("x", rows * p.k, x.len())?;
+    let xs = x.slice(0..rows * p.k);
     // SAFETY: quant_rows writes every row's codes and scale before gemm_fp8 reads them.
-    let (mut q, mut s) = unsafe { (gpu.scratch::<u8>(rows * k)?, gpu.scratch::<f32>(rows)?) };
-    quant_rows(gpu, k, &xs, Source::Plain, in_scale, &mut q, &mut s)?;
-    gemm_fp8(gpu, Fp8Rows { codes: &q, scales: &s }, rows, w, proj, tiles, out)
+    let (mut q, mut s) = unsafe { (gpu.scratch::<u8>(rows * p.k)?, gpu.scratch::<f32>(rows)?) };
+    quant_rows(gpu, p.k, &xs, Source::Plain, in_scale, &mut q, &mut s)?;
+    gemm_fp8(gpu, (Fp8Rows { codes: &q, scales: &s }, rows), p, tiles, out)
 }
 
 #[cfg(test)]

@@ -4,19 +4,20 @@
 //!
 //! ```no_run
 //! use half::bf16;
-//! use host::{Gpu, norm::{rms_norm, NormShape}};
+//! use host::{Gpu, Rows, norm::{rms_norm, NormShape}};
 //! # fn main() -> host::Result<()> {
 //! let gpu = Gpu::new(0)?; // a clear error without a driver or GPU
 //! let (rows, width) = (4, 2688);
 //! let x = gpu.upload(&vec![bf16::from_f32(0.5); rows * width])?;
 //! let w = gpu.upload(&vec![bf16::ONE; width])?;
 //! let mut y = gpu.zeros::<bf16>(rows * width)?;
-//! rms_norm(&gpu, NormShape::new(rows, width, 1, 1e-5), &x, &w, &mut y)?;
+//! rms_norm(&gpu, NormShape::new(rows, width, 1, 1e-5), Rows::new(&x, rows, width), &w, &mut y)?;
 //! let y = gpu.download(&y)?;
 //! # Ok(()) }
 //! ```
 
 pub mod act;
+mod args;
 pub mod attn;
 pub mod batch;
 mod check;
@@ -36,6 +37,7 @@ pub mod sample;
 pub mod ssd;
 pub mod ssm;
 
+pub use args::{Elem, Rows};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::{Error, Result};
 pub use gpu::{Arch, Buffer, Gpu, Graph, Launch, Stamp, Timeline, UPLOAD_STAGE_BYTES};

@@ -1,14 +1,15 @@
 //! Launcher of the fused Mamba2 decode kernel (kernels-gpu/src/mamba.rs; the same math as
 //! conv1d's update, ssm's update and norm's gated norm in turn, whose references are in cpu/).
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::mamba::{MAMBA_BLOCK, MAMBA_MAX_CLUSTER, MAMBA_MAX_HEAD_DIM, MAMBA_MAX_STATE, MambaDecodeParams};
 
+use crate::args::{Len, Rows};
 use crate::batch::Slots;
 use crate::check::Check;
-use crate::conv1d::ConvShape;
+use crate::conv1d::{Conv, ConvShape};
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::ssm::{SsmHeads, SsmShape};
@@ -27,76 +28,76 @@ fn check_limits(c: Check, shape: &SsmShape) -> Result<()> {
     c.count("state_size", MAMBA_MAX_STATE as usize, shape.state_size)
 }
 
-/// A Mamba mixer's causal conv: weights `[conv_dim, k]`, bias `[conv_dim]` or none.
-#[derive(Clone, Copy)]
-pub struct MambaConv<'a> {
-    pub w: &'a CudaSlice<bf16>,
-    pub bias: Option<&'a CudaSlice<bf16>>,
+/// What the fused decode reads and updates of a Mamba mixer besides its rows.
+pub struct MambaLayer<'a> {
+    /// The causal conv over xBC, of `k` taps, with its state cache.
+    pub conv: Conv<'a>,
     pub k: usize,
+    pub heads: SsmHeads<'a>,
+    /// The SSM state cache `[slots, heads, head_dim, state_size]`.
+    pub state: &'a mut CudaSlice<f32>,
+    /// The gated norm's weight `[heads * head_dim]` and epsilon.
+    pub norm: &'a CudaSlice<bf16>,
+    pub eps: f32,
 }
 
 /// The decode rows of a Mamba2 mixer between its projections, one launch: for each row of
-/// `zx` (in_proj's output, rows of `zx_stride`: z, then xBC, then dt), the conv update of xBC
-/// at the row's slot (docs/MATH.md section 1), the selective state update without a gate (section
-/// 2), and the gated group RMSNorm of its output with `norm` (section 5, `shape.groups`
-/// groups) into `y [batch, heads * head_dim]`; the conv and state caches updated in place. As
+/// `zx` (in_proj's output rows: z, then xBC, then dt), the conv update of xBC at the row's slot
+/// (docs/MATH.md section 1), the selective state update without a gate (section 2), and the
+/// gated group RMSNorm of its output with the layer's norm (section 5, `shape.groups` groups)
+/// into `y [batch, heads * head_dim]`; the conv and state caches updated in place. As
 /// `conv1d::conv_update`, `ssm::ssm_update` and `norm::gated_norm` in turn: the caches bit for
 /// bit, y up to the order of the norm's sums. Pad rows: nothing read or written. The clusters
 /// of its launch need sm_90 or later.
-#[allow(clippy::too_many_arguments)]
 pub fn mamba_decode(
     gpu: &Gpu,
     shape: SsmShape,
-    (zx, zx_stride): (&impl DevicePtr<bf16>, usize),
-    (conv, conv_state): (MambaConv, &mut impl DevicePtrMut<bf16>),
-    (heads, ssm_state): (SsmHeads, &mut CudaSlice<f32>),
-    (norm, eps): (&CudaSlice<bf16>, f32),
+    zx: Rows,
+    mut layer: MambaLayer,
     slots: &Slots,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::MambaDecode;
-    let c = Check(k.name());
+    let a = gpu.args(k);
+    let c = a.check();
     let batch = slots.len();
     c.count("batch", 65535, batch)?;
-    shape.check(k, &heads, ssm_state.len(), slots.num_slots())?;
+    shape.check_geometry(c)?;
     let hpg = shape.heads / shape.groups;
     check_limits(c, &shape)?;
     let inner = shape.width();
     let conv_dim = inner + 2 * shape.groups * shape.state_size;
+    let conv = ConvShape { dim: conv_dim, k: layer.k };
+    conv.check(c)?;
+    c.positive("eps", layer.eps)?;
     // The row: z (inner), xBC (conv_dim), dt (heads).
-    let row = inner + conv_dim + shape.heads;
-    c.that("zx_stride", zx_stride >= row, format!(">= {row} (z, xBC, dt)"), zx_stride)?;
-    let need = (batch.max(1) - 1).checked_mul(zx_stride).and_then(|v| v.checked_add(row));
-    c.len_at_least("zx", need.unwrap_or(usize::MAX), zx.len())?;
-    let cs = ConvShape { dim: conv_dim, k: conv.k, x_stride: zx_stride };
-    let conv_x = zx.len() - inner;
-    cs.check(k, batch.max(1), conv_x, conv.w.len(), conv.bias.map(|b| b.len()), conv_state.len(), slots.num_slots())?;
-    c.len("norm", inner, norm.len())?;
-    c.positive("eps", eps)?;
-    c.len("y", batch * inner, y.len())?;
+    let (zx, zx_stride) = a.rows("zx", &zx, (batch, inner + conv_dim + shape.heads))?;
+    let (conv_w, conv_b, conv_state) = layer.conv.args(&a, conv, slots.num_slots())?;
+    let (dt_bias, a_log, d) = layer.heads.args(&a, shape.heads)?;
+    let state = Len::Exactly(shape.cache_len(c, slots.num_slots())?);
     let p = MambaDecodeParams {
-        zx: gpu.addr(k, "zx", zx)? as *const u16,
-        conv_w: gpu.addr(k, "conv w", conv.w)? as *const u16,
-        conv_b: gpu.opt_addr(k, "conv bias", conv.bias)? as *const u16,
-        conv_state: gpu.addr_mut(k, "conv state", conv_state)? as *mut u16,
-        ssm_state: gpu.addr_mut(k, "state", ssm_state)? as *mut f32,
-        dt_bias: gpu.addr(k, "dt_bias", heads.dt_bias)? as *const f32,
-        a: gpu.addr(k, "a", heads.a)? as *const f32,
-        d: gpu.opt_addr(k, "d", heads.d)? as *const f32,
-        norm_w: gpu.addr(k, "norm", norm)? as *const u16,
-        cache_index: gpu.addr(k, "slots", &slots.dev)? as *const i32,
-        y: gpu.addr_mut(k, "y", y)? as *mut u16,
-        zx_stride: zx_stride as u32,
+        zx,
+        conv_w,
+        conv_b,
+        conv_state,
+        ssm_state: a.output("state", layer.state, state)?,
+        dt_bias,
+        a: a_log,
+        d,
+        norm_w: a.input("norm", layer.norm, Len::Exactly(inner))?,
+        cache_index: a.input("slots", &slots.dev, Len::Any)?,
+        y: a.output("y", y, Len::Exactly(batch * inner))?,
+        zx_stride,
         xbc_at: inner as u32,
         dt_at: (inner + conv_dim) as u32,
         heads: shape.heads as u32,
         head_dim: shape.head_dim as u32,
         groups: shape.groups as u32,
         state_size: shape.state_size as u32,
-        k: conv.k as u32,
+        k: layer.k as u32,
         dt_min: shape.dt_min,
         dt_max: shape.dt_max,
-        eps,
+        eps: layer.eps,
     };
     if batch == 0 {
         return Ok(());

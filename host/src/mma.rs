@@ -6,7 +6,8 @@ use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::mma::{MATMUL_BLOCK, MATMUL_TILE, MatmulParams, matmul_smem_bytes};
 
-use crate::check::{Check, MAX_ROWS};
+use crate::args::Len;
+use crate::check::MAX_ROWS;
 use crate::error::Result;
 use crate::gpu::Gpu;
 
@@ -21,7 +22,6 @@ pub enum Order {
 
 /// `d [m, n] = a [m, k] · b [k, n]` in f32 from bf16 operands on tensor cores, each operand in
 /// either [`Order`]. Every size from 1 to 65535 · 64 (rows) and `MAX_ROWS` (k).
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
     (m, n, k): (usize, usize, usize),
@@ -32,20 +32,19 @@ pub fn matmul(
     d: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     let kn = Kernel::TcMatmul;
-    let c = Check(kn.name());
+    let args = gpu.args(kn);
+    let c = args.check();
     let most = 65535 * MATMUL_TILE as usize;
     c.count("m", most, m)?;
     c.count("n", most, n)?;
     c.count("k", MAX_ROWS, k)?;
-    c.len("a", m * k, a.len())?;
-    c.len("b", k * n, b.len())?;
-    c.len("d", m * n, d.len())?;
-    let (pa, pb) = (gpu.addr(kn, "a", a)?, gpu.addr(kn, "b", b)?);
-    let vec = [m, n, k].iter().all(|v| v.is_multiple_of(8)) && pa.is_multiple_of(16) && pb.is_multiple_of(16);
+    let (pa, pb) = (args.input("a", a, Len::Exactly(m * k))?, args.input("b", b, Len::Exactly(k * n))?);
+    let aligned = |p: *const u16| (p as usize).is_multiple_of(16);
+    let vec = [m, n, k].iter().all(|v| v.is_multiple_of(8)) && aligned(pa) && aligned(pb);
     let p = MatmulParams {
-        a: pa as *const u16,
-        b: pb as *const u16,
-        d: gpu.addr_mut(kn, "d", d)? as *mut f32,
+        a: pa,
+        b: pb,
+        d: args.output("d", d, Len::Exactly(m * n))?,
         m: m as u32,
         n: n as u32,
         k: k as u32,

@@ -12,8 +12,10 @@ use kernels_gpu::moe::{
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
 use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router_takes};
 
+use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
+use crate::gemv::Proj;
 use crate::gpu::Gpu;
 
 /// Routing settings (docs/MATH.md section 6).
@@ -43,21 +45,23 @@ fn check_choices(c: Check, experts: usize, top_k: usize) -> Result<()> {
     c.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)
 }
 
-/// Routes `rows` tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows,
-/// s.choices()]`, each row its top-k (highest selection score first), then the appended
-/// choices.
-#[allow(clippy::too_many_arguments)]
+/// A MoE layer's router: `gate [experts, hidden]` and the selection bias `[experts]`.
+#[derive(Clone, Copy)]
+pub struct Router<'a> {
+    pub gate: &'a CudaSlice<bf16>,
+    pub bias: &'a CudaSlice<f32>,
+}
+
+/// Routes the tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows, s.choices()]`,
+/// each row its top-k (highest selection score first), then the appended choices.
 pub fn route(
     gpu: &Gpu,
     s: RouteShape,
-    x: &impl DevicePtr<bf16>,
-    hidden: usize,
-    gate: &CudaSlice<bf16>,
-    bias: &CudaSlice<f32>,
-    idx: &mut CudaSlice<i32>,
-    weight: &mut CudaSlice<f32>,
+    x: (&impl DevicePtr<bf16>, usize),
+    router: Router,
+    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
 ) -> Result<()> {
-    launch_route(gpu, s, x, hidden, (gate, bias), (idx, weight), None)
+    launch_route(gpu, s, x, router, out, None)
 }
 
 /// [`route`] of one token whose routing appends the shared expert's pieces (`s.shared > 0`),
@@ -66,32 +70,30 @@ pub fn route(
 /// shared, inter, hidden]` (the pieces after the routed experts, as [`experts_mlp_choices`]
 /// takes them), bit for bit as [`experts_mlp_choices`] computes them; the routed choices' rows
 /// are left to [`experts_mlp_choices_after`].
-#[allow(clippy::too_many_arguments)]
 pub fn route_appended_up(
     gpu: &Gpu,
     s: RouteShape,
-    x: &impl DevicePtr<bf16>,
-    hidden: usize,
-    (gate, bias): (&CudaSlice<bf16>, &CudaSlice<f32>),
-    (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    x: (&impl DevicePtr<bf16>, usize),
+    router: Router,
+    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
     (up, inter): (&CudaSlice<bf16>, usize),
     h: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    launch_route(gpu, s, x, hidden, (gate, bias), (idx, weight), Some((up, inter, h)))
+    launch_route(gpu, s, x, router, out, Some((up, inter, h)))
 }
 
 /// [`route`], and with `appended` the pieces' up projections of [`route_appended_up`].
 fn launch_route(
     gpu: &Gpu,
     s: RouteShape,
-    x: &impl DevicePtr<bf16>,
-    hidden: usize,
-    (gate, bias): (&CudaSlice<bf16>, &CudaSlice<f32>),
+    (x, hidden): (&impl DevicePtr<bf16>, usize),
+    router: Router,
     (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
     appended: Option<(&CudaSlice<bf16>, usize, &mut CudaSlice<bf16>)>,
 ) -> Result<()> {
     let k = Kernel::MoeRoute;
-    let c = Check(k.name());
+    let a = gpu.args(k);
+    let c = a.check();
     check_choices(c, s.experts, s.top_k)?;
     check_choices(c, s.experts + s.shared, s.choices())?;
     c.count("n_group", s.experts, s.n_group)?;
@@ -108,22 +110,24 @@ fn launch_route(
     c.that("x", x.len().is_multiple_of(hidden) && !x.is_empty(), format!("whole rows of {hidden}"), x.len())?;
     let rows = x.len() / hidden;
     c.count("rows", MAX_ROWS, rows)?;
-    c.len("gate", s.experts * hidden, gate.len())?;
-    c.len("bias", s.experts, bias.len())?;
-    c.len("idx", rows * s.choices(), idx.len())?;
-    c.len("weight", rows * s.choices(), weight.len())?;
+    let choices = Len::Exactly(rows * s.choices());
+    let (gate, bias) = (
+        a.input("gate", router.gate, Len::Exactly(s.experts * hidden))?,
+        a.input("bias", router.bias, Len::Exactly(s.experts))?,
+    );
+    let (idx, weight) = (a.output("idx", idx, choices)?, a.output("weight", weight, choices)?);
     let tiles = rows.div_ceil(LOGITS_TOKENS as usize);
     c.count("rows", crate::gpu::COUNTERS * LOGITS_TOKENS as usize, rows)?;
     // SAFETY: every logit is written before the selection (by the tile's last block) reads it.
     let mut logits = unsafe { gpu.scratch::<f32>(rows * s.experts) }?;
     let p = RouteParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        gate: gpu.addr(k, "gate", gate)? as *const u16,
-        logits: gpu.addr_mut(k, "logits", &mut logits)? as *mut f32,
+        x: a.input("x", x, Len::Any)?,
+        gate,
+        logits: a.output("logits", &mut logits, Len::Any)?,
         counters: gpu.counters() as *mut u32,
-        bias: gpu.addr(k, "bias", bias)? as *const f32,
-        idx: gpu.addr_mut(k, "idx", idx)? as *mut i32,
-        weight: gpu.addr_mut(k, "weight", weight)? as *mut f32,
+        bias,
+        idx,
+        weight,
         rows: rows as u32,
         hidden: hidden as u32,
         experts: s.experts as u32,
@@ -143,15 +147,13 @@ fn launch_route(
             c.that("rows", rows == 1, "one token (the pieces' up projections in the routing)", rows)?;
             c.count("shared", MAX_TOP_K as usize, s.shared)?;
             c.count("inter", MAX_ELEMS, inter)?;
-            c.len("up", (s.experts + s.shared) * inter * hidden, up.len())?;
-            c.len("h", s.choices() * inter, h.len())?;
-            let up = gpu.addr(k, "up", up)? as *const u16;
-            let h = gpu.addr_mut(k, "h", h)? as *mut u16;
+            let up = a.input("up", up, Len::Exactly((s.experts + s.shared) * inter * hidden))?;
+            let h = a.output("h", h, Len::Exactly(s.choices() * inter))?;
             (RouteParams { up, h, inter: inter as u32, ..p }, s.shared * inter.div_ceil(ROUTE_UP_ROWS as usize))
         }
     };
     c.count("blocks", u32::MAX as usize, s.experts + extra)?;
-    let aligned = (p.x as u64).is_multiple_of(16) && (p.gate as u64).is_multiple_of(16);
+    let aligned = (p.x as usize).is_multiple_of(16) && (p.gate as usize).is_multiple_of(16);
     if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
         let kt = Kernel::MoeRouteTc;
         // SAFETY: as below, and x and gate 16-byte aligned (hidden a multiple of 8), experts
@@ -270,14 +272,14 @@ pub use crate::gemv::Weights as ExpertWeights;
 /// expert id outside `0..experts` traps the kernel (an error at the next synchronization).
 pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()> {
     let k = Kernel::MoeDispatch;
-    Check(k.name()).len("idx", d.entries(), idx.len())?;
+    let a = gpu.args(k);
     let p = DispatchParams {
-        idx: gpu.addr(k, "idx", idx)? as *const i32,
-        offsets: gpu.addr_mut(k, "offsets", &mut d.offsets)? as *mut u32,
-        active: gpu.addr_mut(k, "active", &mut d.active)? as *mut u32,
-        active_count: gpu.addr_mut(k, "active_count", &mut d.active_count)? as *mut u32,
-        token: gpu.addr_mut(k, "token", &mut d.token)? as *mut u32,
-        slot: gpu.addr_mut(k, "slot", &mut d.slot)? as *mut i32,
+        idx: a.input("idx", idx, Len::Exactly(d.entries()))?,
+        offsets: a.output("offsets", &mut d.offsets, Len::Any)?,
+        active: a.output("active", &mut d.active, Len::Any)?,
+        active_count: a.output("active_count", &mut d.active_count, Len::Any)?,
+        token: a.output("token", &mut d.token, Len::Any)?,
+        slot: a.output("slot", &mut d.slot, Len::Any)?,
         entries: d.entries() as u32,
         top_k: d.top_k as u32,
         experts: d.experts as u32,
@@ -321,7 +323,7 @@ impl Choices<'_> {
 /// The rows an expert launch computes: the grouped rows of a dispatch, or each routing choice
 /// (no dispatch).
 #[derive(Clone, Copy)]
-enum Rows<'a> {
+enum ExpertRows<'a> {
     Routed {
         d: &'a Dispatch,
         by_token: bool,
@@ -331,82 +333,105 @@ enum Rows<'a> {
     Choices(Choices<'a>, usize),
 }
 
-/// One projection of every expert with rows in `d`: grouped row `j` of expert `e` gets
+/// A MoE layer's expert MLPs `down_e(relu(up_e x)^2)`: `up [experts, inter, hidden]`, `down
+/// [experts, hidden, inter]` (`W`: [`ExpertWeights`], or bf16 ones).
+#[derive(Clone, Copy)]
+pub struct ExpertMlp<W> {
+    pub up: W,
+    pub down: W,
+    pub inter: usize,
+    pub hidden: usize,
+}
+
+impl<W: Copy> ExpertMlp<W> {
+    /// The up projections, relu^2 fused.
+    pub(crate) fn up_proj(&self) -> Proj<W> {
+        Proj { w: self.up, n: self.inter, k: self.hidden, relu2: true }
+    }
+
+    /// The down projections.
+    pub(crate) fn down_proj(&self) -> Proj<W> {
+        Proj { w: self.down, n: self.hidden, k: self.inter, relu2: false }
+    }
+}
+
+impl<'a> ExpertMlp<&'a CudaSlice<bf16>> {
+    /// These bf16 weights as [`ExpertWeights`].
+    fn weights(self) -> ExpertMlp<ExpertWeights<'a>> {
+        let (up, down) = (ExpertWeights::Bf16(self.up), ExpertWeights::Bf16(self.down));
+        ExpertMlp { up, down, inter: self.inter, hidden: self.hidden }
+    }
+}
+
+/// One projection `p` of every expert with rows in `d`: grouped row `j` of expert `e` gets
 /// `out[j] = f(x_j W_e^T)`, `x_j` row `token[j]` of `x` when `by_token` (the layer input), row
-/// `j` otherwise (the grouped hidden rows); `w [experts, n, k]`, except that the last `pieces`
-/// experts may be the column blocks of one `[n, pieces * k]` matrix in their place (a shared
-/// expert's down projection cut into pieces; see [`experts_mlp`]); `f` is `relu(bf16(.))^2`
-/// when `relu2`. FP8 weights: W8A8, each input row quantized to e4m3 first. For small
-/// batches: each warp streams its weight rows once per [`kernels_gpu::gemv::WARP_TOKENS`]
-/// rows of the expert (again from cache for the next), as [`crate::gemv::gemv`] for one matrix.
-#[allow(clippy::too_many_arguments)]
+/// `j` otherwise (the grouped hidden rows); `p.w [experts, n, k]`, except that the last
+/// `pieces` experts may be the column blocks of one `[n, pieces * k]` matrix in their place (a
+/// shared expert's down projection cut into pieces; see [`experts_mlp`]). FP8 weights: W8A8,
+/// each input row quantized to e4m3 first. For small batches: each warp streams its weight rows
+/// once per [`kernels_gpu::gemv::WARP_TOKENS`] rows of the expert (again from cache for the
+/// next), as [`crate::gemv::gemv`] for one matrix.
 pub fn experts(
     gpu: &Gpu,
     d: &Dispatch,
-    x: &impl DevicePtr<bf16>,
-    by_token: bool,
-    w: ExpertWeights,
-    nk: (usize, usize),
-    relu2: bool,
+    (x, by_token): (&impl DevicePtr<bf16>, bool),
+    p: Proj<ExpertWeights>,
     pieces: usize,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    project(gpu, Rows::Routed { d, by_token, pieces }, x, w, nk, relu2, out)
+    project(gpu, ExpertRows::Routed { d, by_token, pieces }, x, p, out)
 }
 
 /// [`experts`], and the per-choice up projections of [`experts_mlp_choices`].
 fn project(
     gpu: &Gpu,
-    rows: Rows,
+    rows: ExpertRows,
     x: &impl DevicePtr<bf16>,
-    w: ExpertWeights,
-    (n, k): (usize, usize),
-    relu2: bool,
+    p: Proj<ExpertWeights>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let bf16_only = matches!(rows, Rows::Choices(..));
-    let kern = match (w, rows) {
-        (ExpertWeights::Bf16(_), Rows::Choices(..)) => Kernel::MoeExpertChoices,
+    let bf16_only = matches!(rows, ExpertRows::Choices(..));
+    let kern = match (p.w, rows) {
+        (ExpertWeights::Bf16(_), ExpertRows::Choices(..)) => Kernel::MoeExpertChoices,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
     };
-    let c = Check(kern.name());
+    let a = gpu.args(kern);
+    let c = a.check();
     c.that("w", !bf16_only || kern != Kernel::MoeExpertFp8, "bf16 weights", "FP8 weights")?;
     let (experts, entries, x_rows) = match rows {
-        Rows::Routed { d, by_token, pieces } => {
+        ExpertRows::Routed { d, by_token, pieces } => {
             d.check_filled(kern.name())?;
             c.that("pieces", pieces <= d.experts, format!("at most the {} experts", d.experts), pieces)?;
             // The tokens are 0..entries / top_k (dispatch writes choice i's token as i / top_k).
             (d.experts, d.entries(), if by_token { d.rows() } else { d.entries() })
         }
-        Rows::Choices(ch, launched) => {
+        ExpertRows::Choices(ch, launched) => {
             let tokens = ch.rows(kern.name())?;
             let all = ch.idx.len();
             c.that("choices", launched == all || (tokens == 1 && launched <= all), "all, or of one token", launched)?;
             (ch.experts, all, tokens)
         }
     };
-    w.check(kern, experts, (n, k))?;
-    c.len("out", entries * n, out.len())?;
-    c.len_at_least("x", x_rows * k, x.len())?;
+    let o = p.operands(&a, (x, x_rows), experts, (out, entries))?;
     let null = core::ptr::null();
     let (idx, per) = match rows {
-        Rows::Choices(ch, _) => (gpu.addr(kern, "idx", ch.idx)? as *const i32, ch.per),
+        ExpertRows::Choices(ch, _) => (a.input("idx", ch.idx, Len::Any)?, ch.per),
         _ => (core::ptr::null(), 1),
     };
     let (x_row, offsets, active, active_count, slots, pieces) = match rows {
-        Rows::Routed { d, by_token, pieces } => (
-            if by_token { gpu.addr(kern, "token", &d.token)? as *const u32 } else { null },
-            gpu.addr(kern, "offsets", &d.offsets)? as *const u32,
-            gpu.addr(kern, "active", &d.active)? as *const u32,
-            gpu.addr(kern, "active_count", &d.active_count)? as *const u32,
+        ExpertRows::Routed { d, by_token, pieces } => (
+            if by_token { a.input("token", &d.token, Len::Any)? } else { null },
+            a.input("offsets", &d.offsets, Len::Any)?,
+            a.input("active", &d.active, Len::Any)?,
+            a.input("active_count", &d.active_count, Len::Any)?,
             d.experts.min(d.entries()) as u32,
             pieces,
         ),
-        Rows::Choices(_, launched) => (null, null, null, null, launched as u32, 0),
+        ExpertRows::Choices(_, launched) => (null, null, null, null, launched as u32, 0),
     };
-    let p = ExpertParams {
-        o: crate::gemv::operands(gpu, kern, x, w, out, (n, k), relu2)?,
+    let params = ExpertParams {
+        o,
         x_row,
         offsets,
         active,
@@ -422,69 +447,59 @@ fn project(
     // choices read row a / per of x (entries / per rows) and trap on an id not below experts;
     // w holds experts * n * k weights and the scales one per expert; out holds entries * n; k
     // is a multiple of 8.
-    unsafe { gpu.launch(kern, ((n as u32).div_ceil(WARP_BLOCK_ROWS), slots, 1), WARP_BLOCK, 0, p) }
+    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(WARP_BLOCK_ROWS), slots, 1), WARP_BLOCK, 0, params) }
 }
 
-/// The routed experts' MLPs `down_e(relu(up_e x)^2)` for every grouped row of `d`, into
-/// `out [entries, hidden]` in grouped order: `up [experts, inter, hidden]`, `down [experts,
-/// hidden, inter]`, `x [rows, hidden]` the layer input. The last `pieces` experts may be a
+/// The routed experts' MLPs for every grouped row of `d`, into `out [entries, hidden]` in
+/// grouped order; `x [rows, hidden]` the layer input. The last `pieces` experts may be a
 /// shared expert of intermediate size `pieces * inter` cut into pieces (each token choosing
 /// all of them, with weight 1): their up projections are its up projection's rows in order,
 /// their down projections the column blocks of its `[hidden, pieces * inter]` down projection
 /// in their place. Two launches of [`experts`], no synchronization (a CUDA graph can hold
 /// them): the path for small batches.
-#[allow(clippy::too_many_arguments)]
 pub fn experts_mlp(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    up: ExpertWeights,
-    down: ExpertWeights,
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<ExpertWeights>,
     pieces: usize,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every row of every active expert: all entries.
-    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * inter) }?;
-    experts(gpu, d, x, true, up, (inter, hidden), true, 0, &mut h)?;
-    experts(gpu, d, &h, false, down, (hidden, inter), false, pieces, out)
+    let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * mlp.inter) }?;
+    experts(gpu, d, (x, true), mlp.up_proj(), 0, &mut h)?;
+    experts(gpu, d, (&h, false), mlp.down_proj(), pieces, out)
 }
 
 /// The MLPs of each token's chosen experts, combined, without a dispatch: `out[t] =
 /// shared[t] + sum_j weight[t, j] * down_e(relu(up_e x_t)^2)`, `e = idx[t, j]`, each expert
-/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit). bf16 weights as for
-/// [`experts_mlp`] (the last `pieces` experts may be a shared expert's pieces), `x [rows,
-/// hidden]`, `out [rows, hidden]`. Every choice streams its expert's weights on its own: the
-/// path for a token or a few, where a dispatch and a combine cost more than repeated experts.
-/// Two launches, no synchronization.
-#[allow(clippy::too_many_arguments)]
+/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit). bf16 weights as
+/// for [`experts_mlp`] (the last `pieces` experts may be a shared expert's pieces), `x [rows,
+/// hidden]`, `out [rows, hidden]`, the shared expert's output rows `shared` added where given.
+/// Every choice streams its expert's weights on its own: the path for a token or a few, where
+/// a dispatch and a combine cost more than repeated experts. Two launches, no synchronization.
 pub fn experts_mlp_choices(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
-    up: &CudaSlice<bf16>,
-    down: &CudaSlice<bf16>,
-    (inter, hidden): (usize, usize),
-    pieces: usize,
-    shared: Option<&CudaSlice<bf16>>,
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
+    shared: (usize, Option<&CudaSlice<bf16>>),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every choice's row before the down projection reads it.
-    let mut h = unsafe { gpu.scratch::<bf16>(ch.idx.len() * inter) }?;
+    let mut h = unsafe { gpu.scratch::<bf16>(ch.idx.len() * mlp.inter) }?;
     let all = ch.idx.len();
-    choices_mlp(gpu, ch, x, (up, down), (inter, hidden), (pieces, shared), (&mut h, all), out)
+    choices_mlp(gpu, ch, x, mlp, shared, (&mut h, all), out)
 }
 
 /// [`experts_mlp_choices`] of one token after [`route_appended_up`]: `h [choices, inter]` holds
 /// the appended pieces' up projections (its last `appended` rows); the routed choices' up
 /// projections go into its first rows, then the down projections and the combining as there.
-#[allow(clippy::too_many_arguments)]
 pub fn experts_mlp_choices_after(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
-    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
     (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
     (h, appended): (&mut CudaSlice<bf16>, usize),
     out: &mut impl DevicePtrMut<bf16>,
@@ -492,44 +507,34 @@ pub fn experts_mlp_choices_after(
     let c = Check(Kernel::MoeExpertChoices.name());
     c.count("appended", ch.per.min(pieces), appended)?;
     let launched = ch.per - appended;
-    choices_mlp(gpu, ch, x, (up, down), (inter, hidden), (pieces, shared), (h, launched), out)
+    choices_mlp(gpu, ch, x, mlp, (pieces, shared), (h, launched), out)
 }
 
 /// The up projections of the first `launched` choices into `h` (all of them, or of one token,
 /// the others already there), then the down projections and the combining.
-#[allow(clippy::too_many_arguments)]
 fn choices_mlp(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
-    (up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
     (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
     (h, launched): (&mut CudaSlice<bf16>, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::MoeExpertCombine;
-    let c = Check(k.name());
+    let a = gpu.args(k);
+    let c = a.check();
+    let (inter, hidden) = (mlp.inter, mlp.hidden);
     let rows = ch.rows(k.name())?;
     c.that("pieces", pieces <= ch.experts, format!("at most the {} experts", ch.experts), pieces)?;
     c.that("inter", inter.is_multiple_of(8), "a multiple of 8", inter)?;
-    c.len("down", ch.experts * hidden * inter, down.len())?;
-    c.len("h", ch.idx.len() * inter, h.len())?;
-    c.len("out", rows * hidden, out.len())?;
-    if let Some(s) = shared {
-        c.len("shared", rows * hidden, s.len())?;
-    }
-    // The combining kernel reads the choices before its wait: the per-choice kernel just
-    // before it lets it launch only once the routing has completed.
-    c.that("launched", launched > 0, "at least one choice's up projection in this call", launched)?;
-    project(gpu, Rows::Choices(ch, launched), x, ExpertWeights::Bf16(up), (inter, hidden), true, h)?;
     let p = ExpertCombineParams {
-        x: gpu.addr(k, "h", h)? as *const u16,
-        w: gpu.addr(k, "down", down)? as *const u8,
-        idx: gpu.addr(k, "idx", ch.idx)? as *const i32,
-        weight: gpu.addr(k, "weight", ch.weight)? as *const f32,
-        shared: gpu.opt_addr(k, "shared", shared)? as *const u16,
-        out: gpu.addr_mut(k, "out", out)? as *mut u16,
+        x: a.input("h", h, Len::Exactly(ch.idx.len() * inter))?,
+        w: a.input("down", mlp.down, Len::Exactly(ch.experts * hidden * inter))?.cast(),
+        idx: a.input("idx", ch.idx, Len::Any)?,
+        weight: a.input("weight", ch.weight, Len::Any)?,
+        shared: a.opt_input("shared", shared, Len::Exactly(rows * hidden))?,
+        out: a.output("out", out, Len::Exactly(rows * hidden))?,
         n: hidden as u32,
         k: inter as u32,
         per: ch.per as u32,
@@ -537,6 +542,10 @@ fn choices_mlp(
         piece0: (ch.experts - pieces) as u32,
         pieces: pieces as u32,
     };
+    // The combining kernel reads the choices before its wait: the per-choice kernel just
+    // before it lets it launch only once the routing has completed.
+    c.that("launched", launched > 0, "at least one choice's up projection in this call", launched)?;
+    project(gpu, ExpertRows::Choices(ch, launched), x, mlp.weights().up_proj(), h)?;
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
     // SAFETY: h holds rows * per rows of inter (a multiple of 8; its first `launched` rows
     // written by the up projection above, the others before the call), down experts * hidden
@@ -549,16 +558,14 @@ fn choices_mlp(
 /// As [`experts_mlp`] without pieces (every down projection `[hidden, inter]` in its own
 /// place), through cuBLASLt: per expert with rows, its tokens gathered, then two GEMMs. Reads
 /// the offsets back (a synchronization): the path for large batches, where tensor cores pay.
-#[allow(clippy::too_many_arguments)]
 pub fn experts_mlp_gemm(
     gpu: &Gpu,
     d: &Dispatch,
     x: &impl DevicePtr<bf16>,
-    up: &CudaSlice<bf16>,
-    down: &CudaSlice<bf16>,
-    (inter, hidden): (usize, usize),
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    let ExpertMlp { up, down, inter, hidden } = mlp;
     let c = Check("moe_experts_gemm");
     d.check_filled("moe_experts_gemm")?;
     c.len_at_least("x", d.rows() * hidden, x.len())?;
@@ -596,37 +603,30 @@ pub fn experts_mlp_gemm(
     Ok(())
 }
 
-/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for rows of `hidden` (slots as
-/// [`Dispatch::slot`]; one outside the rows of `y` traps the kernel).
-#[allow(clippy::too_many_arguments)]
+/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for `y`'s rows of `hidden` (slots
+/// and weights `[rows, top_k]`, slots as [`Dispatch::slot`]; one outside the rows of `y` traps
+/// the kernel).
 pub fn combine(
     gpu: &Gpu,
-    y: &impl DevicePtr<bf16>,
+    (y, hidden): (&impl DevicePtr<bf16>, usize),
     shared: Option<&CudaSlice<bf16>>,
-    slot: &CudaSlice<i32>,
-    weight: &CudaSlice<f32>,
-    top_k: usize,
-    hidden: usize,
+    (slot, weight, top_k): (&CudaSlice<i32>, &CudaSlice<f32>, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::MoeCombine;
-    let c = Check(k.name());
+    let a = gpu.args(k);
+    let c = a.check();
     c.count("top_k", MAX_TOP_K as usize, top_k)?;
     c.count("hidden", MAX_ELEMS, hidden)?;
     let rows = slot.len() / top_k;
     c.count("rows", MAX_ROWS, rows)?;
-    c.len("slot", rows * top_k, slot.len())?;
-    c.len("weight", rows * top_k, weight.len())?;
-    c.len("out", rows * hidden, out.len())?;
-    if let Some(s) = shared {
-        c.len("shared", rows * hidden, s.len())?;
-    }
+    let (choices, out_rows) = (Len::Exactly(rows * top_k), Len::Exactly(rows * hidden));
     let p = CombineParams {
-        y: gpu.addr(k, "y", y)? as *const u16,
-        shared: gpu.opt_addr(k, "shared", shared)? as *const u16,
-        slot: gpu.addr(k, "slot", slot)? as *const i32,
-        weight: gpu.addr(k, "weight", weight)? as *const f32,
-        out: gpu.addr_mut(k, "out", out)? as *mut u16,
+        y: a.input("y", y, Len::Any)?,
+        shared: a.opt_input("shared", shared, out_rows)?,
+        slot: a.input("slot", slot, choices)?,
+        weight: a.input("weight", weight, choices)?,
+        out: a.output("out", out, out_rows)?,
         rows: rows as u32,
         top_k: top_k as u32,
         hidden: hidden as u32,

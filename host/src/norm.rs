@@ -5,6 +5,7 @@ use half::bf16;
 use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, RmsNormParams, smem_bytes};
 use kernels_gpu::{Kernel, MAX_ROW_WIDTH, VEC, row_block, row_block_many};
 
+use crate::args::{Len, Rows};
 use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -40,24 +41,22 @@ impl RowPath {
     }
 }
 
-/// Geometry of a norm launch: `rows` rows of `width` channels in `groups` equal groups; row r
-/// of x starts at element `r * x_stride` (and of z at `r * z_stride`). Outputs are contiguous.
-/// `path`: the block shape, `None` for [`RowPath::for_rows`] (tests and benches pick one).
+/// Geometry of a norm launch: `rows` rows of `width` channels in `groups` equal groups (the
+/// rows of x and z as [`Rows`] of it). Outputs are contiguous. `path`: the block shape, `None`
+/// for [`RowPath::for_rows`] (tests and benches pick one).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct NormShape {
     pub rows: usize,
     pub width: usize,
     pub groups: usize,
-    pub x_stride: usize,
-    pub z_stride: usize,
     pub eps: f32,
     pub path: Option<RowPath>,
 }
 
 impl NormShape {
-    /// Contiguous rows (strides = width), the block shape picked by row count.
+    /// The block shape picked by row count.
     pub fn new(rows: usize, width: usize, groups: usize, eps: f32) -> NormShape {
-        NormShape { rows, width, groups, x_stride: width, z_stride: width, eps, path: None }
+        NormShape { rows, width, groups, eps, path: None }
     }
 
     /// Threads per block of this shape's launch.
@@ -65,18 +64,8 @@ impl NormShape {
         self.path.unwrap_or(RowPath::for_rows(self.rows)).block(self.width as u32)
     }
 
-    /// Checks the geometry and buffer lengths of `kernel`'s launch. `z` is the gate's length
-    /// (gated kernels), `outs` the lengths and names of the outputs with their expected size
-    /// in units of rows (`rows * per_row`).
-    pub(crate) fn check(
-        &self,
-        kernel: Kernel,
-        x: usize,
-        z: Option<usize>,
-        w: usize,
-        outs: &[(&'static str, usize, usize)],
-    ) -> Result<()> {
-        let c = Check(kernel.name());
+    /// Checks the geometry.
+    pub(crate) fn check(&self, c: Check) -> Result<()> {
         c.count("rows", MAX_ROWS, self.rows)?;
         c.count("width", MAX_ROW_WIDTH as usize, self.width)?;
         c.count("groups", self.width, self.groups)?;
@@ -93,23 +82,7 @@ impl NormShape {
             format!("1, or a group size (width / groups) that is a multiple of {VEC}"),
             format!("{} groups of {gs}", self.groups),
         )?;
-        c.positive("eps", self.eps)?;
-        let rows_extent = |stride: usize| (self.rows - 1).checked_mul(stride).and_then(|v| v.checked_add(self.width));
-        let mut strided = vec![("x", self.x_stride, x)];
-        if let Some(z) = z {
-            strided.push(("z", self.z_stride, z));
-        }
-        for (arg, stride, len) in strided {
-            c.that(arg, stride >= self.width, format!("a row stride >= width {}", self.width), stride)?;
-            let need = rows_extent(stride);
-            c.that(arg, need.is_some(), "an extent that fits in usize", format!("stride {stride}"))?;
-            c.len_at_least(arg, need.unwrap_or(0), len)?;
-        }
-        c.len("w", self.width, w)?;
-        for &(arg, per_row, len) in outs {
-            c.len(arg, self.rows * per_row, len)?;
-        }
-        Ok(())
+        c.positive("eps", self.eps)
     }
 }
 
@@ -117,19 +90,19 @@ impl NormShape {
 pub fn rms_norm(
     gpu: &Gpu,
     shape: NormShape,
-    x: &impl DevicePtr<bf16>,
+    x: Rows,
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::NormRms;
-    Check(k.name()).that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
-    shape.check(k, x.len(), None, w.len(), &[("y", shape.width, y.len())])?;
-    let x = gpu.addr(k, "x", x)? as *mut u16;
-    // SAFETY: `check` proved x covers rows * x_stride elements; with no add, x is only read.
-    unsafe { launch_rms(gpu, shape, x, core::ptr::null(), w, y) }
+    let a = gpu.args(Kernel::NormRms);
+    a.check().that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
+    shape.check(a.check())?;
+    let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
+    // SAFETY: `Args` proved x covers the shape's rows; with no add, x is only read.
+    unsafe { launch_rms(gpu, shape, (x.cast_mut(), x_stride), std::ptr::null(), w, y) }
 }
 
-/// Launches `norm_rms_bf16` on checked rows.
+/// Launches `norm_rms_bf16` on checked rows (`x`: row 0 and the row stride).
 ///
 /// # Safety
 /// `x` covers the shape's rows (written back only with `add`, then as the launch's own
@@ -137,29 +110,30 @@ pub fn rms_norm(
 unsafe fn launch_rms(
     gpu: &Gpu,
     shape: NormShape,
-    x: *mut u16,
+    (x, x_stride): (*mut u16, u32),
     add: *const u16,
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::NormRms;
+    let a = gpu.args(k);
     let p = RmsNormParams {
         x,
         add,
-        w: gpu.addr(k, "w", w)? as *const u16,
-        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        w: a.input("w", w, Len::Exactly(shape.width))?,
+        y: a.output("y", y, Len::Exactly(shape.rows * shape.width))?,
         rows: shape.rows as u32,
         width: shape.width as u32,
-        x_stride: shape.x_stride as u32,
+        x_stride,
         eps: shape.eps,
     };
-    // SAFETY: the caller's contract; w = width and y = rows * width elements (check), y is
+    // SAFETY: the caller's contract; w = width and y = rows * width elements (Args), y is
     // `&mut`, so it aliases no input; grid/block/smem as norm_rms_bf16 documents.
     unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), shape.block(), smem_bytes(p.width, 1), p) }
 }
 
 /// The residual add fused with the next RMSNorm: `h = bf16(h + add)`, then `y = rms_norm(h)`
-/// (contiguous rows: `shape.x_stride == width`, `shape.groups == 1`).
+/// (contiguous rows of h and add, `shape.groups == 1`).
 pub fn add_rms_norm(
     gpu: &Gpu,
     shape: NormShape,
@@ -168,75 +142,77 @@ pub fn add_rms_norm(
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::NormRms;
-    let c = Check(k.name());
-    c.that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
-    c.that("h", shape.x_stride == shape.width, "contiguous rows", format!("stride {}", shape.x_stride))?;
-    shape.check(k, h.len(), None, w.len(), &[("y", shape.width, y.len())])?;
-    c.len_at_least("add", shape.rows * shape.width, add.len())?;
-    let (h, add) = (gpu.addr_mut(k, "h", h)? as *mut u16, gpu.addr(k, "add", add)? as *const u16);
+    let a = gpu.args(Kernel::NormRms);
+    a.check().that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
+    shape.check(a.check())?;
+    let n = Len::AtLeast(shape.rows * shape.width);
+    let (h, add) = (a.output("h", h, n)?, a.input("add", add, n)?);
     // SAFETY: h (contiguous, checked) is `&mut`, so distinct from add and y; each block
     // writes back only its own row of h, each thread its own chunks.
-    unsafe { launch_rms(gpu, shape, h, add, w, y) }
+    unsafe { launch_rms(gpu, shape, (h, shape.width as u32), add, w, y) }
 }
 
 /// Gated group RMSNorm (docs/MATH.md section 5): `u = x * silu(z)`, normalized per group.
 pub fn gated_norm(
     gpu: &Gpu,
     shape: NormShape,
-    x: &impl DevicePtr<bf16>,
-    z: &impl DevicePtr<bf16>,
+    x: Rows,
+    z: Rows,
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = Kernel::NormGated;
-    shape.check(k, x.len(), Some(z.len()), w.len(), &[("y", shape.width, y.len())])?;
+    let a = gpu.args(k);
+    shape.check(a.check())?;
+    let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
+    let (z, z_stride) = a.rows("z", &z, (shape.rows, shape.width))?;
     let p = GatedNormParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        z: gpu.addr(k, "z", z)? as *const u16,
-        w: gpu.addr(k, "w", w)? as *const u16,
-        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        x,
+        z,
+        w: a.input("w", w, Len::Exactly(shape.width))?,
+        y: a.output("y", y, Len::Exactly(shape.rows * shape.width))?,
         rows: shape.rows as u32,
         width: shape.width as u32,
         groups: shape.groups as u32,
-        x_stride: shape.x_stride as u32,
-        z_stride: shape.z_stride as u32,
+        x_stride,
+        z_stride,
         eps: shape.eps,
     };
-    // SAFETY: `check` proved the extents of x, z (strided), w and y and the group count
-    // (dividing width into whole chunks); y is `&mut`; grid/block/smem as norm_gated_bf16 documents.
+    // SAFETY: `check` and `Args` proved the extents of x, z (strided), w and y and the group
+    // count (dividing width into whole chunks); y is `&mut`; grid/block/smem as
+    // norm_gated_bf16 documents.
     unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), shape.block(), smem_bytes(p.width, p.groups), p) }
 }
 
-/// Gated group RMSNorm fused with per-token FP8 e4m3 quantization of its bf16 output: the
-/// same codes and scales as [`gated_norm`] followed by [`crate::quant::quant_token`].
-#[allow(clippy::too_many_arguments)]
+/// Gated group RMSNorm fused with per-token FP8 e4m3 quantization of its bf16 output into
+/// `(q, scales)`: the same codes and scales as [`gated_norm`] followed by
+/// [`crate::quant::quant_token`].
 pub fn gated_norm_fp8(
     gpu: &Gpu,
     shape: NormShape,
-    x: &impl DevicePtr<bf16>,
-    z: &impl DevicePtr<bf16>,
+    (x, z): (Rows, Rows),
     w: &impl DevicePtr<bf16>,
     amax_ub: Option<f32>,
-    q: &mut impl DevicePtrMut<u8>,
-    scales: &mut impl DevicePtrMut<f32>,
+    (q, scales): (&mut impl DevicePtrMut<u8>, &mut impl DevicePtrMut<f32>),
 ) -> Result<()> {
     let k = Kernel::NormGatedFp8;
-    shape.check(k, x.len(), Some(z.len()), w.len(), &[("q", shape.width, q.len()), ("scales", 1, scales.len())])?;
-    let amax_ub = crate::quant::check_amax_ub(k, amax_ub)?;
+    let a = gpu.args(k);
+    shape.check(a.check())?;
+    let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
+    let (z, z_stride) = a.rows("z", &z, (shape.rows, shape.width))?;
     let p = GatedNormFp8Params {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        z: gpu.addr(k, "z", z)? as *const u16,
-        w: gpu.addr(k, "w", w)? as *const u16,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        x,
+        z,
+        w: a.input("w", w, Len::Exactly(shape.width))?,
+        q: a.output("q", q, Len::Exactly(shape.rows * shape.width))?,
+        scales: a.output("scales", scales, Len::Exactly(shape.rows))?,
         rows: shape.rows as u32,
         width: shape.width as u32,
         groups: shape.groups as u32,
-        x_stride: shape.x_stride as u32,
-        z_stride: shape.z_stride as u32,
+        x_stride,
+        z_stride,
         eps: shape.eps,
-        amax_ub,
+        amax_ub: crate::quant::check_amax_ub(k, amax_ub)?,
     };
     // SAFETY: as in `gated_norm`, plus q = rows * width and scales = rows elements, both
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.
@@ -256,22 +232,25 @@ mod tests {
         }
     }
 
+    /// Rows of the shape's geometry, `stride` apart, for the pure check.
+    fn rows_of(s: NormShape, stride: usize) -> Rows<'static, ()> {
+        Rows { buf: &(), offset: 0, rows: s.rows, width: s.width, stride }
+    }
+
     #[test]
     fn accepts_the_production_geometry() {
-        let s = NormShape { z_stride: 10304, ..NormShape::new(64, 4096, 8, 1e-5) };
-        s.check(Kernel::NormGated, 64 * 4096, Some(63 * 10304 + 4096), 4096, &[("y", 4096, 64 * 4096)]).unwrap();
+        let s = NormShape::new(64, 4096, 8, 1e-5);
+        let c = Check(Kernel::NormGated.name());
+        s.check(c).unwrap();
+        rows_of(s, 4096).check(c, "x", 64 * 4096).unwrap();
+        // z: the gate's columns of in_proj's rows.
+        rows_of(s, 10304).check(c, "z", 63 * 10304 + 4096).unwrap();
     }
 
     #[test]
     fn names_the_bad_argument() {
-        let s = NormShape::new(4, 4096, 8, 1e-5);
-        let k = Kernel::NormGated;
-        let ok_outs = [("y", 4096, 4 * 4096)];
-        assert_eq!(arg_of(s.check(k, 4 * 4096 - 1, Some(4 * 4096), 4096, &ok_outs)), "x");
-        assert_eq!(arg_of(s.check(k, 4 * 4096, Some(4096), 4096, &ok_outs)), "z");
-        assert_eq!(arg_of(s.check(k, 4 * 4096, Some(4 * 4096), 4095, &ok_outs)), "w");
-        assert_eq!(arg_of(s.check(k, 4 * 4096, Some(4 * 4096), 4096, &[("y", 4096, 4 * 4096 + 1)])), "y");
-        let bad = |shape: NormShape| arg_of(shape.check(k, usize::MAX, Some(usize::MAX), shape.width, &[]));
+        let c = Check(Kernel::NormGated.name());
+        let bad = |shape: NormShape| arg_of(shape.check(c));
         assert_eq!(bad(NormShape::new(4, 4096, 7, 1e-5)), "groups");
         assert_eq!(bad(NormShape::new(4, 4096, 0, 1e-5)), "groups");
         assert_eq!(bad(NormShape::new(4, 4096, 4096 * 2, 1e-5)), "groups");
@@ -281,8 +260,10 @@ mod tests {
         assert_eq!(bad(NormShape::new(4, 0, 1, 1e-5)), "width");
         assert_eq!(bad(NormShape::new(4, 4096, 8, 0.0)), "eps");
         assert_eq!(bad(NormShape::new(4, 4096, 8, f32::NAN)), "eps");
-        assert_eq!(bad(NormShape { x_stride: 4095, ..NormShape::new(4, 4096, 8, 1e-5) }), "x");
-        assert_eq!(bad(NormShape { z_stride: usize::MAX, ..NormShape::new(4, 4096, 8, 1e-5) }), "z");
+        let s = NormShape::new(4, 4096, 8, 1e-5);
+        assert_eq!(arg_of(rows_of(s, 4096).check(c, "x", 4 * 4096 - 1)), "x");
+        assert_eq!(arg_of(rows_of(s, 4095).check(c, "x", usize::MAX)), "x");
+        assert_eq!(arg_of(rows_of(s, usize::MAX).check(c, "z", usize::MAX)), "z");
     }
 
     #[test]
@@ -298,8 +279,7 @@ mod tests {
 
     #[test]
     fn message_says_kernel_argument_expected_and_got() {
-        let s = NormShape::new(2, 8, 1, 1e-5);
-        let e = s.check(Kernel::NormRms, 16, None, 7, &[]).unwrap_err().to_string();
-        assert_eq!(e, "norm_rms_bf16: argument `w`: expected 8 elements, got 7 elements");
+        let e = NormShape::new(2, 8, 3, 1e-5).check(Check(Kernel::NormGated.name())).unwrap_err().to_string();
+        assert_eq!(e, "norm_gated_bf16: argument `groups`: expected a divisor of width 8, got 3");
     }
 }

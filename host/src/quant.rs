@@ -1,8 +1,7 @@
 //! Launchers of the FP8 e4m3 quantization family (kernels-gpu/src/quant.rs; reference:
 //! cpu/quant.rs).
 
-use cudarc::driver::CudaSlice;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::quant::{
     AMAX_SMEM_BYTES, EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantRowsParams, QuantStaticParams,
@@ -10,6 +9,7 @@ use kernels_gpu::quant::{
 };
 use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks};
 
+use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -64,13 +64,12 @@ pub fn quant_token_on(
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     let k = Kernel::QuantToken;
+    let a = gpu.args(k);
     let rows = rows_of(k, x.len(), width)?;
-    Check(k.name()).len("q", x.len(), q.len())?;
-    Check(k.name()).len("scales", rows, scales.len())?;
     let p = QuantTokenParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        x: a.input("x", x, Len::Any)?,
+        q: a.output("q", q, Len::Exactly(x.len()))?,
+        scales: a.output("scales", scales, Len::Exactly(rows))?,
         rows: rows as u32,
         width: width as u32,
         amax_ub: check_amax_ub(k, amax_ub)?,
@@ -104,31 +103,27 @@ pub fn quant_rows(
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     let k = Kernel::QuantRows;
-    let c = Check(k.name());
+    let args = gpu.args(k);
+    let c = args.check();
     let sources = rows_of(k, x.len(), width)?;
     let (rows, token, offsets, matrices) = match source {
-        Source::Plain => (sources, 0, 0, 1),
+        Source::Plain => (sources, std::ptr::null(), std::ptr::null(), 1),
         Source::Grouped { d, by_token } => {
             d.check_filled(k.name())?;
             let need = if by_token { d.rows() } else { d.entries() };
             c.that("x", sources >= need, format!("at least {need} rows"), sources)?;
-            let token = if by_token { gpu.addr(k, "token", d.token())? } else { 0 };
-            (d.entries(), token, gpu.addr(k, "offsets", d.offsets())?, d.experts())
+            let token = if by_token { args.input("token", d.token(), Len::Any)? } else { std::ptr::null() };
+            (d.entries(), token, args.input("offsets", d.offsets(), Len::Any)?, d.experts())
         }
     };
     c.count("rows", MAX_ROWS, rows)?;
-    c.len("q", rows * width, q.len())?;
-    c.len("scales", rows, scales.len())?;
-    if let Some(s) = in_scale {
-        c.len("in_scale", matrices, s.len())?;
-    }
     let p = QuantRowsParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        token: token as *const u32,
-        in_scale: gpu.opt_addr(k, "in_scale", in_scale)? as *const f32,
-        offsets: offsets as *const u32,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        scales: gpu.addr_mut(k, "scales", scales)? as *mut f32,
+        x: args.input("x", x, Len::Any)?,
+        token,
+        in_scale: args.opt_input("in_scale", in_scale, Len::Exactly(matrices))?,
+        offsets,
+        q: args.output("q", q, Len::Exactly(rows * width))?,
+        scales: args.output("scales", scales, Len::Exactly(rows))?,
         rows: rows as u32,
         width: width as u32,
         experts: matrices as u32,
@@ -150,49 +145,42 @@ pub fn quant_tensor(
     amax: &mut impl DevicePtrMut<f32>,
     scale: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let (ka, kq) = (Kernel::QuantAmax, Kernel::QuantTensor);
+    let (ka, kq) = (gpu.args(Kernel::QuantAmax), gpu.args(Kernel::QuantTensor));
     let n = x.len();
-    Check(ka.name()).count("x", MAX_ELEMS, n)?;
-    Check(ka.name()).len("amax", 1, amax.len())?;
-    Check(kq.name()).len("q", n, q.len())?;
-    Check(kq.name()).len("scale", 1, scale.len())?;
-    let grid = elementwise_grid(n);
+    ka.check().count("x", MAX_ELEMS, n)?;
     let pa = QuantAmaxParams {
-        x: gpu.addr(ka, "x", x)? as *const u16,
-        amax: gpu.addr_mut(ka, "amax", amax)? as *mut f32,
+        x: ka.input("x", x, Len::Any)?,
+        amax: ka.output("amax", amax, Len::Exactly(1))?,
         scratch: gpu.counters() as *mut u32,
         n: n as u32,
     };
-    // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
-    // which the kernel leaves zero (every kernel waits for the one before it before it touches
-    // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(ka, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
     let pq = QuantTensorParams {
         x: pa.x,
         amax: pa.amax,
-        q: gpu.addr_mut(kq, "q", q)? as *mut u8,
-        scale: gpu.addr_mut(kq, "scale", scale)? as *mut f32,
+        q: kq.output("q", q, Len::Exactly(n))?,
+        scale: kq.output("scale", scale, Len::Exactly(1))?,
         n: n as u32,
     };
+    let grid = elementwise_grid(n);
+    // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
+    // which the kernel leaves zero (every kernel waits for the one before it before it touches
+    // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
+    unsafe { gpu.launch(Kernel::QuantAmax, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
     // the scale write cannot race the amax reads); runs after the amax launch on the stream,
     // with its grid.
-    unsafe { gpu.launch(kq, (grid, 1, 1), EW_BLOCK, 0, pq) }
+    unsafe { gpu.launch(Kernel::QuantTensor, (grid, 1, 1), EW_BLOCK, 0, pq) }
 }
 
 /// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
 pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut impl DevicePtrMut<u8>) -> Result<()> {
     let k = Kernel::QuantStatic;
+    let a = gpu.args(k);
     let n = x.len();
-    Check(k.name()).count("x", MAX_ELEMS, n)?;
-    Check(k.name()).len("q", n, q.len())?;
-    Check(k.name()).positive("scale", scale)?;
-    let p = QuantStaticParams {
-        x: gpu.addr(k, "x", x)? as *const u16,
-        q: gpu.addr_mut(k, "q", q)? as *mut u8,
-        n: n as u32,
-        scale,
-    };
+    a.check().count("x", MAX_ELEMS, n)?;
+    a.check().positive("scale", scale)?;
+    let p =
+        QuantStaticParams { x: a.input("x", x, Len::Any)?, q: a.output("q", q, Len::Exactly(n))?, n: n as u32, scale };
     // SAFETY: x and q hold n elements, q is `&mut`; any grid, block EW_BLOCK.
     unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
 }

@@ -1,13 +1,13 @@
 //! Launcher of the token sampling kernel (kernels-gpu/src/sample.rs, whose module doc gives the
 //! math; the CPU implementation is `cpu::sample`, the same tokens from the same logits).
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-use half::bf16;
+use cudarc::driver::CudaSlice;
 use kernels_gpu::Kernel;
 use kernels_gpu::sample::{
     SAMPLE_BLOCK, SAMPLE_CLUSTER, SAMPLE_MAX_VOCAB, SAMPLE_OUT_WORDS, SampleOut, SampleParams, SampleRow, sample_smem,
 };
 
+use crate::args::{Len, Rows};
 use crate::check::Check;
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
@@ -160,30 +160,21 @@ pub fn read_out(words: &[u32]) -> Vec<SampleOut> {
     words.chunks_exact(OUT_WORDS).map(SampleOut::from_words).collect()
 }
 
-/// Samples each row of `logits` (rows of `stride` elements, the first `rows.vocab` of each the
-/// logits) with its settings in `rows`, into `out` (a [`sample_out`] buffer of at least as
-/// many rows). Only the ids and their statuses need to come back: [`read_out`].
-pub fn sample(
-    gpu: &Gpu,
-    logits: &impl DevicePtr<bf16>,
-    stride: usize,
-    rows: &SampleRows,
-    out: &mut CudaSlice<u32>,
-) -> Result<()> {
+/// Samples each row of `logits` (one a sampling row, of `rows.vocab` logits each) with its
+/// settings in `rows`, into `out` (a [`sample_out`] buffer of at least as many rows). Only the
+/// ids and their statuses need to come back: [`read_out`].
+pub fn sample(gpu: &Gpu, logits: Rows, rows: &SampleRows, out: &mut CudaSlice<u32>) -> Result<()> {
     let k = Kernel::Sample;
-    let c = Check(k.name());
+    let a = gpu.args(k);
     let (n, vocab) = (rows.len, rows.vocab);
-    c.that("stride", stride >= vocab && stride <= u32::MAX as usize, format!("{vocab}..=2^32-1"), stride)?;
-    let need = (n.max(1) - 1) * stride + vocab;
-    c.len_at_least("logits", need, logits.len())?;
-    c.len_at_least("out", n * OUT_WORDS, out.len())?;
+    let (logits, stride) = a.rows("logits", &logits, (n, vocab))?;
     let p = SampleParams {
-        logits: gpu.addr(k, "logits", logits)? as *const u16,
-        rows: gpu.addr(k, "rows", &rows.rows)? as *const SampleRow,
-        penalties: gpu.addr(k, "penalties", &rows.penalties)? as *const u32,
-        out: gpu.addr_mut(k, "out", out)? as *mut u32,
+        logits,
+        rows: a.input("rows", &rows.rows, Len::Any)?.cast(),
+        penalties: a.input("penalties", &rows.penalties, Len::Any)?,
+        out: a.output("out", out, Len::AtLeast(n * OUT_WORDS))?,
         vocab: vocab as u32,
-        stride: stride as u32,
+        stride,
     };
     if n == 0 {
         return Ok(());

@@ -53,14 +53,41 @@ pub struct Out<'a, B> {
     pub offset: usize,
 }
 
-/// What [`Backend::mamba_decode`] reads and updates besides its rows: the conv weights, bias
-/// and state cache, the per-head parameters (dt_bias, A, D) and state cache, the gated norm's
-/// weight and epsilon, and the step's rows.
-pub struct MambaDecode<'a, B: Backend> {
-    pub conv: (&'a B::Buf, Option<&'a B::Buf>, &'a mut B::Buf),
+/// A norm's weight (`[width]`) and epsilon.
+pub struct Norm<'a, B> {
+    pub w: &'a B,
+    pub width: usize,
+    pub eps: f32,
+}
+
+impl<B> Clone for Norm<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for Norm<'_, B> {}
+
+/// A Mamba mixer's causal conv: its weights `[conv_dim, k]`, bias, and state cache (updated
+/// in place).
+pub struct MambaConv<'a, B: Backend> {
+    pub w: &'a B::Buf,
+    pub bias: Option<&'a B::Buf>,
+    pub state: &'a mut B::Buf,
+}
+
+/// A Mamba mixer's SSM: its per-head parameters (dt_bias, A, D) and state cache (updated in
+/// place).
+pub struct MambaSsm<'a, B: Backend> {
     pub heads: (&'a B::Buf32, &'a B::Buf32, &'a B::Buf32),
     pub state: &'a mut B::Buf32,
-    pub norm: (&'a B::Buf, f32),
+}
+
+/// What [`Backend::mamba_decode`] reads and updates besides its rows: the conv, the SSM, the
+/// gated norm, and the step's rows.
+pub struct MambaDecode<'a, B: Backend> {
+    pub conv: MambaConv<'a, B>,
+    pub ssm: MambaSsm<'a, B>,
+    pub norm: Norm<'a, B::Buf>,
     pub rows: &'a B::Rows,
 }
 
@@ -74,13 +101,26 @@ pub(crate) fn mamba_decode_apart<B: Backend>(
     y: Out<B::Buf>,
 ) -> Result<()> {
     let (inner, cd) = (c.inner(), c.conv_dim());
-    let (w, bias, conv) = m.conv;
     let mut xbc = b.scratch(nd * cd)?;
-    b.conv_decode(c, zx.at(0, inner), w, bias, conv, m.rows, Out { buf: &mut xbc, offset: 0 })?;
+    b.conv_decode(c, zx.at(0, inner), m.conv, m.rows, Out { buf: &mut xbc, offset: 0 })?;
     let mut ys = b.scratch(nd * inner)?;
     let dt = zx.at(0, inner + cd);
-    b.ssm_decode(c, In::rows(&xbc, cd), dt, m.heads, m.state, m.rows, Out { buf: &mut ys, offset: 0 })?;
-    b.gated_norm(In::rows(&ys, inner), zx, m.norm.0, nd, inner, c.groups, m.norm.1, y)
+    b.ssm_decode(c, In::rows(&xbc, cd), dt, m.ssm, m.rows, Out { buf: &mut ys, offset: 0 })?;
+    b.gated_norm(In::rows(&ys, inner), zx, m.norm, c.groups, nd, y)
+}
+
+/// The rows attention reads: queries, keys and values.
+pub struct QkvRows<'a, B> {
+    pub q: In<'a, B>,
+    pub k: In<'a, B>,
+    pub v: In<'a, B>,
+}
+
+/// An attention layer's key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
+pub struct KvCache<'a, B: Backend> {
+    pub k: &'a mut B::Buf,
+    pub v: &'a mut B::Buf,
+    pub max_len: usize,
 }
 
 /// The sequences of a step's prefill part, as the backend needs them.
@@ -194,42 +234,29 @@ pub trait Backend: Sized {
     fn embed(&self, table: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;
     /// Rows `rows.last` of `x` (rows of `width`) into `out`.
     fn last_rows(&self, x: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;
-    /// RMSNorm of `rows` rows of `width`.
-    fn rms_norm(
-        &self,
-        x: In<Self::Buf>,
-        w: &Self::Buf,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// Gated group RMSNorm: `x * silu(z)` normalized per group of `width / groups`.
-    #[allow(clippy::too_many_arguments)]
+    /// RMSNorm of `rows` rows of the norm's width.
+    fn rms_norm(&self, x: In<Self::Buf>, norm: Norm<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
+    /// Gated group RMSNorm of `rows` rows `x` with their gates `z`: `x * silu(z)` normalized
+    /// per group of `width / groups`.
     fn gated_norm(
         &self,
         x: In<Self::Buf>,
         z: In<Self::Buf>,
-        w: &Self::Buf,
-        rows: usize,
-        width: usize,
+        norm: Norm<Self::Buf>,
         groups: usize,
-        eps: f32,
+        rows: usize,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// `y = x W^T` for `rows` contiguous rows of `x`.
     fn linear(&self, x: In<Self::Buf>, rows: usize, w: &Self::Weight, y: Out<Self::Buf>) -> Result<()>;
     /// The residual add and the next RMSNorm: `h = bf16(h + x)` over `rows` contiguous rows
-    /// of `width`, then `y` the RMSNorm of those rows of h.
-    #[allow(clippy::too_many_arguments)]
+    /// of the norm's width, then `y` the RMSNorm of those rows of h.
     fn add_rms_norm(
         &self,
         h: &mut Self::Buf,
         x: &Self::Buf,
-        w: &Self::Buf,
+        norm: Norm<Self::Buf>,
         rows: usize,
-        width: usize,
-        eps: f32,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// A dense MLP over `rows` contiguous rows: `down(relu(up x)^2)`, the hidden activation
@@ -244,50 +271,40 @@ pub trait Backend: Sized {
     ) -> Result<()>;
 
     /// Conv update for the decode rows, in place at their slots' states.
-    #[allow(clippy::too_many_arguments)]
     fn conv_decode(
         &self,
         c: &MambaConfig,
         x: In<Self::Buf>,
-        w: &Self::Buf,
-        bias: Option<&Self::Buf>,
-        state: &mut Self::Buf,
+        conv: MambaConv<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// Conv forward for the prefill sequences (final inputs written to their slots).
-    #[allow(clippy::too_many_arguments)]
     fn conv_prefill(
         &self,
         c: &MambaConfig,
         x: In<Self::Buf>,
-        w: &Self::Buf,
-        bias: Option<&Self::Buf>,
-        state: &mut Self::Buf,
+        conv: MambaConv<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// Selective state update for the decode rows; `xbc` rows hold x, B, C; `dt` rows the heads' dt.
-    #[allow(clippy::too_many_arguments)]
     fn ssm_decode(
         &self,
         c: &MambaConfig,
         xbc: In<Self::Buf>,
         dt: In<Self::Buf>,
-        heads: (&Self::Buf32, &Self::Buf32, &Self::Buf32),
-        state: &mut Self::Buf32,
+        ssm: MambaSsm<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
     /// Chunked scan for the prefill sequences (final states written to their slots).
-    #[allow(clippy::too_many_arguments)]
     fn ssm_prefill(
         &self,
         c: &MambaConfig,
         xbc: In<Self::Buf>,
         dt: In<Self::Buf>,
-        heads: (&Self::Buf32, &Self::Buf32, &Self::Buf32),
-        state: &mut Self::Buf32,
+        ssm: MambaSsm<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
@@ -306,18 +323,13 @@ pub trait Backend: Sized {
     }
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
-    /// Causal attention: writes each row's k and v into its slot's cache (`[slots, max_len,
-    /// kv_heads * head_dim]`) at its position, then attends each row over its slot's
-    /// positions up to its own.
-    #[allow(clippy::too_many_arguments)]
+    /// Causal attention: writes each row's k and v into its slot's cache at its position,
+    /// then attends each row over its slot's positions up to its own.
     fn attention(
         &self,
         c: &AttentionConfig,
-        q: In<Self::Buf>,
-        k: In<Self::Buf>,
-        v: In<Self::Buf>,
-        cache: (&mut Self::Buf, &mut Self::Buf),
-        max_len: usize,
+        qkv: QkvRows<Self::Buf>,
+        cache: KvCache<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;

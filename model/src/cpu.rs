@@ -5,12 +5,12 @@
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::moe::{Routing, route};
-use host::cpu::ssm::SsmRef;
+use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, gemm, norm};
 use host::sample::{RowSampling, check_row};
 use kernels_gpu::sample::{SampleOut, SampleRow};
 
-use crate::backend::{Backend, In, MoeWeights, Out, StepRows, rows_f32};
+use crate::backend::{Backend, In, KvCache, MambaConv, MambaSsm, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
@@ -106,25 +106,26 @@ fn ssm_ref<'a>(c: &MambaConfig, heads: (&'a Vec<f32>, &'a Vec<f32>, &'a Vec<f32>
     }
 }
 
-/// One SSM token on the f32 state of `slot` (zeros for a pad row, nothing written back).
-#[allow(clippy::too_many_arguments)]
-fn ssm_token(
-    c: &MambaConfig,
-    r: &SsmRef,
-    xbc: &In<Vec<bf16>>,
-    dt: &In<Vec<bf16>>,
-    row: usize,
-    state: &mut [f32],
-    slot: i32,
-    carry: &mut Option<Vec<f64>>,
-) -> Vec<f64> {
-    let (inner, gn, sl) = (c.inner(), c.groups * c.state_size, c.inner() * c.state_size);
+/// The conv of a Mamba mixer of `c` (weights `w`, `bias`) as its reference takes it.
+fn conv_ref<'a>(c: &MambaConfig, w: &'a [bf16], bias: Option<&'a Vec<bf16>>) -> ConvRef<'a> {
+    ConvRef { dim: c.conv_dim(), k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) }
+}
+
+/// Row `row`'s SSM inputs: x, B and C of the conv output rows `xbc`, dt of in_proj's.
+fn token<'a>(c: &MambaConfig, xbc: &In<'a, Vec<bf16>>, dt: &In<'a, Vec<bf16>>, row: usize) -> Token<'a, bf16> {
+    let (inner, gn) = (c.inner(), c.groups * c.state_size);
     let xr = &xbc.buf[xbc.offset + row * xbc.stride..][..inner + 2 * gn];
-    let dr = &dt.buf[dt.offset + row * dt.stride..][..c.heads];
+    Token::of_xbc(xr, &dt.buf[dt.offset + row * dt.stride..][..c.heads], (inner, gn))
+}
+
+/// One SSM token on the f32 state of `slot` of `state` (zeros for a pad row, nothing written
+/// back).
+fn ssm_token(r: &SsmRef, t: Token<bf16>, state: &[f32], slot: i32, carry: &mut Option<Vec<f64>>) -> Vec<f64> {
+    let sl = r.heads * r.head_dim * r.state_size;
     let s = carry.get_or_insert_with(|| {
         if slot < 0 { vec![0.0; sl] } else { state[slot as usize * sl..][..sl].iter().map(|&v| f64::from(v)).collect() }
     });
-    r.step(s, &xr[..inner], dr, &xr[inner..inner + gn], &xr[inner + gn..], None)
+    r.step(s, t)
 }
 
 fn store_state(state: &mut [f32], slot: i32, sl: usize, s: &[f64]) {
@@ -283,16 +284,8 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn rms_norm(
-        &self,
-        x: In<Vec<bf16>>,
-        w: &Vec<bf16>,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
-        put(y, norm::rms_norm(&gather(&x, rows, width), w, width, f64::from(eps)));
+    fn rms_norm(&self, x: In<Vec<bf16>>, n: Norm<Vec<bf16>>, rows: usize, y: Out<Vec<bf16>>) -> Result<()> {
+        put(y, norm::rms_norm(&gather(&x, rows, n.width), n.w, n.width, f64::from(n.eps)));
         Ok(())
     }
 
@@ -300,15 +293,13 @@ impl Backend for Cpu {
         &self,
         x: In<Vec<bf16>>,
         z: In<Vec<bf16>>,
-        w: &Vec<bf16>,
-        rows: usize,
-        width: usize,
+        n: Norm<Vec<bf16>>,
         groups: usize,
-        eps: f32,
+        rows: usize,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let (xs, zs) = (gather(&x, rows, width), gather(&z, rows, width));
-        put(y, norm::gated_norm(&xs, Some(&zs), w, width, groups, f64::from(eps)));
+        let (xs, zs) = (gather(&x, rows, n.width), gather(&z, rows, n.width));
+        put(y, norm::gated_norm(&xs, Some(&zs), n.w, n.width, groups, f64::from(n.eps)));
         Ok(())
     }
 
@@ -323,15 +314,13 @@ impl Backend for Cpu {
         &self,
         h: &mut Vec<bf16>,
         x: &Vec<bf16>,
-        w: &Vec<bf16>,
+        norm: Norm<Vec<bf16>>,
         rows: usize,
-        width: usize,
-        eps: f32,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let n = rows * width;
+        let n = rows * norm.width;
         h[..n].iter_mut().zip(&x[..n]).for_each(|(a, b)| *a = bf16::from_f32(a.to_f32() + b.to_f32()));
-        self.rms_norm(In::rows(h, width), w, rows, width, eps, y)
+        self.rms_norm(In::rows(h, norm.width), norm, rows, y)
     }
 
     fn mlp(&self, x: In<Vec<bf16>>, rows: usize, up: &CpuWeight, down: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
@@ -345,16 +334,12 @@ impl Backend for Cpu {
         &self,
         c: &MambaConfig,
         x: In<Vec<bf16>>,
-        w: &Vec<bf16>,
-        bias: Option<&Vec<bf16>>,
-        state: &mut Vec<bf16>,
+        MambaConv { w, bias, state }: MambaConv<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let cd = c.conv_dim();
-        let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
-        let rows = conv.update(&x.buf[x.offset..], x.stride, state, &rows.decode_slots);
-        put_rows(y, rows, cd);
+        let rows = conv_ref(c, w, bias).update(&x.buf[x.offset..], x.stride, state, &rows.decode_slots);
+        put_rows(y, rows, c.conv_dim());
         Ok(())
     }
 
@@ -362,17 +347,13 @@ impl Backend for Cpu {
         &self,
         c: &MambaConfig,
         x: In<Vec<bf16>>,
-        w: &Vec<bf16>,
-        bias: Option<&Vec<bf16>>,
-        state: &mut Vec<bf16>,
+        MambaConv { w, bias, state }: MambaConv<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let cd = c.conv_dim();
-        let conv = ConvRef { dim: cd, k: c.conv_kernel, w, bias: bias.map(|b| &b[..]) };
-        let seqs = &rows.prefill;
-        let rows = conv.forward(&x.buf[x.offset..], x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
-        put_rows(y, rows, cd);
+        let (seqs, xs) = (&rows.prefill, &x.buf[x.offset..]);
+        let rows = conv_ref(c, w, bias).forward(xs, x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
+        put_rows(y, rows, c.conv_dim());
         Ok(())
     }
 
@@ -381,17 +362,16 @@ impl Backend for Cpu {
         c: &MambaConfig,
         xbc: In<Vec<bf16>>,
         dt: In<Vec<bf16>>,
-        heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
-        state: &mut Vec<f32>,
+        ssm: MambaSsm<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let r = ssm_ref(c, heads);
+        let r = ssm_ref(c, ssm.heads);
         let (inner, sl) = (c.inner(), c.inner() * c.state_size);
         for (row, &slot) in rows.decode_slots.iter().enumerate() {
             let mut carry = None;
-            let out = ssm_token(c, &r, &xbc, &dt, row, state, slot, &mut carry);
-            store_state(state, slot, sl, &carry.unwrap_or_default());
+            let out = ssm_token(&r, token(c, &xbc, &dt, row), ssm.state, slot, &mut carry);
+            store_state(ssm.state, slot, sl, &carry.unwrap_or_default());
             put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
         }
         Ok(())
@@ -402,25 +382,24 @@ impl Backend for Cpu {
         c: &MambaConfig,
         xbc: In<Vec<bf16>>,
         dt: In<Vec<bf16>>,
-        heads: (&Vec<f32>, &Vec<f32>, &Vec<f32>),
-        state: &mut Vec<f32>,
+        ssm: MambaSsm<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         // The sequential recurrence the chunked scan equals, token by token.
         let seqs = &rows.prefill;
-        let r = ssm_ref(c, heads);
+        let r = ssm_ref(c, ssm.heads);
         let (inner, sl) = (c.inner(), c.inner() * c.state_size);
         let mut row = 0;
         for s in 0..seqs.lens.len() {
             let slot = if seqs.initial[s] { seqs.slots[s] } else { -1 };
             let mut carry = None;
             for _ in 0..seqs.lens[s] {
-                let out = ssm_token(c, &r, &xbc, &dt, row, state, slot, &mut carry);
+                let out = ssm_token(&r, token(c, &xbc, &dt, row), ssm.state, slot, &mut carry);
                 put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
                 row += 1;
             }
-            store_state(state, seqs.slots[s], sl, &carry.unwrap_or_default());
+            store_state(ssm.state, seqs.slots[s], sl, &carry.unwrap_or_default());
         }
         Ok(())
     }
@@ -453,19 +432,16 @@ impl Backend for Cpu {
     fn attention(
         &self,
         c: &AttentionConfig,
-        q: In<Vec<bf16>>,
-        k: In<Vec<bf16>>,
-        v: In<Vec<bf16>>,
-        cache: (&mut Vec<bf16>, &mut Vec<bf16>),
-        max_len: usize,
+        QkvRows { q, k, v }: QkvRows<Vec<bf16>>,
+        KvCache { k: kc, v: vc, max_len }: KvCache<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let at = |r: usize| (rows.slots[r] as usize * max_len + rows.positions[r] as usize) * kw;
         for r in 0..rows.slots.len() {
-            cache.0[at(r)..][..kw].copy_from_slice(&k.buf[k.offset + r * k.stride..][..kw]);
-            cache.1[at(r)..][..kw].copy_from_slice(&v.buf[v.offset + r * v.stride..][..kw]);
+            kc[at(r)..][..kw].copy_from_slice(&k.buf[k.offset + r * k.stride..][..kw]);
+            vc[at(r)..][..kw].copy_from_slice(&v.buf[v.offset + r * v.stride..][..kw]);
         }
         for r in 0..rows.slots.len() {
             let base = rows.slots[r] as usize * max_len * kw;
@@ -477,7 +453,7 @@ impl Backend for Cpu {
             let qr: Vec<f64> = q.buf[q.offset + r * q.stride..][..qw].iter().map(|x| x.to_f64()).collect();
             put(
                 Out { buf: &mut *y.buf, offset: y.offset + r * qw },
-                attn::attend(&qr, &upto(cache.0), &upto(cache.1), c.heads, c.kv_heads, c.head_dim),
+                attn::attend(&qr, &upto(kc), &upto(vc), c.heads, c.kv_heads, c.head_dim),
             );
         }
         Ok(())

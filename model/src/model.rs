@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, PrefillSeqs, StepRows};
+use crate::backend::{
+    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, PrefillSeqs, QkvRows, StepRows,
+};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -335,7 +337,8 @@ impl<B: Backend> Model<B> {
             let mut marks = Marks::new(b, profiling)?;
             let mut run = || {
                 let (rows, marks) = (&step_rows, &mut marks);
-                let ran = forward(b, config, weights, (&mut *cache, max_len), (nd, seqs), rows, &mut logits, marks)?;
+                let step = Step { nd, seqs, rows };
+                let ran = forward(b, config, weights, (&mut *cache, max_len), step, &mut logits, marks)?;
                 if let Some(s) = sampling.as_mut() {
                     b.sample(&logits, vocab, s)?;
                     marks.end(b, Stage::Sample)?;
@@ -522,23 +525,30 @@ fn by_part<T: Clone + Default>(rows: Vec<T>, order: &[usize]) -> Vec<T> {
     out
 }
 
-/// Queues one step's operations on a cache of `max_len` tokens per slot: `nd` decode rows,
-/// then prefill sequences of `seqs` tokens each, their rows readied in `rows`; the logits of
-/// the rows `rows.last` names go to `logits` (without prefill, every row's, in order). Marks
-/// each stage's end in `marks` (nothing when they are off).
-#[allow(clippy::too_many_arguments)]
+/// One step's rows as [`forward`] runs them: `nd` decode rows, then prefill sequences of
+/// `seqs` tokens each, readied in `rows`.
+struct Step<'a, B: Backend> {
+    nd: usize,
+    seqs: &'a [usize],
+    rows: &'a B::Rows,
+}
+
+/// Queues one step's operations on a cache of `max_len` tokens per slot; the logits of the rows
+/// `step.rows.last` names go to `logits` (without prefill, every row's, in order). Marks each
+/// stage's end in `marks` (nothing when they are off).
 fn forward<B: Backend>(
     b: &B,
     config: &Config,
     w: &Weights<B>,
     (cache, max_len): (&mut [LayerCache<B>], usize),
-    (nd, seqs): (usize, &[usize]),
-    rows: &B::Rows,
+    Step { nd, seqs, rows }: Step<B>,
     logits: &mut B::Buf,
     marks: &mut Marks<B>,
 ) -> Result<StepCounters> {
     let hidden = config.hidden_size;
     let eps = config.norm_eps;
+    // The norms of hidden rows: each layer's, and the final one.
+    let norm = |w| Norm { w, width: hidden, eps };
     let n = nd + seqs.iter().sum::<usize>();
     let prefill = !seqs.is_empty();
     let mut counters = StepCounters::default();
@@ -546,8 +556,8 @@ fn forward<B: Backend>(
     b.embed(&w.embeddings, hidden, rows, Out { buf: &mut h, offset: 0 })?;
     let mut x = b.scratch(n * hidden)?;
     let mut out = b.scratch(n * hidden)?;
-    if let Some((norm, _)) = w.layers.first() {
-        b.rms_norm(In::rows(&h, hidden), norm, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+    if let Some((first, _)) = w.layers.first() {
+        b.rms_norm(In::rows(&h, hidden), norm(first), n, Out { buf: &mut x, offset: 0 })?;
     }
     marks.end(b, Stage::Embed)?;
     for (i, (((_, mix), lc), kind)) in w.layers.iter().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
@@ -562,11 +572,13 @@ fn forward<B: Backend>(
                 let zxr = In::rows(&zx, wd);
                 let heads = (&m.dt_bias, &m.a, &m.d);
                 let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
+                let gated = Norm { w: &m.norm, width: inner, eps };
                 // The gated norm's output: the decode rows', then the prefill rows'.
                 let mut yn = b.scratch(n * inner)?;
                 if nd > 0 {
-                    let md =
-                        MambaDecode { conv: (cw, cb, &mut *conv), heads, state: &mut *ssm, norm: (&m.norm, eps), rows };
+                    let ssm = MambaSsm { heads, state: &mut *ssm };
+                    let conv = MambaConv { w: cw, bias: cb, state: &mut *conv };
+                    let md = MambaDecode { conv, ssm, norm: gated, rows };
                     b.mamba_decode(c, zxr, nd, md, Out { buf: &mut yn, offset: 0 })?;
                     done(P::Decode)?;
                     counters.conv_updates += 1;
@@ -575,14 +587,15 @@ fn forward<B: Backend>(
                 if prefill {
                     let np = n - nd;
                     let mut xbc = b.scratch(np * cd)?;
-                    b.conv_prefill(c, zxr.at(nd, inner), cw, cb, conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    let conv = MambaConv { w: cw, bias: cb, state: conv };
+                    b.conv_prefill(c, zxr.at(nd, inner), conv, rows, Out { buf: &mut xbc, offset: 0 })?;
                     done(P::Conv)?;
                     let mut y = b.scratch(np * inner)?;
                     let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
-                    b.ssm_prefill(c, xbcr, dt, heads, ssm, rows, Out { buf: &mut y, offset: 0 })?;
+                    b.ssm_prefill(c, xbcr, dt, MambaSsm { heads, state: ssm }, rows, Out { buf: &mut y, offset: 0 })?;
                     done(P::Scan)?;
                     let yo = Out { buf: &mut yn, offset: nd * inner };
-                    b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), &m.norm, np, inner, c.groups, eps, yo)?;
+                    b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), gated, c.groups, np, yo)?;
                     done(P::GatedNorm)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
@@ -610,16 +623,17 @@ fn forward<B: Backend>(
                     Qkv::Fused(w) => (project(w, qw + 2 * kw)?, None),
                     Qkv::Apart { q, k, v } => (project(q, qw)?, Some((project(k, kw)?, project(v, kw)?))),
                 };
-                let (qr, kr, vr) = match &kv {
+                let qkv = match &kv {
                     None => {
                         let p = In::rows(&qb, qw + 2 * kw);
-                        (p, p.at(0, qw), p.at(0, qw + kw))
+                        QkvRows { q: p, k: p.at(0, qw), v: p.at(0, qw + kw) }
                     }
-                    Some((kb, vb)) => (In::rows(&qb, qw), In::rows(kb, kw), In::rows(vb, kw)),
+                    Some((kb, vb)) => QkvRows { q: In::rows(&qb, qw), k: In::rows(kb, kw), v: In::rows(vb, kw) },
                 };
                 done(P::Qkv)?;
                 let mut att = b.scratch(n * qw)?;
-                b.attention(c, qr, kr, vr, (kc, vc), max_len, rows, Out { buf: &mut att, offset: 0 })?;
+                let cache = KvCache { k: kc, v: vc, max_len };
+                b.attention(c, qkv, cache, rows, Out { buf: &mut att, offset: 0 })?;
                 done(P::Attend)?;
                 b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
                 done(P::OProj)?;
@@ -633,11 +647,11 @@ fn forward<B: Backend>(
         }
         // The residual, and the next layer's norm (the final norm after the last layer).
         let next = w.layers.get(i + 1).map_or(&w.norm_f, |(norm, _)| norm);
-        b.add_rms_norm(&mut h, &out, next, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+        b.add_rms_norm(&mut h, &out, norm(next), n, Out { buf: &mut x, offset: 0 })?;
         done(P::Residual)?;
     }
     if w.layers.is_empty() {
-        b.rms_norm(In::rows(&h, hidden), &w.norm_f, n, hidden, eps, Out { buf: &mut x, offset: 0 })?;
+        b.rms_norm(In::rows(&h, hidden), norm(&w.norm_f), n, Out { buf: &mut x, offset: 0 })?;
     }
     if seqs.is_empty() {
         // Decode rows only: every row is its part's last, in order (`rows.last` is 0..nd).

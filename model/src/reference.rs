@@ -7,7 +7,7 @@
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::moe::{Routing, route};
-use host::cpu::ssm::SsmRef;
+use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
 
 use crate::config::{Config, MambaConfig};
@@ -231,7 +231,7 @@ impl MambaRef {
             dt_min: f64::from(c.dt_limit.0),
             dt_max: f64::from(c.dt_limit.1),
         };
-        let y = ssm_ref.step(ssm, &xbc[..inner], dt, &xbc[inner..inner + gn], &xbc[inner + gn..], None);
+        let y = ssm_ref.step(ssm, Token::of_xbc(&xbc, dt, (inner, gn)));
         self.out_proj.apply(&norm::gated_norm(&y, Some(z), &self.norm, inner, c.groups, eps))
     }
 }

@@ -2,9 +2,9 @@
 #![allow(dead_code)] // each suite that includes this module uses a part of it
 
 use half::bf16;
-use host::CudaSlice;
-use host::cpu::ssm::SsmRef;
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape};
+use host::cpu::ssm::{SsmRef, Token};
+use host::ssm::{SsmHeads, SsmInputs, SsmShape};
+use host::{CudaSlice, Rows};
 use nemotron_rs::Rng;
 
 /// `rows` tokens of SSM inputs: x, B, C inside one conv-output-like row `[x | B | C]`, dt at
@@ -60,6 +60,11 @@ impl Problem {
         &self.z[r * self.shape.width()..][..self.shape.width()]
     }
 
+    /// Row `r`'s inputs, as the reference takes them, with the gate `z`.
+    pub fn token<'a>(&'a self, r: usize, z: Option<&'a [bf16]>) -> Token<'a, bf16> {
+        Token { x: self.x(r), dt: self.dt(r), b: self.b(r), c: self.c(r), z }
+    }
+
     /// The f64 reference with this problem's parameters; `with_d`: the D skip term.
     pub fn reference(&self, with_d: bool) -> SsmRef<'_> {
         SsmRef {
@@ -102,21 +107,18 @@ pub struct Dev {
 }
 
 impl Dev {
-    /// The inputs from row `row0` on.
-    pub fn inputs_at(&self, row0: usize) -> SsmInputs<'_> {
-        let (w, gn) = (self.shape.width(), self.shape.groups * self.shape.state_size);
-        let o = row0 * self.stride;
-        SsmInputs {
-            x: Rows { buf: &self.xbc, offset: o, stride: self.stride },
-            dt: Rows { buf: &self.dt, offset: row0 * (self.shape.heads + 3) + 1, stride: self.shape.heads + 3 },
-            b: Rows { buf: &self.xbc, offset: o + w, stride: self.stride },
-            c: Rows { buf: &self.xbc, offset: o + w + gn, stride: self.stride },
-        }
+    /// The inputs of `rows` rows from row `row0` on.
+    pub fn inputs_at(&self, row0: usize, rows: usize) -> SsmInputs<'_> {
+        let (w, gn, h) = (self.shape.width(), self.shape.groups * self.shape.state_size, self.shape.heads);
+        let xbc = Rows { offset: row0 * self.stride, ..Rows::strided(&self.xbc, rows, w, self.stride) };
+        // dt: the heads' values at column 1 of rows of heads + 3.
+        let dt = Rows { offset: row0 * (h + 3), ..Rows::strided(&self.dt, rows, h + 3, h + 3) };
+        SsmInputs { x: xbc, dt: dt.cols(1, h), b: xbc.cols(w, gn), c: xbc.cols(w + gn, gn) }
     }
 
-    /// The gate from row `row0` on.
-    pub fn z_at(&self, row0: usize) -> Rows<'_> {
-        Rows { buf: &self.z, offset: row0 * self.shape.width(), stride: self.shape.width() }
+    /// The gate of `rows` rows from row `row0` on.
+    pub fn z_at(&self, row0: usize, rows: usize) -> Rows<'_> {
+        Rows { offset: row0 * self.shape.width(), ..Rows::new(&self.z, rows, self.shape.width()) }
     }
 
     pub fn heads(&self, with_d: bool) -> SsmHeads<'_> {

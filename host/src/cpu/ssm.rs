@@ -26,21 +26,34 @@ pub struct SsmRef<'a> {
     pub dt_max: f64,
 }
 
+/// One token's inputs: x (and the optional gate z) `heads * head_dim` values, dt `heads`, B and
+/// C `groups * state_size`.
+#[derive(Clone, Copy)]
+pub struct Token<'a, T> {
+    pub x: &'a [T],
+    pub dt: &'a [T],
+    pub b: &'a [T],
+    pub c: &'a [T],
+    pub z: Option<&'a [T]>,
+}
+
+impl<'a, T> Token<'a, T> {
+    /// x, B and C from a conv output row `[x (inner) | B (gn) | C (gn)]`, with `dt`, no gate.
+    pub fn of_xbc(xbc: &'a [T], dt: &'a [T], (inner, gn): (usize, usize)) -> Token<'a, T> {
+        Token { x: &xbc[..inner], dt, b: &xbc[inner..inner + gn], c: &xbc[inner + gn..inner + 2 * gn], z: None }
+    }
+}
+
 impl SsmRef<'_> {
     /// One token: updates `s` (`[heads, head_dim, state_size]`) in place and returns
-    /// `y [heads * head_dim]`. `x`, `z` hold `heads * head_dim` values, `dt` `heads`, `b`, `c`
-    /// `groups * state_size`; head h uses group `group(h)`.
-    #[allow(clippy::too_many_arguments)]
+    /// `y [heads * head_dim]`; head h uses group `group(h)`.
     pub fn step_with_groups<T: Copy + Into<f64>>(
         &self,
         s: &mut [f64],
-        x: &[T],
-        dt: &[T],
-        b: &[T],
-        c: &[T],
-        z: Option<&[T]>,
+        t: Token<T>,
         group: impl Fn(usize) -> usize,
     ) -> Vec<f64> {
+        let Token { x, dt, b, c, z } = t;
         let (hd, n) = (self.head_dim, self.state_size);
         let mut y = vec![0.0; self.heads * hd];
         for h in 0..self.heads {
@@ -67,15 +80,7 @@ impl SsmRef<'_> {
     }
 
     /// [`SsmRef::step_with_groups`] with docs/MATH.md's head-to-group mapping.
-    pub fn step<T: Copy + Into<f64>>(
-        &self,
-        s: &mut [f64],
-        x: &[T],
-        dt: &[T],
-        b: &[T],
-        c: &[T],
-        z: Option<&[T]>,
-    ) -> Vec<f64> {
-        self.step_with_groups(s, x, dt, b, c, z, |h| group_of(h, self.heads, self.groups))
+    pub fn step<T: Copy + Into<f64>>(&self, s: &mut [f64], t: Token<T>) -> Vec<f64> {
+        self.step_with_groups(s, t, |h| group_of(h, self.heads, self.groups))
     }
 }

@@ -1,5 +1,6 @@
 //! The single place kernels are launched from ([`Gpu::launch`], [`Gpu::launch_clusters`]), and
-//! the device addresses of their buffers, checked to be of this `Gpu`'s context.
+//! the device addresses of their buffers, checked to be of this `Gpu`'s context (launchers take
+//! them through `Args`, host/src/args.rs, which checks their lengths too).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -36,16 +37,6 @@ impl Gpu {
     pub(crate) fn addr<T>(&self, kernel: Kernel, arg: &'static str, buf: &impl DevicePtr<T>) -> Result<u64> {
         self.check_owner(kernel.name(), arg, buf)?;
         Ok(buf.device_ptr(&self.stream).0)
-    }
-
-    /// The device address of an optional input buffer of this Gpu; 0 (null) where absent.
-    pub(crate) fn opt_addr<T>(
-        &self,
-        kernel: Kernel,
-        arg: &'static str,
-        buf: Option<&impl DevicePtr<T>>,
-    ) -> Result<u64> {
-        buf.map_or(Ok(0), |b| self.addr(kernel, arg, b))
     }
 
     /// The device address of an output buffer of this Gpu.

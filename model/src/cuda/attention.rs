@@ -3,34 +3,27 @@
 //! attention over the KV cache.
 
 use half::bf16;
-use host::attn::{AttnShape, attention};
+use host::attn::{AttnShape, Qkv, attention};
 use host::{Buffer, Gpu};
 
-use super::{CudaRows, unsupported, view, view_mut};
-use crate::backend::{In, Out};
+use super::{Cuda, CudaRows, rows_of, view_mut};
+use crate::backend::{KvCache, Out, QkvRows};
 use crate::config::AttentionConfig;
 use crate::error::Result;
 
 /// Attention of the step's rows over their sequences' cached keys and values, the new ones
 /// written into the cache first.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     g: &Gpu,
     c: &AttentionConfig,
-    q: In<Buffer<bf16>>,
-    k: In<Buffer<bf16>>,
-    v: In<Buffer<bf16>>,
-    cache: (&mut Buffer<bf16>, &mut Buffer<bf16>),
-    max_len: usize,
+    QkvRows { q, k, v }: QkvRows<Buffer<bf16>>,
+    cache: KvCache<Cuda>,
     rows: &CudaRows,
     y: Out<Buffer<bf16>>,
 ) -> Result<()> {
-    let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len };
-    let mut y = view_mut(y, rows.attn.len() * c.heads * c.head_dim)?;
-    if k.stride != v.stride {
-        return Err(unsupported("keys and values with different row strides"));
-    }
-    let (qs, kvs) = (q.stride, k.stride);
-    let (q, k, v) = (view(&q), view(&k), view(&v));
-    Ok(attention(g, shape, (&q, qs), (&k, &v, kvs), cache.0, cache.1, &rows.attn, &mut y)?)
+    let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len: cache.max_len };
+    let (n, qw, kw) = (rows.attn.len(), c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let mut y = view_mut(y, n * qw)?;
+    let qkv = Qkv { q: rows_of(&q, n, qw), k: rows_of(&k, n, kw), v: rows_of(&v, n, kw) };
+    Ok(attention(g, shape, qkv, cache.k, cache.v, &rows.attn, &mut y)?)
 }

@@ -3,8 +3,8 @@
 //! kind ([`CudaWeight::forward`]).
 
 use half::bf16;
-use host::gemv::{gemv, gemv_split};
-use host::grouped::{Proj, linear_fp8};
+use host::gemv::{Proj, gemv, gemv_split};
+use host::grouped::linear_fp8;
 use host::moe::ExpertWeights;
 use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
 
@@ -122,9 +122,9 @@ impl CudaWeight {
             Weights::Fp8 { .. }
                 if rows > FP8_GEMV_MAX_ROWS && self.k.is_multiple_of(16) && self.n.is_multiple_of(8) =>
             {
-                Ok(linear_fp8(g, x, rows, self.w.view(), Proj { n: self.n, k: self.k, relu2 }, y)?)
+                Ok(linear_fp8(g, (x, rows), Proj { w: self.w.view(), n: self.n, k: self.k, relu2 }, y)?)
             }
-            weights => Ok(gemv(g, x, rows, weights.view(), (self.n, self.k), relu2, y)?),
+            weights => Ok(gemv(g, x, rows, Proj { w: weights.view(), n: self.n, k: self.k, relu2 }, y)?),
         }
     }
 }

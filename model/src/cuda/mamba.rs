@@ -3,14 +3,14 @@
 //! for prefill sequences.
 
 use half::bf16;
-use host::conv1d::{ConvShape, conv_fwd, conv_update};
-use host::mamba::{MambaConv, mamba_decode, mamba_decode_fits};
+use host::conv1d::{Conv, ConvShape, conv_fwd, conv_update};
+use host::mamba::{MambaLayer, mamba_decode, mamba_decode_fits};
 use host::ssd::{SsdPlan, ssd_scan};
-use host::ssm::{Rows, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{Buffer, CudaSlice, Gpu};
+use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
+use host::{Buffer, Gpu};
 
-use super::{Cuda, CudaRows, view, view_mut};
-use crate::backend::{In, MambaDecode, Out, mamba_decode_apart};
+use super::{Cuda, CudaRows, rows_of, view_mut};
+use crate::backend::{In, MambaConv, MambaDecode, MambaSsm, Out, mamba_decode_apart};
 use crate::config::MambaConfig;
 use crate::error::Result;
 
@@ -20,14 +20,31 @@ use crate::error::Result;
 /// with cold caches, took 18.7 us fused against 15.1 us for the three.
 pub const FUSED_MAMBA_ROWS: usize = 1;
 
-fn rows<'a>(x: &In<'a, Buffer<bf16>>, cols: usize) -> Rows<'a> {
-    Rows { buf: x.buf, offset: x.offset + cols, stride: x.stride }
+/// x, B and C of `n` rows of the conv output `xbc`, dt of in_proj's.
+fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, Buffer<bf16>>, dt: &In<'a, Buffer<bf16>>, n: usize) -> SsmInputs<'a> {
+    let (inner, gn) = (c.inner(), c.groups * c.state_size);
+    let xbc = rows_of(xbc, n, c.conv_dim());
+    SsmInputs {
+        x: xbc.cols(0, inner),
+        dt: rows_of(dt, n, c.heads),
+        b: xbc.cols(inner, gn),
+        c: xbc.cols(inner + gn, gn),
+    }
 }
 
-/// x, B and C inside the conv output rows, dt inside in_proj's.
-fn ssm_inputs<'a>(c: &MambaConfig, xbc: &In<'a, Buffer<bf16>>, dt: &In<'a, Buffer<bf16>>) -> SsmInputs<'a> {
-    let gn = c.groups * c.state_size;
-    SsmInputs { x: rows(xbc, 0), dt: rows(dt, 0), b: rows(xbc, c.inner()), c: rows(xbc, c.inner() + gn) }
+fn conv_shape(c: &MambaConfig) -> ConvShape {
+    ConvShape { dim: c.conv_dim(), k: c.conv_kernel }
+}
+
+/// The conv as the host crate's launchers take it.
+fn host_conv(conv: MambaConv<Cuda>) -> Conv {
+    Conv { w: conv.w, bias: conv.bias.map(|b| &**b), state: conv.state }
+}
+
+/// The per-head parameters as the host crate's launchers take them.
+fn heads<'a>(ssm: &MambaSsm<'a, Cuda>) -> SsmHeads<'a> {
+    let (dt_bias, a, d) = ssm.heads;
+    SsmHeads { dt_bias, a, d: Some(d) }
 }
 
 fn ssm_shape(c: &MambaConfig) -> SsmShape {
@@ -39,68 +56,48 @@ fn ssm_shape(c: &MambaConfig) -> SsmShape {
 }
 
 /// The conv update of the step's decode rows.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn conv_decode(
     g: &Gpu,
     c: &MambaConfig,
     x: In<Buffer<bf16>>,
-    w: &Buffer<bf16>,
-    bias: Option<&Buffer<bf16>>,
-    state: &mut Buffer<bf16>,
+    conv: MambaConv<Cuda>,
     rows: &CudaRows,
     y: Out<Buffer<bf16>>,
 ) -> Result<()> {
-    let (cd, k) = (c.conv_dim(), c.conv_kernel);
-    let slots = rows.decode()?;
+    let (cd, slots) = (c.conv_dim(), rows.decode()?);
     let mut y = view_mut(y, slots.len() * cd)?;
-    Ok(conv_update(
-        g,
-        ConvShape { dim: cd, k, x_stride: x.stride },
-        &view(&x),
-        w,
-        bias.map(|b| &**b),
-        state,
-        slots,
-        &mut y,
-    )?)
+    Ok(conv_update(g, conv_shape(c), rows_of(&x, slots.len(), cd), host_conv(conv), slots, &mut y)?)
 }
 
 /// The conv of the step's prefill sequences.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn conv_prefill(
     g: &Gpu,
     c: &MambaConfig,
     x: In<Buffer<bf16>>,
-    w: &Buffer<bf16>,
-    bias: Option<&Buffer<bf16>>,
-    state: &mut Buffer<bf16>,
+    conv: MambaConv<Cuda>,
     rows: &CudaRows,
     y: Out<Buffer<bf16>>,
 ) -> Result<()> {
-    let (cd, k) = (c.conv_dim(), c.conv_kernel);
-    let p = rows.prefill()?;
+    let (cd, p) = (c.conv_dim(), rows.prefill()?);
     let mut y = view_mut(y, p.tokens() * cd)?;
-    Ok(conv_fwd(g, ConvShape { dim: cd, k, x_stride: x.stride }, &view(&x), w, bias.map(|b| &**b), state, p, &mut y)?)
+    Ok(conv_fwd(g, conv_shape(c), rows_of(&x, p.tokens(), cd), host_conv(conv), p, &mut y)?)
 }
 
 /// The state update of the step's decode rows.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn ssm_decode(
     g: &Gpu,
     c: &MambaConfig,
-    xbc: In<Buffer<bf16>>,
-    dt: In<Buffer<bf16>>,
-    heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-    state: &mut CudaSlice<f32>,
+    (xbc, dt): (In<Buffer<bf16>>, In<Buffer<bf16>>),
+    ssm: MambaSsm<Cuda>,
     rows: &CudaRows,
     y: Out<Buffer<bf16>>,
 ) -> Result<()> {
-    let shape = ssm_shape(c);
     let slots = rows.decode()?;
-    let inputs = ssm_inputs(c, &xbc, &dt);
-    let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
+    let inputs = ssm_inputs(c, &xbc, &dt, slots.len());
     let mut y = view_mut(y, slots.len() * c.inner())?;
-    Ok(ssm_update(g, shape, inputs, None, h, state, slots, None, &mut y)?)
+    let heads = heads(&ssm);
+    let cache = SsmCache { state: ssm.state, slots, dst: None };
+    Ok(ssm_update(g, ssm_shape(c), inputs, None, heads, cache, &mut y)?)
 }
 
 /// A Mamba mixer's decode rows after in_proj: in one launch at up to [`FUSED_MAMBA_ROWS`]
@@ -119,31 +116,30 @@ pub(super) fn decode(
     }
     let slots = m.rows.decode()?;
     let mut y = view_mut(y, slots.len() * c.inner())?;
-    let (w, bias, conv_state) = m.conv;
-    let conv = MambaConv { w, bias: bias.map(|b| &**b), k: c.conv_kernel };
-    let heads = SsmHeads { dt_bias: m.heads.0, a: m.heads.1, d: Some(m.heads.2) };
-    let zx = (&view(&zx), zx.stride);
-    let norm = (&**m.norm.0, m.norm.1);
-    Ok(mamba_decode(&cuda.gpu, shape, zx, (conv, &mut **conv_state), (heads, m.state), norm, slots, &mut y)?)
+    let layer = MambaLayer {
+        heads: heads(&m.ssm),
+        conv: host_conv(m.conv),
+        k: c.conv_kernel,
+        state: m.ssm.state,
+        norm: m.norm.w,
+        eps: m.norm.eps,
+    };
+    let zx = rows_of(&zx, slots.len(), c.in_proj_width());
+    Ok(mamba_decode(&cuda.gpu, shape, zx, layer, slots, &mut y)?)
 }
 
 /// The chunked scan of the step's prefill sequences.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn ssm_prefill(
     g: &Gpu,
     c: &MambaConfig,
-    xbc: In<Buffer<bf16>>,
-    dt: In<Buffer<bf16>>,
-    heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-    state: &mut CudaSlice<f32>,
+    (xbc, dt): (In<Buffer<bf16>>, In<Buffer<bf16>>),
+    ssm: MambaSsm<Cuda>,
     rows: &CudaRows,
     y: Out<Buffer<bf16>>,
 ) -> Result<()> {
-    let shape = ssm_shape(c);
-    let p = rows.prefill()?;
+    let (shape, p) = (ssm_shape(c), rows.prefill()?);
     let mut plan = SsdPlan::new(g, p, shape)?;
-    let inputs = ssm_inputs(c, &xbc, &dt);
-    let h = SsmHeads { dt_bias: heads.0, a: heads.1, d: Some(heads.2) };
+    let inputs = ssm_inputs(c, &xbc, &dt, p.tokens());
     let mut y = view_mut(y, p.tokens() * c.inner())?;
-    Ok(ssd_scan(g, shape, inputs, h, state, p, &mut plan, &mut y)?)
+    Ok(ssd_scan(g, shape, inputs, heads(&ssm), ssm.state, p, &mut plan, &mut y)?)
 }

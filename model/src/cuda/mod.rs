@@ -37,13 +37,16 @@ mod rows;
 use std::sync::Arc;
 
 use half::bf16;
+use host::moe::Router;
 use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
-use host::{Buffer, CudaSlice, CudaView, CudaViewMut, Gpu, Graph, Stamp, UPLOAD_STAGE_BYTES};
+use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, In, MambaDecode, MoeWeights, Out, StepRows, rows_f32};
+use crate::backend::{
+    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32,
+};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
@@ -97,9 +100,9 @@ pub struct CudaSampling {
     out: CudaSlice<u32>,
 }
 
-/// The rows an [`In`] reads, from row 0 to the end of its buffer.
-fn view<'a>(x: &In<'a, Buffer<bf16>>) -> CudaView<'a, bf16> {
-    x.buf.slice(x.offset..)
+/// `rows` rows of `width` of an [`In`].
+fn rows_of<'a>(x: &In<'a, Buffer<bf16>>, rows: usize, width: usize) -> Rows<'a> {
+    Rows { buf: x.buf, offset: x.offset, rows, width, stride: x.stride }
 }
 
 /// The output region of an [`Out`] of `len` elements.
@@ -195,7 +198,7 @@ impl Backend for Cuda {
     }
 
     fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {
-        Ok(host::sample::sample(&self.gpu, logits, vocab, &s.rows, &mut s.out)?)
+        Ok(host::sample::sample(&self.gpu, Rows::new(logits, s.rows.len(), vocab), &s.rows, &mut s.out)?)
     }
 
     fn sampled(&self, s: &CudaSampling) -> Result<Vec<SampleOut>> {
@@ -222,34 +225,24 @@ impl Backend for Cuda {
         Ok(host::act::gather_by(&self.gpu, x, width, &rows.last, &mut y)?)
     }
 
-    fn rms_norm(
-        &self,
-        x: In<Buffer<bf16>>,
-        w: &Buffer<bf16>,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        let shape = NormShape { x_stride: x.stride, ..NormShape::new(rows, width, 1, eps) };
-        let mut y = view_mut(y, rows * width)?;
-        Ok(rms_norm(&self.gpu, shape, &view(&x), w, &mut y)?)
+    fn rms_norm(&self, x: In<Buffer<bf16>>, n: Norm<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        let mut y = view_mut(y, rows * n.width)?;
+        let shape = NormShape::new(rows, n.width, 1, n.eps);
+        Ok(rms_norm(&self.gpu, shape, rows_of(&x, rows, n.width), n.w, &mut y)?)
     }
 
     fn gated_norm(
         &self,
         x: In<Buffer<bf16>>,
         z: In<Buffer<bf16>>,
-        w: &Buffer<bf16>,
-        rows: usize,
-        width: usize,
+        n: Norm<Buffer<bf16>>,
         groups: usize,
-        eps: f32,
+        rows: usize,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let shape = NormShape { x_stride: x.stride, z_stride: z.stride, ..NormShape::new(rows, width, groups, eps) };
+        let (shape, width) = (NormShape::new(rows, n.width, groups, n.eps), n.width);
         let mut y = view_mut(y, rows * width)?;
-        Ok(gated_norm(&self.gpu, shape, &view(&x), &view(&z), w, &mut y)?)
+        Ok(gated_norm(&self.gpu, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), n.w, &mut y)?)
     }
 
     fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {
@@ -265,16 +258,14 @@ impl Backend for Cuda {
         &self,
         h: &mut Buffer<bf16>,
         x: &Buffer<bf16>,
-        w: &Buffer<bf16>,
+        norm: Norm<Buffer<bf16>>,
         rows: usize,
-        width: usize,
-        eps: f32,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let n = rows * width;
+        let n = rows * norm.width;
         let mut y = view_mut(y, n)?;
-        let shape = NormShape::new(rows, width, 1, eps);
-        Ok(add_rms_norm(&self.gpu, shape, &mut h.slice_mut(..n), &x.slice(..n), w, &mut y)?)
+        let shape = NormShape::new(rows, norm.width, 1, norm.eps);
+        Ok(add_rms_norm(&self.gpu, shape, &mut h.slice_mut(..n), &x.slice(..n), norm.w, &mut y)?)
     }
 
     fn mlp(
@@ -297,26 +288,22 @@ impl Backend for Cuda {
         &self,
         c: &MambaConfig,
         x: In<Buffer<bf16>>,
-        w: &Buffer<bf16>,
-        bias: Option<&Buffer<bf16>>,
-        state: &mut Buffer<bf16>,
+        conv: MambaConv<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::conv_decode(&self.gpu, c, x, w, bias, state, rows, y)
+        mamba::conv_decode(&self.gpu, c, x, conv, rows, y)
     }
 
     fn conv_prefill(
         &self,
         c: &MambaConfig,
         x: In<Buffer<bf16>>,
-        w: &Buffer<bf16>,
-        bias: Option<&Buffer<bf16>>,
-        state: &mut Buffer<bf16>,
+        conv: MambaConv<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::conv_prefill(&self.gpu, c, x, w, bias, state, rows, y)
+        mamba::conv_prefill(&self.gpu, c, x, conv, rows, y)
     }
 
     fn ssm_decode(
@@ -324,12 +311,11 @@ impl Backend for Cuda {
         c: &MambaConfig,
         xbc: In<Buffer<bf16>>,
         dt: In<Buffer<bf16>>,
-        heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-        state: &mut CudaSlice<f32>,
+        ssm: MambaSsm<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::ssm_decode(&self.gpu, c, xbc, dt, heads, state, rows, y)
+        mamba::ssm_decode(&self.gpu, c, (xbc, dt), ssm, rows, y)
     }
 
     fn mamba_decode(
@@ -348,12 +334,11 @@ impl Backend for Cuda {
         c: &MambaConfig,
         xbc: In<Buffer<bf16>>,
         dt: In<Buffer<bf16>>,
-        heads: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-        state: &mut CudaSlice<f32>,
+        ssm: MambaSsm<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::ssm_prefill(&self.gpu, c, xbc, dt, heads, state, rows, y)
+        mamba::ssm_prefill(&self.gpu, c, (xbc, dt), ssm, rows, y)
     }
 
     fn moe(
@@ -364,20 +349,17 @@ impl Backend for Cuda {
         w: &MoeWeights<Cuda>,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        w.experts.forward(&self.gpu, c, x, rows, (&*w.gate, &w.score_bias), y)
+        w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
     }
 
     fn attention(
         &self,
         c: &AttentionConfig,
-        q: In<Buffer<bf16>>,
-        k: In<Buffer<bf16>>,
-        v: In<Buffer<bf16>>,
-        cache: (&mut Buffer<bf16>, &mut Buffer<bf16>),
-        max_len: usize,
+        qkv: QkvRows<Buffer<bf16>>,
+        cache: KvCache<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        attention::forward(&self.gpu, c, q, k, v, cache, max_len, rows, y)
+        attention::forward(&self.gpu, c, qkv, cache, rows, y)
     }
 }

@@ -7,12 +7,12 @@
 //! grouped GEMM past them.
 
 use half::bf16;
-use host::grouped::experts_mlp_grouped;
+use host::grouped::{Tiles, experts_mlp_grouped};
 use host::moe::{
-    Choices, Dispatch, MAX_EXPERTS, MAX_TOP_K, combine, dispatch, experts_mlp, experts_mlp_choices,
+    Choices, Dispatch, ExpertMlp, MAX_EXPERTS, MAX_TOP_K, Router, combine, dispatch, experts_mlp, experts_mlp_choices,
     experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
-use host::{Buffer, CudaSlice, Gpu, Kernel};
+use host::{Buffer, CudaSlice, Gpu};
 
 use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
 use super::{unsupported, view_mut};
@@ -140,18 +140,16 @@ impl CudaExperts {
         Ok(CudaExperts { up, down, inter, shared })
     }
 
-    /// The MoE layer over `rows` rows of `x` into `y`, routed by `router` (`[experts, hidden]`
-    /// and the selection bias).
+    /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`.
     pub(super) fn forward(
         &self,
         g: &Gpu,
         c: &MoeConfig,
-        x: In<Buffer<bf16>>,
-        rows: usize,
-        router: (&CudaSlice<bf16>, &CudaSlice<f32>),
+        (x, rows): (In<Buffer<bf16>>, usize),
+        router: Router,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let hidden = router.0.len() / c.experts;
+        let hidden = router.gate.len() / c.experts;
         if x.stride != hidden {
             return Err(unsupported("strided MoE inputs"));
         }
@@ -174,11 +172,11 @@ impl CudaExperts {
                 // SAFETY: the routing writes the pieces' rows, the choices launch the others,
                 // before the down projections read them.
                 let mut h = unsafe { g.scratch::<bf16>(choices * self.inter) }?;
-                route_appended_up(g, shape, &xv, hidden, router, (&mut idx, &mut wts), (up, self.inter), &mut h)?;
+                route_appended_up(g, shape, (&xv, hidden), router, (&mut idx, &mut wts), (up, self.inter), &mut h)?;
                 Some(h)
             }
             _ => {
-                route(g, shape, &xv, hidden, router.0, router.1, &mut idx, &mut wts)?;
+                route(g, shape, (&xv, hidden), router, (&mut idx, &mut wts))?;
                 None
             }
         };
@@ -208,13 +206,10 @@ impl CudaExperts {
             && rows <= CHOICES_MAX_ROWS
         {
             let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
-            let dims = (self.inter, hidden);
+            let (mlp, pieces) = (ExpertMlp { up, down, inter: self.inter, hidden }, (pieces, shared.as_deref()));
             match &mut h {
-                Some(h) => {
-                    let pieces = (pieces, shared.as_deref());
-                    experts_mlp_choices_after(g, ch, &xv, (up, down), dims, pieces, (h, shape.shared), &mut y)?
-                }
-                None => experts_mlp_choices(g, ch, &xv, up, down, dims, pieces, shared.as_deref(), &mut y)?,
+                Some(h) => experts_mlp_choices_after(g, ch, &xv, mlp, pieces, (h, shape.shared), &mut y)?,
+                None => experts_mlp_choices(g, ch, &xv, mlp, pieces, &mut y)?,
             }
             return Ok(());
         }
@@ -223,12 +218,13 @@ impl CudaExperts {
         let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
         match (&self.up, &self.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
-                let grouped_rows = rows <= GROUPED_MAX_ROWS || g.has(Kernel::MoeGroupedWgmma);
-                if grouped_rows && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
-                    let w = (self.up.view(), self.down.view());
-                    experts_mlp_grouped(g, &d, &xv, w, (self.inter, hidden), &mut grouped)?
+                let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
+                let wgmma = Tiles::for_dispatch(g, &d) == Tiles::Wgmma;
+                if (rows <= GROUPED_MAX_ROWS || wgmma) && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
+                    let w = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
+                    experts_mlp_grouped(g, &d, &xv, w, &mut grouped)?
                 } else {
-                    experts_mlp_gemm(g, &d, &xv, up, down, (self.inter, hidden), &mut grouped)?
+                    experts_mlp_gemm(g, &d, &xv, mlp, &mut grouped)?
                 }
             }
             (Weights::Fp8 { .. }, Weights::Fp8 { .. })
@@ -237,12 +233,15 @@ impl CudaExperts {
                     && self.inter.is_multiple_of(16)
                     && hidden.is_multiple_of(16) =>
             {
-                let w = (self.up.view(), self.down.view());
-                experts_mlp_grouped(g, &d, &xv, w, (self.inter, hidden), &mut grouped)?
+                let mlp = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
+                experts_mlp_grouped(g, &d, &xv, mlp, &mut grouped)?
             }
-            (up, down) => experts_mlp(g, &d, &xv, up.view(), down.view(), (self.inter, hidden), pieces, &mut grouped)?,
+            (up, down) => {
+                let mlp = ExpertMlp { up: up.view(), down: down.view(), inter: self.inter, hidden };
+                experts_mlp(g, &d, &xv, mlp, pieces, &mut grouped)?
+            }
         }
-        Ok(combine(g, &grouped, shared.as_deref(), d.slot(), &wts, choices, hidden, &mut y)?)
+        Ok(combine(g, (&grouped, hidden), shared.as_deref(), (d.slot(), &wts, choices), &mut y)?)
     }
 }
 

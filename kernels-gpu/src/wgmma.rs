@@ -17,9 +17,11 @@
 //! # One stage of products
 //! [`mma_stage`] runs a warpgroup's 64 x 256 block over one 128-byte stage of k: for each of
 //! the 4 k steps, two `m64n128` products (B rows 0..128 and 128..256), accumulating into
-//! two sets of 64 f32 a thread. The fence, the 8 products, their commit and the wait for them
+//! two sets of 64 f32 a thread. The fence, the products, their commit and the wait for them
 //! are one asm block, so no instruction the compiler places can touch the accumulators while
-//! the products are in flight. Accumulator i of a thread, in warp `wi` of the warpgroup, is
+//! the products are in flight. e4m3 products sum inside the tensor cores with fewer bits than
+//! f32 (Hopper), so the FP8 stage runs each half's 4 steps into fresh registers and adds them
+//! to the accumulators in f32: a promotion every 128 of k, two asm blocks a stage. Accumulator i of a thread, in warp `wi` of the warpgroup, is
 //! element (row `16 wi + lane / 4 + 8 ((i / 2) % 2)`, column `8 (i / 4) + 2 (lane % 4) + i % 2`)
 //! of its 64 x 128 half ([`acc_row`], [`acc_col`]).
 
@@ -112,6 +114,43 @@ mod device {
         };
     }
 
+    /// One 64 x 128 half's products over one stage, e4m3, into fresh registers: the first of
+    /// the 4 k steps with scale-d 0 (`$t = A B`), the others accumulating, then their commit
+    /// and wait, as one asm block.
+    macro_rules! half_e4m3 {
+        ($t:ident, $a:ident, $b:ident; $($lo:literal)*) => {
+            asm!(
+                "{{",
+                ".reg .pred p0, p1;",
+                "setp.ne.b32 p0, {zero}, 0;",
+                "setp.ne.b32 p1, {one}, 0;",
+                "wgmma.fence.sync.aligned;",
+                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a0}, {b0}, p0, 1, 1;"),
+                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a1}, {b1}, p1, 1, 1;"),
+                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a2}, {b2}, p1, 1, 1;"),
+                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a3}, {b3}, p1, 1, 1;"),
+                "wgmma.commit_group.sync.aligned;",
+                "wgmma.wait_group.sync.aligned 0;",
+                "}}",
+                $(inout(reg32) $t[$lo],)*
+                a0 = in(reg64) $a[0], a1 = in(reg64) $a[1], a2 = in(reg64) $a[2], a3 = in(reg64) $a[3],
+                b0 = in(reg64) $b[0], b1 = in(reg64) $b[1], b2 = in(reg64) $b[2], b3 = in(reg64) $b[3],
+                zero = in(reg32) 0u32,
+                one = in(reg32) 1u32,
+                options(nostack),
+            )
+        };
+    }
+
+    /// [`half_e4m3!`] with the positional operand numbers of its 64 registers.
+    macro_rules! half_e4m3_regs {
+        ($($args:tt)*) => {
+            half_e4m3!($($args)*;
+                0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+                32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63)
+        };
+    }
+
     /// [`stage!`] with the accumulators' positional operand numbers: 0..64 the first half's,
     /// 64..128 the second's.
     macro_rules! stage_regs {
@@ -129,6 +168,10 @@ mod device {
     /// steps (the warpgroup's 64 rows), `b[h][kk]` those of B's rows `128 h .. + 128`; e4m3
     /// operands (k32 a step) where `FP8`, else bf16 (k16). Returns with the products done.
     ///
+    /// e4m3 products on Hopper sum in the tensor cores with fewer bits than f32, so the FP8
+    /// stage runs each half's 4 k steps into fresh registers and adds them to `acc` in f32
+    /// (a promotion every 128 of k), one half after the other; bf16 accumulates in place.
+    ///
     /// # Safety
     /// The whole warpgroup calls it in uniform flow; the descriptors describe tiles of the
     /// block's shared memory that every thread's writes (fenced with [`fence_async_shared`])
@@ -136,10 +179,20 @@ mod device {
     #[inline(always)]
     pub unsafe fn mma_stage<const FP8: bool>(acc: &mut [[f32; 64]; 2], a: [u64; 4], b: [[u64; 4]; 2]) {
         // SAFETY: guaranteed by the caller; register operands only, the products waited for
-        // inside the block.
+        // inside each block.
         unsafe {
             if FP8 {
-                stage_regs!(acc, a, b, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "1, 1")
+                // Each half written out (not a loop), so the accumulators stay in registers.
+                let (mut t0, mut t1) = ([0.0f32; 64], [0.0f32; 64]);
+                let (b0, b1) = (b[0], b[1]);
+                half_e4m3_regs!(t0, a, b0);
+                for i in 0..64 {
+                    acc[0][i] += t0[i];
+                }
+                half_e4m3_regs!(t1, a, b1);
+                for i in 0..64 {
+                    acc[1][i] += t1[i];
+                }
             } else {
                 stage_regs!(acc, a, b, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0")
             }

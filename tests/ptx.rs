@@ -105,3 +105,24 @@ fn arch_selection_by_compute_capability() {
         assert!(err.to_string().contains(&format!("{major}.{minor}")), "{err}");
     }
 }
+
+/// The `wgmma` kernels' asm blocks stand once each in their entries (the compiler may not copy
+/// or split them: each holds a fence, products, their commit and the wait for them, and the
+/// whole warpgroup must run it together): bf16 one block of 8 products a stage, FP8 two of 4.
+#[test]
+fn wgmma_stages_stand_once_in_their_entries() {
+    let ptx = Arch::Sm90a.ptx();
+    let mut checked = 0;
+    for k in Kernel::ALL.iter().filter(|k| k.needs_wgmma()) {
+        let at = ptx.find(&format!(".entry {}(", k.name())).expect("entry present");
+        let end = ptx[at + 1..].find(".entry ").map_or(ptx.len(), |e| at + 1 + e);
+        let body = &ptx[at..end];
+        let fp8 = k.name().contains("fp8");
+        let count = |s: &str| body.matches(s).count();
+        assert_eq!(count("wgmma.mma_async"), 8, "{}: products", k.name());
+        assert_eq!(count("wgmma.fence"), if fp8 { 2 } else { 1 }, "{}: fences", k.name());
+        assert_eq!(count("wgmma.commit_group"), count("wgmma.wait_group"), "{}: commits and waits", k.name());
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+}

@@ -50,7 +50,7 @@ fn benches(c: &mut Criterion) {
             let xbcr = Rows::new(&xbc[i], tokens, stride);
             let dt = Rows::new(&dt[i], tokens, 64);
             let inputs = SsmInputs { x: xbcr.cols(0, w), dt, b: xbcr.cols(w, gn), c: xbcr.cols(w + gn, gn) };
-            ssd_scan(gpu, shape, inputs, heads, &mut state[i], &seqs, &mut plan, &mut y[i])
+            ssd_scan(gpu, shape, (inputs, heads), (&mut state[i], &seqs), &mut plan, &mut y[i])
         };
         let timed = b.capture(sets, &mut launch);
         timed.report(&format!("ssd/{name}"), bytes);

@@ -106,7 +106,7 @@ where
     let seqs = Prefill::new(gpu, lens, &slots, &has_initial, num_slots).unwrap();
     let mut plan = SsdPlan::new(gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
-    ssd_scan(gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
+    ssd_scan(gpu, shape, (dev.inputs_at(0, tokens), dev.heads(true)), (&mut state, &seqs), &mut plan, &mut y).unwrap();
 
     let sl = shape.slot_len();
     let mut want_state: Vec<f64> = init.iter().map(|v| v.to_f64()).collect();
@@ -210,8 +210,15 @@ fn gpu_ssd_equals_update_kernel_token_by_token() {
     let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, num_slots).unwrap();
     let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut scan_y = gpu.zeros::<bf16>(tokens * shape.width()).unwrap();
-    ssd_scan(&gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut scan_state, &seqs, &mut plan, &mut scan_y)
-        .unwrap();
+    ssd_scan(
+        &gpu,
+        shape,
+        (dev.inputs_at(0, tokens), dev.heads(true)),
+        (&mut scan_state, &seqs),
+        &mut plan,
+        &mut scan_y,
+    )
+    .unwrap();
 
     // The update path starts fresh sequences from a zeroed slot.
     let mut upd_init = init.clone();
@@ -327,7 +334,7 @@ fn gpu_ssd_16k_tokens_sampled_heads_against_recurrence() {
     let seqs = Prefill::new(&gpu, &[tokens], &[0], &[true], 1).unwrap();
     let mut plan = SsdPlan::new(&gpu, &seqs, shape).unwrap();
     let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
-    ssd_scan(&gpu, shape, dev.inputs_at(0, tokens), dev.heads(true), &mut state, &seqs, &mut plan, &mut y).unwrap();
+    ssd_scan(&gpu, shape, (dev.inputs_at(0, tokens), dev.heads(true)), (&mut state, &seqs), &mut plan, &mut y).unwrap();
     let got = to_f64(&gpu.download(&y).unwrap());
     let hn = shape.head_dim * shape.state_size;
     // The band of assert_y.

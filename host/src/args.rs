@@ -26,7 +26,7 @@ impl Elem for bf16 {
 macro_rules! plain_elems {
     ($($t:ty),*) => { $(impl Elem for $t { type Raw = $t; })* };
 }
-plain_elems!(f32, i32, u32, u8);
+plain_elems!(f32, i32, u32, u16, u8);
 
 /// How many elements a launch needs of a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,19 +143,6 @@ impl<'a> Rows<'a> {
     /// Columns `from..from + width` of these rows.
     pub fn cols(self, from: usize, width: usize) -> Rows<'a> {
         Rows { offset: self.offset + from, width, ..self }
-    }
-
-    /// [`Args::rows`] for one argument, without its stride: the address of row 0, for the
-    /// launchers that take the stride from the rows themselves.
-    pub(crate) fn addr(
-        &self,
-        gpu: &Gpu,
-        k: Kernel,
-        arg: &'static str,
-        rows: usize,
-        width: usize,
-    ) -> Result<*const u16> {
-        gpu.args(k).rows(arg, self, (rows, width)).map(|(row0, _)| row0)
     }
 }
 

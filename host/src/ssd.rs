@@ -8,6 +8,7 @@ use kernels_gpu::ssd::{
 };
 use kernels_gpu::{Kernel, KernelParams};
 
+use crate::args::{Elem, Len};
 use crate::batch::Prefill;
 use crate::check::Check;
 use crate::error::Result;
@@ -48,6 +49,10 @@ pub fn chunk_table(lens: &[usize]) -> (Vec<SsdChunk>, Vec<u32>) {
 // SAFETY: #[repr(C)] plain integers; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for SsdChunkRepr {}
 
+impl Elem for SsdChunkRepr {
+    type Raw = SsdChunk;
+}
+
 /// SsdChunk as cudarc sees it (kernels-gpu cannot implement cudarc's trait).
 #[repr(transparent)]
 #[derive(Clone, Copy)]
@@ -85,16 +90,14 @@ impl SsdPlan {
 }
 
 /// Chunked scan (kernels-gpu/src/ssd.rs has the math) over the sequences of `seqs`: writes
-/// `y [tokens, heads * head_dim]` and each sequence's final state to its slot (read first where
-/// it has an initial state; pad sequences start from zero and write nothing). Three launches.
-#[allow(clippy::too_many_arguments)]
+/// `y [tokens, heads * head_dim]` and each sequence's final state to its slot in `state` (read
+/// first where it has an initial state; pad sequences start from zero and write nothing).
+/// Three launches.
 pub fn ssd_scan<T: StateDtype>(
     gpu: &Gpu,
     shape: SsmShape,
-    inputs: SsmInputs,
-    heads: SsmHeads,
-    state: &mut CudaSlice<T>,
-    seqs: &Prefill,
+    (inputs, heads): (SsmInputs, SsmHeads),
+    (state, seqs): (&mut CudaSlice<T>, &Prefill),
     plan: &mut SsdPlan,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()>
@@ -102,66 +105,71 @@ where
     SsdPassParams<T::Raw>: KernelParams,
 {
     let k = Kernel::SsdScan;
-    let c = Check(k.name());
+    let args = gpu.args(k);
+    let c = args.check();
     shape.check(T::PASS, &heads, state.len(), seqs.num_slots())?;
     c.that("plan", plan.lens == seqs.lens, "a plan built for this batch", "a plan of another batch")?;
     let planned = (shape.heads, shape.head_dim, shape.state_size, shape.groups);
     c.that("plan", plan.shape == planned, format!("a plan for {planned:?}"), format!("{:?}", plan.shape))?;
     c.count("sequences", 65535, seqs.nseq())?;
     let (tokens, w, gn) = (plan.tokens, shape.width(), shape.groups * shape.state_size);
-    c.len("y", tokens * w, y.len())?;
-    let (x, b, cc) = (
-        inputs.x.addr(gpu, k, "x", tokens, w)?,
-        inputs.b.addr(gpu, k, "b", tokens, gn)?,
-        inputs.c.addr(gpu, k, "c", tokens, gn)?,
+    let ((x, x_stride), (b, b_stride), (cc, c_stride), (dt, dt_stride)) = (
+        args.rows("x", &inputs.x, (tokens, w))?,
+        args.rows("b", &inputs.b, (tokens, gn))?,
+        args.rows("c", &inputs.c, (tokens, gn))?,
+        args.rows("dt", &inputs.dt, (tokens, shape.heads))?,
     );
     // 16-byte staging: every row of x, B and C starts aligned, whole 8-element groups.
-    let aligned = |a: *const u16, stride: usize| (a as usize).is_multiple_of(16) && stride.is_multiple_of(8);
-    let vec = aligned(x, inputs.x.stride)
-        && aligned(b, inputs.b.stride)
-        && aligned(cc, inputs.c.stride)
+    let aligned = |a: *const u16, stride: u32| (a as usize).is_multiple_of(16) && stride.is_multiple_of(8);
+    let vec = aligned(x, x_stride)
+        && aligned(b, b_stride)
+        && aligned(cc, c_stride)
         && shape.head_dim.is_multiple_of(8)
         && shape.state_size.is_multiple_of(8);
+    let (dt_bias, a, d) = heads.args(&args, shape.heads)?;
+    // The plan's workspaces and tables were sized for its chunks and shape when it was built
+    // (SsdPlan::new), which the checks above tie to this batch and shape.
     let p = SsdParams {
         x,
-        dt: inputs.dt.addr(gpu, k, "dt", tokens, shape.heads)?,
+        dt,
         b,
         c: cc,
-        dt_bias: gpu.addr(k, "dt_bias", heads.dt_bias)? as *const f32,
-        a: gpu.addr(k, "a", heads.a)? as *const f32,
-        d: heads.d.map_or(Ok(0), |d| gpu.addr(k, "d", d))? as *const f32,
-        chunks: gpu.addr(k, "plan", &plan.chunks)? as *const SsdChunk,
-        delta: gpu.addr_mut(k, "plan", &mut plan.delta)? as *mut f32,
-        acum: gpu.addr_mut(k, "plan", &mut plan.acum)? as *mut f32,
-        states: gpu.addr_mut(k, "plan", &mut plan.states)? as *mut f32,
-        starts: gpu.addr_mut(k, "plan", &mut plan.starts)? as *mut u16,
-        cb: gpu.addr_mut(k, "plan", &mut plan.cb)? as *mut f32,
-        y: gpu.addr_mut(k, "y", y)? as *mut u16,
+        dt_bias,
+        a,
+        d,
+        chunks: args.input("plan", &plan.chunks, Len::Any)?,
+        delta: args.output("plan", &mut plan.delta, Len::Any)?,
+        acum: args.output("plan", &mut plan.acum, Len::Any)?,
+        states: args.output("plan", &mut plan.states, Len::Any)?,
+        starts: args.output("plan", &mut plan.starts, Len::Any)?,
+        cb: args.output("plan", &mut plan.cb, Len::Any)?,
+        y: args.output("y", y, Len::Exactly(tokens * w))?,
         nchunks: plan.nchunks as u32,
         heads: shape.heads as u32,
         head_dim: shape.head_dim as u32,
         groups: shape.groups as u32,
         state_size: shape.state_size as u32,
-        x_stride: inputs.x.stride as u32,
-        dt_stride: inputs.dt.stride as u32,
-        b_stride: inputs.b.stride as u32,
-        c_stride: inputs.c.stride as u32,
+        x_stride,
+        dt_stride,
+        b_stride,
+        c_stride,
         dt_min: shape.dt_min,
         dt_max: shape.dt_max,
         vec: u32::from(vec),
     };
+    let pass = gpu.args(T::PASS);
     let q = SsdPassParams::<T::Raw> {
         base: p,
-        state: gpu.addr_mut(T::PASS, "state", state)? as *mut T::Raw,
-        cache_index: gpu.addr(T::PASS, "seqs", &seqs.slots)? as *const i32,
-        has_initial: gpu.addr(T::PASS, "seqs", &seqs.has_initial)? as *const u8,
-        seq_chunks: gpu.addr(T::PASS, "plan", &plan.seq_chunks)? as *const u32,
+        state: pass.output("state", state, Len::Any)?,
+        cache_index: pass.input("seqs", &seqs.slots, Len::Any)?,
+        has_initial: pass.input("seqs", &seqs.has_initial, Len::Any)?,
+        seq_chunks: pass.input("plan", &plan.seq_chunks, Len::Any)?,
         nseq: seqs.nseq() as u32,
     };
     let (nc, h) = (plan.nchunks as u32, shape.heads as u32);
     let (hd, n) = (shape.head_dim as u32, shape.state_size as u32);
     let hn_blocks = (hd * n).div_ceil(SSD_PASS_BLOCK * SSD_PASS_PER_THREAD);
-    // SAFETY: `check`, `Rows::addr` and the plan checks proved every input covers the batch's
+    // SAFETY: `check`, `Args::rows` and the plan checks proved every input covers the batch's
     // tokens, the per-head arrays `heads`, the cache `num_slots` slots and the workspaces the
     // plan's chunks (cb: chunks x groups score tiles; the plan's shape is this one); the chunk
     // table comes from the same lengths as Prefill's cu_seqlens, so chunks lie inside their

@@ -158,7 +158,7 @@ mod kernels {
             let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
             // Columns past head_dim zero-filled (the staging's geometry the same for every head).
             let stage = |t: Tile, rows: u32, src: *const u16, src_stride: usize, valid: u32| {
-                t.stage(src, src_stride, (rows, FLASH_MAX_HEAD_DIM), (valid, d), vec, tid, FLASH_BLOCK)
+                t.stage(src, src_stride, (rows, FLASH_MAX_HEAD_DIM), (valid, d), vec, (tid, FLASH_BLOCK))
             };
             // With vec, this thread's chunks of a key tile: 16 bytes at rows `cr + 16 i`, columns
             // `cc .. cc + 8` (the same each tile: only the source moves on).

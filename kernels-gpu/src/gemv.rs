@@ -197,17 +197,13 @@ mod device {
     ///
     /// # Safety
     /// The rows and inputs must be readable for `k` elements.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize, const EARLY: bool>(
         w: *const u8,
         (stride, elem): (usize, usize),
         rows: usize,
-        xs: &[*const u16; T],
-        toks: usize,
-        scale: &[(f32, f32); T],
-        k: usize,
-        fp8: bool,
+        (xs, toks, scale): (&[*const u16; T], usize, &[(f32, f32); T]),
+        (k, fp8): (usize, bool),
         (me, threads): (usize, usize),
     ) -> [[f32; T]; R] {
         let step = threads * 8;
@@ -454,11 +450,8 @@ mod device {
                     self.w,
                     (self.stride, self.elem),
                     rows,
-                    &xs,
-                    toks,
-                    &scale,
-                    k,
-                    fp8,
+                    (&xs, toks, &scale),
+                    (k, fp8),
                     (lane, 32),
                 );
                 for (r, acc) in acc.iter().enumerate() {
@@ -537,7 +530,8 @@ mod device {
             let block = (me, SPLIT_BLOCK as usize);
             // It waits on the kernel before once its weights are loading (partial_dots).
             let one = [(1.0, 1.0)];
-            let acc = partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, (k, 2), rows, &x, 1, &one, k, false, block);
+            let acc =
+                partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, (k, 2), rows, (&x, 1, &one), (k, false), block);
             for (r, a) in acc.iter().enumerate() {
                 let v = warp_sum(a[0]);
                 if lane_id() == 0 {

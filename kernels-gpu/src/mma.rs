@@ -222,7 +222,6 @@ mod device {
         /// The tile holds `rows x cols`; `src` readable at the valid rows and columns; with
         /// `vec`, `src` and `stride * 2` 16-byte aligned and the valid columns a multiple of 8.
         #[inline(always)]
-        #[allow(clippy::too_many_arguments)]
         pub unsafe fn stage(
             self,
             src: *const u16,
@@ -230,8 +229,7 @@ mod device {
             (rows, cols): (u32, u32),
             (vr, vc): (u32, u32),
             vec: bool,
-            tid: u32,
-            nthreads: u32,
+            (tid, nthreads): (u32, u32),
         ) {
             let mut e = tid;
             if vec {
@@ -374,14 +372,14 @@ mod device {
                 let (k, m, n) = (p.k as usize, p.m as usize, p.n as usize);
                 let (k0u, m0u, n0u) = (k0 as usize, m0 as usize, n0 as usize);
                 if a_t {
-                    at.stage(p.a.wrapping_add(k0u * m + m0u), m, (kt, t), (rk, rm), vec, tid, MATMUL_BLOCK);
+                    at.stage(p.a.wrapping_add(k0u * m + m0u), m, (kt, t), (rk, rm), vec, (tid, MATMUL_BLOCK));
                 } else {
-                    at.stage(p.a.wrapping_add(m0u * k + k0u), k, (t, kt), (rm, rk), vec, tid, MATMUL_BLOCK);
+                    at.stage(p.a.wrapping_add(m0u * k + k0u), k, (t, kt), (rm, rk), vec, (tid, MATMUL_BLOCK));
                 }
                 if b_nk {
-                    bt.stage(p.b.wrapping_add(n0u * k + k0u), k, (t, kt), (rn, rk), vec, tid, MATMUL_BLOCK);
+                    bt.stage(p.b.wrapping_add(n0u * k + k0u), k, (t, kt), (rn, rk), vec, (tid, MATMUL_BLOCK));
                 } else {
-                    bt.stage(p.b.wrapping_add(k0u * n + n0u), n, (kt, t), (rk, rn), vec, tid, MATMUL_BLOCK);
+                    bt.stage(p.b.wrapping_add(k0u * n + n0u), n, (kt, t), (rk, rn), vec, (tid, MATMUL_BLOCK));
                 }
                 staged();
                 for ks in 0..kt / 16 {

@@ -629,11 +629,8 @@ mod kernels {
                 w,
                 (stride, 2),
                 rows,
-                &x,
-                1,
-                &[(1.0, 1.0)],
-                k,
-                false,
+                (&x, 1, &[(1.0, 1.0)]),
+                (k, false),
                 warp,
             );
             for (r, d) in dots.iter().enumerate() {

@@ -221,9 +221,9 @@ mod kernels {
             let bs = Tile { addr: smem_addr(tile_bytes(SSD_CHUNK, hd)), stride: tile_stride(n) };
             let (xst, bst) = (p.x_stride as usize, p.b_stride as usize);
             let x0 = p.x.wrapping_add(start * xst + h * hd as usize);
-            xs.stage(x0, xst, (SSD_CHUNK, up16(hd)), (len, hd), vec, tid, SSD_STATE_BLOCK);
+            xs.stage(x0, xst, (SSD_CHUNK, up16(hd)), (len, hd), vec, (tid, SSD_STATE_BLOCK));
             let b0 = p.b.wrapping_add(start * bst + g * n as usize);
-            bs.stage(b0, bst, (SSD_CHUNK, up16(n)), (len, n), vec, tid, SSD_STATE_BLOCK);
+            bs.stage(b0, bst, (SSD_CHUNK, up16(n)), (len, n), vec, (tid, SSD_STATE_BLOCK));
             let f = dyn_smem_f32().wrapping_add(((tile_bytes(SSD_CHUNK, hd) + tile_bytes(SSD_CHUNK, n)) / 4) as usize);
             let (w_s, scratch) = (f, f.wrapping_add(CHUNK));
             let off = ch_off(&p, c, h);
@@ -322,8 +322,8 @@ mod kernels {
             let cs = Tile { addr: smem_addr(0), stride: tile_stride(n) };
             let bs = Tile { addr: smem_addr(tile_bytes(SSD_CHUNK, n)), stride: tile_stride(n) };
             let (cst, bst, gn) = (p.c_stride as usize, p.b_stride as usize, g * n as usize);
-            cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, tid, SSD_STATE_BLOCK);
-            bs.stage(p.b.wrapping_add(start * bst + gn), bst, (SSD_CHUNK, np), (len, n), vec, tid, SSD_STATE_BLOCK);
+            cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, (tid, SSD_STATE_BLOCK));
+            bs.stage(p.b.wrapping_add(start * bst + gn), bst, (SSD_CHUNK, np), (len, n), vec, (tid, SSD_STATE_BLOCK));
             staged();
             let rows = len.div_ceil(16);
             let mut t = w;
@@ -483,11 +483,11 @@ mod kernels {
             let ss = Tile { addr: smem_addr(tn + tile_bytes(SSD_CHUNK, hd)), stride: tile_stride(n) };
             let (cst, xst) = (p.c_stride as usize, p.x_stride as usize);
             let gn = g * n as usize;
-            cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, tid, blk);
+            cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, (tid, blk));
             let x0 = p.x.wrapping_add(start * xst + h * hd as usize);
-            xs.stage(x0, xst, (SSD_CHUNK, pp), (len, hd), vec, tid, blk);
+            xs.stage(x0, xst, (SSD_CHUNK, pp), (len, hd), vec, (tid, blk));
             let s0 = p.starts.wrapping_add((c * p.heads as usize + h) * (hd * n) as usize);
-            ss.stage(s0, n as usize, (pp, np), (hd, n), vec, tid, blk);
+            ss.stage(s0, n as usize, (pp, np), (hd, n), vec, (tid, blk));
             let used = tn + tile_bytes(SSD_CHUNK, hd) + tile_bytes(hd, n);
             let acum_s = dyn_smem_f32().wrapping_add((used / 4) as usize);
             let delta_s = acum_s.wrapping_add(CHUNK);

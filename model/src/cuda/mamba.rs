@@ -141,5 +141,5 @@ pub(super) fn ssm_prefill(
     let mut plan = SsdPlan::new(g, p, shape)?;
     let inputs = ssm_inputs(c, &xbc, &dt, p.tokens());
     let mut y = view_mut(y, p.tokens() * c.inner())?;
-    Ok(ssd_scan(g, shape, inputs, heads(&ssm), ssm.state, p, &mut plan, &mut y)?)
+    Ok(ssd_scan(g, shape, (inputs, heads(&ssm)), (ssm.state, p), &mut plan, &mut y)?)
 }

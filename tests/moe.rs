@@ -145,6 +145,67 @@ mod gpu {
             .collect()
     }
 
+    /// Selection scores closer than this may be ordered either way by a kernel's f32 sums.
+    const NEAR_TIE: f64 = 1e-5;
+
+    /// Whether `got` (a token's top-k experts, in the kernel's order) is a choice the reference
+    /// makes for selection scores within [`NEAR_TIE`] of its own (`sigmoid(logit) + bias`, and
+    /// the groups' sums of their top two): every expert of `got` in a group within the margin of
+    /// being kept, and within the margin of every other expert of those groups that it beat.
+    /// Returns the reference's (expert, weight) pairs for `got` where it is.
+    fn near_tie(l: &[f64], bias: &[f64], r: &Routing, got: &[usize]) -> Option<Vec<(usize, f64)>> {
+        let e = l.len();
+        let s: Vec<f64> = l.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect();
+        let sel: Vec<f64> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+        let per = e / r.n_group;
+        let group = |g: usize| {
+            let mut m: Vec<f64> = sel[g * per..(g + 1) * per].to_vec();
+            m.sort_by(|a, b| b.total_cmp(a));
+            m.iter().take(2.min(per)).sum::<f64>()
+        };
+        let gs: Vec<f64> = (0..r.n_group).map(group).collect();
+        let threshold = {
+            let mut sorted = gs.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted[r.topk_group - 1]
+        };
+        let kept = |g: usize| gs[g] >= threshold - NEAR_TIE;
+        let distinct = got.iter().enumerate().all(|(i, a)| !got[..i].contains(a));
+        if !distinct || got.iter().any(|&x| x >= e || !kept(x / per)) {
+            return None;
+        }
+        let weakest = got.iter().map(|&x| sel[x]).fold(f64::INFINITY, f64::min);
+        let rival =
+            (0..e).filter(|x| !got.contains(x) && kept(x / per)).map(|x| sel[x]).fold(f64::NEG_INFINITY, f64::max);
+        if weakest < rival - NEAR_TIE {
+            return None;
+        }
+        let total: f64 = got.iter().map(|&x| s[x]).sum();
+        Some(got.iter().map(|&x| (x, if r.norm_topk_prob { s[x] / total } else { s[x] } * r.scaling)).collect())
+    }
+
+    /// The near-tie rule takes a swap at the top-k boundary within the margin and nothing else:
+    /// not a swap past it, not a repeated expert, not an expert of a group the reference drops
+    /// by more than the margin.
+    #[test]
+    fn near_ties_are_only_close_swaps() {
+        let logit = |p: f64| (p / (1.0 - p)).ln();
+        let r = Routing { top_k: 2, n_group: 1, topk_group: 1, norm_topk_prob: true, scaling: 1.0 };
+        let l: Vec<f64> = [0.9, 0.8, 0.8 + 5e-6, 0.1, 0.2, 0.3, 0.4, 0.5].iter().map(|&p| logit(p)).collect();
+        let zero = vec![0.0; 8];
+        assert_eq!(route(&l, &zero, &r).iter().map(|c| c.0).collect::<Vec<_>>(), [0, 2]);
+        let w = near_tie(&l, &zero, &r, &[0, 1]).expect("a swap within the margin");
+        assert!((w[0].1 - 0.9 / 1.7).abs() < 1e-12 && w[1].0 == 1);
+        assert!(near_tie(&l, &zero, &r, &[1, 0]).is_some(), "the order of a near tie");
+        assert!(near_tie(&l, &zero, &r, &[0, 7]).is_none(), "a swap past the margin");
+        assert!(near_tie(&l, &zero, &r, &[0, 0]).is_none(), "a repeated expert");
+        // Two groups of four keep one: group 1's top two sum far below group 0's.
+        let g = Routing { top_k: 2, n_group: 2, topk_group: 1, ..r };
+        let l: Vec<f64> = [0.9, 0.8, 0.7, 0.1, 0.75, 0.1, 0.1, 0.1].iter().map(|&p| logit(p)).collect();
+        assert!(near_tie(&l, &zero, &g, &[0, 4]).is_none(), "an expert of a dropped group");
+        assert!(near_tie(&l, &zero, &g, &[0, 1]).is_some());
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_routing_matches_reference() {
@@ -238,14 +299,34 @@ mod gpu {
                 scaling: f64::from(s.scaling),
             };
             let bias64: Vec<f64> = bias.iter().map(|&b| f64::from(b)).collect();
-            // Each row: the top-k, then the appended pieces with weight 1.
-            let appended = (s.experts..s.experts + s.shared).map(|e| (e, 1.0));
+            let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
+            // Each row: the top-k, then the appended pieces with weight 1. Where the kernel's
+            // f32 sums chose otherwise at a near tie (selection scores within NEAR_TIE), the
+            // reference takes its choice, with the weights the reference gives those experts.
+            let appended: Vec<(usize, f64)> = (s.experts..s.experts + s.shared).map(|e| (e, 1.0)).collect();
+            let mut near_ties = 0;
             let want: Vec<(usize, f64)> = logits(&x, &gate, hidden)
                 .iter()
-                .flat_map(|l| route(l, &bias64, &r).into_iter().chain(appended.clone()))
+                .zip(got_idx.chunks(s.choices()))
+                .flat_map(|(l, got)| {
+                    let mut chosen = route(l, &bias64, &r);
+                    let got = &got[..s.top_k];
+                    if chosen.iter().map(|c| c.0).ne(got.iter().copied()) {
+                        let tie = near_tie(l, &bias64, &r, got)
+                            .unwrap_or_else(|| panic!("route {s:?}: {got:?} against {chosen:?}, no near tie"));
+                        near_ties += 1;
+                        chosen = tie;
+                    }
+                    chosen.into_iter().chain(appended.iter().copied())
+                })
                 .collect();
+            // A flip needs selection scores within 1e-5 of each other: rare (the reviewer's
+            // estimate: a few in 10^4 tokens at f32 sums), never a pattern.
+            assert!(near_ties <= rows / 200 + 1, "route {s:?}: {near_ties} near ties in {rows} tokens");
+            if near_ties > 0 {
+                println!("route {s:?} at {rows} tokens: {near_ties} near ties resolved the other way");
+            }
             let label = format!("route {s:?}");
-            let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
             compared +=
                 assert_same(&format!("{label} experts"), &got_idx, &want.iter().map(|w| w.0).collect::<Vec<_>>());
             let got_w: Vec<f64> = gpu.download(&w).unwrap().iter().map(|&v| f64::from(v)).collect();

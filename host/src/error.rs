@@ -18,7 +18,7 @@ pub enum Error {
     #[error("{kernel}: argument `{arg}`: expected {expected}, got {got}")]
     Shape { kernel: &'static str, arg: &'static str, expected: String, got: String },
     #[error(
-        "unsupported GPU: compute capability {major}.{minor}; the kernels need 9.0 or newer (PTX is embedded for sm_90, sm_110 and sm_121a)"
+        "unsupported GPU: compute capability {major}.{minor}; the kernels need 9.0 or newer (PTX is embedded for sm_90, sm_90a, sm_110 and sm_121a)"
     )]
     UnsupportedArch { major: i32, minor: i32 },
     #[error("the CUDA driver (version {driver}) cannot load {arch} PTX (ISA {isa}): update the NVIDIA driver")]

@@ -1,5 +1,5 @@
 //! `cargo xtask <command>`:
-//! - `ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
+//! - `ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
 //!   `.target` and every entry, assemble with ptxas 13.x, print registers / spills / shared
 //!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
 //! - `generate ARGS...`: the model crate's `generate` CLI (release build), e.g.
@@ -38,7 +38,7 @@ fn main() -> Result<()> {
                     other => bail!("unknown argument `{other}`; usage: cargo xtask ptx --arch <arch|all> [--out DIR]"),
                 }
             }
-            let arch = arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_110|sm_121a|all>")?;
+            let arch = arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all>")?;
             let arches: Vec<&str> = match arch.as_str() {
                 "all" => ptx_build::ARCHES.to_vec(),
                 a if ptx_build::ARCHES.contains(&a) => vec![a],
@@ -96,7 +96,7 @@ fn main() -> Result<()> {
             bundle(&workspace, &out)
         }
         _ => bail!(
-            "usage: cargo xtask <ptx --arch <sm_90|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | generate ARGS | serve ARGS | lint | bundle [--out DIR]>"
+            "usage: cargo xtask <ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | generate ARGS | serve ARGS | lint | bundle [--out DIR]>"
         ),
     }
 }

@@ -11,9 +11,7 @@ use std::collections::HashMap;
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{
-    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, PrefillSeqs, QkvRows, StepRows,
-};
+use crate::backend::{Backend, CacheSizes, In, KvCache, MoeWeights, Norm, Out, PrefillSeqs, QkvRows, StepRows, bf16s};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
@@ -21,19 +19,8 @@ use crate::layout::{self, Layout, Linear, Mixer, Mlp};
 use crate::profile::{Part as P, Profile, Span, Stage};
 use crate::weights::Dtype;
 
-struct MambaW<B: Backend> {
-    in_proj: B::Weight,
-    conv_w: B::Buf,
-    conv_b: Option<B::Buf>,
-    dt_bias: B::Buf32,
-    a: B::Buf32,
-    d: B::Buf32,
-    norm: B::Buf,
-    out_proj: B::Weight,
-}
-
 enum MixW<B: Backend> {
-    Mamba(Box<MambaW<B>>),
+    Mamba(Box<B::Mamba>),
     Moe(MoeWeights<B>),
     Attention { qkv: Qkv<B>, o: B::Weight },
     Mlp { up: B::Weight, down: B::Weight },
@@ -61,7 +48,6 @@ impl<B: Backend> Qkv<B> {
 }
 
 enum LayerCache<B: Backend> {
-    Mamba { conv: B::Buf, ssm: B::Buf32 },
     Attention { k: B::Buf, v: B::Buf },
     Stateless,
 }
@@ -81,7 +67,9 @@ pub struct StepCounters {
 /// The weights on the backend.
 struct Weights<B: Backend> {
     embeddings: B::Buf,
-    layers: Vec<(B::Buf, MixW<B>)>,
+    /// Each layer's RMSNorm weight, and its mixer.
+    norms: Vec<B::Buf>,
+    layers: Vec<MixW<B>>,
     norm_f: B::Buf,
     lm_head: B::Weight,
 }
@@ -155,10 +143,6 @@ impl<B: Backend> Marks<B> {
     }
 }
 
-fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
-    b.upload(&t.to_bf16()?)
-}
-
 /// A dense MLP's two weights.
 pub(crate) fn mlp<B: Backend>(b: &B, m: &Mlp) -> Result<(B::Weight, B::Weight)> {
     Ok((b.weight(&m.up)?, b.weight(&m.down)?))
@@ -182,26 +166,14 @@ impl<B: Backend> Model<B> {
     ) -> Result<Model<B>> {
         let b = &backend;
         let sizes = CacheSizes::new(config, slots, max_len)?;
-        let mut layers = Vec::new();
+        let (mut norms, mut layers) = (Vec::new(), Vec::new());
         let mut cache = Vec::new();
         let total = layout.layers.len();
         for layer in &layout.layers {
             let (mix, lc) = match &layer.mixer {
                 Mixer::Mamba(m) => {
-                    config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
-                    let a: Vec<f32> = m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect();
-                    let w = MambaW {
-                        in_proj: b.weight(&m.in_proj)?,
-                        conv_w: bf16s(b, &m.conv_w)?,
-                        conv_b: m.conv_b.as_ref().map(|t| bf16s(b, t)).transpose()?,
-                        dt_bias: b.upload32(&m.dt_bias.to_f32()?)?,
-                        a: b.upload32(&a)?,
-                        d: b.upload32(&m.d.to_f32()?)?,
-                        norm: bf16s(b, &m.norm)?,
-                        out_proj: b.weight(&m.out_proj)?,
-                    };
-                    let lc = LayerCache::Mamba { conv: b.zeros(sizes.conv)?, ssm: b.zeros32(sizes.ssm)? };
-                    (MixW::Mamba(Box::new(w)), lc)
+                    let c = config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
+                    (MixW::Mamba(Box::new(b.mamba(c, config.norm_eps, m, &sizes)?)), LayerCache::Stateless)
                 }
                 Mixer::Moe(m) => {
                     let experts = config.moe.as_ref().map_or(0, |c| c.experts);
@@ -226,7 +198,8 @@ impl<B: Backend> Model<B> {
                     (MixW::Mlp { up, down }, LayerCache::Stateless)
                 }
             };
-            layers.push((bf16s(b, &layer.norm)?, mix));
+            norms.push(bf16s(b, &layer.norm)?);
+            layers.push(mix);
             cache.push(lc);
             progress(layers.len(), total);
         }
@@ -234,6 +207,7 @@ impl<B: Backend> Model<B> {
             embeddings: bf16s(b, &layout.embeddings)?,
             norm_f: bf16s(b, &layout.norm_f)?,
             lm_head: b.weight(&layout.lm_head)?,
+            norms,
             layers,
         };
         Ok(Model {
@@ -469,41 +443,6 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Elements of one layer's state cache per kind, for `slots` slots of `max_len` tokens, each
-/// product checked: an overflow is an error naming the load parameters, never a wrapped size.
-struct CacheSizes {
-    conv: usize,
-    ssm: usize,
-    kv: usize,
-}
-
-impl CacheSizes {
-    fn new(config: &Config, slots: usize, max_len: usize) -> Result<CacheSizes> {
-        if slots == 0 || max_len == 0 {
-            return Err(Error::Capacity(format!(
-                "a state cache needs at least one slot of at least one token (slots {slots}, max_len {max_len})"
-            )));
-        }
-        let product = |what: &str, factors: &[usize]| {
-            factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f)).ok_or_else(|| {
-                Error::Capacity(format!(
-                    "the {what} cache of {slots} slots of {max_len} tokens overflows ({} elements)",
-                    factors.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" x ")
-                ))
-            })
-        };
-        let (mut conv, mut ssm, mut kv) = (0, 0, 0);
-        if let Some(c) = &config.mamba {
-            conv = product("conv", &[slots, c.conv_dim(), c.conv_kernel.saturating_sub(1)])?;
-            ssm = product("SSM state", &[slots, c.inner(), c.state_size])?;
-        }
-        if let Some(c) = &config.attention {
-            kv = product("KV", &[slots, max_len, c.kv_heads, c.head_dim])?;
-        }
-        Ok(CacheSizes { conv, ssm, kv })
-    }
-}
-
 /// Penalty pairs a row of a recorded step has room for at first.
 const PAIRS_PER_ROW: usize = 64;
 
@@ -539,7 +478,7 @@ struct Step<'a, B: Backend> {
 fn forward<B: Backend>(
     b: &B,
     config: &Config,
-    w: &Weights<B>,
+    w: &mut Weights<B>,
     (cache, max_len): (&mut [LayerCache<B>], usize),
     Step { nd, seqs, rows }: Step<B>,
     logits: &mut B::Buf,
@@ -556,30 +495,24 @@ fn forward<B: Backend>(
     b.embed(&w.embeddings, hidden, rows, Out { buf: &mut h, offset: 0 })?;
     let mut x = b.scratch(n * hidden)?;
     let mut out = b.scratch(n * hidden)?;
-    if let Some((first, _)) = w.layers.first() {
+    if let Some(first) = w.norms.first() {
         b.rms_norm(In::rows(&h, hidden), norm(first), n, Out { buf: &mut x, offset: 0 })?;
     }
     marks.end(b, Stage::Embed)?;
-    for (i, (((_, mix), lc), kind)) in w.layers.iter().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
+    for (i, ((mix, lc), kind)) in w.layers.iter_mut().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
         let mut done = |part| marks.end(b, Stage::Layer { index: i, kind: *kind, part });
         match (mix, lc) {
-            (MixW::Mamba(m), LayerCache::Mamba { conv, ssm }) => {
+            (MixW::Mamba(m), _) => {
                 let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
                 let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
                 let mut zx = b.scratch(n * wd)?;
-                b.linear(In::rows(&x, hidden), n, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
+                b.mamba_in_proj(m, In::rows(&x, hidden), n, Out { buf: &mut zx, offset: 0 })?;
                 done(P::InProj)?;
                 let zxr = In::rows(&zx, wd);
-                let heads = (&m.dt_bias, &m.a, &m.d);
-                let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
-                let gated = Norm { w: &m.norm, width: inner, eps };
                 // The gated norm's output: the decode rows', then the prefill rows'.
                 let mut yn = b.scratch(n * inner)?;
                 if nd > 0 {
-                    let ssm = MambaSsm { heads, state: &mut *ssm };
-                    let conv = MambaConv { w: cw, bias: cb, state: &mut *conv };
-                    let md = MambaDecode { conv, ssm, norm: gated, rows };
-                    b.mamba_decode(c, zxr, nd, md, Out { buf: &mut yn, offset: 0 })?;
+                    b.mamba_decode(m, zxr, nd, rows, Out { buf: &mut yn, offset: 0 })?;
                     done(P::Decode)?;
                     counters.conv_updates += 1;
                     counters.state_updates += 1;
@@ -587,20 +520,19 @@ fn forward<B: Backend>(
                 if prefill {
                     let np = n - nd;
                     let mut xbc = b.scratch(np * cd)?;
-                    let conv = MambaConv { w: cw, bias: cb, state: conv };
-                    b.conv_prefill(c, zxr.at(nd, inner), conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    b.mamba_conv(m, zxr.at(nd, inner), rows, Out { buf: &mut xbc, offset: 0 })?;
                     done(P::Conv)?;
                     let mut y = b.scratch(np * inner)?;
                     let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
-                    b.ssm_prefill(c, xbcr, dt, MambaSsm { heads, state: ssm }, rows, Out { buf: &mut y, offset: 0 })?;
+                    b.mamba_scan(m, xbcr, dt, rows, Out { buf: &mut y, offset: 0 })?;
                     done(P::Scan)?;
                     let yo = Out { buf: &mut yn, offset: nd * inner };
-                    b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), gated, c.groups, np, yo)?;
+                    b.mamba_gated_norm(m, In::rows(&y, inner), zxr.at(nd, 0), np, yo)?;
                     done(P::GatedNorm)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
                 }
-                b.linear(In::rows(&yn, inner), n, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
+                b.mamba_out_proj(m, In::rows(&yn, inner), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OutProj)?;
             }
             (MixW::Moe(mw), _) => {
@@ -646,7 +578,7 @@ fn forward<B: Backend>(
             _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
         }
         // The residual, and the next layer's norm (the final norm after the last layer).
-        let next = w.layers.get(i + 1).map_or(&w.norm_f, |(norm, _)| norm);
+        let next = w.norms.get(i + 1).unwrap_or(&w.norm_f);
         b.add_rms_norm(&mut h, &out, norm(next), n, Out { buf: &mut x, offset: 0 })?;
         done(P::Residual)?;
     }

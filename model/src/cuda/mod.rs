@@ -38,22 +38,20 @@ use std::sync::Arc;
 
 use half::bf16;
 use host::moe::Router;
-use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
+use host::norm::{NormShape, add_rms_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{
-    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32,
-};
+use crate::backend::{Backend, CacheSizes, In, KvCache, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
-use crate::layout::{Linear, Mlp};
+use crate::layout::{self, Linear, Mlp};
 use linear::mlp_rows;
 
 pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
-pub use mamba::FUSED_MAMBA_ROWS;
+pub use mamba::{CudaMamba, FUSED_MAMBA_ROWS};
 pub use moe::{
     CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
     SHARED_PIECES_MAX_ROWS,
@@ -123,6 +121,7 @@ impl Backend for Cuda {
     type Buf32 = CudaSlice<f32>;
     type Weight = CudaWeight;
     type Experts = CudaExperts;
+    type Mamba = CudaMamba;
     type Rows = CudaRows;
     type Graph = Graph;
     type Sampling = CudaSampling;
@@ -163,6 +162,10 @@ impl Backend for Cuda {
 
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
         CudaExperts::upload(&self.gpu, list, shared)
+    }
+
+    fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<CudaMamba> {
+        CudaMamba::upload(self, c, eps, m, sizes)
     }
 
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
@@ -231,20 +234,6 @@ impl Backend for Cuda {
         Ok(rms_norm(&self.gpu, shape, rows_of(&x, rows, n.width), n.w, &mut y)?)
     }
 
-    fn gated_norm(
-        &self,
-        x: In<Buffer<bf16>>,
-        z: In<Buffer<bf16>>,
-        n: Norm<Buffer<bf16>>,
-        groups: usize,
-        rows: usize,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        let (shape, width) = (NormShape::new(rows, n.width, groups, n.eps), n.width);
-        let mut y = view_mut(y, rows * width)?;
-        Ok(gated_norm(&self.gpu, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), n.w, &mut y)?)
-    }
-
     fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {
         if x.stride != w.k {
             return Err(unsupported("strided linear inputs"));
@@ -284,61 +273,49 @@ impl Backend for Cuda {
         mlp_rows(&self.gpu, &xv, rows, (up, down), &mut y)
     }
 
-    fn conv_decode(
-        &self,
-        c: &MambaConfig,
-        x: In<Buffer<bf16>>,
-        conv: MambaConv<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::conv_decode(&self.gpu, c, x, conv, rows, y)
-    }
-
-    fn conv_prefill(
-        &self,
-        c: &MambaConfig,
-        x: In<Buffer<bf16>>,
-        conv: MambaConv<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::conv_prefill(&self.gpu, c, x, conv, rows, y)
-    }
-
-    fn ssm_decode(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Buffer<bf16>>,
-        dt: In<Buffer<bf16>>,
-        ssm: MambaSsm<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::ssm_decode(&self.gpu, c, (xbc, dt), ssm, rows, y)
+    fn mamba_in_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, zx: Out<Buffer<bf16>>) -> Result<()> {
+        m.in_proj(self, x, rows, zx)
     }
 
     fn mamba_decode(
         &self,
-        c: &MambaConfig,
+        m: &mut CudaMamba,
         zx: In<Buffer<bf16>>,
         nd: usize,
-        m: MambaDecode<Cuda>,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::decode(self, c, zx, nd, m, y)
-    }
-
-    fn ssm_prefill(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Buffer<bf16>>,
-        dt: In<Buffer<bf16>>,
-        ssm: MambaSsm<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::ssm_prefill(&self.gpu, c, (xbc, dt), ssm, rows, y)
+        m.decode(self, zx, nd, rows, y)
+    }
+
+    fn mamba_conv(&self, m: &mut CudaMamba, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
+        m.conv(&self.gpu, x, rows, y)
+    }
+
+    fn mamba_scan(
+        &self,
+        m: &mut CudaMamba,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        m.scan(&self.gpu, (xbc, dt), rows, y)
+    }
+
+    fn mamba_gated_norm(
+        &self,
+        m: &CudaMamba,
+        x: In<Buffer<bf16>>,
+        z: In<Buffer<bf16>>,
+        rows: usize,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        m.gated_norm(&self.gpu, x, z, rows, y)
+    }
+
+    fn mamba_out_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        m.out_proj(self, x, rows, y)
     }
 
     fn moe(

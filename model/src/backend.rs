@@ -168,11 +168,33 @@ pub struct QkvRows<'a, B> {
     pub v: In<'a, B>,
 }
 
-/// An attention layer's key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
-pub struct KvCache<'a, B: Backend> {
-    pub k: &'a mut B::Buf,
-    pub v: &'a mut B::Buf,
-    pub max_len: usize,
+/// A step's q, k and v rows as an attention layer's projections wrote them
+/// ([`Backend::attention_qkv`]): side by side in one buffer (one projection of the three
+/// weights' rows in order), or a buffer each.
+pub enum QkvBufs<B> {
+    Fused(B),
+    Apart { q: B, k: B, v: B },
+}
+
+impl<B> QkvBufs<B> {
+    /// The q, k and v rows, `qw`, `kw` and `kw` wide.
+    pub fn rows(&self, qw: usize, kw: usize) -> QkvRows<'_, B> {
+        match self {
+            QkvBufs::Fused(p) => {
+                let p = In::rows(p, qw + 2 * kw);
+                QkvRows { q: p, k: p.at(0, qw), v: p.at(0, qw + kw) }
+            }
+            QkvBufs::Apart { q, k, v } => QkvRows { q: In::rows(q, qw), k: In::rows(k, kw), v: In::rows(v, kw) },
+        }
+    }
+}
+
+/// `rows` contiguous rows of `x` through the linear layer `w` (`width` outputs), into a buffer
+/// of their own.
+pub(crate) fn project<B: Backend>(b: &B, x: In<B::Buf>, rows: usize, w: &B::Weight, width: usize) -> Result<B::Buf> {
+    let mut buf = b.scratch(rows * width)?;
+    b.linear(x, rows, w, Out { buf: &mut buf, offset: 0 })?;
+    Ok(buf)
 }
 
 /// The sequences of a step's prefill part, as the backend needs them.
@@ -226,6 +248,10 @@ pub trait Backend: Sized {
     /// A Mamba mixer: its weights, its slots' states and its choice of kernels, for the
     /// `mamba_*` operations.
     type Mamba;
+    /// An attention layer: its projections, its slots' key and value caches and its choice of
+    /// kernels, for [`Backend::attention_qkv`], [`Backend::attend`] and
+    /// [`Backend::attention_out`].
+    type Attention;
     /// A step's [`StepRows`] as the operations read them.
     type Rows;
     /// A recorded step (see [`Backend::record`]).
@@ -250,6 +276,8 @@ pub trait Backend: Sized {
     /// Uploads a Mamba mixer of `c` (its gated norm's epsilon `eps`) with zero states of
     /// `sizes`.
     fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<Self::Mamba>;
+    /// Uploads an attention layer of `c` with zero key and value caches of `sizes`.
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<Self::Attention>;
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
     /// tokens. The model has checked them (slots in range and distinct, positions below
@@ -357,16 +385,19 @@ pub trait Backend: Sized {
     fn mamba_out_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
+    /// An attention layer's q, k and v projections of `rows` contiguous rows of `x`.
+    fn attention_qkv(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize) -> Result<QkvBufs<Self::Buf>>;
     /// Causal attention: writes each row's k and v into its slot's cache at its position,
     /// then attends each row over its slot's positions up to its own.
-    fn attention(
+    fn attend(
         &self,
-        c: &AttentionConfig,
-        qkv: QkvRows<Self::Buf>,
-        cache: KvCache<Self>,
+        a: &mut Self::Attention,
+        qkv: &QkvBufs<Self::Buf>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
+    /// An attention layer's o_proj over `rows` contiguous rows of `x`.
+    fn attention_out(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
 }
 
 /// `v`'s rows of `width` values as f32 ([`Backend::download_rows`]): each bf16's bits as the

@@ -11,7 +11,7 @@ use host::sample::{RowSampling, check_row};
 use kernels_gpu::sample::{SampleOut, SampleRow};
 
 use crate::backend::{
-    Backend, CacheSizes, In, KvCache, MambaWeights, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32,
+    Backend, CacheSizes, In, MambaWeights, MoeWeights, Norm, Out, QkvBufs, QkvRows, StepRows, project, rows_f32,
 };
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
@@ -160,6 +160,19 @@ fn ssm_decode(m: &mut CpuMamba, xbc: In<Vec<bf16>>, dt: In<Vec<bf16>>, rows: &St
     }
 }
 
+/// An attention layer on the CPU backend: its projections and its slots' key and value caches.
+pub struct CpuAttention {
+    c: AttentionConfig,
+    q: CpuWeight,
+    k: CpuWeight,
+    v: CpuWeight,
+    o: CpuWeight,
+    /// `[slots, max_len, kv_heads * head_dim]` each.
+    k_cache: Vec<bf16>,
+    v_cache: Vec<bf16>,
+    max_len: usize,
+}
+
 /// A MoE layer's experts on the CPU backend: each routed expert's and the shared expert's
 /// (up, down).
 pub struct CpuExperts {
@@ -190,6 +203,7 @@ impl Backend for Cpu {
     type Weight = CpuWeight;
     type Experts = CpuExperts;
     type Mamba = CpuMamba;
+    type Attention = CpuAttention;
     type Rows = StepRows;
     type Graph = ();
     type Sampling = CpuSampling;
@@ -234,6 +248,19 @@ impl Backend for Cpu {
 
     fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<CpuMamba> {
         MambaWeights::upload(self, c, eps, m, sizes)
+    }
+
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<CpuAttention> {
+        Ok(CpuAttention {
+            c: c.clone(),
+            q: self.weight(&a.q)?,
+            k: self.weight(&a.k)?,
+            v: self.weight(&a.v)?,
+            o: self.weight(&a.o)?,
+            k_cache: self.zeros(sizes.kv)?,
+            v_cache: self.zeros(sizes.kv)?,
+            max_len: sizes.max_len,
+        })
     }
 
     fn rows(&self, rows: &StepRows, _slots: usize, _max_len: usize) -> Result<StepRows> {
@@ -445,15 +472,17 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        c: &AttentionConfig,
-        QkvRows { q, k, v }: QkvRows<Vec<bf16>>,
-        KvCache { k: kc, v: vc, max_len }: KvCache<Cpu>,
-        rows: &StepRows,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
+    /// q, k and v apart (each output the same product as through one weight of their rows).
+    fn attention_qkv(&self, a: &CpuAttention, x: In<Vec<bf16>>, rows: usize) -> Result<QkvBufs<Vec<bf16>>> {
+        let (qw, kw) = (a.c.heads * a.c.head_dim, a.c.kv_heads * a.c.head_dim);
+        let (q, k) = (project(self, x, rows, &a.q, qw)?, project(self, x, rows, &a.k, kw)?);
+        Ok(QkvBufs::Apart { q, k, v: project(self, x, rows, &a.v, kw)? })
+    }
+
+    fn attend(&self, a: &mut CpuAttention, qkv: &QkvBufs<Vec<bf16>>, rows: &StepRows, y: Out<Vec<bf16>>) -> Result<()> {
+        let (c, max_len, kc, vc) = (&a.c, a.max_len, &mut a.k_cache, &mut a.v_cache);
         let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let QkvRows { q, k, v } = qkv.rows(qw, kw);
         let at = |r: usize| (rows.slots[r] as usize * max_len + rows.positions[r] as usize) * kw;
         for r in 0..rows.slots.len() {
             kc[at(r)..][..kw].copy_from_slice(&k.buf[k.offset + r * k.stride..][..kw]);
@@ -473,5 +502,9 @@ impl Backend for Cpu {
             );
         }
         Ok(())
+    }
+
+    fn attention_out(&self, a: &CpuAttention, x: In<Vec<bf16>>, rows: usize, y: Out<Vec<bf16>>) -> Result<()> {
+        self.linear(x, rows, &a.o, y)
     }
 }

@@ -1,6 +1,9 @@
 //! NemotronH on a [`Backend`]: the weights uploaded once, the state cache (conv, SSM and KV
-//! state per slot), and the step that runs a batch mixing decode rows and prefill sequences.
-//! This is the model's one code path; backends differ only in how they run each operation.
+//! state per slot, held by the Mamba and attention layers' objects, [`Backend::Mamba`] and
+//! [`Backend::Attention`]), and the step that runs a batch mixing decode rows and prefill
+//! sequences. This is the model's one code path: it orders each layer's operations (and the
+//! profile's stamps and the step's counters between them); backends differ only in how they
+//! run each operation, a layer object choosing the kernels of its own.
 //!
 //! A step of decode rows only is recorded by the backend where it can ([`Backend::record`]),
 //! once per number of rows, and replayed for later steps of as many rows with their rows
@@ -11,45 +14,20 @@ use std::collections::HashMap;
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, CacheSizes, In, KvCache, MoeWeights, Norm, Out, PrefillSeqs, QkvRows, StepRows, bf16s};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, PrefillSeqs, StepRows, bf16s};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
-use crate::layout::{self, Layout, Linear, Mixer, Mlp};
+use crate::layout::{Layout, Mixer, Mlp};
 use crate::profile::{Part as P, Profile, Span, Stage};
-use crate::weights::Dtype;
 
+/// A layer's mixer: the backend's Mamba or attention layer (weights, the slots' states, the
+/// choice of kernels), a MoE layer's weights, or a dense MLP's.
 enum MixW<B: Backend> {
     Mamba(Box<B::Mamba>),
     Moe(MoeWeights<B>),
-    Attention { qkv: Qkv<B>, o: B::Weight },
+    Attention(B::Attention),
     Mlp { up: B::Weight, down: B::Weight },
-}
-
-/// An attention layer's q, k and v projections: one weight of their rows in order where all
-/// three are bf16 without bias (one launch instead of three), else apart.
-enum Qkv<B: Backend> {
-    Fused(B::Weight),
-    Apart { q: B::Weight, k: B::Weight, v: B::Weight },
-}
-
-impl<B: Backend> Qkv<B> {
-    fn new(b: &B, a: &layout::Attention) -> Result<Qkv<B>> {
-        let plain = |l: &Linear| l.weight.dtype == Dtype::Bf16 && l.bias.is_none() && l.fp8.is_none();
-        let (q, k, v) = (&a.q, &a.k, &a.v);
-        let hidden = q.weight.shape[1];
-        if [q, k, v].iter().all(|l| plain(l) && l.weight.shape[1] == hidden) {
-            let bytes = [q, k, v].iter().flat_map(|l| l.weight.bytes.iter().copied()).collect::<Vec<u8>>();
-            let shape = [q.weight.shape[0] + k.weight.shape[0] + v.weight.shape[0], hidden];
-            return Ok(Qkv::Fused(b.weight(&Linear::bf16("q_proj + k_proj + v_proj", &shape, &bytes))?));
-        }
-        Ok(Qkv::Apart { q: b.weight(q)?, k: b.weight(k)?, v: b.weight(v)? })
-    }
-}
-
-enum LayerCache<B: Backend> {
-    Attention { k: B::Buf, v: B::Buf },
-    Stateless,
 }
 
 /// What one step ran, counted at the call sites: decode rows must go through the update
@@ -64,7 +42,7 @@ pub struct StepCounters {
     pub moe_calls: usize,
 }
 
-/// The weights on the backend.
+/// The weights on the backend, the state cache inside the layers that have one.
 struct Weights<B: Backend> {
     embeddings: B::Buf,
     /// Each layer's RMSNorm weight, and its mixer.
@@ -96,7 +74,6 @@ pub struct Model<B: Backend> {
     backend: B,
     config: Config,
     weights: Weights<B>,
-    cache: Vec<LayerCache<B>>,
     /// Tokens each slot's state has seen.
     past: Vec<usize>,
     max_len: usize,
@@ -167,13 +144,12 @@ impl<B: Backend> Model<B> {
         let b = &backend;
         let sizes = CacheSizes::new(config, slots, max_len)?;
         let (mut norms, mut layers) = (Vec::new(), Vec::new());
-        let mut cache = Vec::new();
         let total = layout.layers.len();
         for layer in &layout.layers {
-            let (mix, lc) = match &layer.mixer {
+            let mix = match &layer.mixer {
                 Mixer::Mamba(m) => {
                     let c = config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
-                    (MixW::Mamba(Box::new(b.mamba(c, config.norm_eps, m, &sizes)?)), LayerCache::Stateless)
+                    MixW::Mamba(Box::new(b.mamba(c, config.norm_eps, m, &sizes)?))
                 }
                 Mixer::Moe(m) => {
                     let experts = config.moe.as_ref().map_or(0, |c| c.experts);
@@ -186,21 +162,22 @@ impl<B: Backend> Model<B> {
                         score_bias: b.upload32(&bias)?,
                         experts: b.experts(&m.experts, m.shared.as_ref())?,
                     };
-                    (MixW::Moe(w), LayerCache::Stateless)
+                    MixW::Moe(w)
                 }
                 Mixer::Attention(a) => {
-                    config.attention.as_ref().ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
-                    let w = MixW::Attention { qkv: Qkv::new(b, a)?, o: b.weight(&a.o)? };
-                    (w, LayerCache::Attention { k: b.zeros(sizes.kv)?, v: b.zeros(sizes.kv)? })
+                    let c = config
+                        .attention
+                        .as_ref()
+                        .ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
+                    MixW::Attention(b.attention(c, a, &sizes)?)
                 }
                 Mixer::Mlp(m) => {
                     let (up, down) = mlp(b, m)?;
-                    (MixW::Mlp { up, down }, LayerCache::Stateless)
+                    MixW::Mlp { up, down }
                 }
             };
             norms.push(bf16s(b, &layer.norm)?);
             layers.push(mix);
-            cache.push(lc);
             progress(layers.len(), total);
         }
         let weights = Weights {
@@ -212,7 +189,6 @@ impl<B: Backend> Model<B> {
         };
         Ok(Model {
             weights,
-            cache,
             past: vec![0; slots],
             max_len,
             config: config.clone(),
@@ -281,7 +257,7 @@ impl<B: Backend> Model<B> {
         let (slots, max_len) = (self.past.len(), self.max_len);
         // The sampling rows in the order of the logits rows.
         let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
-        let Model { backend: b, config, weights, cache, recorded, counters, profiling, profile, .. } = self;
+        let Model { backend: b, config, weights, recorded, counters, profiling, profile, .. } = self;
         let profiling = *profiling;
         let b = &*b;
         let seqs = &plan.prefill_lens;
@@ -312,7 +288,7 @@ impl<B: Backend> Model<B> {
             let mut run = || {
                 let (rows, marks) = (&step_rows, &mut marks);
                 let step = Step { nd, seqs, rows };
-                let ran = forward(b, config, weights, (&mut *cache, max_len), step, &mut logits, marks)?;
+                let ran = forward(b, config, &mut *weights, step, &mut logits, marks)?;
                 if let Some(s) = sampling.as_mut() {
                     b.sample(&logits, vocab, s)?;
                     marks.end(b, Stage::Sample)?;
@@ -472,14 +448,13 @@ struct Step<'a, B: Backend> {
     rows: &'a B::Rows,
 }
 
-/// Queues one step's operations on a cache of `max_len` tokens per slot; the logits of the rows
-/// `step.rows.last` names go to `logits` (without prefill, every row's, in order). Marks each
-/// stage's end in `marks` (nothing when they are off).
+/// Queues one step's operations; the logits of the rows `step.rows.last` names go to `logits`
+/// (without prefill, every row's, in order). Marks each stage's end in `marks` (nothing when
+/// they are off).
 fn forward<B: Backend>(
     b: &B,
     config: &Config,
     w: &mut Weights<B>,
-    (cache, max_len): (&mut [LayerCache<B>], usize),
     Step { nd, seqs, rows }: Step<B>,
     logits: &mut B::Buf,
     marks: &mut Marks<B>,
@@ -499,10 +474,10 @@ fn forward<B: Backend>(
         b.rms_norm(In::rows(&h, hidden), norm(first), n, Out { buf: &mut x, offset: 0 })?;
     }
     marks.end(b, Stage::Embed)?;
-    for (i, ((mix, lc), kind)) in w.layers.iter_mut().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
+    for (i, (mix, kind)) in w.layers.iter_mut().zip(&config.layers).enumerate() {
         let mut done = |part| marks.end(b, Stage::Layer { index: i, kind: *kind, part });
-        match (mix, lc) {
-            (MixW::Mamba(m), _) => {
+        match mix {
+            MixW::Mamba(m) => {
                 let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
                 let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
                 let mut zx = b.scratch(n * wd)?;
@@ -535,47 +510,28 @@ fn forward<B: Backend>(
                 b.mamba_out_proj(m, In::rows(&yn, inner), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OutProj)?;
             }
-            (MixW::Moe(mw), _) => {
+            MixW::Moe(mw) => {
                 let c = config.moe.as_ref().expect("moe layers come with moe settings");
                 b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
                 done(P::Moe)?;
                 counters.moe_calls += 1;
             }
-            (MixW::Attention { qkv, o }, LayerCache::Attention { k: kc, v: vc }) => {
+            MixW::Attention(a) => {
                 let c = config.attention.as_ref().expect("attention layers come with attention settings");
-                let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                let xr = In::rows(&x, hidden);
-                let project = |w: &B::Weight, width: usize| -> Result<B::Buf> {
-                    let mut buf = b.scratch(n * width)?;
-                    b.linear(xr, n, w, Out { buf: &mut buf, offset: 0 })?;
-                    Ok(buf)
-                };
-                // One buffer with q, k and v side by side (fused), or one each.
-                let (qb, kv) = match qkv {
-                    Qkv::Fused(w) => (project(w, qw + 2 * kw)?, None),
-                    Qkv::Apart { q, k, v } => (project(q, qw)?, Some((project(k, kw)?, project(v, kw)?))),
-                };
-                let qkv = match &kv {
-                    None => {
-                        let p = In::rows(&qb, qw + 2 * kw);
-                        QkvRows { q: p, k: p.at(0, qw), v: p.at(0, qw + kw) }
-                    }
-                    Some((kb, vb)) => QkvRows { q: In::rows(&qb, qw), k: In::rows(kb, kw), v: In::rows(vb, kw) },
-                };
+                let qw = c.heads * c.head_dim;
+                let qkv = b.attention_qkv(a, In::rows(&x, hidden), n)?;
                 done(P::Qkv)?;
                 let mut att = b.scratch(n * qw)?;
-                let cache = KvCache { k: kc, v: vc, max_len };
-                b.attention(c, qkv, cache, rows, Out { buf: &mut att, offset: 0 })?;
+                b.attend(a, &qkv, rows, Out { buf: &mut att, offset: 0 })?;
                 done(P::Attend)?;
-                b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
+                b.attention_out(a, In::rows(&att, qw), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OProj)?;
                 counters.attention_calls += 1;
             }
-            (MixW::Mlp { up, down }, _) => {
+            MixW::Mlp { up, down } => {
                 b.mlp(In::rows(&x, hidden), n, up, down, Out { buf: &mut out, offset: 0 })?;
                 done(P::Mlp)?;
             }
-            _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
         }
         // The residual, and the next layer's norm (the final norm after the last layer).
         let next = w.norms.get(i + 1).unwrap_or(&w.norm_f);

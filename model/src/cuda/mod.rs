@@ -44,12 +44,13 @@ use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, CacheSizes, In, KvCache, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, QkvBufs, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{self, Linear, Mlp};
 use linear::mlp_rows;
 
+pub use attention::CudaAttention;
 pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
 pub use mamba::{CudaMamba, FUSED_MAMBA_ROWS};
 pub use moe::{
@@ -122,6 +123,7 @@ impl Backend for Cuda {
     type Weight = CudaWeight;
     type Experts = CudaExperts;
     type Mamba = CudaMamba;
+    type Attention = CudaAttention;
     type Rows = CudaRows;
     type Graph = Graph;
     type Sampling = CudaSampling;
@@ -166,6 +168,10 @@ impl Backend for Cuda {
 
     fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<CudaMamba> {
         CudaMamba::upload(self, c, eps, m, sizes)
+    }
+
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<CudaAttention> {
+        CudaAttention::upload(self, c, a, sizes)
     }
 
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
@@ -329,14 +335,21 @@ impl Backend for Cuda {
         w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
     }
 
-    fn attention(
+    fn attention_qkv(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
+        a.qkv(self, x, rows)
+    }
+
+    fn attend(
         &self,
-        c: &AttentionConfig,
-        qkv: QkvRows<Buffer<bf16>>,
-        cache: KvCache<Cuda>,
+        a: &mut CudaAttention,
+        qkv: &QkvBufs<Buffer<bf16>>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        attention::forward(&self.gpu, c, qkv, cache, rows, y)
+        a.attend(&self.gpu, qkv, rows, y)
+    }
+
+    fn attention_out(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        a.out(self, x, rows, y)
     }
 }

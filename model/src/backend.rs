@@ -8,6 +8,15 @@
 //! at an offset of an output buffer ([`Out`]), so decode rows and prefill rows of one step can
 //! go through different kernels into one buffer.
 //!
+//! A layer with weights, state and a choice of kernels of its own is an object the backend
+//! builds once at load from the layout: a Mamba mixer ([`Backend::Mamba`], from
+//! [`MambaWeights`]), an attention layer ([`Backend::Attention`]), a MoE layer's experts
+//! ([`Backend::Experts`]); a linear layer's weight ([`Backend::Weight`]) likewise. The model
+//! calls one operation per part of a layer with its object (the parts a profile times apart),
+//! and the object picks the kernels of that part: on the CUDA backend the fused Mamba decode
+//! or its three launches, the fused q/k/v projection, the MoE path by rows. The state cache
+//! (each slot's conv, SSM, key and value state) lives in the layers' objects.
+//!
 //! What indexes a step's rows (tokens, cache slots, positions) is given once per step
 //! ([`StepRows`], readied by [`Backend::rows`]); the operations read it from there, so a
 //! backend uploads it once, and a recorded step ([`Backend::record`]) replays with new rows

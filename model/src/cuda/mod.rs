@@ -22,11 +22,16 @@
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
 //! capture past it). The prefill scan's plan is still built per layer.
 //!
-//! The backend composes one module a layer kind, each owning its device weights and its choice
-//! of kernels: `linear` (linear layers and the dense MLP, [`CudaWeight`]), `moe`
-//! ([`CudaExperts`] and the row thresholds above), `mamba` (conv, state update, the fused
-//! decode), `attention`, and `rows` (a step's [`CudaRows`]); this file holds the buffers, the
-//! norms, embedding, sampling and graphs, and hands each layer operation to its module.
+//! The backend composes one object a layer kind, each built at load from the layout and owning
+//! its device weights, its slots' states and its choice of kernels, each in its module:
+//! `linear` ([`CudaWeight`]: a linear layer's weight and its kernel by rows; a dense MLP is two
+//! of them), `moe` ([`CudaExperts`]: the routed and shared experts and the row thresholds
+//! above), `mamba` ([`CudaMamba`]: the mixer's weights and conv and SSM states; the decode rows
+//! in one launch up to [`FUSED_MAMBA_ROWS`] rows, else three; the prefill conv and chunked
+//! scan), `attention` ([`CudaAttention`]: q, k and v as one weight where they are bf16 without
+//! bias, the KV caches, the attention launch); `rows` holds a step's [`CudaRows`]. This file
+//! holds the buffers, the norms between the layers, embedding, sampling and graphs, and hands
+//! each layer operation to its layer's object.
 
 mod attention;
 mod linear;
@@ -57,12 +62,12 @@ pub use moe::{
     CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
     SHARED_PIECES_MAX_ROWS,
 };
+pub use rows::CudaRows;
 
 /// Most decode rows of a step recorded as a CUDA graph (and replayed): every operation of a
 /// step of up to [`GROUPED_MAX_ROWS`] rows runs without synchronizing, and the engine's
 /// batches go up to 64.
 pub const GRAPH_MAX_ROWS: usize = 64;
-pub use rows::CudaRows;
 
 /// The CUDA backend on one GPU.
 pub struct Cuda {

@@ -45,8 +45,9 @@ pub struct StepCounters {
 /// The weights on the backend, the state cache inside the layers that have one.
 struct Weights<B: Backend> {
     embeddings: B::Buf,
-    /// Each layer's RMSNorm weight, and its mixer.
+    /// Each layer's RMSNorm weight (of its input).
     norms: Vec<B::Buf>,
+    /// Each layer's mixer.
     layers: Vec<MixW<B>>,
     norm_f: B::Buf,
     lm_head: B::Weight,

@@ -8,6 +8,15 @@
 //! at an offset of an output buffer ([`Out`]), so decode rows and prefill rows of one step can
 //! go through different kernels into one buffer.
 //!
+//! A layer with weights, state and a choice of kernels of its own is an object the backend
+//! builds once at load from the layout: a Mamba mixer ([`Backend::Mamba`], from
+//! [`MambaWeights`]), an attention layer ([`Backend::Attention`]), a MoE layer's experts
+//! ([`Backend::Experts`]); a linear layer's weight ([`Backend::Weight`]) likewise. The model
+//! calls one operation per part of a layer with its object (the parts a profile times apart),
+//! and the object picks the kernels of that part: on the CUDA backend the fused Mamba decode
+//! or its three launches, the fused q/k/v projection, the MoE path by rows. The state cache
+//! (each slot's conv, SSM, key and value state) lives in the layers' objects.
+//!
 //! What indexes a step's rows (tokens, cache slots, positions) is given once per step
 //! ([`StepRows`], readied by [`Backend::rows`]); the operations read it from there, so a
 //! backend uploads it once, and a recorded step ([`Backend::record`]) replays with new rows
@@ -17,9 +26,10 @@ use half::bf16;
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleOut;
 
-use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
-use crate::error::Result;
-use crate::layout::{Linear, Mlp};
+use crate::config::{AttentionConfig, Config, MambaConfig, MoeConfig};
+use crate::error::{Error, Result};
+use crate::layout::{self, Linear, Mlp};
+use crate::weights::Tensor;
 
 /// Rows read by an operation: row r at `buf[offset + r * stride ..]`.
 pub struct In<'a, B> {
@@ -67,46 +77,97 @@ impl<B> Clone for Norm<'_, B> {
 }
 impl<B> Copy for Norm<'_, B> {}
 
-/// A Mamba mixer's causal conv: its weights `[conv_dim, k]`, bias, and state cache (updated
-/// in place).
-pub struct MambaConv<'a, B: Backend> {
-    pub w: &'a B::Buf,
-    pub bias: Option<&'a B::Buf>,
-    pub state: &'a mut B::Buf,
+/// Elements of one layer's state cache per kind, for `slots` slots of `max_len` tokens, each
+/// product checked: an overflow is an error naming the load parameters, never a wrapped size.
+pub struct CacheSizes {
+    /// A Mamba mixer's conv state, `[slots, conv_dim, k - 1]`.
+    pub conv: usize,
+    /// A Mamba mixer's SSM state, `[slots, heads, head_dim, state_size]`.
+    pub ssm: usize,
+    /// An attention layer's key cache (or value cache), `[slots, max_len, kv_heads * head_dim]`.
+    pub kv: usize,
+    /// Tokens a slot holds.
+    pub max_len: usize,
 }
 
-/// A Mamba mixer's SSM: its per-head parameters (dt_bias, A, D) and state cache (updated in
-/// place).
-pub struct MambaSsm<'a, B: Backend> {
-    pub heads: (&'a B::Buf32, &'a B::Buf32, &'a B::Buf32),
-    pub state: &'a mut B::Buf32,
+impl CacheSizes {
+    /// The sizes of `config`'s layers' caches; an error unless there is at least one slot of
+    /// at least one token.
+    pub fn new(config: &Config, slots: usize, max_len: usize) -> Result<CacheSizes> {
+        if slots == 0 || max_len == 0 {
+            return Err(Error::Capacity(format!(
+                "a state cache needs at least one slot of at least one token (slots {slots}, max_len {max_len})"
+            )));
+        }
+        let product = |what: &str, factors: &[usize]| {
+            factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f)).ok_or_else(|| {
+                Error::Capacity(format!(
+                    "the {what} cache of {slots} slots of {max_len} tokens overflows ({} elements)",
+                    factors.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" x ")
+                ))
+            })
+        };
+        let (mut conv, mut ssm, mut kv) = (0, 0, 0);
+        if let Some(c) = &config.mamba {
+            conv = product("conv", &[slots, c.conv_dim(), c.conv_kernel.saturating_sub(1)])?;
+            ssm = product("SSM state", &[slots, c.inner(), c.state_size])?;
+        }
+        if let Some(c) = &config.attention {
+            kv = product("KV", &[slots, max_len, c.kv_heads, c.head_dim])?;
+        }
+        Ok(CacheSizes { conv, ssm, kv, max_len })
+    }
 }
 
-/// What [`Backend::mamba_decode`] reads and updates besides its rows: the conv, the SSM, the
-/// gated norm, and the step's rows.
-pub struct MambaDecode<'a, B: Backend> {
-    pub conv: MambaConv<'a, B>,
-    pub ssm: MambaSsm<'a, B>,
-    pub norm: Norm<'a, B::Buf>,
-    pub rows: &'a B::Rows,
+/// A tensor as bf16 on the backend.
+pub(crate) fn bf16s<B: Backend>(b: &B, t: &Tensor) -> Result<B::Buf> {
+    b.upload(&t.to_bf16()?)
 }
 
-/// [`Backend::mamba_decode`] as its three operations, their outputs in buffers of their own.
-pub(crate) fn mamba_decode_apart<B: Backend>(
-    b: &B,
-    c: &MambaConfig,
-    zx: In<B::Buf>,
-    nd: usize,
-    m: MambaDecode<B>,
-    y: Out<B::Buf>,
-) -> Result<()> {
-    let (inner, cd) = (c.inner(), c.conv_dim());
-    let mut xbc = b.scratch(nd * cd)?;
-    b.conv_decode(c, zx.at(0, inner), m.conv, m.rows, Out { buf: &mut xbc, offset: 0 })?;
-    let mut ys = b.scratch(nd * inner)?;
-    let dt = zx.at(0, inner + cd);
-    b.ssm_decode(c, In::rows(&xbc, cd), dt, m.ssm, m.rows, Out { buf: &mut ys, offset: 0 })?;
-    b.gated_norm(In::rows(&ys, inner), zx, m.norm, c.groups, nd, y)
+/// A Mamba mixer's weights, uploaded once (A = -exp(A_log)), and its slots' conv and SSM
+/// states (zeros at load, updated in place by each step): what a backend's Mamba layer
+/// ([`Backend::Mamba`]) holds, beside its choice of kernels.
+pub struct MambaWeights<B: Backend> {
+    pub c: MambaConfig,
+    /// The gated norm's epsilon.
+    pub eps: f32,
+    pub in_proj: B::Weight,
+    /// The causal conv's weights `[conv_dim, k]` and bias.
+    pub conv_w: B::Buf,
+    pub conv_b: Option<B::Buf>,
+    /// Per head: dt's bias, A and D.
+    pub dt_bias: B::Buf32,
+    pub a: B::Buf32,
+    pub d: B::Buf32,
+    /// The gated norm's weight `[heads * head_dim]`.
+    pub norm: B::Buf,
+    pub out_proj: B::Weight,
+    /// `[slots, conv_dim, k - 1]`: each slot's last k - 1 conv inputs.
+    pub conv_state: B::Buf,
+    /// `[slots, heads, head_dim, state_size]`.
+    pub ssm_state: B::Buf32,
+}
+
+impl<B: Backend> MambaWeights<B> {
+    /// Uploads the mixer `m` of `c` (its gated norm's epsilon `eps`) with zero states of
+    /// `sizes`.
+    pub fn upload(b: &B, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<Self> {
+        let a: Vec<f32> = m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect();
+        Ok(MambaWeights {
+            c: c.clone(),
+            eps,
+            in_proj: b.weight(&m.in_proj)?,
+            conv_w: bf16s(b, &m.conv_w)?,
+            conv_b: m.conv_b.as_ref().map(|t| bf16s(b, t)).transpose()?,
+            dt_bias: b.upload32(&m.dt_bias.to_f32()?)?,
+            a: b.upload32(&a)?,
+            d: b.upload32(&m.d.to_f32()?)?,
+            norm: bf16s(b, &m.norm)?,
+            out_proj: b.weight(&m.out_proj)?,
+            conv_state: b.zeros(sizes.conv)?,
+            ssm_state: b.zeros32(sizes.ssm)?,
+        })
+    }
 }
 
 /// The rows attention reads: queries, keys and values.
@@ -116,11 +177,33 @@ pub struct QkvRows<'a, B> {
     pub v: In<'a, B>,
 }
 
-/// An attention layer's key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
-pub struct KvCache<'a, B: Backend> {
-    pub k: &'a mut B::Buf,
-    pub v: &'a mut B::Buf,
-    pub max_len: usize,
+/// A step's q, k and v rows as an attention layer's projections wrote them
+/// ([`Backend::attention_qkv`]): side by side in one buffer (one projection of the three
+/// weights' rows in order), or a buffer each.
+pub enum QkvBufs<B> {
+    Fused(B),
+    Apart { q: B, k: B, v: B },
+}
+
+impl<B> QkvBufs<B> {
+    /// The q, k and v rows, `qw`, `kw` and `kw` wide.
+    pub fn rows(&self, qw: usize, kw: usize) -> QkvRows<'_, B> {
+        match self {
+            QkvBufs::Fused(p) => {
+                let p = In::rows(p, qw + 2 * kw);
+                QkvRows { q: p, k: p.at(0, qw), v: p.at(0, qw + kw) }
+            }
+            QkvBufs::Apart { q, k, v } => QkvRows { q: In::rows(q, qw), k: In::rows(k, kw), v: In::rows(v, kw) },
+        }
+    }
+}
+
+/// `rows` contiguous rows of `x` through the linear layer `w` (`width` outputs), into a buffer
+/// of their own.
+pub(crate) fn project<B: Backend>(b: &B, x: In<B::Buf>, rows: usize, w: &B::Weight, width: usize) -> Result<B::Buf> {
+    let mut buf = b.scratch(rows * width)?;
+    b.linear(x, rows, w, Out { buf: &mut buf, offset: 0 })?;
+    Ok(buf)
 }
 
 /// The sequences of a step's prefill part, as the backend needs them.
@@ -171,6 +254,13 @@ pub trait Backend: Sized {
     type Weight;
     /// A MoE layer's routed experts and shared expert, ready for [`Backend::moe`].
     type Experts;
+    /// A Mamba mixer: its weights, its slots' states and its choice of kernels, for the
+    /// `mamba_*` operations.
+    type Mamba;
+    /// An attention layer: its projections, its slots' key and value caches and its choice of
+    /// kernels, for [`Backend::attention_qkv`], [`Backend::attend`] and
+    /// [`Backend::attention_out`].
+    type Attention;
     /// A step's [`StepRows`] as the operations read them.
     type Rows;
     /// A recorded step (see [`Backend::record`]).
@@ -192,6 +282,11 @@ pub trait Backend: Sized {
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
     /// Uploads the routed experts of a MoE layer (all of one shape) and its shared expert.
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<Self::Experts>;
+    /// Uploads a Mamba mixer of `c` (its gated norm's epsilon `eps`) with zero states of
+    /// `sizes`.
+    fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<Self::Mamba>;
+    /// Uploads an attention layer of `c` with zero key and value caches of `sizes`.
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<Self::Attention>;
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
     /// tokens. The model has checked them (slots in range and distinct, positions below
@@ -236,17 +331,6 @@ pub trait Backend: Sized {
     fn last_rows(&self, x: &Self::Buf, width: usize, rows: &Self::Rows, out: Out<Self::Buf>) -> Result<()>;
     /// RMSNorm of `rows` rows of the norm's width.
     fn rms_norm(&self, x: In<Self::Buf>, norm: Norm<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
-    /// Gated group RMSNorm of `rows` rows `x` with their gates `z`: `x * silu(z)` normalized
-    /// per group of `width / groups`.
-    fn gated_norm(
-        &self,
-        x: In<Self::Buf>,
-        z: In<Self::Buf>,
-        norm: Norm<Self::Buf>,
-        groups: usize,
-        rows: usize,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
     /// `y = x W^T` for `rows` contiguous rows of `x`.
     fn linear(&self, x: In<Self::Buf>, rows: usize, w: &Self::Weight, y: Out<Self::Buf>) -> Result<()>;
     /// The residual add and the next RMSNorm: `h = bf16(h + x)` over `rows` contiguous rows
@@ -270,69 +354,59 @@ pub trait Backend: Sized {
         y: Out<Self::Buf>,
     ) -> Result<()>;
 
-    /// Conv update for the decode rows, in place at their slots' states.
-    fn conv_decode(
-        &self,
-        c: &MambaConfig,
-        x: In<Self::Buf>,
-        conv: MambaConv<Self>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// Conv forward for the prefill sequences (final inputs written to their slots).
-    fn conv_prefill(
-        &self,
-        c: &MambaConfig,
-        x: In<Self::Buf>,
-        conv: MambaConv<Self>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// Selective state update for the decode rows; `xbc` rows hold x, B, C; `dt` rows the heads' dt.
-    fn ssm_decode(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Self::Buf>,
-        dt: In<Self::Buf>,
-        ssm: MambaSsm<Self>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// Chunked scan for the prefill sequences (final states written to their slots).
-    fn ssm_prefill(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Self::Buf>,
-        dt: In<Self::Buf>,
-        ssm: MambaSsm<Self>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// The `nd` decode rows of a Mamba mixer between its projections: [`Backend::conv_decode`]
-    /// of the xBC of `zx` (in_proj's output rows: z, xBC, dt), [`Backend::ssm_decode`], then
-    /// [`Backend::gated_norm`] with `norm` into `y`; a backend may do it in one launch.
+    /// A Mamba mixer's in_proj over `rows` contiguous rows of `x`: rows of z, xBC and dt.
+    fn mamba_in_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, zx: Out<Self::Buf>) -> Result<()>;
+    /// The `nd` decode rows of a Mamba mixer between its projections, from `zx` (in_proj's
+    /// output rows): the conv update of their xBC and the selective state update, in place at
+    /// their slots' states, then the gated norm into `y` (a backend may do it in one launch).
     fn mamba_decode(
         &self,
-        c: &MambaConfig,
+        m: &mut Self::Mamba,
         zx: In<Self::Buf>,
         nd: usize,
-        m: MambaDecode<Self>,
-        y: Out<Self::Buf>,
-    ) -> Result<()> {
-        mamba_decode_apart(self, c, zx, nd, m, y)
-    }
-    /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
-    fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
-    /// Causal attention: writes each row's k and v into its slot's cache at its position,
-    /// then attends each row over its slot's positions up to its own.
-    fn attention(
-        &self,
-        c: &AttentionConfig,
-        qkv: QkvRows<Self::Buf>,
-        cache: KvCache<Self>,
         rows: &Self::Rows,
         y: Out<Self::Buf>,
     ) -> Result<()>;
+    /// The conv forward of the prefill sequences' xBC rows `x` (their final inputs written to
+    /// their slots' conv states).
+    fn mamba_conv(&self, m: &mut Self::Mamba, x: In<Self::Buf>, rows: &Self::Rows, y: Out<Self::Buf>) -> Result<()>;
+    /// The chunked scan of the prefill sequences; `xbc` rows hold x, B, C, `dt` rows the heads'
+    /// dt (their final states written to their slots' SSM states).
+    fn mamba_scan(
+        &self,
+        m: &mut Self::Mamba,
+        xbc: In<Self::Buf>,
+        dt: In<Self::Buf>,
+        rows: &Self::Rows,
+        y: Out<Self::Buf>,
+    ) -> Result<()>;
+    /// The gated group RMSNorm of `rows` rows `x` with their gates `z`: `x * silu(z)`
+    /// normalized per group of the mixer's heads.
+    fn mamba_gated_norm(
+        &self,
+        m: &Self::Mamba,
+        x: In<Self::Buf>,
+        z: In<Self::Buf>,
+        rows: usize,
+        y: Out<Self::Buf>,
+    ) -> Result<()>;
+    /// A Mamba mixer's out_proj over `rows` contiguous rows of `x`.
+    fn mamba_out_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
+    /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
+    fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
+    /// An attention layer's q, k and v projections of `rows` contiguous rows of `x`.
+    fn attention_qkv(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize) -> Result<QkvBufs<Self::Buf>>;
+    /// Causal attention: writes each row's k and v into its slot's cache at its position,
+    /// then attends each row over its slot's positions up to its own.
+    fn attend(
+        &self,
+        a: &mut Self::Attention,
+        qkv: &QkvBufs<Self::Buf>,
+        rows: &Self::Rows,
+        y: Out<Self::Buf>,
+    ) -> Result<()>;
+    /// An attention layer's o_proj over `rows` contiguous rows of `x`.
+    fn attention_out(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
 }
 
 /// `v`'s rows of `width` values as f32 ([`Backend::download_rows`]): each bf16's bits as the

@@ -10,11 +10,13 @@ use host::cpu::{attn, gemm, norm};
 use host::sample::{RowSampling, check_row};
 use kernels_gpu::sample::{SampleOut, SampleRow};
 
-use crate::backend::{Backend, In, KvCache, MambaConv, MambaSsm, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32};
+use crate::backend::{
+    Backend, CacheSizes, In, MambaWeights, MoeWeights, Norm, Out, QkvBufs, QkvRows, StepRows, project, rows_f32,
+};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
-use crate::layout::{Linear, Mlp};
+use crate::layout::{self, Linear, Mlp};
 
 /// The CPU backend (buffers are `Vec`s). It runs steps of any size unless made with
 /// [`Cpu::limited`].
@@ -134,6 +136,43 @@ fn store_state(state: &mut [f32], slot: i32, sl: usize, s: &[f64]) {
     }
 }
 
+/// A Mamba mixer on the CPU backend: its weights and states as they were uploaded.
+pub type CpuMamba = MambaWeights<Cpu>;
+
+/// The conv update of the decode rows `x` (their xBC) into `y`, in place at their slots' states.
+fn conv_decode(m: &mut CpuMamba, x: In<Vec<bf16>>, rows: &StepRows, y: Out<Vec<bf16>>) {
+    let conv = conv_ref(&m.c, &m.conv_w, m.conv_b.as_ref());
+    let rows = conv.update(&x.buf[x.offset..], x.stride, &mut m.conv_state, &rows.decode_slots);
+    put_rows(y, rows, m.c.conv_dim());
+}
+
+/// The selective state update of the decode rows into `y`, in place at their slots' states;
+/// `xbc` rows hold x, B, C, `dt` rows the heads' dt.
+fn ssm_decode(m: &mut CpuMamba, xbc: In<Vec<bf16>>, dt: In<Vec<bf16>>, rows: &StepRows, y: Out<Vec<bf16>>) {
+    let c = &m.c;
+    let r = ssm_ref(c, (&m.dt_bias, &m.a, &m.d));
+    let (inner, sl) = (c.inner(), c.inner() * c.state_size);
+    for (row, &slot) in rows.decode_slots.iter().enumerate() {
+        let mut carry = None;
+        let out = ssm_token(&r, token(c, &xbc, &dt, row), &m.ssm_state, slot, &mut carry);
+        store_state(&mut m.ssm_state, slot, sl, &carry.unwrap_or_default());
+        put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
+    }
+}
+
+/// An attention layer on the CPU backend: its projections and its slots' key and value caches.
+pub struct CpuAttention {
+    c: AttentionConfig,
+    q: CpuWeight,
+    k: CpuWeight,
+    v: CpuWeight,
+    o: CpuWeight,
+    /// `[slots, max_len, kv_heads * head_dim]` each.
+    k_cache: Vec<bf16>,
+    v_cache: Vec<bf16>,
+    max_len: usize,
+}
+
 /// A MoE layer's experts on the CPU backend: each routed expert's and the shared expert's
 /// (up, down).
 pub struct CpuExperts {
@@ -163,6 +202,8 @@ impl Backend for Cpu {
     type Buf32 = Vec<f32>;
     type Weight = CpuWeight;
     type Experts = CpuExperts;
+    type Mamba = CpuMamba;
+    type Attention = CpuAttention;
     type Rows = StepRows;
     type Graph = ();
     type Sampling = CpuSampling;
@@ -203,6 +244,23 @@ impl Backend for Cpu {
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CpuExperts> {
         let mlp = |m| crate::model::mlp(self, m);
         Ok(CpuExperts { routed: list.iter().map(mlp).collect::<Result<_>>()?, shared: shared.map(mlp).transpose()? })
+    }
+
+    fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<CpuMamba> {
+        MambaWeights::upload(self, c, eps, m, sizes)
+    }
+
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<CpuAttention> {
+        Ok(CpuAttention {
+            c: c.clone(),
+            q: self.weight(&a.q)?,
+            k: self.weight(&a.k)?,
+            v: self.weight(&a.v)?,
+            o: self.weight(&a.o)?,
+            k_cache: self.zeros(sizes.kv)?,
+            v_cache: self.zeros(sizes.kv)?,
+            max_len: sizes.max_len,
+        })
     }
 
     fn rows(&self, rows: &StepRows, _slots: usize, _max_len: usize) -> Result<StepRows> {
@@ -289,20 +347,6 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn gated_norm(
-        &self,
-        x: In<Vec<bf16>>,
-        z: In<Vec<bf16>>,
-        n: Norm<Vec<bf16>>,
-        groups: usize,
-        rows: usize,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
-        let (xs, zs) = (gather(&x, rows, n.width), gather(&z, rows, n.width));
-        put(y, norm::gated_norm(&xs, Some(&zs), n.w, n.width, groups, f64::from(n.eps)));
-        Ok(())
-    }
-
     fn linear(&self, x: In<Vec<bf16>>, rows: usize, w: &CpuWeight, y: Out<Vec<bf16>>) -> Result<()> {
         let k = w.k();
         let xs: Vec<bf16> = (0..rows).flat_map(|r| x.buf[x.offset + r * x.stride..][..k].iter().copied()).collect();
@@ -330,78 +374,77 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn conv_decode(
+    fn mamba_in_proj(&self, m: &CpuMamba, x: In<Vec<bf16>>, rows: usize, zx: Out<Vec<bf16>>) -> Result<()> {
+        self.linear(x, rows, &m.in_proj, zx)
+    }
+
+    /// The conv update, the state update and the gated norm, each output rounded to bf16.
+    fn mamba_decode(
         &self,
-        c: &MambaConfig,
-        x: In<Vec<bf16>>,
-        MambaConv { w, bias, state }: MambaConv<Cpu>,
+        m: &mut CpuMamba,
+        zx: In<Vec<bf16>>,
+        nd: usize,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
-        let rows = conv_ref(c, w, bias).update(&x.buf[x.offset..], x.stride, state, &rows.decode_slots);
+        let (inner, cd) = (m.c.inner(), m.c.conv_dim());
+        let mut xbc = self.scratch(nd * cd)?;
+        conv_decode(m, zx.at(0, inner), rows, Out { buf: &mut xbc, offset: 0 });
+        let mut ys = self.scratch(nd * inner)?;
+        ssm_decode(m, In::rows(&xbc, cd), zx.at(0, inner + cd), rows, Out { buf: &mut ys, offset: 0 });
+        self.mamba_gated_norm(m, In::rows(&ys, inner), zx, nd, y)
+    }
+
+    fn mamba_conv(&self, m: &mut CpuMamba, x: In<Vec<bf16>>, rows: &StepRows, y: Out<Vec<bf16>>) -> Result<()> {
+        let (c, seqs, xs) = (&m.c, &rows.prefill, &x.buf[x.offset..]);
+        let conv = conv_ref(c, &m.conv_w, m.conv_b.as_ref());
+        let rows = conv.forward(xs, x.stride, &mut m.conv_state, &seqs.lens, &seqs.slots, &seqs.initial);
         put_rows(y, rows, c.conv_dim());
         Ok(())
     }
 
-    fn conv_prefill(
+    fn mamba_scan(
         &self,
-        c: &MambaConfig,
-        x: In<Vec<bf16>>,
-        MambaConv { w, bias, state }: MambaConv<Cpu>,
-        rows: &StepRows,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
-        let (seqs, xs) = (&rows.prefill, &x.buf[x.offset..]);
-        let rows = conv_ref(c, w, bias).forward(xs, x.stride, state, &seqs.lens, &seqs.slots, &seqs.initial);
-        put_rows(y, rows, c.conv_dim());
-        Ok(())
-    }
-
-    fn ssm_decode(
-        &self,
-        c: &MambaConfig,
+        m: &mut CpuMamba,
         xbc: In<Vec<bf16>>,
         dt: In<Vec<bf16>>,
-        ssm: MambaSsm<Cpu>,
-        rows: &StepRows,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
-        let r = ssm_ref(c, ssm.heads);
-        let (inner, sl) = (c.inner(), c.inner() * c.state_size);
-        for (row, &slot) in rows.decode_slots.iter().enumerate() {
-            let mut carry = None;
-            let out = ssm_token(&r, token(c, &xbc, &dt, row), ssm.state, slot, &mut carry);
-            store_state(ssm.state, slot, sl, &carry.unwrap_or_default());
-            put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
-        }
-        Ok(())
-    }
-
-    fn ssm_prefill(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Vec<bf16>>,
-        dt: In<Vec<bf16>>,
-        ssm: MambaSsm<Cpu>,
         rows: &StepRows,
         y: Out<Vec<bf16>>,
     ) -> Result<()> {
         // The sequential recurrence the chunked scan equals, token by token.
-        let seqs = &rows.prefill;
-        let r = ssm_ref(c, ssm.heads);
+        let (c, seqs) = (&m.c, &rows.prefill);
+        let r = ssm_ref(c, (&m.dt_bias, &m.a, &m.d));
         let (inner, sl) = (c.inner(), c.inner() * c.state_size);
         let mut row = 0;
         for s in 0..seqs.lens.len() {
             let slot = if seqs.initial[s] { seqs.slots[s] } else { -1 };
             let mut carry = None;
             for _ in 0..seqs.lens[s] {
-                let out = ssm_token(&r, token(c, &xbc, &dt, row), ssm.state, slot, &mut carry);
+                let out = ssm_token(&r, token(c, &xbc, &dt, row), &m.ssm_state, slot, &mut carry);
                 put(Out { buf: &mut *y.buf, offset: y.offset + row * inner }, out);
                 row += 1;
             }
-            store_state(ssm.state, seqs.slots[s], sl, &carry.unwrap_or_default());
+            store_state(&mut m.ssm_state, seqs.slots[s], sl, &carry.unwrap_or_default());
         }
         Ok(())
+    }
+
+    fn mamba_gated_norm(
+        &self,
+        m: &CpuMamba,
+        x: In<Vec<bf16>>,
+        z: In<Vec<bf16>>,
+        rows: usize,
+        y: Out<Vec<bf16>>,
+    ) -> Result<()> {
+        let width = m.c.inner();
+        let (xs, zs) = (gather(&x, rows, width), gather(&z, rows, width));
+        put(y, norm::gated_norm(&xs, Some(&zs), &m.norm, width, m.c.groups, f64::from(m.eps)));
+        Ok(())
+    }
+
+    fn mamba_out_proj(&self, m: &CpuMamba, x: In<Vec<bf16>>, rows: usize, y: Out<Vec<bf16>>) -> Result<()> {
+        self.linear(x, rows, &m.out_proj, y)
     }
 
     fn moe(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>, y: Out<Vec<bf16>>) -> Result<()> {
@@ -429,15 +472,17 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        c: &AttentionConfig,
-        QkvRows { q, k, v }: QkvRows<Vec<bf16>>,
-        KvCache { k: kc, v: vc, max_len }: KvCache<Cpu>,
-        rows: &StepRows,
-        y: Out<Vec<bf16>>,
-    ) -> Result<()> {
+    /// q, k and v apart (each output the same product as through one weight of their rows).
+    fn attention_qkv(&self, a: &CpuAttention, x: In<Vec<bf16>>, rows: usize) -> Result<QkvBufs<Vec<bf16>>> {
+        let (qw, kw) = (a.c.heads * a.c.head_dim, a.c.kv_heads * a.c.head_dim);
+        let (q, k) = (project(self, x, rows, &a.q, qw)?, project(self, x, rows, &a.k, kw)?);
+        Ok(QkvBufs::Apart { q, k, v: project(self, x, rows, &a.v, kw)? })
+    }
+
+    fn attend(&self, a: &mut CpuAttention, qkv: &QkvBufs<Vec<bf16>>, rows: &StepRows, y: Out<Vec<bf16>>) -> Result<()> {
+        let (c, max_len, kc, vc) = (&a.c, a.max_len, &mut a.k_cache, &mut a.v_cache);
         let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let QkvRows { q, k, v } = qkv.rows(qw, kw);
         let at = |r: usize| (rows.slots[r] as usize * max_len + rows.positions[r] as usize) * kw;
         for r in 0..rows.slots.len() {
             kc[at(r)..][..kw].copy_from_slice(&k.buf[k.offset + r * k.stride..][..kw]);
@@ -457,5 +502,9 @@ impl Backend for Cpu {
             );
         }
         Ok(())
+    }
+
+    fn attention_out(&self, a: &CpuAttention, x: In<Vec<bf16>>, rows: usize, y: Out<Vec<bf16>>) -> Result<()> {
+        self.linear(x, rows, &a.o, y)
     }
 }

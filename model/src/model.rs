@@ -1,6 +1,9 @@
 //! NemotronH on a [`Backend`]: the weights uploaded once, the state cache (conv, SSM and KV
-//! state per slot), and the step that runs a batch mixing decode rows and prefill sequences.
-//! This is the model's one code path; backends differ only in how they run each operation.
+//! state per slot, held by the Mamba and attention layers' objects, [`Backend::Mamba`] and
+//! [`Backend::Attention`]), and the step that runs a batch mixing decode rows and prefill
+//! sequences. This is the model's one code path: it orders each layer's operations (and the
+//! profile's stamps and the step's counters between them); backends differ only in how they
+//! run each operation, a layer object choosing the kernels of its own.
 //!
 //! A step of decode rows only is recorded by the backend where it can ([`Backend::record`]),
 //! once per number of rows, and replayed for later steps of as many rows with their rows
@@ -11,59 +14,20 @@ use std::collections::HashMap;
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{
-    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, PrefillSeqs, QkvRows, StepRows,
-};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, PrefillSeqs, StepRows, bf16s};
 use crate::cache::{Part, StepPlan};
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
-use crate::layout::{self, Layout, Linear, Mixer, Mlp};
+use crate::layout::{Layout, Mixer, Mlp};
 use crate::profile::{Part as P, Profile, Span, Stage};
-use crate::weights::Dtype;
 
-struct MambaW<B: Backend> {
-    in_proj: B::Weight,
-    conv_w: B::Buf,
-    conv_b: Option<B::Buf>,
-    dt_bias: B::Buf32,
-    a: B::Buf32,
-    d: B::Buf32,
-    norm: B::Buf,
-    out_proj: B::Weight,
-}
-
+/// A layer's mixer: the backend's Mamba or attention layer (weights, the slots' states, the
+/// choice of kernels), a MoE layer's weights, or a dense MLP's.
 enum MixW<B: Backend> {
-    Mamba(Box<MambaW<B>>),
+    Mamba(Box<B::Mamba>),
     Moe(MoeWeights<B>),
-    Attention { qkv: Qkv<B>, o: B::Weight },
+    Attention(B::Attention),
     Mlp { up: B::Weight, down: B::Weight },
-}
-
-/// An attention layer's q, k and v projections: one weight of their rows in order where all
-/// three are bf16 without bias (one launch instead of three), else apart.
-enum Qkv<B: Backend> {
-    Fused(B::Weight),
-    Apart { q: B::Weight, k: B::Weight, v: B::Weight },
-}
-
-impl<B: Backend> Qkv<B> {
-    fn new(b: &B, a: &layout::Attention) -> Result<Qkv<B>> {
-        let plain = |l: &Linear| l.weight.dtype == Dtype::Bf16 && l.bias.is_none() && l.fp8.is_none();
-        let (q, k, v) = (&a.q, &a.k, &a.v);
-        let hidden = q.weight.shape[1];
-        if [q, k, v].iter().all(|l| plain(l) && l.weight.shape[1] == hidden) {
-            let bytes = [q, k, v].iter().flat_map(|l| l.weight.bytes.iter().copied()).collect::<Vec<u8>>();
-            let shape = [q.weight.shape[0] + k.weight.shape[0] + v.weight.shape[0], hidden];
-            return Ok(Qkv::Fused(b.weight(&Linear::bf16("q_proj + k_proj + v_proj", &shape, &bytes))?));
-        }
-        Ok(Qkv::Apart { q: b.weight(q)?, k: b.weight(k)?, v: b.weight(v)? })
-    }
-}
-
-enum LayerCache<B: Backend> {
-    Mamba { conv: B::Buf, ssm: B::Buf32 },
-    Attention { k: B::Buf, v: B::Buf },
-    Stateless,
 }
 
 /// What one step ran, counted at the call sites: decode rows must go through the update
@@ -78,10 +42,13 @@ pub struct StepCounters {
     pub moe_calls: usize,
 }
 
-/// The weights on the backend.
+/// The weights on the backend, the state cache inside the layers that have one.
 struct Weights<B: Backend> {
     embeddings: B::Buf,
-    layers: Vec<(B::Buf, MixW<B>)>,
+    /// Each layer's RMSNorm weight (of its input).
+    norms: Vec<B::Buf>,
+    /// Each layer's mixer.
+    layers: Vec<MixW<B>>,
     norm_f: B::Buf,
     lm_head: B::Weight,
 }
@@ -108,7 +75,6 @@ pub struct Model<B: Backend> {
     backend: B,
     config: Config,
     weights: Weights<B>,
-    cache: Vec<LayerCache<B>>,
     /// Tokens each slot's state has seen.
     past: Vec<usize>,
     max_len: usize,
@@ -155,10 +121,6 @@ impl<B: Backend> Marks<B> {
     }
 }
 
-fn bf16s<B: Backend>(b: &B, t: &crate::weights::Tensor) -> Result<B::Buf> {
-    b.upload(&t.to_bf16()?)
-}
-
 /// A dense MLP's two weights.
 pub(crate) fn mlp<B: Backend>(b: &B, m: &Mlp) -> Result<(B::Weight, B::Weight)> {
     Ok((b.weight(&m.up)?, b.weight(&m.down)?))
@@ -182,26 +144,13 @@ impl<B: Backend> Model<B> {
     ) -> Result<Model<B>> {
         let b = &backend;
         let sizes = CacheSizes::new(config, slots, max_len)?;
-        let mut layers = Vec::new();
-        let mut cache = Vec::new();
+        let (mut norms, mut layers) = (Vec::new(), Vec::new());
         let total = layout.layers.len();
         for layer in &layout.layers {
-            let (mix, lc) = match &layer.mixer {
+            let mix = match &layer.mixer {
                 Mixer::Mamba(m) => {
-                    config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
-                    let a: Vec<f32> = m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect();
-                    let w = MambaW {
-                        in_proj: b.weight(&m.in_proj)?,
-                        conv_w: bf16s(b, &m.conv_w)?,
-                        conv_b: m.conv_b.as_ref().map(|t| bf16s(b, t)).transpose()?,
-                        dt_bias: b.upload32(&m.dt_bias.to_f32()?)?,
-                        a: b.upload32(&a)?,
-                        d: b.upload32(&m.d.to_f32()?)?,
-                        norm: bf16s(b, &m.norm)?,
-                        out_proj: b.weight(&m.out_proj)?,
-                    };
-                    let lc = LayerCache::Mamba { conv: b.zeros(sizes.conv)?, ssm: b.zeros32(sizes.ssm)? };
-                    (MixW::Mamba(Box::new(w)), lc)
+                    let c = config.mamba.as_ref().ok_or_else(|| Error::Unsupported("mamba settings missing".into()))?;
+                    MixW::Mamba(Box::new(b.mamba(c, config.norm_eps, m, &sizes)?))
                 }
                 Mixer::Moe(m) => {
                     let experts = config.moe.as_ref().map_or(0, |c| c.experts);
@@ -214,31 +163,33 @@ impl<B: Backend> Model<B> {
                         score_bias: b.upload32(&bias)?,
                         experts: b.experts(&m.experts, m.shared.as_ref())?,
                     };
-                    (MixW::Moe(w), LayerCache::Stateless)
+                    MixW::Moe(w)
                 }
                 Mixer::Attention(a) => {
-                    config.attention.as_ref().ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
-                    let w = MixW::Attention { qkv: Qkv::new(b, a)?, o: b.weight(&a.o)? };
-                    (w, LayerCache::Attention { k: b.zeros(sizes.kv)?, v: b.zeros(sizes.kv)? })
+                    let c = config
+                        .attention
+                        .as_ref()
+                        .ok_or_else(|| Error::Unsupported("attention settings missing".into()))?;
+                    MixW::Attention(b.attention(c, a, &sizes)?)
                 }
                 Mixer::Mlp(m) => {
                     let (up, down) = mlp(b, m)?;
-                    (MixW::Mlp { up, down }, LayerCache::Stateless)
+                    MixW::Mlp { up, down }
                 }
             };
-            layers.push((bf16s(b, &layer.norm)?, mix));
-            cache.push(lc);
+            norms.push(bf16s(b, &layer.norm)?);
+            layers.push(mix);
             progress(layers.len(), total);
         }
         let weights = Weights {
             embeddings: bf16s(b, &layout.embeddings)?,
             norm_f: bf16s(b, &layout.norm_f)?,
             lm_head: b.weight(&layout.lm_head)?,
+            norms,
             layers,
         };
         Ok(Model {
             weights,
-            cache,
             past: vec![0; slots],
             max_len,
             config: config.clone(),
@@ -307,7 +258,7 @@ impl<B: Backend> Model<B> {
         let (slots, max_len) = (self.past.len(), self.max_len);
         // The sampling rows in the order of the logits rows.
         let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
-        let Model { backend: b, config, weights, cache, recorded, counters, profiling, profile, .. } = self;
+        let Model { backend: b, config, weights, recorded, counters, profiling, profile, .. } = self;
         let profiling = *profiling;
         let b = &*b;
         let seqs = &plan.prefill_lens;
@@ -338,7 +289,7 @@ impl<B: Backend> Model<B> {
             let mut run = || {
                 let (rows, marks) = (&step_rows, &mut marks);
                 let step = Step { nd, seqs, rows };
-                let ran = forward(b, config, weights, (&mut *cache, max_len), step, &mut logits, marks)?;
+                let ran = forward(b, config, &mut *weights, step, &mut logits, marks)?;
                 if let Some(s) = sampling.as_mut() {
                     b.sample(&logits, vocab, s)?;
                     marks.end(b, Stage::Sample)?;
@@ -469,41 +420,6 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Elements of one layer's state cache per kind, for `slots` slots of `max_len` tokens, each
-/// product checked: an overflow is an error naming the load parameters, never a wrapped size.
-struct CacheSizes {
-    conv: usize,
-    ssm: usize,
-    kv: usize,
-}
-
-impl CacheSizes {
-    fn new(config: &Config, slots: usize, max_len: usize) -> Result<CacheSizes> {
-        if slots == 0 || max_len == 0 {
-            return Err(Error::Capacity(format!(
-                "a state cache needs at least one slot of at least one token (slots {slots}, max_len {max_len})"
-            )));
-        }
-        let product = |what: &str, factors: &[usize]| {
-            factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f)).ok_or_else(|| {
-                Error::Capacity(format!(
-                    "the {what} cache of {slots} slots of {max_len} tokens overflows ({} elements)",
-                    factors.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" x ")
-                ))
-            })
-        };
-        let (mut conv, mut ssm, mut kv) = (0, 0, 0);
-        if let Some(c) = &config.mamba {
-            conv = product("conv", &[slots, c.conv_dim(), c.conv_kernel.saturating_sub(1)])?;
-            ssm = product("SSM state", &[slots, c.inner(), c.state_size])?;
-        }
-        if let Some(c) = &config.attention {
-            kv = product("KV", &[slots, max_len, c.kv_heads, c.head_dim])?;
-        }
-        Ok(CacheSizes { conv, ssm, kv })
-    }
-}
-
 /// Penalty pairs a row of a recorded step has room for at first.
 const PAIRS_PER_ROW: usize = 64;
 
@@ -533,14 +449,13 @@ struct Step<'a, B: Backend> {
     rows: &'a B::Rows,
 }
 
-/// Queues one step's operations on a cache of `max_len` tokens per slot; the logits of the rows
-/// `step.rows.last` names go to `logits` (without prefill, every row's, in order). Marks each
-/// stage's end in `marks` (nothing when they are off).
+/// Queues one step's operations; the logits of the rows `step.rows.last` names go to `logits`
+/// (without prefill, every row's, in order). Marks each stage's end in `marks` (nothing when
+/// they are off).
 fn forward<B: Backend>(
     b: &B,
     config: &Config,
-    w: &Weights<B>,
-    (cache, max_len): (&mut [LayerCache<B>], usize),
+    w: &mut Weights<B>,
     Step { nd, seqs, rows }: Step<B>,
     logits: &mut B::Buf,
     marks: &mut Marks<B>,
@@ -556,30 +471,24 @@ fn forward<B: Backend>(
     b.embed(&w.embeddings, hidden, rows, Out { buf: &mut h, offset: 0 })?;
     let mut x = b.scratch(n * hidden)?;
     let mut out = b.scratch(n * hidden)?;
-    if let Some((first, _)) = w.layers.first() {
+    if let Some(first) = w.norms.first() {
         b.rms_norm(In::rows(&h, hidden), norm(first), n, Out { buf: &mut x, offset: 0 })?;
     }
     marks.end(b, Stage::Embed)?;
-    for (i, (((_, mix), lc), kind)) in w.layers.iter().zip(cache.iter_mut()).zip(&config.layers).enumerate() {
+    for (i, (mix, kind)) in w.layers.iter_mut().zip(&config.layers).enumerate() {
         let mut done = |part| marks.end(b, Stage::Layer { index: i, kind: *kind, part });
-        match (mix, lc) {
-            (MixW::Mamba(m), LayerCache::Mamba { conv, ssm }) => {
+        match mix {
+            MixW::Mamba(m) => {
                 let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
                 let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
                 let mut zx = b.scratch(n * wd)?;
-                b.linear(In::rows(&x, hidden), n, &m.in_proj, Out { buf: &mut zx, offset: 0 })?;
+                b.mamba_in_proj(m, In::rows(&x, hidden), n, Out { buf: &mut zx, offset: 0 })?;
                 done(P::InProj)?;
                 let zxr = In::rows(&zx, wd);
-                let heads = (&m.dt_bias, &m.a, &m.d);
-                let (cw, cb) = (&m.conv_w, m.conv_b.as_ref());
-                let gated = Norm { w: &m.norm, width: inner, eps };
                 // The gated norm's output: the decode rows', then the prefill rows'.
                 let mut yn = b.scratch(n * inner)?;
                 if nd > 0 {
-                    let ssm = MambaSsm { heads, state: &mut *ssm };
-                    let conv = MambaConv { w: cw, bias: cb, state: &mut *conv };
-                    let md = MambaDecode { conv, ssm, norm: gated, rows };
-                    b.mamba_decode(c, zxr, nd, md, Out { buf: &mut yn, offset: 0 })?;
+                    b.mamba_decode(m, zxr, nd, rows, Out { buf: &mut yn, offset: 0 })?;
                     done(P::Decode)?;
                     counters.conv_updates += 1;
                     counters.state_updates += 1;
@@ -587,66 +496,46 @@ fn forward<B: Backend>(
                 if prefill {
                     let np = n - nd;
                     let mut xbc = b.scratch(np * cd)?;
-                    let conv = MambaConv { w: cw, bias: cb, state: conv };
-                    b.conv_prefill(c, zxr.at(nd, inner), conv, rows, Out { buf: &mut xbc, offset: 0 })?;
+                    b.mamba_conv(m, zxr.at(nd, inner), rows, Out { buf: &mut xbc, offset: 0 })?;
                     done(P::Conv)?;
                     let mut y = b.scratch(np * inner)?;
                     let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
-                    b.ssm_prefill(c, xbcr, dt, MambaSsm { heads, state: ssm }, rows, Out { buf: &mut y, offset: 0 })?;
+                    b.mamba_scan(m, xbcr, dt, rows, Out { buf: &mut y, offset: 0 })?;
                     done(P::Scan)?;
                     let yo = Out { buf: &mut yn, offset: nd * inner };
-                    b.gated_norm(In::rows(&y, inner), zxr.at(nd, 0), gated, c.groups, np, yo)?;
+                    b.mamba_gated_norm(m, In::rows(&y, inner), zxr.at(nd, 0), np, yo)?;
                     done(P::GatedNorm)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
                 }
-                b.linear(In::rows(&yn, inner), n, &m.out_proj, Out { buf: &mut out, offset: 0 })?;
+                b.mamba_out_proj(m, In::rows(&yn, inner), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OutProj)?;
             }
-            (MixW::Moe(mw), _) => {
+            MixW::Moe(mw) => {
                 let c = config.moe.as_ref().expect("moe layers come with moe settings");
                 b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
                 done(P::Moe)?;
                 counters.moe_calls += 1;
             }
-            (MixW::Attention { qkv, o }, LayerCache::Attention { k: kc, v: vc }) => {
+            MixW::Attention(a) => {
                 let c = config.attention.as_ref().expect("attention layers come with attention settings");
-                let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                let xr = In::rows(&x, hidden);
-                let project = |w: &B::Weight, width: usize| -> Result<B::Buf> {
-                    let mut buf = b.scratch(n * width)?;
-                    b.linear(xr, n, w, Out { buf: &mut buf, offset: 0 })?;
-                    Ok(buf)
-                };
-                // One buffer with q, k and v side by side (fused), or one each.
-                let (qb, kv) = match qkv {
-                    Qkv::Fused(w) => (project(w, qw + 2 * kw)?, None),
-                    Qkv::Apart { q, k, v } => (project(q, qw)?, Some((project(k, kw)?, project(v, kw)?))),
-                };
-                let qkv = match &kv {
-                    None => {
-                        let p = In::rows(&qb, qw + 2 * kw);
-                        QkvRows { q: p, k: p.at(0, qw), v: p.at(0, qw + kw) }
-                    }
-                    Some((kb, vb)) => QkvRows { q: In::rows(&qb, qw), k: In::rows(kb, kw), v: In::rows(vb, kw) },
-                };
+                let qw = c.heads * c.head_dim;
+                let qkv = b.attention_qkv(a, In::rows(&x, hidden), n)?;
                 done(P::Qkv)?;
                 let mut att = b.scratch(n * qw)?;
-                let cache = KvCache { k: kc, v: vc, max_len };
-                b.attention(c, qkv, cache, rows, Out { buf: &mut att, offset: 0 })?;
+                b.attend(a, &qkv, rows, Out { buf: &mut att, offset: 0 })?;
                 done(P::Attend)?;
-                b.linear(In::rows(&att, qw), n, o, Out { buf: &mut out, offset: 0 })?;
+                b.attention_out(a, In::rows(&att, qw), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OProj)?;
                 counters.attention_calls += 1;
             }
-            (MixW::Mlp { up, down }, _) => {
+            MixW::Mlp { up, down } => {
                 b.mlp(In::rows(&x, hidden), n, up, down, Out { buf: &mut out, offset: 0 })?;
                 done(P::Mlp)?;
             }
-            _ => unreachable!("layer {kind:?}: caches are built from the same layers"),
         }
         // The residual, and the next layer's norm (the final norm after the last layer).
-        let next = w.layers.get(i + 1).map_or(&w.norm_f, |(norm, _)| norm);
+        let next = w.norms.get(i + 1).unwrap_or(&w.norm_f);
         b.add_rms_norm(&mut h, &out, norm(next), n, Out { buf: &mut x, offset: 0 })?;
         done(P::Residual)?;
     }

@@ -1,29 +1,103 @@
-//! Attention layers on the CUDA backend: q, k and v as strided rows (column blocks of the fused
-//! q/k/v projection's output), keys and values with one stride, through the host crate's
-//! attention over the KV cache.
+//! Attention layers on the CUDA backend: a layer on the device ([`CudaAttention`]: its
+//! projections, q, k and v as one weight where they can be, and its slots' key and value
+//! caches) and its attention: q, k and v as strided rows (column blocks of the fused
+//! projection's output), keys and values with one stride, through the host crate's attention
+//! over the KV cache.
 
 use half::bf16;
 use host::attn::{AttnShape, Qkv, attention};
 use host::{Buffer, Gpu};
 
-use super::{Cuda, CudaRows, rows_of, view_mut};
-use crate::backend::{KvCache, Out, QkvRows};
+use super::{Cuda, CudaRows, CudaWeight, rows_of, view_mut};
+use crate::backend::{Backend, CacheSizes, In, Out, QkvBufs, QkvRows, project};
 use crate::config::AttentionConfig;
 use crate::error::Result;
+use crate::layout::{self, Linear};
+use crate::weights::Dtype;
 
-/// Attention of the step's rows over their sequences' cached keys and values, the new ones
-/// written into the cache first.
-pub(super) fn forward(
-    g: &Gpu,
-    c: &AttentionConfig,
-    QkvRows { q, k, v }: QkvRows<Buffer<bf16>>,
-    cache: KvCache<Cuda>,
-    rows: &CudaRows,
-    y: Out<Buffer<bf16>>,
-) -> Result<()> {
-    let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len: cache.max_len };
-    let (n, qw, kw) = (rows.attn.len(), c.heads * c.head_dim, c.kv_heads * c.head_dim);
-    let mut y = view_mut(y, n * qw)?;
-    let qkv = Qkv { q: rows_of(&q, n, qw), k: rows_of(&k, n, kw), v: rows_of(&v, n, kw) };
-    Ok(attention(g, shape, qkv, cache.k, cache.v, &rows.attn, &mut y)?)
+/// An attention layer on the device.
+pub struct CudaAttention {
+    /// The heads, and the caches' tokens per slot.
+    shape: AttnShape,
+    qkv: QkvWeights,
+    o: CudaWeight,
+    /// `[slots, max_len, kv_heads * head_dim]` each.
+    k_cache: Buffer<bf16>,
+    v_cache: Buffer<bf16>,
+}
+
+/// An attention layer's q, k and v projections: one weight of their rows in order where all
+/// three are bf16 without bias (one launch instead of three), else apart (q, k, v).
+enum QkvWeights {
+    Fused(CudaWeight),
+    Apart(Box<[CudaWeight; 3]>),
+}
+
+impl QkvWeights {
+    fn upload(cuda: &Cuda, a: &layout::Attention) -> Result<QkvWeights> {
+        let plain = |l: &Linear| l.weight.dtype == Dtype::Bf16 && l.bias.is_none() && l.fp8.is_none();
+        let (q, k, v) = (&a.q, &a.k, &a.v);
+        let hidden = q.weight.shape[1];
+        if [q, k, v].iter().all(|l| plain(l) && l.weight.shape[1] == hidden) {
+            let bytes = [q, k, v].iter().flat_map(|l| l.weight.bytes.iter().copied()).collect::<Vec<u8>>();
+            let shape = [q.weight.shape[0] + k.weight.shape[0] + v.weight.shape[0], hidden];
+            return Ok(QkvWeights::Fused(cuda.weight(&Linear::bf16("q_proj + k_proj + v_proj", &shape, &bytes))?));
+        }
+        Ok(QkvWeights::Apart(Box::new([cuda.weight(q)?, cuda.weight(k)?, cuda.weight(v)?])))
+    }
+}
+
+impl CudaAttention {
+    /// Uploads the layer `a` of `c` with zero key and value caches of `sizes`.
+    pub(super) fn upload(
+        cuda: &Cuda,
+        c: &AttentionConfig,
+        a: &layout::Attention,
+        sizes: &CacheSizes,
+    ) -> Result<CudaAttention> {
+        let shape = AttnShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, max_len: sizes.max_len };
+        let (qkv, o) = (QkvWeights::upload(cuda, a)?, cuda.weight(&a.o)?);
+        Ok(CudaAttention { shape, qkv, o, k_cache: cuda.zeros(sizes.kv)?, v_cache: cuda.zeros(sizes.kv)? })
+    }
+
+    /// The widths of q, and of k (and of v).
+    fn widths(&self) -> (usize, usize) {
+        let s = &self.shape;
+        (s.heads * s.head_dim, s.kv_heads * s.head_dim)
+    }
+
+    /// q, k and v of `rows` rows of `x`: one buffer with the three side by side (fused), or
+    /// one each.
+    pub(super) fn qkv(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
+        let (qw, kw) = self.widths();
+        Ok(match &self.qkv {
+            QkvWeights::Fused(w) => QkvBufs::Fused(project(cuda, x, rows, w, qw + 2 * kw)?),
+            QkvWeights::Apart(w) => {
+                let [q, k, v] = &**w;
+                let (q, k) = (project(cuda, x, rows, q, qw)?, project(cuda, x, rows, k, kw)?);
+                QkvBufs::Apart { q, k, v: project(cuda, x, rows, v, kw)? }
+            }
+        })
+    }
+
+    /// Attention of the step's rows over their sequences' cached keys and values, the new
+    /// ones written into the cache first.
+    pub(super) fn attend(
+        &mut self,
+        g: &Gpu,
+        qkv: &QkvBufs<Buffer<bf16>>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        let ((qw, kw), n) = (self.widths(), rows.attn.len());
+        let QkvRows { q, k, v } = qkv.rows(qw, kw);
+        let mut y = view_mut(y, n * qw)?;
+        let qkv = Qkv { q: rows_of(&q, n, qw), k: rows_of(&k, n, kw), v: rows_of(&v, n, kw) };
+        Ok(attention(g, self.shape, qkv, &mut self.k_cache, &mut self.v_cache, &rows.attn, &mut y)?)
+    }
+
+    /// o_proj over `rows` rows of `x`.
+    pub(super) fn out(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        cuda.linear(x, rows, &self.o, y)
+    }
 }

@@ -161,7 +161,6 @@ pub(super) fn mlp_rows(
     down.forward(g, &h.as_view(), n, false, out)
 }
 
-/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
 /// Uploads `l`'s weight into `dst` as bf16: its bytes as they are where it is bf16 (staged, no
 /// copy in between), else converted.
 pub(super) fn put_bf16(gpu: &Gpu, l: &Linear, dst: &mut CudaViewMut<bf16>) -> Result<()> {

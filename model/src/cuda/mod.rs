@@ -22,11 +22,16 @@
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
 //! capture past it). The prefill scan's plan is still built per layer.
 //!
-//! The backend composes one module a layer kind, each owning its device weights and its choice
-//! of kernels: `linear` (linear layers and the dense MLP, [`CudaWeight`]), `moe`
-//! ([`CudaExperts`] and the row thresholds above), `mamba` (conv, state update, the fused
-//! decode), `attention`, and `rows` (a step's [`CudaRows`]); this file holds the buffers, the
-//! norms, embedding, sampling and graphs, and hands each layer operation to its module.
+//! The backend composes one object a layer kind, each built at load from the layout and owning
+//! its device weights, its slots' states and its choice of kernels, each in its module:
+//! `linear` ([`CudaWeight`]: a linear layer's weight and its kernel by rows; a dense MLP is two
+//! of them), `moe` ([`CudaExperts`]: the routed and shared experts and the row thresholds
+//! above), `mamba` ([`CudaMamba`]: the mixer's weights and conv and SSM states; the decode rows
+//! in one launch up to [`FUSED_MAMBA_ROWS`] rows, else three; the prefill conv and chunked
+//! scan), `attention` ([`CudaAttention`]: q, k and v as one weight where they are bf16 without
+//! bias, the KV caches, the attention launch); `rows` holds a step's [`CudaRows`]. This file
+//! holds the buffers, the norms between the layers, embedding, sampling and graphs, and hands
+//! each layer operation to its layer's object.
 
 mod attention;
 mod linear;
@@ -38,32 +43,31 @@ use std::sync::Arc;
 
 use half::bf16;
 use host::moe::Router;
-use host::norm::{NormShape, add_rms_norm, gated_norm, rms_norm};
+use host::norm::{NormShape, add_rms_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{
-    Backend, In, KvCache, MambaConv, MambaDecode, MambaSsm, MoeWeights, Norm, Out, QkvRows, StepRows, rows_f32,
-};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, QkvBufs, StepRows, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
-use crate::layout::{Linear, Mlp};
+use crate::layout::{self, Linear, Mlp};
 use linear::mlp_rows;
 
+pub use attention::CudaAttention;
 pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
-pub use mamba::FUSED_MAMBA_ROWS;
+pub use mamba::{CudaMamba, FUSED_MAMBA_ROWS};
 pub use moe::{
     CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
     SHARED_PIECES_MAX_ROWS,
 };
+pub use rows::CudaRows;
 
 /// Most decode rows of a step recorded as a CUDA graph (and replayed): every operation of a
 /// step of up to [`GROUPED_MAX_ROWS`] rows runs without synchronizing, and the engine's
 /// batches go up to 64.
 pub const GRAPH_MAX_ROWS: usize = 64;
-pub use rows::CudaRows;
 
 /// The CUDA backend on one GPU.
 pub struct Cuda {
@@ -123,6 +127,8 @@ impl Backend for Cuda {
     type Buf32 = CudaSlice<f32>;
     type Weight = CudaWeight;
     type Experts = CudaExperts;
+    type Mamba = CudaMamba;
+    type Attention = CudaAttention;
     type Rows = CudaRows;
     type Graph = Graph;
     type Sampling = CudaSampling;
@@ -163,6 +169,14 @@ impl Backend for Cuda {
 
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
         CudaExperts::upload(&self.gpu, list, shared)
+    }
+
+    fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<CudaMamba> {
+        CudaMamba::upload(self, c, eps, m, sizes)
+    }
+
+    fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<CudaAttention> {
+        CudaAttention::upload(self, c, a, sizes)
     }
 
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
@@ -231,20 +245,6 @@ impl Backend for Cuda {
         Ok(rms_norm(&self.gpu, shape, rows_of(&x, rows, n.width), n.w, &mut y)?)
     }
 
-    fn gated_norm(
-        &self,
-        x: In<Buffer<bf16>>,
-        z: In<Buffer<bf16>>,
-        n: Norm<Buffer<bf16>>,
-        groups: usize,
-        rows: usize,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        let (shape, width) = (NormShape::new(rows, n.width, groups, n.eps), n.width);
-        let mut y = view_mut(y, rows * width)?;
-        Ok(gated_norm(&self.gpu, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), n.w, &mut y)?)
-    }
-
     fn linear(&self, x: In<Buffer<bf16>>, rows: usize, w: &CudaWeight, y: Out<Buffer<bf16>>) -> Result<()> {
         if x.stride != w.k {
             return Err(unsupported("strided linear inputs"));
@@ -284,61 +284,49 @@ impl Backend for Cuda {
         mlp_rows(&self.gpu, &xv, rows, (up, down), &mut y)
     }
 
-    fn conv_decode(
-        &self,
-        c: &MambaConfig,
-        x: In<Buffer<bf16>>,
-        conv: MambaConv<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::conv_decode(&self.gpu, c, x, conv, rows, y)
-    }
-
-    fn conv_prefill(
-        &self,
-        c: &MambaConfig,
-        x: In<Buffer<bf16>>,
-        conv: MambaConv<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::conv_prefill(&self.gpu, c, x, conv, rows, y)
-    }
-
-    fn ssm_decode(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Buffer<bf16>>,
-        dt: In<Buffer<bf16>>,
-        ssm: MambaSsm<Cuda>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::ssm_decode(&self.gpu, c, (xbc, dt), ssm, rows, y)
+    fn mamba_in_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, zx: Out<Buffer<bf16>>) -> Result<()> {
+        m.in_proj(self, x, rows, zx)
     }
 
     fn mamba_decode(
         &self,
-        c: &MambaConfig,
+        m: &mut CudaMamba,
         zx: In<Buffer<bf16>>,
         nd: usize,
-        m: MambaDecode<Cuda>,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        mamba::decode(self, c, zx, nd, m, y)
-    }
-
-    fn ssm_prefill(
-        &self,
-        c: &MambaConfig,
-        xbc: In<Buffer<bf16>>,
-        dt: In<Buffer<bf16>>,
-        ssm: MambaSsm<Cuda>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        mamba::ssm_prefill(&self.gpu, c, (xbc, dt), ssm, rows, y)
+        m.decode(self, zx, nd, rows, y)
+    }
+
+    fn mamba_conv(&self, m: &mut CudaMamba, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
+        m.conv(&self.gpu, x, rows, y)
+    }
+
+    fn mamba_scan(
+        &self,
+        m: &mut CudaMamba,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
+        rows: &CudaRows,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        m.scan(&self.gpu, (xbc, dt), rows, y)
+    }
+
+    fn mamba_gated_norm(
+        &self,
+        m: &CudaMamba,
+        x: In<Buffer<bf16>>,
+        z: In<Buffer<bf16>>,
+        rows: usize,
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        m.gated_norm(&self.gpu, x, z, rows, y)
+    }
+
+    fn mamba_out_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        m.out_proj(self, x, rows, y)
     }
 
     fn moe(
@@ -352,14 +340,21 @@ impl Backend for Cuda {
         w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
     }
 
-    fn attention(
+    fn attention_qkv(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
+        a.qkv(self, x, rows)
+    }
+
+    fn attend(
         &self,
-        c: &AttentionConfig,
-        qkv: QkvRows<Buffer<bf16>>,
-        cache: KvCache<Cuda>,
+        a: &mut CudaAttention,
+        qkv: &QkvBufs<Buffer<bf16>>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        attention::forward(&self.gpu, c, qkv, cache, rows, y)
+        a.attend(&self.gpu, qkv, rows, y)
+    }
+
+    fn attention_out(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        a.out(self, x, rows, y)
     }
 }

@@ -74,6 +74,8 @@ pub const CHOICES_MAX_ROWS: usize = 1;
 /// launches (see [`Shared::Pieces`]) rather than as two cuBLASLt GEMMs: the expert kernel
 /// streams the weights once per row, so only a single row gains.
 pub const SHARED_PIECES_MAX_ROWS: usize = 1;
+
+/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
 /// wide is cut into beside `routed` experts; 0 (its own MLP) where a dispatch could not count
 /// them among the experts.
 fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {

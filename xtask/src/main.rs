@@ -38,7 +38,8 @@ fn main() -> Result<()> {
                     other => bail!("unknown argument `{other}`; usage: cargo xtask ptx --arch <arch|all> [--out DIR]"),
                 }
             }
-            let arch = arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all>")?;
+            let arch =
+                arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all>")?;
             let arches: Vec<&str> = match arch.as_str() {
                 "all" => ptx_build::ARCHES.to_vec(),
                 a if ptx_build::ARCHES.contains(&a) => vec![a],

@@ -9,7 +9,7 @@ use kernels_gpu::Kernel;
 use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
 use kernels_gpu::flash::{FLASH_BLOCK, FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile, flash_smem_bytes};
 
-use crate::args::{Len, Rows};
+use crate::args::{Elem, Len, Rows};
 use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -34,9 +34,8 @@ pub struct AttnRows {
     /// Every row in a slot of its own (decode rows): the attention launch writes the rows'
     /// keys and values into the caches itself.
     own: bool,
-    /// Otherwise the rows' query tiles for the flash kernel ([`flash_tiles`]), as the u32s of
-    /// [`FlashTile`]s.
-    tiles: Option<CudaSlice<u32>>,
+    /// Otherwise the rows' query tiles for the flash kernel ([`flash_tiles`]).
+    tiles: Option<CudaSlice<TileRepr>>,
 }
 
 impl AttnRows {
@@ -44,7 +43,7 @@ impl AttnRows {
     /// `max_len` positions.
     pub fn new(gpu: &Gpu, slots: &[i32], pos: &[u32], num_slots: usize, max_len: usize) -> Result<AttnRows> {
         let own = check_rows(slots, pos, num_slots, max_len)?;
-        let tiles = if own { None } else { Some(gpu.upload(&tile_words(&flash_tiles(slots, pos)))?) };
+        let tiles = if own { None } else { Some(gpu.upload(&tile_reprs(slots, pos))?) };
         Ok(AttnRows { slot: gpu.upload(slots)?, pos: gpu.upload(pos)?, num_slots, max_len, own, tiles })
     }
 
@@ -59,9 +58,9 @@ impl AttnRows {
         let what = |own| if own { "each row in a slot of its own" } else { "rows sharing a slot" };
         c.that("slots", own == self.own, what(self.own), what(own))?;
         if let Some(tiles) = &mut self.tiles {
-            let words = tile_words(&flash_tiles(slots, pos));
-            c.len("slots (query tiles)", tiles.len() / 4, words.len() / 4)?;
-            gpu.upload_into(&words, tiles)?;
+            let new = tile_reprs(slots, pos);
+            c.len("slots (query tiles)", tiles.len(), new.len())?;
+            gpu.upload_into(&new, tiles)?;
         }
         gpu.upload_into(slots, &mut self.slot)?;
         gpu.upload_into(pos, &mut self.pos)
@@ -114,9 +113,21 @@ pub fn flash_tiles(slots: &[i32], pos: &[u32]) -> Vec<FlashTile> {
     tiles
 }
 
-/// Tiles as the u32s the kernel reads.
-fn tile_words(tiles: &[FlashTile]) -> Vec<u32> {
-    tiles.iter().flat_map(|t| [t.row0, t.rows, t.slot, t.pos0]).collect()
+/// FlashTile as cudarc sees it (kernels-gpu cannot implement cudarc's trait).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct TileRepr(FlashTile);
+
+// SAFETY: #[repr(C)] plain integers; any bit pattern is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for TileRepr {}
+
+impl Elem for TileRepr {
+    type Raw = FlashTile;
+}
+
+/// The flash tiles of rows (checked), as uploaded.
+fn tile_reprs(slots: &[i32], pos: &[u32]) -> Vec<TileRepr> {
+    flash_tiles(slots, pos).into_iter().map(TileRepr).collect()
 }
 
 /// A step's queries, keys and values: rows of `heads * head_dim` and of `kv_heads * head_dim`
@@ -199,7 +210,7 @@ pub fn attention(
                     q_stride: p.q_stride,
                     k_cache: p.k_cache,
                     v_cache: p.v_cache,
-                    tiles: gpu.args(kf).input("tiles", tiles, Len::Any)?.cast(),
+                    tiles: gpu.args(kf).input("tiles", tiles, Len::Any)?,
                     out: p.out,
                     heads: p.heads,
                     kv_heads: p.kv_heads,
@@ -208,7 +219,7 @@ pub fn attention(
                     scale: p.scale,
                     vec: u32::from(vec),
                 };
-                let blocks = (tiles.len() / 4).saturating_mul(s.heads);
+                let blocks = tiles.len().saturating_mul(s.heads);
                 Check(kf.name()).count("query tiles x heads", i32::MAX as usize, blocks)?;
                 gpu.launch(kf, (blocks as u32, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f)
             }

@@ -44,3 +44,12 @@ impl Check {
 /// device code indexes with u32 arithmetic that must not overflow.
 pub(crate) const MAX_ROWS: usize = i32::MAX as usize;
 pub(crate) const MAX_ELEMS: usize = i32::MAX as usize;
+
+/// The argument a failed check names (tests of the launchers' checks).
+#[cfg(test)]
+pub(crate) fn arg_of<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
+    match r {
+        Err(Error::Shape { arg, .. }) => arg,
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+}

@@ -400,13 +400,7 @@ pub fn linear_fp8_as(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn arg_of(r: Result<()>) -> &'static str {
-        match r {
-            Err(Error::Shape { arg, .. }) => arg,
-            other => panic!("expected a shape error, got {other:?}"),
-        }
-    }
+    use crate::check::arg_of;
 
     #[test]
     fn misaligned_operands_are_refused() {

@@ -222,15 +222,7 @@ pub fn gated_norm_fp8(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
-
-    /// The argument a failed check names.
-    fn arg_of(r: Result<()>) -> &'static str {
-        match r {
-            Err(Error::Shape { arg, .. }) => arg,
-            other => panic!("expected a shape error, got {other:?}"),
-        }
-    }
+    use crate::check::arg_of;
 
     /// Rows of the shape's geometry, `stride` apart, for the pure check.
     fn rows_of(s: NormShape, stride: usize) -> Rows<'static, ()> {

@@ -188,14 +188,7 @@ pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut imp
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
-
-    fn arg_of<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
-        match r {
-            Err(Error::Shape { arg, .. }) => arg,
-            other => panic!("expected a shape error, got {other:?}"),
-        }
-    }
+    use crate::check::arg_of;
 
     #[test]
     fn rows_of_checks_width_and_length() {

@@ -43,19 +43,14 @@ struct Shape {
 }
 
 impl Tiles {
-    /// What a dispatch's rows should run on here (not yet measured against each other at
-    /// every size): `wgmma` where the GPU has it and the experts average at least 64 rows
-    /// each, else the 128-row tiles from 128 rows an expert, else the 64-row ones. FP8 takes
-    /// the 64-row tiles where this says wide.
-    pub fn for_dispatch(gpu: &Gpu, d: &Dispatch) -> Tiles {
-        let per_expert = d.entries() / d.experts().max(1);
-        if gpu.has(Kernel::MoeGroupedWgmma) && per_expert >= 64 {
-            Tiles::Wgmma
-        } else if per_expert >= GROUPED_M_WIDE as usize {
-            Tiles::Wide
-        } else {
-            Tiles::Narrow
-        }
+    /// The tiles the grouped projections run on here: `wgmma` where the GPU has it, else the
+    /// 128-row tiles (FP8 takes the 64-row ones for those). On the H200 (`cargo bench --bench
+    /// moe -- experts/b`, Nano's 128 experts of 1856 x 2688, top-6, both projections) `wgmma`
+    /// was the fastest at every size from 16 rows (419.4 us; 128-row tiles 467.5, 64-row
+    /// 567.0) to 16384 (4673.3 us; 6725.4, 11096.5), and without it the 128-row tiles beat the
+    /// 64-row ones at every size as well.
+    pub fn for_grouped(gpu: &Gpu) -> Tiles {
+        if gpu.has(Kernel::MoeGroupedWgmma) { Tiles::Wgmma } else { Tiles::Wide }
     }
 
     /// The grouped kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
@@ -304,7 +299,7 @@ pub fn gemm_fp8(
 /// projection into `out [entries, hidden]`. `x [rows, hidden]` the layer input. bf16 weights:
 /// two launches; FP8 weights (W8A8, both projections): each projection's input quantized
 /// first ([`quant_rows`], with the projection's static scales or per row), four launches.
-/// Tiles as [`Tiles::for_dispatch`] (FP8: narrow for wide). No synchronization: the path for
+/// Tiles as [`Tiles::for_grouped`] (FP8: narrow for wide). No synchronization: the path for
 /// many rows.
 pub fn experts_mlp_grouped(
     gpu: &Gpu,
@@ -313,7 +308,7 @@ pub fn experts_mlp_grouped(
     mlp: ExpertMlp<Weights<'_>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let tiles = match (Tiles::for_dispatch(gpu, d), mlp.up) {
+    let tiles = match (Tiles::for_grouped(gpu), mlp.up) {
         (Tiles::Wide, Weights::Fp8 { .. }) => Tiles::Narrow,
         (tiles, _) => tiles,
     };

@@ -90,9 +90,12 @@ impl Weights {
 pub const SPLIT_MIN_K: usize = 3072;
 
 /// Most rows of an FP8 linear layer that run through the gemv kernel; more run through the
-/// FP8 GEMM on tensor cores ([`linear_fp8`]; the two not yet measured against each other, so
-/// the expert kernel's bound until they are).
-pub const FP8_GEMV_MAX_ROWS: usize = 64;
+/// FP8 GEMM on tensor cores ([`linear_fp8`]). On the H200 (`cargo bench --bench gemv --
+/// fp8/`, static input scale, the GEMM's quantization included) at 16 rows the GEMM took 40.9
+/// us against the gemv's 143.5 for Mamba's in_proj (10304 x 2688) and 39.0 against 65.4 for
+/// the shared expert's up projection, but 79.5 against 62.7 for out_proj (2688 x 4096); the
+/// gemv's time grows with the rows, the GEMM's hardly does below 128.
+pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
 impl CudaWeight {
     /// Uploads `l`'s weight (bf16 or FP8, no bias).

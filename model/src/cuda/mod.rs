@@ -4,20 +4,21 @@
 //! MoE layers route and run their experts on the device: up to [`CHOICES_MAX_ROWS`] rows of
 //! bf16 experts per routing choice (no dispatch; down projections and combining in one
 //! launch), else dispatched: up to [`EXPERT_KERNEL_MAX_ROWS`] rows through the expert kernel
-//! (no synchronization), up to [`GROUPED_MAX_ROWS`] through the grouped GEMM on tensor cores
-//! (one launch a projection, no synchronization), more through per-expert cuBLASLt GEMMs (one
-//! synchronization to read the expert offsets).
+//! (no synchronization), past it through the grouped GEMM on tensor cores (one launch a
+//! projection, no synchronization; on `wgmma` where the GPU has it), or, on GPUs without
+//! `wgmma` past [`GROUPED_MAX_ROWS`], through per-expert cuBLASLt GEMMs (one synchronization
+//! to read the expert offsets).
 //!
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
 //! the FP8 gemv kernel and the expert kernel (the same row-dot code, an expert per row), which
 //! quantize each input row with the checkpoint's `input_scale` (or per token without one)
-//! before the product, at up to 64 rows; at more, the rows are quantized the same way into
-//! codes first and multiplied on tensor cores (the FP8 GEMM and grouped GEMM,
-//! [`FP8_GEMV_MAX_ROWS`], [`FP8_EXPERT_KERNEL_MAX_ROWS`]).
+//! before the product, at up to [`FP8_GEMV_MAX_ROWS`] and [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows;
+//! at more, the rows are quantized the same way into codes first and multiplied on tensor
+//! cores (the FP8 GEMM and grouped GEMM).
 //!
 //! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
 //! per step ([`CudaRows`]). Steps of decode rows only, up to [`GRAPH_MAX_ROWS`] of them (no
-//! operation synchronizes at up to [`GROUPED_MAX_ROWS`] rows), are recorded into a CUDA graph once per row count
+//! operation synchronizes at so few rows), are recorded into a CUDA graph once per row count
 //! and replayed after that, with the new rows copied over the recorded ones; the graph's
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
 //! capture past it). The prefill scan's plan is still built per layer.

@@ -48,23 +48,23 @@ enum Shared {
 }
 
 /// Most rows of a bf16 MoE layer that go through the expert kernel rather than a GEMM: the
-/// routed experts alone (`cargo bench --bench moe -- experts/b`, H200, 31fa652) took 428.7 us
-/// by the expert kernel against 590.1 by the grouped GEMM at 16 rows, 1206.8 against 944.2 at
-/// 64; the two lines cross near 34 rows.
+/// routed experts alone (`cargo bench --bench moe -- experts/b`, H200, Nano sizes) took 370.0
+/// us by the expert kernel at 16 rows against 419.4 by the grouped GEMM on `wgmma` and 467.5
+/// on the 128-row `mma.sync` tiles, 969.7 at 64 rows against 706.3 and 809.7; the lines cross
+/// near 23 rows (`wgmma`) and 34 (`mma.sync`).
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
 
 /// Most rows of an FP8 MoE layer that go through the expert kernel rather than the FP8
 /// grouped GEMM (the two not yet measured against each other).
 pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
-/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` (one
-/// launch a projection, no synchronization); more go through per-expert cuBLASLt GEMMs, or,
-/// where the GPU has the `wgmma` kernels (sm_90a), through the grouped GEMM on those (its
-/// 128 x 256 tiles; not yet measured against cuBLASLt). On the H200 at Nano size
-/// (benches/nano prefill breakdown, routing + experts a MoE layer) the `mma.sync` grouped GEMM
-/// took 0.759 ms at 512 tokens against cuBLASLt's 1.412, but 4.368 ms at 4096 against 3.411
-/// (its 64 x 128 tiles reread their inputs from L2 more than the larger GEMMs do).
-pub const GROUPED_MAX_ROWS: usize = 1024;
+/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
+/// GPU has no `wgmma` kernels; more go through per-expert cuBLASLt GEMMs. Where it has them
+/// (sm_90a) the grouped GEMM on `wgmma` takes every row count past the expert kernel's. The
+/// routed experts on the H200 (`cargo bench --bench moe -- experts/b`, Nano sizes): the
+/// 128-row `mma.sync` tiles took 2098.5 us at 4096 rows against cuBLASLt's 3338.8, 6725.4 at
+/// 16384 against 4886.0 (the lines cross between); `wgmma` 1532.4 and 4673.3.
+pub const GROUPED_MAX_ROWS: usize = 8192;
 
 /// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
 /// down projections and the combining in one launch ([`experts_mlp_choices`]).
@@ -221,7 +221,7 @@ impl CudaExperts {
         match (&self.up, &self.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
                 let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
-                let wgmma = Tiles::for_dispatch(g, &d) == Tiles::Wgmma;
+                let wgmma = Tiles::for_grouped(g) == Tiles::Wgmma;
                 if (rows <= GROUPED_MAX_ROWS || wgmma) && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
                     let w = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
                     experts_mlp_grouped(g, &d, &xv, w, &mut grouped)?

@@ -1,6 +1,8 @@
 //! `cargo bench --bench nano`: the whole model at Nemotron-3 Nano 30B-A3B sizes (52 layers,
 //! `model/assets/nano-30b-a3b.json`; random bf16 weights generated in-process by
-//! `model::synthetic::in_memory`, 63 GB on the device) on the CUDA backend.
+//! `model::synthetic::in_memory`, 63 GB on the device, or with `--fp8` every linear projection
+//! as FP8 W8A8 with static input scales, `model::synthetic::Precision::Fp8`) on the CUDA
+//! backend.
 //! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
 //!   returns the last row's logits, so it includes the synchronization); median of 3; then the
 //!   same prompt as one greedy request through `Engine::step` (its first token sampled on the
@@ -61,22 +63,25 @@ use model::layout::Layout;
 use model::model::Model;
 use model::profile::{Group, Profile};
 use model::sampling::SamplingParams;
+use model::synthetic::Precision;
 use nemotron_rs::BenchGpu;
 
 /// Bytes of the weights a step reads, the SSM state traffic excluded: `(always, per expert)`
-/// where `always` covers every non-expert weight and the shared experts.
-fn weight_bytes(c: &Config) -> (f64, f64, usize) {
+/// where `always` covers every non-expert weight and the shared experts; the projections at
+/// `proj` bytes an element (2 bf16, 1 FP8), the rest bf16.
+fn weight_bytes(c: &Config, proj: f64) -> (f64, f64, usize) {
     let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
     let m = c.mamba.as_ref().expect("Nano has Mamba layers");
     let e = c.moe.as_ref().expect("Nano has MoE layers");
     let a = c.attention.as_ref().expect("Nano has attention layers");
     let (nm, ne, na, _) = c.layer_counts();
-    let mamba = (m.in_proj_width() as f64 * h + h * m.inner() as f64 + (m.conv_dim() * m.conv_kernel) as f64) * 2.0;
-    let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + 2.0 * (a.kv_heads * a.head_dim) as f64 * h) * 2.0;
-    let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * 2.0);
+    let mamba =
+        (m.in_proj_width() as f64 * h + h * m.inner() as f64) * proj + (m.conv_dim() * m.conv_kernel) as f64 * 2.0;
+    let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + 2.0 * (a.kv_heads * a.head_dim) as f64 * h) * proj;
+    let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * proj);
     let gate = e.experts as f64 * h * 2.0;
     let always = nm as f64 * mamba + na as f64 * attn + ne as f64 * (shared + gate) + v * h * 2.0;
-    let expert = 2.0 * e.intermediate as f64 * h * 2.0;
+    let expert = 2.0 * e.intermediate as f64 * h * proj;
     (always, expert, ne)
 }
 
@@ -94,7 +99,8 @@ fn main() {
     let json = include_str!("../model/assets/nano-30b-a3b.json");
     let config = Config::from_json(json).expect("the Nano config parses");
     let t = Instant::now();
-    let ck = model::synthetic::in_memory(&config, 7).expect("synthetic weights");
+    let precision = if flag("--fp8") { Precision::Fp8 } else { Precision::Bf16 };
+    let ck = model::synthetic::in_memory_as(&config, 7, precision).expect("synthetic weights");
     let layout = Layout::trusting_values(&config, &ck).expect("a complete layout");
     let generated = t.elapsed().as_secs_f64();
     let t = Instant::now();
@@ -102,11 +108,11 @@ fn main() {
     let cuda = Cuda::on(b.gpu.clone()).with_graphs(!flag("--no-graphs"));
     let mut model = Model::load(cuda, &config, &layout, slots, max_len).expect("loading the model");
     println!(
-        "Nano 30B-A3B, random weights: {:.1} GB of tensors generated in {generated:.1} s, uploaded in {:.1} s",
+        "Nano 30B-A3B, random {precision:?} weights: {:.1} GB of tensors generated in {generated:.1} s, uploaded in {:.1} s",
         ck.total_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
-    let (always, expert, moe_layers) = weight_bytes(&config);
+    let (always, expert, moe_layers) = weight_bytes(&config, if precision == Precision::Fp8 { 1.0 } else { 2.0 });
     let m = config.mamba.as_ref().expect("Nano has Mamba layers");
     let state = (config.layer_counts().0 * m.inner() * m.state_size * 4 * 2) as f64;
     let e = config.moe.as_ref().expect("Nano has MoE layers");

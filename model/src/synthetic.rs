@@ -11,6 +11,8 @@ use std::path::Path;
 use half::bf16;
 use tokenizers::{AddedToken, Tokenizer};
 
+use host::cpu::quant::{E4M3_MAX, e4m3_encode};
+
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
 use crate::weights::{Checkpoint, Dtype};
@@ -178,25 +180,67 @@ fn value_bytes(n: usize, draw: Draw, seed: u64) -> Vec<u8> {
     bytemuck::cast_slice(&values(n, draw, seed)).to_vec()
 }
 
+/// The weights of the linear projections in an [`in_memory_as`] checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    Bf16,
+    /// Every linear projection (`*proj.weight`: Mamba's in_proj and out_proj, attention's
+    /// q/k/v/o, every expert's and the shared expert's up and down; not the router, the
+    /// embeddings or the LM head) as e4m3 codes with a per-tensor `weight_scale` (the draw's
+    /// largest |w| over 448) and a static `input_scale` of [`FP8_INPUT_SCALE`]: W8A8 as
+    /// ModelOpt's FP8 checkpoints hold it.
+    Fp8,
+}
+
+/// The static activation scale of every projection of an FP8 synthetic checkpoint: activations
+/// up to 8 in magnitude keep their e4m3 precision (larger ones saturate, which changes no
+/// kernel's speed).
+pub const FP8_INPUT_SCALE: f32 = 8.0 / E4M3_MAX;
+
 /// A random bf16 checkpoint of `config` in memory, for speed measurements at full size: one
 /// random buffer per kind of tensor, shared by every layer and expert that has that kind
 /// (same name up to layer and expert numbers, same shape), so even a 30B-parameter model
 /// needs only its embedding, LM head and one tensor of each kind in host memory. Each layer's
 /// and expert's weights still get their own device memory when uploaded.
 pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
+    in_memory_as(config, seed, Precision::Bf16)
+}
+
+/// [`in_memory`] with the projections' weights in `precision` (the same draws: an FP8
+/// checkpoint holds the bf16 one's values quantized).
+pub fn in_memory_as(config: &Config, seed: u64, precision: Precision) -> Result<Checkpoint> {
     let mut seed = seed;
     let layers = config.layers.len();
-    let mut kinds: BTreeMap<(String, Vec<usize>), usize> = BTreeMap::new();
-    let mut buffers: Vec<Vec<u8>> = Vec::new();
+    // Per kind: the buffer of its values (or codes) and, for FP8, that of its weight scale.
+    let mut kinds: BTreeMap<(String, Vec<usize>), (usize, Option<usize>)> = BTreeMap::new();
+    // Buffer 0: the input scale every FP8 projection shares (4 bytes nothing reads in bf16).
+    let mut buffers: Vec<Vec<u8>> = vec![FP8_INPUT_SCALE.to_le_bytes().to_vec()];
     let mut tensors = Vec::new();
     for (name, shape) in tensor_shapes(config) {
         let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
-        let file = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
-            let draw = Draw::of(&name, &shape, layers, Scaling::FanIn);
-            buffers.push(value_bytes(shape.iter().product(), draw, next_seed(&mut seed)));
-            buffers.len() - 1
+        let fp8 = precision == Precision::Fp8 && shape.len() == 2 && name.ends_with("proj.weight");
+        let (file, scale) = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
+            let (n, draw) = (shape.iter().product(), Draw::of(&name, &shape, layers, Scaling::FanIn));
+            let seed = next_seed(&mut seed);
+            if fp8 {
+                let v = values(n, draw, seed);
+                let w_scale = v.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs())) / E4M3_MAX;
+                buffers.push(v.iter().map(|x| e4m3_encode(x.to_f32() / w_scale)).collect());
+                buffers.push(w_scale.to_le_bytes().to_vec());
+                (buffers.len() - 2, Some(buffers.len() - 1))
+            } else {
+                buffers.push(value_bytes(n, draw, seed));
+                (buffers.len() - 1, None)
+            }
         });
-        tensors.push((name, Dtype::Bf16, shape, file));
+        match (scale, name.strip_suffix(".weight")) {
+            (Some(w_scale), Some(prefix)) => {
+                tensors.push((format!("{prefix}.weight_scale"), Dtype::F32, vec![], w_scale));
+                tensors.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], 0));
+                tensors.push((name, Dtype::F8E4M3, shape, file));
+            }
+            _ => tensors.push((name, Dtype::Bf16, shape, file)),
+        }
     }
     Checkpoint::in_memory(buffers, tensors)
 }

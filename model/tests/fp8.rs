@@ -138,3 +138,54 @@ fn cuda_fp8_matches_cpu_fp8() {
         assert!(same >= 12, "{len}-token prompt: {same}/17");
     }
 }
+
+/// `synthetic::in_memory_as(.., Precision::Fp8)` (the nano bench's `--fp8`): every projection
+/// of the bf16 synthetic checkpoint with the same seed, quantized: e4m3 codes within half an
+/// e4m3 step of the bf16 values at their tensor's scale (max |w| / 448), a `weight_scale` and
+/// the static `input_scale` beside each, everything else the same bf16 tensor; and the
+/// built-in model's config run on both (CPU backend) gives logits apart by the quantization
+/// and within the fixture's FP8-against-bf16 band.
+#[test]
+fn synthetic_fp8_checkpoint_is_the_bf16_one_quantized() {
+    use model::synthetic::{FP8_INPUT_SCALE, Precision, in_memory, in_memory_as};
+    use model::weights::Dtype;
+    let (_, json) = model::built_in::FILES.iter().find(|(name, _)| *name == "config.json").unwrap();
+    let config = Config::from_json(std::str::from_utf8(json).unwrap()).unwrap();
+    let (bf16_ck, fp8_ck) = (in_memory(&config, 5).unwrap(), in_memory_as(&config, 5, Precision::Fp8).unwrap());
+    let (mut projections, mut values) = (0, 0);
+    for name in bf16_ck.names() {
+        let (b, f) = (bf16_ck.tensor(name).unwrap(), fp8_ck.tensor(name).unwrap());
+        assert_eq!(b.shape, f.shape, "{name}");
+        let Some(prefix) = name.strip_suffix(".weight").filter(|p| p.ends_with("proj") && b.shape.len() == 2) else {
+            assert_eq!((f.dtype, f.bytes), (b.dtype, b.bytes), "{name} stays bf16");
+            continue;
+        };
+        assert_eq!(f.dtype, Dtype::F8E4M3, "{name}");
+        let scalar = |n: String| f32::from_le_bytes(fp8_ck.tensor(&n).unwrap().bytes.try_into().unwrap());
+        let (w_scale, in_scale) = (scalar(format!("{prefix}.weight_scale")), scalar(format!("{prefix}.input_scale")));
+        assert_eq!(in_scale, FP8_INPUT_SCALE, "{name}");
+        let v = b.to_f32().unwrap();
+        assert_eq!(w_scale, v.iter().fold(0.0f32, |m, x| m.max(x.abs())) / E4M3_MAX, "{name}");
+        for (&code, &x) in f.bytes.iter().zip(&v) {
+            // e4m3 keeps 3 mantissa bits (half a step: 1/16 of the value), subnormals steps
+            // of 2^-9 of the scale.
+            let got = host::cpu::quant::e4m3_decode(code) * w_scale;
+            assert!((got - x).abs() <= x.abs() / 16.0 + w_scale / 1024.0, "{name}: {x} coded as {got}");
+        }
+        projections += 1;
+        values += v.len();
+    }
+    assert!(projections > 8, "{projections} projections");
+    println!("synthetic FP8: {projections} projections, {values} codes within half a step");
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 5 % 200) as u32).collect();
+    let logits = |ck: &Checkpoint| {
+        let layout = Layout::trusting_values(&config, ck).unwrap();
+        let mut m = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
+        let l = m.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).unwrap().remove(0);
+        l.into_iter().map(f64::from).collect::<Vec<f64>>()
+    };
+    let (b, f) = (logits(&bf16_ck), logits(&fp8_ck));
+    let gap = max_gap(&b, &f);
+    assert!(gap > 1e-3, "the FP8 checkpoint changed nothing: {gap}");
+    assert_close("synthetic FP8 vs bf16, CPU backend", &f, &b, 0.6, 0.2);
+}

@@ -6,9 +6,21 @@
 # to $OUT (default: .device/out). To fit a time limit, choose: TESTS (suites, default all),
 # SANITIZE (suites under the three tools, default all kernel suites; empty: none),
 # SANITIZE_FILTER (test-name filter for them, default `gpu`), BENCHES (with `bench`).
+# With `ab BASE NAME [FILTER]`: a bench of another tree beside this one's on the same machine,
+# BASE (that tree's bench executable, e.g. built with `cargo bench --no-run --bench NAME` there)
+# and .device/benches/NAME alternating ROUNDS times (default 3), each run with FILTER.
 OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+if [ "$1" = ab ]; then
+  for r in $(seq ${ROUNDS:-3}); do
+    for exe in "$2" ".device/benches/$3"; do
+      echo "=== round $r: $exe $4"
+      "$exe" --bench $4 2>&1 | tee -a "$OUT/ab-$3.log"
+    done
+  done
+  exit
+fi
 if [ "$1" = serve ]; then
   PORT=${PORT:-8123}
   .device/bin/serve --synthetic model/assets/nano-30b-a3b.json --backend cuda --slots 64 --port $PORT 2> $OUT/serve.log &

@@ -16,7 +16,7 @@ if [ "$1" = ab ]; then
   for r in $(seq ${ROUNDS:-3}); do
     for exe in "$2" ".device/benches/$3"; do
       echo "=== round $r: $exe $4"
-      "$exe" --bench $4 2>&1 | tee -a "$OUT/ab-$3.log"
+      "$exe" --bench ${4:+"$4"} 2>&1 | tee -a "$OUT/ab-$3.log"
     done
   done
   exit

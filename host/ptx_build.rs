@@ -3,6 +3,7 @@
 //! Shared by `host/build.rs` (which embeds the PTX of every arch) and `cargo xtask ptx` (which
 //! also assembles it with ptxas), through `#[path]`, so there is one definition of the build.
 
+use kernels_gpu::{Kernel, MAX_BLOCK, flash, grouped, mamba, router, sample, ssd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -82,29 +83,29 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(&str, u32, u32); 22] = [
-    ("moe_route_tc_bf16", 256, 2),
-    ("moe_grouped_m128_bf16", 256, 2),
-    ("moe_grouped_bf16", 256, 2),
-    ("moe_grouped_fp8", 256, 2),
-    ("moe_grouped_wgmma_bf16", 256, 1),
-    ("moe_grouped_wgmma_fp8", 256, 1),
-    ("gemm_wgmma_bf16", 256, 1),
-    ("gemm_wgmma_fp8", 256, 1),
-    ("gemm_fp8", 256, 2),
-    ("gemm_m128_bf16", 256, 2),
-    ("gemm_bf16", 256, 2),
-    ("attn_flash_bf16", 256, 1),
-    ("attn_flash_d128_bf16", 256, 1),
-    ("mamba_decode_bf16", 512, 0),
-    ("sample_bf16", 512, 1),
-    ("ssd_chunk_state_f32", 256, 3),
-    ("ssd_state_pass_f32", 256, 2),
-    ("ssd_state_pass_bf16", 256, 2),
-    ("ssd_scan_bf16", 256, 3),
-    ("norm_rms_bf16", 1024, 0),
-    ("norm_gated_bf16", 1024, 0),
-    ("norm_gated_fp8_bf16", 1024, 0),
+const LAUNCH_BOUNDS: [(Kernel, u32, u32); 22] = [
+    (Kernel::MoeRouteTc, router::ROUTER_BLOCK, 2),
+    (Kernel::MoeGroupedWide, grouped::GROUPED_BLOCK, 2),
+    (Kernel::MoeGrouped, grouped::GROUPED_BLOCK, 2),
+    (Kernel::MoeGroupedFp8, grouped::GROUPED_BLOCK, 2),
+    (Kernel::MoeGroupedWgmma, grouped::GROUPED_BLOCK, 1),
+    (Kernel::MoeGroupedWgmmaFp8, grouped::GROUPED_BLOCK, 1),
+    (Kernel::GemmWgmma, grouped::GROUPED_BLOCK, 1),
+    (Kernel::GemmWgmmaFp8, grouped::GROUPED_BLOCK, 1),
+    (Kernel::GemmFp8, grouped::GROUPED_BLOCK, 2),
+    (Kernel::GemmWideBf16, grouped::GROUPED_BLOCK, 2),
+    (Kernel::GemmBf16, grouped::GROUPED_BLOCK, 2),
+    (Kernel::AttnFlash, flash::FLASH_BLOCK, 1),
+    (Kernel::AttnFlashD128, flash::FLASH_BLOCK, 1),
+    (Kernel::MambaDecode, mamba::MAMBA_BLOCK, 0),
+    (Kernel::Sample, sample::SAMPLE_BLOCK, 1),
+    (Kernel::SsdChunkState, ssd::SSD_STATE_BLOCK, 3),
+    (Kernel::SsdStatePassF32, ssd::SSD_PASS_BLOCK, 2),
+    (Kernel::SsdStatePassBf16, ssd::SSD_PASS_BLOCK, 2),
+    (Kernel::SsdScan, ssd::SSD_SCAN_BLOCK, 3),
+    (Kernel::NormRms, MAX_BLOCK, 0),
+    (Kernel::NormGated, MAX_BLOCK, 0),
+    (Kernel::NormGatedFp8, MAX_BLOCK, 0),
 ];
 
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
@@ -112,8 +113,8 @@ const LAUNCH_BOUNDS: [(&str, u32, u32); 22] = [
 /// what the block size allows.
 fn with_launch_bounds(ptx: &str, arch: &str) -> Result<String, String> {
     let mut text = ptx.to_string();
-    for (name, threads, blocks) in LAUNCH_BOUNDS {
-        let kernel = kernels_gpu::Kernel::ALL.iter().find(|k| k.name() == name).ok_or(format!("no kernel {name}"))?;
+    for (kernel, threads, blocks) in LAUNCH_BOUNDS {
+        let name = kernel.name();
         if !kernel.in_arch(arch) {
             continue;
         }

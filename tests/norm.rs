@@ -172,10 +172,13 @@ fn gpu_gated_norm_tolerance_catches_wrong_groups() {
     let got = to_f64(&gpu.download(&dy).unwrap());
     let right = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
     let wrong = cpu::gated_norm(&x, Some(&z), &w, width, 1, EPS as f64);
+    assert!(got.len() == rows * width && right.len() == got.len() && wrong.len() == got.len(), "outputs compared");
     let rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(g, w)| (g - w).abs() / (ATOL + w.abs())).fold(0.0, f64::max);
     let (noise, defect) = (rel(&got, &right), rel(&got, &wrong));
     println!(
-        "max relative error: against the right grouping {noise:.2e}, against one group {defect:.2e}, band {RTOL:.2e}"
+        "{} outputs, max relative error: against the right grouping {noise:.2e}, against one group {defect:.2e}, \
+         band {RTOL:.2e}",
+        got.len()
     );
     assert!(
         noise <= RTOL && defect > 10.0 * RTOL,

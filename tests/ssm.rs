@@ -144,13 +144,18 @@ fn gpu_ssm_update_head_to_group_mapping() {
             })
             .collect()
     };
-    let excess =
-        |want: &[f64]| got.iter().zip(want).map(|(g, w)| (g - w).abs() / (ATOL + RTOL * w.abs())).fold(0.0, f64::max);
+    assert_eq!(got.len(), 4 * shape.width(), "outputs compared");
+    let excess = |want: &[f64]| {
+        assert_eq!(want.len(), got.len(), "reference outputs");
+        got.iter().zip(want).map(|(g, w)| (g - w).abs() / (ATOL + RTOL * w.abs())).fold(0.0, f64::max)
+    };
     let right = excess(&run(&|h| group_of(h, 64, 8)));
     let modulo = excess(&run(&|h| h % 8));
     let clamped = excess(&run(&|h| (h / 2).min(7)));
     println!(
-        "max error / band: right mapping {right:.3}, h % G {modulo:.1}, clamped at 2 heads per group {clamped:.1}"
+        "{} outputs, max error / band: right mapping {right:.3}, h % G {modulo:.1}, clamped at 2 heads per group \
+         {clamped:.1}",
+        got.len()
     );
     assert!(right <= 1.0, "the right mapping is outside the band");
     assert!(modulo > 10.0 && clamped > 10.0, "the band does not separate wrong mappings");

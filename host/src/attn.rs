@@ -190,6 +190,35 @@ pub fn attention(
         scale: 1.0 / (s.head_dim as f32).sqrt(),
         own_rows: u32::from(rows.own),
     };
+    // Prefill rows take the flash kernel where their heads fit it: its arguments and grid
+    // checked before anything launches.
+    let flash = match &rows.tiles {
+        Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
+            let kf = if s.head_dim.div_ceil(16) == 8 { Kernel::AttnFlashD128 } else { Kernel::AttnFlash };
+            let aligned = |a: u64| a.is_multiple_of(16);
+            let vec = s.head_dim.is_multiple_of(8)
+                && q_stride.is_multiple_of(8)
+                && [p.q as u64, p.k_cache as u64, p.v_cache as u64].into_iter().all(aligned);
+            let f = FlashParams {
+                q: p.q,
+                q_stride: p.q_stride,
+                k_cache: p.k_cache,
+                v_cache: p.v_cache,
+                tiles: gpu.args(kf).input("tiles", tiles, Len::Any)?,
+                out: p.out,
+                heads: p.heads,
+                kv_heads: p.kv_heads,
+                head_dim: p.head_dim,
+                max_len: p.max_len,
+                scale: p.scale,
+                vec: u32::from(vec),
+            };
+            let blocks = tiles.len().saturating_mul(s.heads);
+            Check(kf.name()).count("query tiles x heads", i32::MAX as usize, blocks)?;
+            Some((kf, blocks as u32, f))
+        }
+        _ => None,
+    };
     // SAFETY: every extent above is checked; the rows' slots and positions are in range of
     // these caches and distinct (AttnRows), so cache writes do not collide; the caches and out
     // are `&mut` (distinct from the inputs); the attention launch runs after the cache write
@@ -198,32 +227,9 @@ pub fn attention(
         if !rows.own {
             gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
         }
-        match &rows.tiles {
-            Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
-                let kf = if s.head_dim.div_ceil(16) == 8 { Kernel::AttnFlashD128 } else { Kernel::AttnFlash };
-                let aligned = |a: u64| a.is_multiple_of(16);
-                let vec = s.head_dim.is_multiple_of(8)
-                    && q_stride.is_multiple_of(8)
-                    && [p.q as u64, p.k_cache as u64, p.v_cache as u64].into_iter().all(aligned);
-                let f = FlashParams {
-                    q: p.q,
-                    q_stride: p.q_stride,
-                    k_cache: p.k_cache,
-                    v_cache: p.v_cache,
-                    tiles: gpu.args(kf).input("tiles", tiles, Len::Any)?,
-                    out: p.out,
-                    heads: p.heads,
-                    kv_heads: p.kv_heads,
-                    head_dim: p.head_dim,
-                    max_len: p.max_len,
-                    scale: p.scale,
-                    vec: u32::from(vec),
-                };
-                let blocks = tiles.len().saturating_mul(s.heads);
-                Check(kf.name()).count("query tiles x heads", i32::MAX as usize, blocks)?;
-                gpu.launch(kf, (blocks as u32, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f)
-            }
-            _ => gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p),
+        match flash {
+            Some((kf, blocks, f)) => gpu.launch(kf, (blocks, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f),
+            None => gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p),
         }
     }
 }

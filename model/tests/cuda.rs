@@ -211,9 +211,11 @@ fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], 
 }
 
 /// The whole MoE layer (routing, dispatch, 128 experts top-6, shared expert, combine) at
-/// Nemotron-3 Nano sizes on the CUDA backend against the CPU backend, at batch 1, 7 and 64 (the
-/// expert kernel) and 1024 (cuBLASLt per expert; 64 of its rows checked, rows being
-/// independent). The shared expert (3712) runs as two pieces of the routed experts' shape
+/// Nemotron-3 Nano sizes on the CUDA backend against the CPU backend, at batch 1 (the
+/// per-choice launches), 7 (the expert kernel), 64 and 1024 (the grouped GEMM: `wgmma` on
+/// sm_90a, the 128-row tiles elsewhere; 64 of 1024's rows checked, rows being independent;
+/// cuBLASLt per expert, taken only past `GROUPED_MAX_ROWS` rows without `wgmma`, is tested
+/// in tests/moe). The shared expert (3712) runs as two pieces of the routed experts' shape
 /// (1856); small layers check a shared expert that is no multiple of it (160 = 96 + 64 and
 /// zeros), pieces that would not fit the routing's choices (top-15 + 3 pieces: cuBLASLt at one
 /// row too) and experts that would not fit a dispatch (255 + 2 pieces: its own MLP).

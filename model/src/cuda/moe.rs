@@ -184,6 +184,7 @@ impl CudaExperts {
         };
         let shared = match (&self.shared, &self.up, &self.down) {
             (Shared::Mlp(mlp), ..) => {
+                // SAFETY: the down projection writes all rows * hidden values before combine.
                 let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
                 mlp_rows(g, &xv, rows, (&mlp.0, &mlp.1), &mut out.as_view_mut())?;
                 Some(out)
@@ -193,6 +194,7 @@ impl CudaExperts {
                 // with zeros to n * inter.
                 let (si, at) = (n * self.inter, c.experts * self.inter * hidden);
                 let (up, down) = (up.slice(at..at + si * hidden), down.slice(at..at + si * hidden));
+                // SAFETY: the down projection writes all rows * hidden values before combine.
                 let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
                 // SAFETY: the up projection writes all rows * si values before they are read.
                 let mut h = unsafe { g.scratch::<bf16>(rows * si) }?;
@@ -217,6 +219,7 @@ impl CudaExperts {
         }
         let mut d = Dispatch::new(g, experts, choices, rows)?;
         dispatch(g, &idx, &mut d)?;
+        // SAFETY: each expert path below writes every dispatched row before combine reads it.
         let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
         match (&self.up, &self.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {

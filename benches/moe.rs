@@ -2,9 +2,9 @@
 //! top-6, shared expert 3712). Method as in benches/norm.rs (CUDA graph replays timed with
 //! events; cold: buffers rotated through more than the L2).
 //! - `route/b*`: the routing kernel, batch 1..4096; bytes: x, the router, idx and weights.
-//! - `layer/b*`: the whole layer on the CUDA backend (routing, dispatch, expert kernel, shared
-//!   expert through cuBLASLt, combine) at batch 1 and 64; bytes: the weights of the experts the
-//!   batch routes to (counted from its routing), the shared expert, the router, x and y.
+//! - `layer/b*`: the whole layer on the CUDA backend at batch 1, 8 and 64 (the path the model
+//!   takes at each: docs/PERFORMANCE.md); bytes: the weights of the experts the batch routes to
+//!   (counted from its routing), the shared expert, the router, x and y.
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
 //!   (which reads the offsets back), by the grouped GEMM (each of its tiles, `wgmma` where the
 //!   GPU has it) and by the FP8 grouped GEMM (its quantizations included), each timed with events around one call, median of 11,
@@ -151,7 +151,8 @@ fn bench_layer(
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
         // The up projections' weights stand in for the down projections too (the same size).
         let mlp = ExpertMlp { up, down: up, inter, hidden };
-        // The expert kernel is the path up to 64 rows; past 1024 it only takes time.
+        // The expert kernel is the path up to 32 rows (EXPERT_KERNEL_MAX_ROWS); past 1024 it only
+        // takes time.
         let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[1..] };
         let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
         for &path in

@@ -118,7 +118,7 @@ kernels! {
     ConvUpdate = "conv1d_update_bf16",
     /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs (varlen).
     ConvFwd = "conv1d_fwd_bf16",
-    /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs, 8 channels by a run of tokens
+    /// [`conv1d::ConvFwdParams`]: causal conv1d prefill outputs, 4 channels by a run of tokens
     /// a thread (many tokens).
     ConvFwdTiled = "conv1d_fwd_tiled_bf16",
     /// [`conv1d::ConvFwdParams`]: causal conv1d prefill final states.

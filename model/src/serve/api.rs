@@ -1,6 +1,9 @@
 //! The OpenAI request fields this server reads, checked one by one (so an error names the
 //! field), and its errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
-//! Fields it does not know are ignored (clients send many); `null` counts as absent.
+//! Fields it does not know are ignored (clients send many); `null` counts as absent. Fields it
+//! knows but cannot honour are refused, never ignored, since ignoring them would answer a
+//! different request than the one asked ([`unsupported`]; in chat, a `tool_choice` other than
+//! `auto` or `none` and the legacy `functions`).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -202,6 +205,38 @@ pub struct Common {
     pub ignore_eos: bool,
 }
 
+/// Refuses the fields both endpoints know but cannot honour: a non-empty `logit_bias`, a
+/// `response_format` other than `{"type": "text"}`, and vLLM's `guided_*` fields (the server
+/// has no constrained decoding: the sampler draws from the whole vocabulary).
+fn unsupported(f: &Fields) -> Result<(), ApiError> {
+    if f.object("logit_bias")?.is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::invalid(Some("logit_bias"), "`logit_bias` is not supported by this server"));
+    }
+    if let Some(r) = f.object("response_format")? {
+        match Fields(r).str("type")? {
+            Some("text") => {}
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    Some("response_format"),
+                    format!(
+                        "`response_format` of type `{t}` is not supported: this server has no constrained decoding"
+                    ),
+                ));
+            }
+            None => return Err(ApiError::invalid(Some("response_format"), "`response_format` needs a `type`")),
+        }
+    }
+    for name in ["guided_json", "guided_regex", "guided_choice", "guided_grammar"] {
+        if f.get_raw(name).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(
+                Some(name),
+                format!("`{name}` is not supported: this server has no constrained decoding"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with
 /// `top_logprobs`) when `chat`, else completions' (the number of top tokens).
 pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
@@ -274,6 +309,7 @@ pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
         s.logprobs = true;
         s.top_logprobs = n;
     }
+    unsupported(f)?;
     for name in ["n", "best_of"] {
         if let Some(n) = f.i64(name)?.filter(|&n| n != 1) {
             return Err(ApiError::invalid(Some(name), format!("`{name}` must be 1 (one choice per request), not {n}")));
@@ -386,10 +422,19 @@ mod tests {
             (r#"{"top_logprobs": 30, "logprobs": true}"#, "top_logprobs"),
             (r#"{"stream": "yes"}"#, "stream"),
             (r#"{"ignore_eos": 1}"#, "ignore_eos"),
+            (r#"{"logit_bias": {"17": 100}}"#, "logit_bias"),
+            (r#"{"logit_bias": [1]}"#, "logit_bias"),
+            (r#"{"response_format": {"type": "json_object"}}"#, "response_format"),
+            (r#"{"response_format": {"type": "json_schema", "json_schema": {}}}"#, "response_format"),
+            (r#"{"response_format": {}}"#, "response_format"),
+            (r#"{"guided_json": {"type": "object"}}"#, "guided_json"),
+            (r#"{"guided_choice": ["a", "b"]}"#, "guided_choice"),
         ] {
             let e = read(body, true).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}: {e:?}");
         }
+        // What changes nothing is taken: an empty bias, plain text, vLLM's fields set to null.
+        read(r#"{"logit_bias": {}, "response_format": {"type": "text"}, "guided_json": null}"#, true).unwrap();
         assert!(parse_body(b"{nope").unwrap_err().message.contains("not valid JSON"));
         assert!(parse_body(b"[1]").unwrap_err().message.contains("JSON object"));
         let c = read("{}", false).unwrap();

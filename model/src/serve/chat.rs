@@ -25,8 +25,26 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         Some(_) => return Err(ApiError::invalid(Some("tools"), "`tools` must be a list")),
     };
     let kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
-    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed.
-    let parse_tools = if f.get_raw("tool_choice").and_then(Value::as_str) == Some("none") { None } else { tools };
+    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed. A call
+    // cannot be forced (`required`, a named function) without constrained decoding: refused.
+    let parse_tools = match f.get_raw("tool_choice") {
+        None | Some(Value::Null) => tools,
+        Some(Value::String(c)) if c == "auto" => tools,
+        Some(Value::String(c)) if c == "none" => None,
+        Some(c) => {
+            return Err(ApiError::invalid(
+                Some("tool_choice"),
+                format!(
+                    "`tool_choice` {c} is not supported: the model chooses (`auto`) or is not parsed for calls (`none`)"
+                ),
+            ));
+        }
+    };
+    for legacy in ["functions", "function_call"] {
+        if f.get_raw(legacy).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(Some(legacy), format!("`{legacy}` is not supported: pass `tools`")));
+        }
+    }
     let text = s
         .chat
         .render(messages, tools, &kwargs)

@@ -122,6 +122,29 @@ async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
     }
 }
 
+/// What the server cannot honour without constrained decoding (forcing a call, JSON output,
+/// the legacy functions) is a 400 naming the field; `tool_choice: "auto"` is the default.
+#[tokio::test]
+async fn a_call_or_format_that_cannot_be_forced_is_refused() {
+    let s = writing(format!("{OUTPUT}{CALL}"));
+    for (extra, param) in [
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), "tool_choice"),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (json!({"functions": [{"name": "get_weather"}]}), "functions"),
+        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+    ] {
+        let mut body = request(false);
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let e = chat::handle(s.clone(), Bytes::from(body.to_string())).await.expect_err("a refusal");
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}: {e:?}");
+    }
+    let mut body = request(false);
+    body["tool_choice"] = json!("auto");
+    let v: Value = serde_json::from_str(&post(&s, body).await.1).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+}
+
 /// A non-streamed request whose handler is dropped mid-generation (as hyper drops it when the
 /// client disconnects) closes its token channel: the engine thread then cancels it.
 #[tokio::test]

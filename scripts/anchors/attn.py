@@ -54,13 +54,17 @@ def expanded(kv, n):
     return kv.view(n, KV_HEADS, HEAD_DIM).repeat_interleave(HEADS // KV_HEADS, dim=1).reshape(n, HEADS * HEAD_DIM)
 
 
+def kv_for(k, v, n, expand):
+    """k and v as `attend` takes them: as they are, or `expand`ed."""
+    return (expanded(k, n), expanded(v, n)) if expand else (k, v)
+
+
 def pick_expand(backend, q, k, v, n):
     """False where the backend runs `enable_gqa`, True where it needs the heads expanded;
     None where it runs neither (the reason printed)."""
     for expand in (False, True):
         try:
-            kk, vv = (expanded(k, n), expanded(v, n)) if expand else (k, v)
-            attend(backend, q, kk, vv, n, expand)
+            attend(backend, q, *kv_for(k, v, n, expand), n, expand)
             return expand
         except RuntimeError as e:
             reason = str(e).splitlines()[0]
@@ -70,9 +74,7 @@ def pick_expand(backend, q, k, v, n):
 
 def reference(q, k, v, n):
     """float32 causal attention from the formula: query head h reads kv head h / 16."""
-    qf = q.float().view(n, HEADS, HEAD_DIM)
-    kf = k.float().view(n, KV_HEADS, HEAD_DIM).repeat_interleave(HEADS // KV_HEADS, dim=1)
-    vf = v.float().view(n, KV_HEADS, HEAD_DIM).repeat_interleave(HEADS // KV_HEADS, dim=1)
+    qf, kf, vf = (r.float().view(n, HEADS, HEAD_DIM) for r in (q, *kv_for(k, v, n, True)))
     scores = torch.einsum("ihd,jhd->hij", qf, kf) / HEAD_DIM**0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.einsum("hij,jhd->hid", scores.softmax(-1), vf)
@@ -80,6 +82,7 @@ def reference(q, k, v, n):
 
 def check(device, backends):
     g = torch.Generator(device=device).manual_seed(7)
+    compared = 0
     for n in (1, 77, 300):
         q, k, v = (torch.rand(n, h * HEAD_DIM, generator=g, device=device).mul(2).sub(1).bfloat16()
                    for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -88,8 +91,7 @@ def check(device, backends):
             expand = pick_expand(backend, q, k, v, n)
             if expand is None:
                 continue
-            kk, vv = (expanded(k, n), expanded(v, n)) if expand else (k, v)
-            got = attend(backend, q, kk, vv, n, expand)[0].float()
+            got = attend(backend, q, *kv_for(k, v, n, expand), n, expand)[0].float()
             err = (got - want).abs().max().item()
             # bf16 output of values in [-1, 1]: half an ulp at 1 is 2^-8; P rounded to bf16 inside
             # flash kernels adds about as much again.
@@ -97,6 +99,10 @@ def check(device, backends):
             print(f"check sdpa {backend} n {n}: {got.numel()} outputs, max |err| {err:.2e}{'' if ok else '  FAILED'}")
             if not ok:
                 sys.exit(1)
+            compared += got.numel()
+    if compared == 0:
+        print("check: no backend ran, nothing compared  FAILED")
+        sys.exit(1)
 
 
 def bench(tokens, backends):
@@ -113,13 +119,12 @@ def bench(tokens, backends):
             expand = pick_expand(backend, q[0], k[0], v[0], n)
             if expand is None:
                 continue
-            kk = [expanded(x, n) for x in k] if expand else k
-            vv = [expanded(x, n) for x in v] if expand else v
-            med, p10, p90 = graph_us(lambda i: attend(backend, q[i], kk[i], vv[i], n, expand), sets)
+            kv = [kv_for(k[i], v[i], n, expand) for i in range(sets)]
+            med, p10, p90 = graph_us(lambda i: attend(backend, q[i], *kv[i], n, expand), sets)
             note = " (kv heads expanded to 32)" if expand else ""
             print(f"sdpa {backend:<6} t{n:<6} {flops / 1e9:8.1f} GFLOP  cold {med:9.2f} us [p10 {p10:.2f}, p90 {p90:.2f}]"
                   f" {flops / (med * 1e-6) / 1e12:6.1f} TFLOP/s{note}")
-            del kk, vv
+            del kv
         del q, k, v
         torch.cuda.empty_cache()
 

@@ -119,6 +119,14 @@ impl Fields<'_> {
         self.get(name)
     }
 
+    /// Refuses the first of `names` that is present (not null): `` `name` is not supported: why``.
+    pub fn refuse(&self, names: &[&str], why: &str) -> Result<(), ApiError> {
+        match names.iter().find(|&&name| self.get(name).is_some()) {
+            Some(name) => Err(ApiError::invalid(Some(name), format!("`{name}` is not supported: {why}"))),
+            None => Ok(()),
+        }
+    }
+
     fn wrong(name: &str, want: &str, got: &Value) -> ApiError {
         let kind = match got {
             Value::Null => "null",
@@ -226,15 +234,8 @@ fn unsupported(f: &Fields) -> Result<(), ApiError> {
             None => return Err(ApiError::invalid(Some("response_format"), "`response_format` needs a `type`")),
         }
     }
-    for name in ["guided_json", "guided_regex", "guided_choice", "guided_grammar"] {
-        if f.get_raw(name).is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid(
-                Some(name),
-                format!("`{name}` is not supported: this server has no constrained decoding"),
-            ));
-        }
-    }
-    Ok(())
+    let guided = ["guided_json", "guided_regex", "guided_choice", "guided_grammar"];
+    f.refuse(&guided, "this server has no constrained decoding")
 }
 
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with

@@ -28,7 +28,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed. A call
     // cannot be forced (`required`, a named function) without constrained decoding: refused.
     let parse_tools = match f.get_raw("tool_choice") {
-        None | Some(Value::Null) => tools,
+        None => tools,
         Some(Value::String(c)) if c == "auto" => tools,
         Some(Value::String(c)) if c == "none" => None,
         Some(c) => {
@@ -40,11 +40,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
             ));
         }
     };
-    for legacy in ["functions", "function_call"] {
-        if f.get_raw(legacy).is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid(Some(legacy), format!("`{legacy}` is not supported: pass `tools`")));
-        }
-    }
+    f.refuse(&["functions", "function_call"], "pass `tools`")?;
     let text = s
         .chat
         .render(messages, tools, &kwargs)

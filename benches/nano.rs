@@ -3,7 +3,7 @@
 //! `model::synthetic::in_memory`, 63 GB on the device, or with `--fp8` every linear projection
 //! as FP8 W8A8 with static input scales, `model::synthetic::Precision::Fp8`) on the CUDA
 //! backend.
-//! - prefill: one fresh request of 512 and of 4096 tokens; wall time of `Model::step` (which
+//! - prefill: one fresh request of 512, of 4096 and of 16384 tokens; wall time of `Model::step` (which
 //!   returns the last row's logits, so it includes the synchronization); median of 3; then the
 //!   same prompt as one greedy request through `Engine::step` (its first token sampled on the
 //!   device), median of 3. Then
@@ -21,8 +21,16 @@
 //!   wall time per step, median of 20 after 3 warm-up steps: `Model::step` (every row's
 //!   logits copied back), then what a user gets, `Engine::step` (sampling on the device, the
 //!   token ids copied back), greedy and at temperature 0.8 with top-p 0.95.
+//! - decode at depth: `batch` requests (1 and 16) of a 32768-token prompt each through the
+//!   engine (`Engine::set_max_step_tokens` 8192: the prompts in chunks, as a server feeds
+//!   them), then greedy `Engine::step`s of a token per request with attention reading the
+//!   long KV cache; wall time per step, median of 20 after 3.
 //!
-//! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, ...) runs only the cases whose
+//! Each case runs on a model whose cache holds 64 slots of the fewest tokens the case needs
+//! (4160 up to prefill 4096 and decode after 16, 16448 for prefill 16384, 33024 at depth),
+//! loaded anew when the length changes: decode attention's shared memory grows with it.
+//!
+//! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, `depth`, ...) runs only the cases whose
 //! name contains the filter; `--no-graphs` launches decode steps one operation at a time
 //! instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one decode
 //! step of each batch (`ncu --profile-from-start off`); `--timeline` prints one decode step's
@@ -48,10 +56,17 @@
 //!     lm head                       -      1.000     0.2%
 //! ```
 //!
-//! Beside each time: the bytes the step must read at least (every weight it uses once, the
-//! SSM state read and written, for decode at batch > 1 the experts that uniform routing is
-//! expected to touch: `E (1 - (1 - k/E)^batch)` per layer) and that floor at the copy
-//! bandwidth measured in the same run.
+//! The synthetic routers route as a trained model's (`Routing::Balanced`: each token picks its
+//! own experts); `--skewed-routing` draws them as the stress case `Routing::Skewed`, whose
+//! score bias picks nearly the same experts for every token. After each case above batch 1 one
+//! more step of the same shape runs with the expert tally on (`Model::set_expert_tally`) and
+//! prints the experts a MoE layer touched (mean and min over the layers, beside uniform
+//! routing's expectation `E (1 - (1 - k/E)^rows)`) and the largest expert's rows.
+//!
+//! Beside each time: the bytes the step must read at least: every non-expert weight once, the
+//! experts that step's routing touched (counted by the tally; at batch 1 its top k), the SSM
+//! state read and written (prefill: written), at depth the KV cache each row attends over;
+//! and that floor at the copy bandwidth measured in the same run.
 
 use std::time::Instant;
 
@@ -61,33 +76,154 @@ use model::cuda::Cuda;
 use model::engine::{Engine, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
-use model::profile::{Group, Profile};
+use model::profile::{ExpertLoad, Group, Profile};
 use model::sampling::SamplingParams;
-use model::synthetic::Precision;
+use model::synthetic::{Draws, Precision, Routing};
 use nemotron_rs::BenchGpu;
 
-/// Bytes of the weights a step reads, the SSM state traffic excluded: `(always, per expert)`
-/// where `always` covers every non-expert weight and the shared experts; the projections at
-/// `proj` bytes an element (2 bf16, 1 FP8), the rest bf16.
-fn weight_bytes(c: &Config, proj: f64) -> (f64, f64, usize) {
-    let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
-    let m = c.mamba.as_ref().expect("Nano has Mamba layers");
-    let e = c.moe.as_ref().expect("Nano has MoE layers");
-    let a = c.attention.as_ref().expect("Nano has attention layers");
-    let (nm, ne, na, _) = c.layer_counts();
-    let mamba =
-        (m.in_proj_width() as f64 * h + h * m.inner() as f64) * proj + (m.conv_dim() * m.conv_kernel) as f64 * 2.0;
-    let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + 2.0 * (a.kv_heads * a.head_dim) as f64 * h) * proj;
-    let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * proj);
-    let gate = e.experts as f64 * h * 2.0;
-    let always = nm as f64 * mamba + na as f64 * attn + ne as f64 * (shared + gate) + v * h * 2.0;
-    let expert = 2.0 * e.intermediate as f64 * h * proj;
-    (always, expert, ne)
+/// Context of the decode-at-depth cases, and the prompt tokens a step of their prefill takes.
+const DEPTH: usize = 32768;
+const DEPTH_STEP_TOKENS: usize = 8192;
+
+/// What a step of the model reads at least, in bytes.
+struct Bytes {
+    /// Every non-expert weight and the shared experts; the projections at the precision's
+    /// bytes an element (2 bf16, 1 FP8), the rest bf16.
+    always: f64,
+    /// One routed expert's up and down projections.
+    expert: f64,
+    /// The SSM state of one slot.
+    state: f64,
+    /// The keys and values of one token in every attention layer.
+    kv_token: f64,
+    /// The copy rate of the run, bytes a second.
+    bw: f64,
+}
+
+impl Bytes {
+    fn of(c: &Config, proj: f64, bw: f64) -> Bytes {
+        let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
+        let m = c.mamba.as_ref().expect("Nano has Mamba layers");
+        let e = c.moe.as_ref().expect("Nano has MoE layers");
+        let a = c.attention.as_ref().expect("Nano has attention layers");
+        let (nm, ne, na, _) = c.layer_counts();
+        let mamba =
+            (m.in_proj_width() as f64 * h + h * m.inner() as f64) * proj + (m.conv_dim() * m.conv_kernel) as f64 * 2.0;
+        let kv = 2.0 * (a.kv_heads * a.head_dim) as f64;
+        let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + kv * h) * proj;
+        let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * proj);
+        let gate = e.experts as f64 * h * 2.0;
+        Bytes {
+            always: nm as f64 * mamba + na as f64 * attn + ne as f64 * (shared + gate) + v * h * 2.0,
+            expert: 2.0 * e.intermediate as f64 * h * proj,
+            state: (nm * m.inner() * m.state_size * 4) as f64,
+            kv_token: na as f64 * kv * 2.0,
+            bw,
+        }
+    }
+
+    /// The floor of a step whose MoE layers touched the experts `loads` counts, with `other`
+    /// bytes of state and cache traffic; as "X GB = Y ms at Z GB/s".
+    fn floor(&self, loads: &[ExpertLoad], other: f64) -> String {
+        let touched: usize = loads.iter().map(ExpertLoad::touched).sum();
+        let bytes = self.always + touched as f64 * self.expert + other;
+        format!("bytes floor {:.2} GB = {:.3} ms at {:.0} GB/s", bytes / 1e9, bytes / self.bw * 1e3, self.bw / 1e9)
+    }
 }
 
 fn median(mut t: Vec<f64>) -> f64 {
     t.sort_by(f64::total_cmp);
     t[t.len() / 2]
+}
+
+/// The experts a MoE layer touched in a tallied step of `rows` rows: mean and min over the
+/// layers against uniform routing's expectation, and the largest expert's rows.
+fn print_loads(loads: &[ExpertLoad], rows: usize, (experts, top_k): (usize, usize)) {
+    let Some(min) = loads.iter().map(ExpertLoad::touched).min() else { return };
+    let mean = loads.iter().map(ExpertLoad::touched).sum::<usize>() as f64 / loads.len() as f64;
+    let (e, k) = (experts as f64, top_k as f64);
+    let uniform = e * (1.0 - (1.0 - k / e).powi(rows as i32));
+    let largest = loads.iter().map(ExpertLoad::largest).max().unwrap_or(0);
+    println!(
+        "  experts touched a MoE layer: mean {mean:.1}, min {min} of {experts} (uniform routing: {uniform:.1}); \
+         largest expert {largest} rows (mean {:.1}), {} layers tallied",
+        (rows * top_k) as f64 / experts as f64,
+        loads.len()
+    );
+}
+
+/// Decode step `step`'s token for each of `batch` rows.
+fn decode_tokens(step: usize, batch: usize) -> Vec<[u32; 1]> {
+    (0..batch).map(|r| [((step * 13 + r) % 1000) as u32]).collect()
+}
+
+/// A decode step's parts: row r's token `toks[r]` at slot r after `computed` tokens.
+fn decode_parts(toks: &[[u32; 1]], computed: usize) -> Vec<Part<'_>> {
+    toks.iter().enumerate().map(|(r, t)| Part { slot: r as i32, computed, tokens: t }).collect()
+}
+
+/// `model`'s expert loads over one step of `parts` (tallied, so not recorded or replayed).
+fn tally(model: &mut Model<Cuda>, parts: &[Part]) -> Vec<ExpertLoad> {
+    model.set_expert_tally(true);
+    model.step(parts).expect("a tallied step");
+    model.set_expert_tally(false);
+    model.expert_loads().to_vec()
+}
+
+/// The model at one cache length: a case that needs another loads it anew (the one before
+/// dropped first), with its routers fitted when they are balanced. Decode attention's shared
+/// memory grows with the cache length, so each case runs at the shortest length that holds it:
+/// [`SHORT`] for prefill 512 and 4096 and decode at 16 tokens, 16384 + 64 for prefill 16384,
+/// [`DEPTH`] + 256 for decode at depth.
+struct Loader<'a> {
+    gpu: std::sync::Arc<host::Gpu>,
+    graphs: bool,
+    config: &'a Config,
+    layout: &'a Layout<'a>,
+    routing: Routing,
+    loaded: Option<Model<Cuda>>,
+}
+
+/// The cache length of the cases at up to 4096 tokens.
+const SHORT: usize = 4096 + 64;
+
+impl Loader<'_> {
+    fn model(&mut self, max_len: usize) -> Model<Cuda> {
+        // Another length's model is dropped here, before the new one takes its memory.
+        if let Some(m) = self.loaded.take()
+            && m.max_len() == max_len
+        {
+            return m;
+        }
+        let t = Instant::now();
+        let cuda = Cuda::on(self.gpu.clone()).with_graphs(self.graphs);
+        let mut model = Model::load(cuda, self.config, self.layout, 64, max_len).expect("loading the model");
+        println!("model loaded with 64 slots of {max_len} tokens in {:.1} s", t.elapsed().as_secs_f64());
+        if self.routing == Routing::Balanced {
+            let t = Instant::now();
+            let loads = model::synthetic::balance_routers(&mut model).expect("fitting the routers");
+            print!("routers fitted (synthetic::balance_routers) in {:.1} s; on its tokens:", t.elapsed().as_secs_f64());
+            let e = self.config.moe.as_ref().expect("Nano has MoE layers");
+            print_loads(&loads, model::synthetic::BALANCE_TOKENS, (e.experts, e.top_k));
+        }
+        model
+    }
+
+    fn keep(&mut self, model: Model<Cuda>) {
+        self.loaded = Some(model);
+    }
+}
+
+/// What every case prints beside its time.
+struct Run<'a> {
+    b: &'a BenchGpu,
+    bytes: Bytes,
+    /// Experts and top k.
+    shape: (usize, usize),
+    vocab: u32,
+    breakdown: bool,
+    timeline: bool,
+    profile: bool,
 }
 
 fn main() {
@@ -100,71 +236,109 @@ fn main() {
     let config = Config::from_json(json).expect("the Nano config parses");
     let t = Instant::now();
     let precision = if flag("--fp8") { Precision::Fp8 } else { Precision::Bf16 };
-    let ck = model::synthetic::in_memory_as(&config, 7, precision).expect("synthetic weights");
+    let routing = if flag("--skewed-routing") { Routing::Skewed } else { Routing::Balanced };
+    let ck = model::synthetic::in_memory_as(&config, 7, Draws { precision, routing }).expect("synthetic weights");
     let layout = Layout::trusting_values(&config, &ck).expect("a complete layout");
-    let generated = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let (slots, max_len) = (64, 4096 + 64);
-    let cuda = Cuda::on(b.gpu.clone()).with_graphs(!flag("--no-graphs"));
-    let mut model = Model::load(cuda, &config, &layout, slots, max_len).expect("loading the model");
     println!(
-        "Nano 30B-A3B, random {precision:?} weights: {:.1} GB of tensors generated in {generated:.1} s, uploaded in {:.1} s",
+        "Nano 30B-A3B, random {precision:?} weights, {routing:?} routing: {:.1} GB of tensors generated in {:.1} s",
         ck.total_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
-    let (always, expert, moe_layers) = weight_bytes(&config, if precision == Precision::Fp8 { 1.0 } else { 2.0 });
-    let m = config.mamba.as_ref().expect("Nano has Mamba layers");
-    let state = (config.layer_counts().0 * m.inner() * m.state_size * 4 * 2) as f64;
+    let (graphs, gpu) = (!flag("--no-graphs"), b.gpu.clone());
+    let mut loader = Loader { gpu, graphs, config: &config, layout: &layout, routing, loaded: None };
     let e = config.moe.as_ref().expect("Nano has MoE layers");
-    let bw = b.copy_bytes_per_s;
-    let vocab = config.vocab_size as u32;
+    let run = Run {
+        b: &b,
+        bytes: Bytes::of(&config, if precision == Precision::Fp8 { 1.0 } else { 2.0 }, b.copy_bytes_per_s),
+        shape: (e.experts, e.top_k),
+        vocab: config.vocab_size as u32,
+        breakdown: !flag("--no-breakdown"),
+        timeline: flag("--timeline"),
+        profile: flag("--profile"),
+    };
     for len in [512usize, 4096].into_iter().filter(|l| wanted(&format!("prefill {l}"))) {
-        let prompt: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(7919) % vocab).collect();
+        let model = run.prefill(loader.model(SHORT), len);
+        loader.keep(model);
+    }
+    for batch in [1usize, 8, 64].into_iter().filter(|b| wanted(&format!("decode batch {b}"))) {
+        let model = run.decode(loader.model(SHORT), batch);
+        loader.keep(model);
+    }
+    if wanted("prefill 16384") {
+        let model = run.prefill(loader.model(16384 + 64), 16384);
+        loader.keep(model);
+    }
+    for batch in [1usize, 16].into_iter().filter(|b| wanted(&format!("decode depth {DEPTH} batch {b}"))) {
+        let (model, t, loads) = engine_depth(loader.model(DEPTH + 256), batch, run.vocab);
+        loader.keep(model);
+        // Each row reads its slot's state and its keys and values, one token more each step.
+        let bytes = &run.bytes;
+        let other = batch as f64 * (2.0 * bytes.state + (DEPTH + 12) as f64 * bytes.kv_token);
+        println!(
+            "decode depth {DEPTH} batch {batch:>3}: Engine::step greedy {:8.3} ms/step {:8.3} ms/token   {}",
+            t * 1e3,
+            t * 1e3 / batch as f64,
+            bytes.floor(&loads, other)
+        );
+        if batch > 1 {
+            print_loads(&loads, batch, run.shape);
+        }
+    }
+}
+
+impl Run<'_> {
+    /// One fresh request of `len` tokens: `Model::step`, the tally, `Engine::step`, the
+    /// breakdown.
+    fn prefill(&self, mut model: Model<Cuda>, len: usize) -> Model<Cuda> {
+        let prompt: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(7919) % self.vocab).collect();
+        let parts = [Part { slot: 0, computed: 0, tokens: &prompt }];
         let times: Vec<f64> = (0..3)
             .map(|_| {
                 let t = Instant::now();
-                model.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).expect("prefill");
+                model.step(&parts).expect("prefill");
                 t.elapsed().as_secs_f64()
             })
             .collect();
         let s = median(times);
-        let touched = e.experts as f64 * (1.0 - (1.0 - e.top_k as f64 / e.experts as f64).powi(len as i32));
-        let floor = always + moe_layers as f64 * touched * expert + state / 2.0;
+        let loads = tally(&mut model, &parts);
         println!(
-            "prefill {len:>5} tokens: {:8.2} ms  {:9.0} tokens/s   bytes floor {:.2} GB = {:.2} ms at {:.0} GB/s",
+            "prefill {len:>5} tokens: {:8.2} ms  {:9.0} tokens/s   {}",
             s * 1e3,
             len as f64 / s,
-            floor / 1e9,
-            floor / bw * 1e3,
-            bw / 1e9
+            self.bytes.floor(&loads, self.bytes.state)
         );
-        let (back, t) = engine_prefill(model, &prompt);
-        model = back;
+        print_loads(&loads, len, self.shape);
+        let (mut model, t) = engine_prefill(model, &prompt);
         println!("  Engine::step prefill: {:8.2} ms   {:+.1}% against Model::step", t * 1e3, (t / s - 1.0) * 100.0);
-        if !flag("--no-breakdown") {
+        if self.breakdown {
             prefill_breakdown(&mut model, &prompt, s);
         }
+        model
     }
-    for batch in [1usize, 8, 64].into_iter().filter(|b| wanted(&format!("decode batch {b}"))) {
+
+    /// `batch` requests of 16 prompt tokens, then decode steps: `Model::step`, the tally,
+    /// `Engine::step` greedy and sampled.
+    fn decode(&self, mut model: Model<Cuda>, batch: usize) -> Model<Cuda> {
+        let vocab = self.vocab;
         let prompts: Vec<Vec<u32>> =
             (0..batch).map(|r| (0..16u32).map(|i| (i * 31 + r as u32 * 977) % vocab).collect()).collect();
         let parts: Vec<Part> =
             prompts.iter().enumerate().map(|(r, p)| Part { slot: r as i32, computed: 0, tokens: p }).collect();
         model.step(&parts).expect("prompts");
         let mut times = Vec::new();
+        let gpu = &self.b.gpu;
         for step in 0..23 {
-            let toks: Vec<[u32; 1]> = (0..batch).map(|r| [((step * 13 + r) % 1000) as u32]).collect();
-            let parts: Vec<Part> =
-                (0..batch).map(|r| Part { slot: r as i32, computed: 16 + step, tokens: &toks[r] }).collect();
+            let toks = decode_tokens(step, batch);
+            let parts = decode_parts(&toks, 16 + step);
             let t = Instant::now();
-            if step == 5 && flag("--timeline") {
-                b.gpu.timeline().expect("timeline");
+            if step == 5 && self.timeline {
+                gpu.timeline().expect("timeline");
                 model.step(&parts).expect("decode");
                 print_timeline(
-                    b.gpu.timeline().expect("timeline").expect("--timeline needs the PTX built with NEMO_TIMELINE"),
+                    gpu.timeline().expect("timeline").expect("--timeline needs the PTX built with NEMO_TIMELINE"),
                 );
-            } else if step == 5 && flag("--profile") {
-                b.gpu.profile(|| model.step(&parts)).expect("profiler").expect("decode");
+            } else if step == 5 && self.profile {
+                gpu.profile(|| model.step(&parts)).expect("profiler").expect("decode");
             } else {
                 model.step(&parts).expect("decode");
             }
@@ -173,16 +347,17 @@ fn main() {
             }
         }
         let s = median(times);
-        let touched = e.experts as f64 * (1.0 - (1.0 - e.top_k as f64 / e.experts as f64).powi(batch as i32));
-        let floor = always + moe_layers as f64 * touched * expert + state * batch as f64;
+        let last = decode_tokens(23, batch);
+        let loads = tally(&mut model, &decode_parts(&last, 16 + 23));
         println!(
-            "decode batch {batch:>3}: {:8.3} ms/step {:8.3} ms/token   bytes floor {:.2} GB = {:.3} ms at {:.0} GB/s",
+            "decode batch {batch:>3}: {:8.3} ms/step {:8.3} ms/token   {}",
             s * 1e3,
             s * 1e3 / batch as f64,
-            floor / 1e9,
-            floor / bw * 1e3,
-            bw / 1e9
+            self.bytes.floor(&loads, 2.0 * self.bytes.state * batch as f64)
         );
+        if batch > 1 {
+            print_loads(&loads, batch, self.shape);
+        }
         for (mode, sampling) in
             [("greedy", SamplingParams::greedy()), ("T 0.8 top-p 0.95", SamplingParams::nucleus(0.8, 0.95, 0))]
         {
@@ -195,7 +370,47 @@ fn main() {
                 (t / s - 1.0) * 100.0
             );
         }
+        model
     }
+}
+
+/// `Engine::step` over `batch` greedy requests of a [`DEPTH`]-token prompt each (fed
+/// [`DEPTH_STEP_TOKENS`] a step): once every request has its first token, the wall time per
+/// decode step, median of 20 after 3 warm-up steps, and one more step's expert loads.
+/// Returns the model, that time and those loads.
+fn engine_depth(model: Model<Cuda>, batch: usize, vocab: u32) -> (Model<Cuda>, f64, Vec<ExpertLoad>) {
+    let mut engine = Engine::new(model);
+    engine.set_max_step_tokens(DEPTH_STEP_TOKENS).expect("a step bound");
+    let t = Instant::now();
+    let mut ids = Vec::new();
+    for r in 0..batch as u32 {
+        let prompt: Vec<u32> = (0..DEPTH as u32).map(|i| (i.wrapping_mul(7919) + r * 104_729) % vocab).collect();
+        let params = RequestParams { max_new_tokens: 256, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() };
+        ids.push(engine.add(&prompt, params).expect("a request"));
+    }
+    let mut started = std::collections::HashSet::new();
+    while started.len() < batch {
+        started.extend(engine.step().expect("prefill").iter().map(|e| e.id));
+    }
+    println!("  {batch} prompts of {DEPTH} tokens prefilled in {:.2} s", t.elapsed().as_secs_f64());
+    let mut times = Vec::new();
+    for step in 0..23 {
+        let t = Instant::now();
+        let events = engine.step().expect("decode");
+        let dt = t.elapsed().as_secs_f64();
+        assert_eq!(events.len(), batch, "a token per request");
+        if step >= 3 {
+            times.push(dt);
+        }
+    }
+    engine.set_expert_tally(true);
+    assert_eq!(engine.step().expect("a tallied step").len(), batch, "a token per request");
+    engine.set_expert_tally(false);
+    let loads = engine.model().expert_loads().to_vec();
+    for id in ids {
+        engine.cancel(id).expect("a running request");
+    }
+    (engine.into_model(), median(times), loads)
 }
 
 /// `Engine::step` of one greedy request of `prompt` with one new token: the prompt's prefill

@@ -4,10 +4,16 @@
 //! tokens. Logits: seeded bf16, normal with sigma 2 (a broad distribution: top-p keeps most of
 //! the vocabulary, the hard case for its threshold search). Method as in benches/norm.rs
 //! (graph replays, warm and cold L2); bytes: the logits read once.
+//!
+//! First, with or without a GPU, the CPU backend's sampler (`host::cpu::sample::sample_row`,
+//! what a user without a GPU runs every token) on one row of the same logits in each mode:
+//! wall time, median of 21, beside a plain argmax over the row (`cpu/...` names; the filter
+//! applies).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use host::Rows;
+use host::cpu::sample::sample_row;
 use host::sample::{RowSampling, SampleRows, sample, sample_out};
 use kernels_gpu::sample::SampleRow;
 use nemotron_rs::{BenchGpu, Rng};
@@ -21,15 +27,10 @@ fn normal(rng: &mut Rng, s: f64) -> f64 {
     s * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
-fn benches(c: &mut Criterion) {
-    let Some(b) = BenchGpu::open() else { return };
-    let gpu = &b.gpu;
-    let mut group = c.benchmark_group("sample");
-    group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
-    let mut rng = Rng::new(5);
-    let penalties: Vec<(u32, u32)> = (0..256).map(|i| (i * 511 % VOCAB as u32, 1 + i % 3)).collect();
+/// The five modes, each a row's sampling and whether it carries the penalties.
+fn modes() -> [(&'static str, SampleRow, bool); 5] {
     let t = |temperature| SampleRow { temperature, seed: 7, ..SampleRow::GREEDY };
-    let modes: [(&str, SampleRow, bool); 5] = [
+    [
         ("greedy", SampleRow::GREEDY, false),
         ("t1", t(1.0), false),
         ("t0.8-top-p0.95", SampleRow { top_p: 0.95, ..t(0.8) }, false),
@@ -39,7 +40,57 @@ fn benches(c: &mut Criterion) {
             SampleRow { min_p: 0.05, repetition: 1.1, presence: 0.5, frequency: 0.2, ..t(1.0) },
             true,
         ),
-    ];
+    ]
+}
+
+/// 256 penalized tokens and their counts.
+fn penalties() -> Vec<(u32, u32)> {
+    (0..256).map(|i| (i * 511 % VOCAB as u32, 1 + i % 3)).collect()
+}
+
+/// Median wall time of 21 calls of `f`, in microseconds.
+fn wall_us(mut f: impl FnMut()) -> f64 {
+    let mut t: Vec<f64> = (0..21)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[10]
+}
+
+/// The CPU sampler in each mode against an argmax over the same row.
+fn cpu(_: &mut Criterion) {
+    let mut rng = Rng::new(5);
+    let logits: Vec<f32> = (0..VOCAB).map(|_| bf16::from_f64(normal(&mut rng, 2.0)).to_f32()).collect();
+    let argmax = wall_us(|| {
+        let best =
+            logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+        std::hint::black_box(best);
+    });
+    println!("cpu/argmax/v{VOCAB}: {argmax:.1} us (a plain argmax, the unit below)");
+    let penalties = penalties();
+    for (mode, row, penalized) in modes() {
+        let name = format!("cpu/{mode}/v{VOCAB}");
+        if BenchGpu::selected(&name) {
+            let p: &[(u32, u32)] = if penalized { &penalties } else { &[] };
+            let us = wall_us(|| {
+                std::hint::black_box(sample_row(&logits, &row, p));
+            });
+            println!("{name}: {us:.1} us = {:.1}x the argmax", us / argmax);
+        }
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    let Some(b) = BenchGpu::open() else { return };
+    let gpu = &b.gpu;
+    let mut group = c.benchmark_group("sample");
+    group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
+    let mut rng = Rng::new(5);
+    let penalties = penalties();
     for rows in [1usize, 8, 64] {
         let bytes = rows * VOCAB * 2;
         let sets = BenchGpu::cold_sets(bytes);
@@ -49,7 +100,7 @@ fn benches(c: &mut Criterion) {
                 gpu.upload(&v).unwrap()
             })
             .collect();
-        for (mode, row, penalized) in modes {
+        for (mode, row, penalized) in modes() {
             let name = format!("{mode}/v{VOCAB}/r{rows}");
             if !BenchGpu::selected(&name) {
                 continue;
@@ -71,5 +122,5 @@ fn benches(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(sample_benches, benches);
+criterion_group!(sample_benches, cpu, benches);
 criterion_main!(sample_benches);

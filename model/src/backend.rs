@@ -394,6 +394,10 @@ pub trait Backend: Sized {
     fn mamba_out_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
+    /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row, row by row) as
+    /// [`Backend::moe`]'s routing picks them, on the host (so it waits for the queue): for a
+    /// step that tallies its experts' loads ([`crate::model::Model::set_expert_tally`]).
+    fn moe_choices(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>) -> Result<Vec<u32>>;
     /// An attention layer's q, k and v projections of `rows` contiguous rows of `x`.
     fn attention_qkv(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize) -> Result<QkvBufs<Self::Buf>>;
     /// Causal attention: writes each row's k and v into its slot's cache at its position,

@@ -78,6 +78,25 @@ fn mlp_row((up, down): (&CpuWeight, &CpuWeight), xr: &[bf16]) -> Vec<f64> {
     down.apply(&h, 1)
 }
 
+/// Each of `rows` rows of `x`: its routed experts and their weights, as MoE layer `w` routes.
+fn routed(c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>) -> Vec<Vec<(usize, f64)>> {
+    let hidden = w.gate.len() / c.experts;
+    let routing = Routing {
+        top_k: c.top_k,
+        n_group: c.n_group,
+        topk_group: c.topk_group,
+        norm_topk_prob: c.norm_topk_prob,
+        scaling: f64::from(c.routed_scaling_factor),
+    };
+    let bias: Vec<f64> = w.score_bias.iter().map(|&v| f64::from(v)).collect();
+    (0..rows)
+        .map(|r| {
+            let xr = &x.buf[x.offset + r * x.stride..][..hidden];
+            route(&gemm::linear(xr, &w.gate, 1, c.experts, hidden), &bias, &routing)
+        })
+        .collect()
+}
+
 /// Writes `v` rounded to bf16 at the output.
 fn put(y: Out<Vec<bf16>>, v: impl IntoIterator<Item = f64>) {
     for (i, x) in v.into_iter().enumerate() {
@@ -449,27 +468,22 @@ impl Backend for Cpu {
 
     fn moe(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>, y: Out<Vec<bf16>>) -> Result<()> {
         let hidden = w.gate.len() / c.experts;
-        let routing = Routing {
-            top_k: c.top_k,
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            norm_topk_prob: c.norm_topk_prob,
-            scaling: f64::from(c.routed_scaling_factor),
-        };
-        let bias: Vec<f64> = w.score_bias.iter().map(|&v| f64::from(v)).collect();
-        for r in 0..rows {
-            let xr: Vec<bf16> = x.buf[x.offset + r * x.stride..][..hidden].to_vec();
-            let logits = gemm::linear(&xr, &w.gate, 1, c.experts, hidden);
+        for (r, choices) in routed(c, x, rows, w).into_iter().enumerate() {
+            let xr = &x.buf[x.offset + r * x.stride..][..hidden];
             let ex = &w.experts;
-            let mut out = ex.shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| mlp_row((u, d), &xr));
-            for (e, wt) in route(&logits, &bias, &routing) {
+            let mut out = ex.shared.as_ref().map_or_else(|| vec![0.0; hidden], |(u, d)| mlp_row((u, d), xr));
+            for (e, wt) in choices {
                 let (u, d) = &ex.routed[e];
-                let o = mlp_row((u, d), &xr);
+                let o = mlp_row((u, d), xr);
                 out.iter_mut().zip(o).for_each(|(a, b)| *a += wt * b);
             }
             put(Out { buf: &mut *y.buf, offset: y.offset + r * hidden }, out);
         }
         Ok(())
+    }
+
+    fn moe_choices(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>) -> Result<Vec<u32>> {
+        Ok(routed(c, x, rows, w).into_iter().flatten().map(|(e, _)| e as u32).collect())
     }
 
     /// q, k and v apart (each output the same product as through one weight of their rows).

@@ -142,6 +142,17 @@ impl<B: Backend> Engine<B> {
         self.model
     }
 
+    /// The model, to read (its last profile or expert tally, say).
+    pub fn model(&self) -> &Model<B> {
+        &self.model
+    }
+
+    /// Whether the engine's next steps tally their experts' loads
+    /// ([`Model::set_expert_tally`]; read them with [`Model::expert_loads`]).
+    pub fn set_expert_tally(&mut self, on: bool) {
+        self.model.set_expert_tally(on);
+    }
+
     /// How many requests run at once (the model's state slots).
     pub fn slots(&self) -> usize {
         self.model.slots()

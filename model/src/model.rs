@@ -16,10 +16,10 @@ use kernels_gpu::sample::SampleOut;
 
 use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, PrefillSeqs, StepRows, bf16s};
 use crate::cache::{Part, StepPlan};
-use crate::config::{Config, LayerKind};
+use crate::config::{Config, LayerKind, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Layout, Mixer, Mlp};
-use crate::profile::{Part as P, Profile, Span, Stage};
+use crate::profile::{ExpertLoad, Part as P, Profile, Span, Stage};
 
 /// A layer's mixer: the backend's Mamba or attention layer (weights, the slots' states, the
 /// choice of kernels), a MoE layer's weights, or a dense MLP's.
@@ -84,10 +84,19 @@ pub struct Model<B: Backend> {
     /// Whether steps are profiled (see [`Model::set_profiling`]), and the last one's profile.
     profiling: bool,
     profile: Option<Profile>,
+    /// Whether steps tally their experts' loads (see [`Model::set_expert_tally`]), and the
+    /// last tallied step's.
+    tallying: bool,
+    loads: Vec<ExpertLoad>,
 }
 
-/// The stamps of a profiled step, or `None` unless profiling: then marking does nothing.
-struct Marks<B: Backend>(Option<Stamps<B>>);
+/// What a step notes about itself: the stamps of a profiled step (`None` unless profiling:
+/// then marking does nothing) and the expert loads of a tallied one (`None` unless
+/// tallying).
+struct Marks<B: Backend> {
+    stamps: Option<Stamps<B>>,
+    loads: Option<Vec<ExpertLoad>>,
+}
 
 /// The first stamp of a step, then one after each stage with the stage it ends.
 struct Stamps<B: Backend> {
@@ -96,21 +105,37 @@ struct Stamps<B: Backend> {
 }
 
 impl<B: Backend> Marks<B> {
-    fn new(b: &B, on: bool) -> Result<Marks<B>> {
-        Ok(Marks(if on { Some(Stamps { first: b.stamp()?, ends: Vec::new() }) } else { None }))
+    fn new(b: &B, profiling: bool, tallying: bool) -> Result<Marks<B>> {
+        let stamps = if profiling { Some(Stamps { first: b.stamp()?, ends: Vec::new() }) } else { None };
+        Ok(Marks { stamps, loads: tallying.then(Vec::new) })
     }
 
     /// The work queued since the last stamp was `stage`.
     fn end(&mut self, b: &B, stage: Stage) -> Result<()> {
-        if let Some(s) = &mut self.0 {
+        if let Some(s) = &mut self.stamps {
             s.ends.push((stage, b.stamp()?));
         }
         Ok(())
     }
 
+    /// When tallying, the load of MoE layer `layer` (`w`, of `c`) over `rows` rows of `x`.
+    fn tally(
+        &mut self,
+        b: &B,
+        layer: usize,
+        (c, w): (&MoeConfig, &MoeWeights<B>),
+        x: In<B::Buf>,
+        rows: usize,
+    ) -> Result<()> {
+        if let Some(loads) = &mut self.loads {
+            loads.push(ExpertLoad::of(layer, c.experts, &b.moe_choices(c, x, rows, w)?)?);
+        }
+        Ok(())
+    }
+
     /// Each stage's time, from the stamp before it to its own (waits for the last).
-    fn profile(self, b: &B) -> Result<Option<Profile>> {
-        let Some(Stamps { first, ends }) = self.0 else { return Ok(None) };
+    fn profile(&mut self, b: &B) -> Result<Option<Profile>> {
+        let Some(Stamps { first, ends }) = self.stamps.take() else { return Ok(None) };
         let mut spans = Vec::with_capacity(ends.len());
         let mut from = &first;
         for (stage, to) in &ends {
@@ -197,6 +222,8 @@ impl<B: Backend> Model<B> {
             recorded: HashMap::new(),
             profiling: false,
             profile: None,
+            tallying: false,
+            loads: Vec::new(),
             backend,
         })
     }
@@ -218,6 +245,37 @@ impl<B: Backend> Model<B> {
     /// The last profiled step's profile (kept until the next profiled step ends).
     pub fn profile(&self) -> Option<&Profile> {
         self.profile.as_ref()
+    }
+
+    /// Whether the next steps tally how each MoE layer's routing spreads their rows over its
+    /// experts ([`ExpertLoad`]): every MoE layer's routing is computed once more and read
+    /// back before the layer runs (a wait for the queue each), so, as a profiled step, a
+    /// tallied step is neither recorded nor replayed, and its time is not a plain step's. Off
+    /// by default.
+    pub fn set_expert_tally(&mut self, on: bool) {
+        self.tallying = on;
+    }
+
+    /// Replaces MoE layer `layer`'s score correction bias (its `e_score_correction_bias`, one
+    /// value an expert), as [`crate::synthetic::balance`] fits a synthetic checkpoint's. The
+    /// recorded steps are dropped (they read the old bias); the next steps record anew.
+    pub fn set_score_bias(&mut self, layer: usize, bias: &[f32]) -> Result<()> {
+        let experts = self.config.moe.as_ref().map_or(0, |c| c.experts);
+        let Some(MixW::Moe(w)) = self.weights.layers.get_mut(layer) else {
+            return Err(Error::Unsupported(format!("layer {layer} is not a MoE layer")));
+        };
+        if bias.len() != experts {
+            return Err(Error::Unsupported(format!("a score bias of {} values for {experts} experts", bias.len())));
+        }
+        w.score_bias = self.backend.upload32(bias)?;
+        self.recorded.clear();
+        Ok(())
+    }
+
+    /// The last tallied step's expert loads, one a MoE layer in layer order (empty before the
+    /// first; kept until the next tallied step ends).
+    pub fn expert_loads(&self) -> &[ExpertLoad] {
+        &self.loads
     }
 
     /// Runs one step over `parts` (requests' new tokens, each at its slot) and returns the
@@ -258,8 +316,10 @@ impl<B: Backend> Model<B> {
         let (slots, max_len) = (self.past.len(), self.max_len);
         // The sampling rows in the order of the logits rows.
         let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
-        let Model { backend: b, config, weights, recorded, counters, profiling, profile, .. } = self;
-        let profiling = *profiling;
+        let Model { backend: b, config, weights, recorded, counters, profiling, profile, tallying, loads, .. } = self;
+        // A step that notes more than its outputs runs its operations one by one.
+        let (profiling, tallying) = (*profiling, *tallying);
+        let plain = !profiling && !tallying;
         let b = &*b;
         let seqs = &plan.prefill_lens;
         let key = (nd, ordered.is_some());
@@ -270,7 +330,7 @@ impl<B: Backend> Model<B> {
         {
             recorded.remove(&key);
         }
-        let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty() && !profiling) {
+        let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty() && plain) {
             b.set_rows(&mut r.rows, &rows)?;
             if let (Some(s), Some(o)) = (r.sampling.as_mut(), &ordered) {
                 b.set_sampling(s, o)?;
@@ -285,7 +345,7 @@ impl<B: Backend> Model<B> {
             // least PAIRS_PER_ROW a row (grown by recording again when they outgrow it).
             let capacity = if seqs.is_empty() { (2 * pairs).max(nd * PAIRS_PER_ROW) } else { pairs };
             let mut sampling = ordered.as_ref().map(|o| b.sampling(o, vocab, capacity)).transpose()?;
-            let mut marks = Marks::new(b, profiling)?;
+            let mut marks = Marks::new(b, profiling, tallying)?;
             let mut run = || {
                 let (rows, marks) = (&step_rows, &mut marks);
                 let step = Step { nd, seqs, rows };
@@ -297,7 +357,7 @@ impl<B: Backend> Model<B> {
                 Ok(ran)
             };
             let mut ran = StepCounters::default();
-            let graph = if seqs.is_empty() && !profiling {
+            let graph = if seqs.is_empty() && plain {
                 b.record(nd, &mut || run().map(|c| ran = c))?
             } else {
                 ran = run()?;
@@ -315,6 +375,9 @@ impl<B: Backend> Model<B> {
                     let out = fetch(b, &logits, sampling.as_ref(), vocab)?;
                     if let Some(p) = marks.profile(b)? {
                         *profile = Some(p);
+                    }
+                    if let Some(l) = marks.loads {
+                        *loads = l;
                     }
                     out
                 }
@@ -399,6 +462,11 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// The model's config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// The layer kinds, in order.
     pub fn layers(&self) -> &[LayerKind] {
         &self.config.layers
@@ -476,6 +544,9 @@ fn forward<B: Backend>(
     }
     marks.end(b, Stage::Embed)?;
     for (i, (mix, kind)) in w.layers.iter_mut().zip(&config.layers).enumerate() {
+        if let (MixW::Moe(mw), Some(c)) = (&*mix, &config.moe) {
+            marks.tally(b, i, (c, mw), In::rows(&x, hidden), n)?;
+        }
         let mut done = |part| marks.end(b, Stage::Layer { index: i, kind: *kind, part });
         match mix {
             MixW::Mamba(m) => {

@@ -7,6 +7,9 @@
 //! On the CUDA backend a stamp is a CUDA event on the stream, so a span is GPU time (any host
 //! wait inside it, such as a MoE layer reading its expert offsets back, included); on the CPU
 //! backend, which runs each operation as it is called, the host clock.
+//!
+//! With the expert tally on ([`crate::model::Model::set_expert_tally`]) a step also reads back
+//! each MoE layer's routing: an [`ExpertLoad`] a layer, the rows each expert got.
 
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
@@ -129,6 +132,39 @@ pub struct Profile {
     pub spans: Vec<Span>,
 }
 
+/// How one MoE layer's routing spread a tallied step's rows over its routed experts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExpertLoad {
+    /// The layer's index in the model.
+    pub layer: usize,
+    /// The rows routed to each expert (a row counts once for each of its top-k choices).
+    pub rows: Vec<usize>,
+}
+
+impl ExpertLoad {
+    /// The load of `choices` (every row's routed expert ids) on layer `layer`'s `experts`
+    /// experts; an id past them is an error.
+    pub fn of(layer: usize, experts: usize, choices: &[u32]) -> Result<ExpertLoad> {
+        let mut rows = vec![0; experts];
+        for &e in choices {
+            *rows.get_mut(e as usize).ok_or_else(|| {
+                Error::Unsupported(format!("layer {layer}'s routing chose expert {e} of {experts}"))
+            })? += 1;
+        }
+        Ok(ExpertLoad { layer, rows })
+    }
+
+    /// Experts with at least one row.
+    pub fn touched(&self) -> usize {
+        self.rows.iter().filter(|&&n| n > 0).count()
+    }
+
+    /// The most rows an expert got.
+    pub fn largest(&self) -> usize {
+        self.rows.iter().copied().max().unwrap_or(0)
+    }
+}
+
 /// The order groups are listed in.
 const GROUPS: [Group; 7] = [
     Group::Embed,
@@ -213,7 +249,7 @@ impl Profile {
 
 #[cfg(test)]
 mod tests {
-    use super::{Group, GroupTime, Part, Profile, Span, Stage};
+    use super::{ExpertLoad, Group, GroupTime, Part, Profile, Span, Stage};
     use crate::config::LayerKind;
 
     fn layer(index: usize, kind: LayerKind, part: Part, ms: f64) -> Span {
@@ -259,6 +295,16 @@ mod tests {
         );
         assert_eq!(p.parts(LayerKind::Moe), [(Part::Moe, 4.0), (Part::Residual, 0.125)]);
         assert!(p.parts(LayerKind::Attention).is_empty());
+    }
+
+    #[test]
+    fn expert_load_counts_each_choice() {
+        let load = ExpertLoad::of(3, 5, &[4, 0, 4, 2, 4, 0]).unwrap();
+        assert_eq!(load, ExpertLoad { layer: 3, rows: vec![2, 0, 1, 0, 3] });
+        assert_eq!((load.touched(), load.largest()), (3, 3));
+        assert_eq!(ExpertLoad::of(0, 4, &[]).unwrap().touched(), 0);
+        let err = ExpertLoad::of(7, 4, &[1, 4]).unwrap_err().to_string();
+        assert!(err.contains("layer 7") && err.contains("expert 4 of 4"), "{err}");
     }
 
     #[test]

@@ -13,8 +13,12 @@ use tokenizers::{AddedToken, Tokenizer};
 
 use host::cpu::quant::{E4M3_MAX, e4m3_encode};
 
+use crate::backend::Backend;
+use crate::cache::Part;
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::profile::ExpertLoad;
 use crate::weights::{Checkpoint, Dtype};
 
 /// Every tensor name and shape a checkpoint of `config` holds (bf16 weights, untied lm_head
@@ -74,8 +78,8 @@ pub fn tensor_shapes(config: &Config) -> Vec<(String, Vec<usize>)> {
 }
 
 /// How a synthetic checkpoint's matrices are drawn. Norm weights (near 1), A_log (in [-1, 1]),
-/// dt_bias, D and biases (small), and the conv weights (uniform, 1/sqrt(width)) are the same
-/// in both.
+/// dt_bias, D and biases (small), the routers' score correction bias (as [`Routing`] says) and
+/// the conv weights (uniform, 1/sqrt(width)) are the same in both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scaling {
     /// Every matrix uniform within 1/sqrt(fan-in), so activations stay O(1) through many
@@ -93,6 +97,30 @@ pub enum Scaling {
 /// Standard deviation of [`Scaling::Residual`]'s matrices.
 const INIT_STD: f64 = 0.02;
 
+/// How a synthetic checkpoint's routers spread tokens over the experts, through the score
+/// correction bias each MoE layer adds to its sigmoid scores before picking the top k. A
+/// trained model fits that bias so that every expert gets its share of the tokens; random
+/// router weights give scores that differ between experts by about +-0.15 (a logit's spread
+/// is about 1/sqrt(3) over unit-RMS inputs, the sigmoid's slope 1/4 at 0), so the bias decides
+/// whether the token or the bias picks the experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Routing {
+    /// As a trained model routes: the bias within [`BALANCED_BIAS`], small beside the scores'
+    /// spread, so each token picks its own experts and a batch spreads over all of them.
+    #[default]
+    Balanced,
+    /// A stress case no trained model produces: the bias within [`SKEWED_BIAS`], larger than
+    /// the scores' spread, so it picks nearly the same experts for every token (on Nano, 34 of
+    /// the 128 a layer at 64 tokens and 46 at 4096), and a batch reads fewer expert weights.
+    Skewed,
+}
+
+/// The largest |score correction bias| of [`Routing::Balanced`].
+pub const BALANCED_BIAS: f64 = 0.01;
+
+/// The largest |score correction bias| of [`Routing::Skewed`].
+pub const SKEWED_BIAS: f64 = 0.5;
+
 /// The distribution of one tensor's values.
 #[derive(Clone, Copy)]
 enum Draw {
@@ -101,8 +129,9 @@ enum Draw {
 }
 
 impl Draw {
-    /// How `name` (of `shape`, in a model of `layers` layers) is drawn under `scaling`.
-    fn of(name: &str, shape: &[usize], layers: usize, scaling: Scaling) -> Draw {
+    /// How `name` (of `shape`, in a model of `layers` layers) is drawn under `scaling` and
+    /// `routing`.
+    fn of(name: &str, shape: &[usize], layers: usize, scaling: Scaling, routing: Routing) -> Draw {
         let matrix = shape.len() == 2 && name.ends_with(".weight");
         if scaling == Scaling::Residual && matrix {
             let std = if name == "backbone.embeddings.weight" {
@@ -116,6 +145,8 @@ impl Draw {
         }
         let (center, spread) = if name.ends_with("norm.weight") || name.ends_with("norm_f.weight") {
             (1.0, 0.1)
+        } else if name.ends_with("e_score_correction_bias") {
+            (0.0, if routing == Routing::Balanced { BALANCED_BIAS } else { SKEWED_BIAS })
         } else if name.ends_with("A_log") {
             (0.0, 1.0)
         } else if name.ends_with("dt_bias") || name.ends_with("D") || name.ends_with("bias") {
@@ -181,8 +212,9 @@ fn value_bytes(n: usize, draw: Draw, seed: u64) -> Vec<u8> {
 }
 
 /// The weights of the linear projections in an [`in_memory_as`] checkpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
+    #[default]
     Bf16,
     /// Every linear projection (`*proj.weight`: Mamba's in_proj and out_proj, attention's
     /// q/k/v/o, every expert's and the shared expert's up and down; not the router, the
@@ -197,18 +229,27 @@ pub enum Precision {
 /// kernel's speed).
 pub const FP8_INPUT_SCALE: f32 = 8.0 / E4M3_MAX;
 
+/// What an [`in_memory_as`] checkpoint holds beside its shapes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Draws {
+    pub precision: Precision,
+    pub routing: Routing,
+}
+
 /// A random bf16 checkpoint of `config` in memory, for speed measurements at full size: one
 /// random buffer per kind of tensor, shared by every layer and expert that has that kind
 /// (same name up to layer and expert numbers, same shape), so even a 30B-parameter model
 /// needs only its embedding, LM head and one tensor of each kind in host memory. Each layer's
-/// and expert's weights still get their own device memory when uploaded.
+/// and expert's weights still get their own device memory when uploaded. Routing balanced
+/// ([`Routing::Balanced`]).
 pub fn in_memory(config: &Config, seed: u64) -> Result<Checkpoint> {
-    in_memory_as(config, seed, Precision::Bf16)
+    in_memory_as(config, seed, Draws::default())
 }
 
-/// [`in_memory`] with the projections' weights in `precision` (the same draws: an FP8
-/// checkpoint holds the bf16 one's values quantized).
-pub fn in_memory_as(config: &Config, seed: u64, precision: Precision) -> Result<Checkpoint> {
+/// [`in_memory`] with the projections' weights in `draws.precision` (the same draws: an FP8
+/// checkpoint holds the bf16 one's values quantized) and the routers as `draws.routing`.
+pub fn in_memory_as(config: &Config, seed: u64, draws: Draws) -> Result<Checkpoint> {
+    let Draws { precision, routing } = draws;
     let mut seed = seed;
     let layers = config.layers.len();
     // Per kind: the buffer of its values (or codes) and, for FP8, that of its weight scale.
@@ -220,7 +261,7 @@ pub fn in_memory_as(config: &Config, seed: u64, precision: Precision) -> Result<
         let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
         let fp8 = precision == Precision::Fp8 && shape.len() == 2 && name.ends_with("proj.weight");
         let (file, scale) = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
-            let (n, draw) = (shape.iter().product(), Draw::of(&name, &shape, layers, Scaling::FanIn));
+            let (n, draw) = (shape.iter().product(), Draw::of(&name, &shape, layers, Scaling::FanIn, routing));
             let seed = next_seed(&mut seed);
             if fp8 {
                 let v = values(n, draw, seed);
@@ -244,6 +285,59 @@ pub fn in_memory_as(config: &Config, seed: u64, precision: Precision) -> Result<
     }
     Checkpoint::in_memory(buffers, tensors)
 }
+
+/// Fits every MoE layer's score correction bias so that `tokens` spread evenly over its
+/// experts, as training fits a real checkpoint's (auxiliary-loss-free balancing, DeepSeek-V3's
+/// and NemotronH's: after each step every expert's bias moves toward its share of the load).
+/// Random weights need it: every token's residual stream carries the same components (relu^2
+/// activations are positive, so each expert's and the shared expert's output has a mean
+/// direction; conv and norm biases add others), which give each expert a score offset of its
+/// own that no draw of the bias alone removes, so without fitting the deeper layers route most
+/// tokens to the same experts. Runs a tallied prefill of `tokens` at slot 0, then `steps`
+/// times moves each expert's bias (from 0) by [`BALANCE_RATE`] times its relative gap to the
+/// mean load and runs it again; returns the last run's loads.
+pub fn balance<B: Backend>(model: &mut Model<B>, tokens: &[u32], steps: usize) -> Result<Vec<ExpertLoad>> {
+    let Some(experts) = model.config().moe.as_ref().map(|c| c.experts) else { return Ok(Vec::new()) };
+    model.set_expert_tally(true);
+    let mut fit = || -> Result<Vec<ExpertLoad>> {
+        let run = |m: &mut Model<B>| -> Result<Vec<ExpertLoad>> {
+            m.step(&[Part { slot: 0, computed: 0, tokens }])?;
+            Ok(m.expert_loads().to_vec())
+        };
+        let mut loads = run(model)?;
+        let mut bias = vec![vec![0.0f32; experts]; loads.len()];
+        for _ in 0..steps {
+            for (l, b) in loads.iter().zip(&mut bias) {
+                let mean = l.rows.iter().sum::<usize>() as f32 / experts as f32;
+                for (v, &n) in b.iter_mut().zip(&l.rows) {
+                    *v += BALANCE_RATE * (mean - n as f32) / mean;
+                }
+                model.set_score_bias(l.layer, b)?;
+            }
+            loads = run(model)?;
+        }
+        Ok(loads)
+    };
+    let loads = fit();
+    model.set_expert_tally(false);
+    loads
+}
+
+/// [`balance`] as the benches and `serve --synthetic` fit a loaded synthetic model: on
+/// [`BALANCE_TOKENS`] tokens spread over the vocabulary (fewer where the model's slots hold
+/// fewer), [`BALANCE_STEPS`] steps.
+pub fn balance_routers<B: Backend>(model: &mut Model<B>) -> Result<Vec<ExpertLoad>> {
+    let (n, vocab) = (BALANCE_TOKENS.min(model.max_len()), model.vocab() as u64);
+    let tokens: Vec<u32> = (0..n as u64).map(|i| ((i * 104_729 + 17) % vocab) as u32).collect();
+    balance(model, &tokens, BALANCE_STEPS)
+}
+
+/// The tokens and steps of [`balance_routers`].
+pub const BALANCE_TOKENS: usize = 2048;
+pub const BALANCE_STEPS: usize = 16;
+
+/// How far [`balance`] moves an expert's bias a step, per unit of its relative load gap.
+pub const BALANCE_RATE: f32 = 0.05;
 
 /// One tensor of a checkpoint being written, drawn when the writer reaches it: one tensor at
 /// a time is in memory, however large the checkpoint.
@@ -269,12 +363,12 @@ impl safetensors::View for Drawn {
 }
 
 /// Writes `config_json` as `dir/config.json` and a random bf16 `dir/model.safetensors` that
-/// matches it, drawn as [`Scaling::FanIn`].
+/// matches it, drawn as [`Scaling::FanIn`] with [`Routing::Balanced`].
 pub fn write_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
     write_checkpoint_scaled(dir, config_json, seed, Scaling::FanIn)
 }
 
-/// [`write_checkpoint`] with the weights drawn as `scaling`.
+/// [`write_checkpoint`] with the weights drawn as `scaling` (routing balanced).
 pub fn write_checkpoint_scaled(dir: &Path, config_json: &str, seed: u64, scaling: Scaling) -> Result<()> {
     let config = Config::from_json(config_json)?;
     let io =
@@ -286,7 +380,11 @@ pub fn write_checkpoint_scaled(dir: &Path, config_json: &str, seed: u64, scaling
     let tensors: Vec<(String, Drawn)> = tensor_shapes(&config)
         .into_iter()
         .map(|(name, shape)| {
-            let drawn = Drawn { draw: Draw::of(&name, &shape, layers, scaling), seed: next_seed(&mut seed), shape };
+            let drawn = Drawn {
+                draw: Draw::of(&name, &shape, layers, scaling, Routing::Balanced),
+                seed: next_seed(&mut seed),
+                shape,
+            };
             (name, drawn)
         })
         .collect();

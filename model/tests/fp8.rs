@@ -139,7 +139,7 @@ fn cuda_fp8_matches_cpu_fp8() {
     }
 }
 
-/// `synthetic::in_memory_as(.., Precision::Fp8)` (the nano bench's `--fp8`): every projection
+/// `synthetic::in_memory_as` with `Precision::Fp8` (the nano bench's `--fp8`): every projection
 /// of the bf16 synthetic checkpoint with the same seed, quantized: e4m3 codes within half an
 /// e4m3 step of the bf16 values at their tensor's scale (max |w| / 448), a `weight_scale` and
 /// the static `input_scale` beside each, everything else the same bf16 tensor; and the
@@ -147,11 +147,14 @@ fn cuda_fp8_matches_cpu_fp8() {
 /// and within the fixture's FP8-against-bf16 band.
 #[test]
 fn synthetic_fp8_checkpoint_is_the_bf16_one_quantized() {
-    use model::synthetic::{FP8_INPUT_SCALE, Precision, in_memory, in_memory_as};
+    use model::synthetic::{Draws, FP8_INPUT_SCALE, Precision, in_memory, in_memory_as};
     use model::weights::Dtype;
     let (_, json) = model::built_in::FILES.iter().find(|(name, _)| *name == "config.json").unwrap();
     let config = Config::from_json(std::str::from_utf8(json).unwrap()).unwrap();
-    let (bf16_ck, fp8_ck) = (in_memory(&config, 5).unwrap(), in_memory_as(&config, 5, Precision::Fp8).unwrap());
+    let (bf16_ck, fp8_ck) = (
+        in_memory(&config, 5).unwrap(),
+        in_memory_as(&config, 5, Draws { precision: Precision::Fp8, ..Draws::default() }).unwrap(),
+    );
     let (mut projections, mut values) = (0, 0);
     for name in bf16_ck.names() {
         let (b, f) = (bf16_ck.tensor(name).unwrap(), fp8_ck.tensor(name).unwrap());

@@ -167,7 +167,15 @@ fn load_engine<B: model::backend::Backend>(
         Weights::Random(config) => {
             // One buffer per kind of tensor (benches/nano.rs's seed), finite as drawn: not scanned.
             let checkpoint = model::synthetic::in_memory(config, 7)?;
-            Model::load(backend, config, &Layout::trusting_values(config, &checkpoint)?, slots, max_len)?
+            let mut model =
+                Model::load(backend, config, &Layout::trusting_values(config, &checkpoint)?, slots, max_len)?;
+            // Routed as a trained model routes (every expert its share of the tokens).
+            let loads = model::synthetic::balance_routers(&mut model)?;
+            let touched = loads.iter().map(|l| l.touched()).min().unwrap_or(0);
+            tracing::info!(
+                "synthetic routers fitted: every MoE layer spreads its fitting tokens over {touched} or more experts"
+            );
+            model
         }
     };
     let mut engine = Engine::new(model);

@@ -341,6 +341,10 @@ impl Backend for Cuda {
         w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
     }
 
+    fn moe_choices(&self, c: &MoeConfig, x: In<Buffer<bf16>>, rows: usize, w: &MoeWeights<Cuda>) -> Result<Vec<u32>> {
+        w.experts.choices(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias })
+    }
+
     fn attention_qkv(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
         a.qkv(self, x, rows)
     }

@@ -142,6 +142,25 @@ impl CudaExperts {
         Ok(CudaExperts { up, down, inter, shared })
     }
 
+    /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row) as [`Self::forward`]
+    /// routes them, on the host.
+    pub(super) fn choices(
+        &self,
+        g: &Gpu,
+        c: &MoeConfig,
+        (x, rows): (In<Buffer<bf16>>, usize),
+        router: Router,
+    ) -> Result<Vec<u32>> {
+        let hidden = router.gate.len() / c.experts;
+        if x.stride != hidden {
+            return Err(unsupported("strided MoE inputs"));
+        }
+        let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
+        let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
+        route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
+        Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
+    }
+
     /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`.
     pub(super) fn forward(
         &self,

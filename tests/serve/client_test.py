@@ -214,13 +214,17 @@ def dropped_client_frees_its_slot(stream):
     """Every slot runs a greedy request; the client of the one that would run longest goes away
     mid-generation (a stream closed, or the socket of a request that does not stream), and the
     next request gets its slot: it ends before every other request."""
+    # Every request runs to its max_tokens (ignore_eos): whether the random model writes an eos
+    # is not what this tests.
+    long = {"ignore_eos": True}
     if stream:
         dropped = client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=440, temperature=0,
-                                                 stream=True)
+                                                 stream=True, extra_body=long)
         next(iter(dropped))  # running (its role chunk)
     else:
-        dropped = post_and_hold({"model": MODEL, "messages": LONG, "max_tokens": 440, "temperature": 0})
-    others = [client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=300, temperature=0, stream=True)
+        dropped = post_and_hold({"model": MODEL, "messages": LONG, "max_tokens": 440, "temperature": 0, **long})
+    others = [client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=300, temperature=0, stream=True,
+                                             extra_body=long)
               for _ in range(SLOTS - 1)]
     for s in others:
         next(iter(s))

@@ -3,14 +3,16 @@
 //! head the kernel takes (256); prefill rows continuing a cached prefix, fresh sequences and
 //! decode rows in one call (two launches: the cache write, then the flash kernel for heads up to
 //! 128, the row kernel for wider ones), and decode rows alone (each in a slot of its own: one
-//! launch of the row kernel, which writes the caches itself); prefills of 1 to 4096 tokens,
-//! fresh and after a cached prefix, through the flash kernel.
+//! launch of the row kernel, which writes the caches itself), in caches short enough for one
+//! block a row and head and long enough for the row kernel to split each row's keys over
+//! blocks (then a combine launch); prefills of 1 to 4096 tokens, fresh and after a cached
+//! prefix, through the flash kernel.
 
 use half::bf16;
 use host::Rows;
 use host::attn::{AttnRows, AttnShape, Qkv, attention, flash_tiles};
 use host::cpu::attn::attend;
-use kernels_gpu::attn::{ATTN_BLOCK, smem_bytes};
+use kernels_gpu::attn::{ATTN_BLOCK, MAX_SPLITS, MIN_SPLIT_KEYS, smem_bytes, split_keys};
 use kernels_gpu::flash::{FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashTile};
 use nemotron_rs::{POISON_BF16, Rng, assert_band, assert_same, gpu, to_f64};
 
@@ -24,6 +26,27 @@ fn attention_shared_memory_does_not_wrap() {
     for max_len in [1 << 30, (1 << 31) - 1, u32::MAX] {
         assert_eq!(smem_bytes(128, max_len), u32::MAX, "max_len {max_len}");
     }
+}
+
+/// A block takes every key of a short cache, else a share of at most MAX_SPLITS blocks of at
+/// least MIN_SPLIT_KEYS keys; the parts cover the cache, the last one not empty.
+#[test]
+fn split_keys_cover_the_cache_in_few_parts() {
+    assert_eq!((MAX_SPLITS, MIN_SPLIT_KEYS), (32, 512));
+    let mut checked = 0;
+    for max_len in (1..20_000).chain([33_024, 65_536, 1 << 20, (1 << 30) - 1]) {
+        let keys = split_keys(max_len);
+        let splits = max_len.div_ceil(keys);
+        assert!(splits <= MAX_SPLITS && (splits - 1) * keys < max_len, "max_len {max_len}: {splits} x {keys}");
+        if max_len <= MIN_SPLIT_KEYS {
+            assert_eq!((keys, splits), (max_len, 1));
+        } else {
+            assert!(keys >= MIN_SPLIT_KEYS, "max_len {max_len}: {keys} keys a block");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 20_003);
+    assert_eq!((split_keys(4160), split_keys(33_024)), (512, 1032));
 }
 
 /// Each row of `(slot, first position, rows)` runs: its slot and position.
@@ -72,12 +95,18 @@ fn gpu_attention_matches_reference() {
         AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 256 },
         AttnShape { heads: 6, kv_heads: 3, head_dim: 5, max_len: 40 },
         AttnShape { heads: 4, kv_heads: 2, head_dim: 256, max_len: 64 },
+        // Split rows: Nano's heads over 10 parts of 512 keys (the last of 392); the widest
+        // heads (the row kernel for prefill rows too) over 3.
+        AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 5000 },
+        AttnShape { heads: 4, kv_heads: 2, head_dim: 256, max_len: 1100 },
     ] {
         let (qw, kw, slots_n) = (s.heads * s.head_dim, s.kv_heads * s.head_dim, 4);
         // (slot, first position, rows): a prefill continuing 5 cached tokens, a fresh one,
-        // decodes; then decode rows only (one at position 0, one at the cache's last).
-        let mixed = [(2i32, 5u32, 3usize), (0, 0, 1), (3, (s.max_len - 2) as u32, 1), (1, 17, 1)];
-        let decodes = [(2i32, 7u32, 1usize), (0, 0, 1), (3, (s.max_len - 1) as u32, 1), (1, 17, 1)];
+        // decodes; then decode rows only (one at position 0, one at the cache's last, one
+        // whose own key is alone in a part where the keys are split).
+        let mid = (s.max_len as u32 / 2).min(MIN_SPLIT_KEYS);
+        let mixed = [(2i32, 5u32, 3usize), (0, 0, 1), (3, (s.max_len - 2) as u32, 1), (1, mid, 1)];
+        let decodes = [(2i32, 7u32, 1usize), (0, 0, 1), (3, (s.max_len - 1) as u32, 1), (1, mid, 1)];
         for seqs in [mixed, decodes] {
             let own = seqs == decodes;
             let (slots, pos) = rows_of(&seqs);

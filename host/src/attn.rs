@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
-use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes};
+use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes, split_keys};
 use kernels_gpu::flash::{FLASH_BLOCK, FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile, flash_smem_bytes};
 
 use crate::args::{Elem, Len, Rows};
@@ -144,7 +144,9 @@ pub struct Qkv<'a> {
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
 /// launches, or one where each row has a slot of its own (decode rows); the second is the
 /// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
-/// channels, the row kernel for wider ones.
+/// channels, the row kernel for wider ones. The row kernel splits each row's keys over blocks
+/// in a cache of more than `MIN_SPLIT_KEYS` positions ([`split_keys`]), and a combine launch
+/// merges the parts.
 pub fn attention(
     gpu: &Gpu,
     s: AttnShape,
@@ -189,6 +191,9 @@ pub fn attention(
         max_len: s.max_len as u32,
         scale: 1.0 / (s.head_dim as f32).sqrt(),
         own_rows: u32::from(rows.own),
+        split_keys: 0,
+        splits: 1,
+        partial: std::ptr::null_mut(),
     };
     // Prefill rows take the flash kernel where their heads fit it: its arguments and grid
     // checked before anything launches.
@@ -227,9 +232,23 @@ pub fn attention(
         if !rows.own {
             gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
         }
-        match flash {
-            Some((kf, blocks, f)) => gpu.launch(kf, (blocks, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f),
-            None => gpu.launch(kn, (n as u32, s.heads as u32, 1), ATTN_BLOCK, smem_bytes(p.head_dim, p.max_len), p),
+        if let Some((kf, blocks, f)) = flash {
+            return gpu.launch(kf, (blocks, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f);
         }
+        // The row kernel, each row's keys in parts of split_keys (at most MAX_SPLITS).
+        let keys = split_keys(p.max_len);
+        let splits = p.max_len.div_ceil(keys);
+        let (grid, smem) = ((n as u32, s.heads as u32, splits), smem_bytes(p.head_dim, keys));
+        if splits == 1 {
+            return gpu.launch(kn, grid, ATTN_BLOCK, smem, AttnParams { split_keys: keys, ..p });
+        }
+        // SAFETY (uninitialized): attn_bf16 writes every part's sum, and the rest of each part
+        // that has keys, before the combine launch reads them (the rest only where the sum is
+        // above 0).
+        let mut parts = gpu.scratch::<f32>(n * s.heads * splits as usize * (s.head_dim + 2))?;
+        let partial = a.output("partial", &mut *parts, Len::Any)?;
+        let p = AttnParams { split_keys: keys, splits, partial, ..p };
+        gpu.launch(kn, grid, ATTN_BLOCK, smem, p)?;
+        gpu.launch(Kernel::AttnCombine, (n as u32, s.heads as u32, 1), ATTN_BLOCK, 0, p)
     }
 }

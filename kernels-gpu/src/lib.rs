@@ -143,8 +143,11 @@ kernels! {
     ActGather = "act_gather_bf16",
     /// [`attn::AttnParams`]: new keys and values into the cache.
     AttnCacheWrite = "attn_cache_write_bf16",
-    /// [`attn::AttnParams`]: causal attention over the cache.
+    /// [`attn::AttnParams`]: causal attention over the cache (a part of each row's keys a
+    /// block where they are split).
     Attn = "attn_bf16",
+    /// [`attn::AttnParams`]: the parts of a split `Attn` merged into the output.
+    AttnCombine = "attn_combine_bf16",
     /// [`flash::FlashParams`]: causal attention of many rows over the cache, on tensor cores.
     AttnFlash = "attn_flash_bf16",
     /// [`flash::FlashParams`]: as `AttnFlash`, heads of 113 to 128 channels.

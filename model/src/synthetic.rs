@@ -105,13 +105,16 @@ const INIT_STD: f64 = 0.02;
 /// whether the token or the bias picks the experts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Routing {
-    /// As a trained model routes: the bias within [`BALANCED_BIAS`], small beside the scores'
-    /// spread, so each token picks its own experts and a batch spreads over all of them.
+    /// Toward a trained model's routing: the bias within [`BALANCED_BIAS`], small beside the
+    /// scores' spread, so the token rather than the bias picks. The residual stream's common
+    /// components still skew random routers in the deeper layers, so a loaded model is fitted
+    /// with [`balance`] to route as a trained one (every expert its share).
     #[default]
     Balanced,
     /// A stress case no trained model produces: the bias within [`SKEWED_BIAS`], larger than
-    /// the scores' spread, so it picks nearly the same experts for every token (on Nano, 34 of
-    /// the 128 a layer at 64 tokens and 46 at 4096), and a batch reads fewer expert weights.
+    /// the scores' spread, so it picks nearly the same experts for every token (on Nano, 32 of
+    /// the 128 a layer at 64 tokens by the nano bench's tally), and a batch reads fewer expert
+    /// weights.
     Skewed,
 }
 

@@ -257,7 +257,8 @@ impl Backend for Cpu {
         if let Some(f) = Fp8Linear::new(l)? {
             return Ok(CpuWeight::Fp8(f));
         }
-        Ok(CpuWeight::Bf16 { w: l.weight.to_bf16()?, n: l.weight.shape[0], k: l.weight.shape[1] })
+        let [n, k] = l.shape();
+        Ok(CpuWeight::Bf16 { w: l.to_bf16()?, n, k })
     }
 
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<CpuExperts> {

@@ -3,25 +3,46 @@
 //! copied until a backend converts or uploads a tensor. Every problem is reported, not just
 //! the first, each with the tensor's name, its shape and dtype, and what was expected.
 
+use half::bf16;
+
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
+use crate::nvfp4::NVFP4_BLOCK;
 use crate::weights::{Checkpoint, Dtype, Tensor};
 
 /// A linear layer's weight `[out, in]`: floating point, or FP8 e4m3 with its per-tensor
-/// `weight_scale` and, for W8A8, the activation's static `input_scale`.
+/// `weight_scale` and, for W8A8, the activation's static `input_scale`, or NVFP4 (`[out, in /
+/// 2]` bytes of two e2m1 codes) with its block and per-tensor scales.
 #[derive(Clone, Copy, Debug)]
 pub struct Linear<'a> {
     pub weight: Tensor<'a>,
     pub bias: Option<Tensor<'a>>,
     pub fp8: Option<Fp8Scales>,
+    pub nvfp4: Option<Nvfp4Scales<'a>>,
 }
 
 impl<'a> Linear<'a> {
+    /// The layer's `[out, in]` (an NVFP4 weight's bytes are `[out, in / 2]`).
+    pub fn shape(&self) -> [usize; 2] {
+        let s = self.weight.shape;
+        [s[0], if self.nvfp4.is_some() { 2 * s[1] } else { s[1] }]
+    }
+
+    /// The weight as bf16 values: floats as [`Tensor::to_bf16`] gives them, NVFP4 dequantized
+    /// ([`crate::nvfp4::dequantize`]) and rounded to nearest even; FP8 is an error (its codes
+    /// run as they are).
+    pub fn to_bf16(&self) -> Result<Vec<bf16>> {
+        match self.nvfp4 {
+            Some(_) => Ok(crate::nvfp4::dequantize(self)?.into_iter().map(bf16::from_f64).collect()),
+            None => self.weight.to_bf16(),
+        }
+    }
+
     /// A bf16 weight `[n, k]` held in memory as little-endian bytes, without bias (tests and
     /// benches build layers this way).
     pub fn bf16(name: &'a str, shape: &'a [usize; 2], bytes: &'a [u8]) -> Linear<'a> {
         let weight = Tensor { name, path: std::path::Path::new("memory"), dtype: Dtype::Bf16, shape, bytes };
-        Linear { weight, bias: None, fp8: None }
+        Linear { weight, bias: None, fp8: None, nvfp4: None }
     }
 }
 
@@ -30,6 +51,16 @@ impl<'a> Linear<'a> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Fp8Scales {
     pub weight_scale: f32,
+    pub input_scale: Option<f32>,
+}
+
+/// Scales of an NVFP4 linear layer (`crate::nvfp4`): `W ~= e2m1 * block * global`, `block`
+/// `[out, in / 16]` e4m3 (`weight_scale`), `global` the per-tensor `weight_scale_2`; the
+/// checkpoint's `input_scale`, where it has one, is its activations' scale for W4A4.
+#[derive(Clone, Copy, Debug)]
+pub struct Nvfp4Scales<'a> {
+    pub block: Tensor<'a>,
+    pub global: f32,
     pub input_scale: Option<f32>,
 }
 
@@ -161,9 +192,13 @@ impl<'a> Finder<'a> {
         }
     }
 
-    /// `{prefix}.weight` of `[out, inp]` (and `{prefix}.bias` when `bias`), float or FP8.
+    /// `{prefix}.weight` of `[out, inp]` (and `{prefix}.bias` when `bias`), float, FP8 or
+    /// NVFP4.
     fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Option<Linear<'a>> {
         let name = format!("{prefix}.weight");
+        if self.ck.tensor(&name).is_ok_and(|t| t.dtype == Dtype::U8) {
+            return self.nvfp4_linear(prefix, out, inp, bias);
+        }
         let weight = self.shaped(&name, &[out, inp]);
         let bias = if bias { Some(self.float(&format!("{prefix}.bias"), &[out])) } else { None };
         let weight = weight?;
@@ -181,7 +216,39 @@ impl<'a> Finder<'a> {
             },
             _ => None,
         };
-        Some(Linear { weight, bias: bias.flatten(), fp8 })
+        Some(Linear { weight, bias: bias.flatten(), fp8, nvfp4: None })
+    }
+
+    /// [`Self::linear`] of an NVFP4 weight (`{prefix}.weight` U8): `[out, inp / 2]` with
+    /// `{prefix}.weight_scale` F8_E4M3 `[out, inp / 16]` and `{prefix}.weight_scale_2`.
+    fn nvfp4_linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Option<Linear<'a>> {
+        let name = format!("{prefix}.weight");
+        if !inp.is_multiple_of(NVFP4_BLOCK) {
+            let why = format!("is NVFP4 (U8) for an input of {inp}, not a multiple of its blocks of {NVFP4_BLOCK}");
+            self.problems.push(format!("`{name}` {why}"));
+            return None;
+        }
+        let weight = self.shaped(&name, &[out, inp / 2]);
+        let bias = if bias { Some(self.float(&format!("{prefix}.bias"), &[out])) } else { None };
+        let (sname, gname) = (format!("{prefix}.weight_scale"), format!("{prefix}.weight_scale_2"));
+        let block = match self.ck.tensor(&sname) {
+            Ok(t) if t.dtype != Dtype::F8E4M3 => {
+                self.problems.push(format!("`{sname}` is {:?}, expected F8_E4M3 (`{name}` is NVFP4)", t.dtype));
+                None
+            }
+            Ok(_) => self.shaped(&sname, &[out, inp / NVFP4_BLOCK]),
+            Err(_) => {
+                self.problems.push(format!("`{name}` is NVFP4 (U8) but `{sname}` is missing"));
+                None
+            }
+        };
+        let global = self.scale(&gname);
+        if global.is_none() && !self.ck.contains(&gname) {
+            self.problems.push(format!("`{name}` is NVFP4 (U8) but `{gname}` is missing"));
+        }
+        let input_scale = self.scale(&format!("{prefix}.input_scale"));
+        let nvfp4 = Some(Nvfp4Scales { block: block?, global: global?, input_scale });
+        Some(Linear { weight: weight?, bias: bias.flatten(), fp8: None, nvfp4 })
     }
 
     fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize, bias: bool) -> Option<Mlp<'a>> {
@@ -290,7 +357,7 @@ impl<'a> Layout<'a> {
         }
         let norm_f = f.float("backbone.norm_f.weight", &[hidden]);
         let lm_head = if config.tie_word_embeddings && !ck.contains("lm_head.weight") {
-            embeddings.map(|weight| Linear { weight, bias: None, fp8: None })
+            embeddings.map(|weight| Linear { weight, bias: None, fp8: None, nvfp4: None })
         } else {
             f.linear("lm_head", vocab, hidden, false)
         };

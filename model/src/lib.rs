@@ -20,6 +20,7 @@ pub mod hub;
 pub mod layout;
 pub mod logs;
 pub mod model;
+pub mod nvfp4;
 pub mod profile;
 pub mod reference;
 pub mod sampling;

@@ -27,7 +27,8 @@ impl Lin {
         if let Some(f) = Fp8Linear::new(l)? {
             return Ok(Lin::Fp8(f));
         }
-        Ok(Lin::Dense { w: f64s(&l.weight)?, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.weight.shape[1] })
+        let w = if l.nvfp4.is_some() { crate::nvfp4::dequantize(l)? } else { f64s(&l.weight)? };
+        Ok(Lin::Dense { w, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.shape()[1] })
     }
 
     fn apply(&self, x: &[f64]) -> Vec<f64> {

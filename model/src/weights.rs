@@ -19,8 +19,11 @@ pub enum Dtype {
     Bf16,
     F16,
     F32,
-    /// `float8_e4m3fn` (ModelOpt FP8 weights, with a per-tensor `weight_scale`).
+    /// `float8_e4m3fn` (ModelOpt FP8 weights, with a per-tensor `weight_scale`; NVFP4 block
+    /// scales).
     F8E4M3,
+    /// Bytes: ModelOpt NVFP4 weights, two e2m1 codes a byte (`crate::nvfp4`).
+    U8,
 }
 
 impl Dtype {
@@ -29,7 +32,7 @@ impl Dtype {
         match self {
             Dtype::Bf16 | Dtype::F16 => 2,
             Dtype::F32 => 4,
-            Dtype::F8E4M3 => 1,
+            Dtype::F8E4M3 | Dtype::U8 => 1,
         }
     }
 }
@@ -163,8 +166,13 @@ impl Checkpoint {
                 safetensors::Dtype::F16 => Dtype::F16,
                 safetensors::Dtype::F32 => Dtype::F32,
                 safetensors::Dtype::F8_E4M3 => Dtype::F8E4M3,
+                safetensors::Dtype::U8 => Dtype::U8,
                 other => {
-                    return Err(err(path, &name, format!("has dtype {other:?}; supported: BF16, F16, F32, F8_E4M3")));
+                    return Err(err(
+                        path,
+                        &name,
+                        format!("has dtype {other:?}; supported: BF16, F16, F32, F8_E4M3, U8 (NVFP4)"),
+                    ));
                 }
             };
             if self.tensors.contains_key(&name) {
@@ -251,6 +259,9 @@ impl Tensor<'_> {
             Dtype::F8E4M3 => {
                 return Err(err(self.path, self.name, "is FP8; read it with its weight_scale, not as floats"));
             }
+            Dtype::U8 => {
+                return Err(err(self.path, self.name, "is packed NVFP4; read it with its scales, not as floats"));
+            }
         })
     }
 
@@ -264,6 +275,8 @@ impl Tensor<'_> {
             Dtype::F16 => first_with_bits::<2>(b, 0x7C00),
             Dtype::F32 => first_with_bits::<4>(b, 0x7F80_0000),
             Dtype::F8E4M3 => first_with_bits::<1>(b, 0x7F),
+            // Every byte is two finite e2m1 codes.
+            Dtype::U8 => None,
         }
     }
 

@@ -37,8 +37,8 @@ impl QkvWeights {
     fn upload(cuda: &Cuda, a: &layout::Attention) -> Result<QkvWeights> {
         let plain = |l: &Linear| l.weight.dtype == Dtype::Bf16 && l.bias.is_none() && l.fp8.is_none();
         let (q, k, v) = (&a.q, &a.k, &a.v);
-        let hidden = q.weight.shape[1];
-        if [q, k, v].iter().all(|l| plain(l) && l.weight.shape[1] == hidden) {
+        let hidden = q.shape()[1];
+        if [q, k, v].iter().all(|l| plain(l) && l.shape()[1] == hidden) {
             let bytes = [q, k, v].iter().flat_map(|l| l.weight.bytes.iter().copied()).collect::<Vec<u8>>();
             let shape = [q.weight.shape[0] + k.weight.shape[0] + v.weight.shape[0], hidden];
             return Ok(QkvWeights::Fused(cuda.weight(&Linear::bf16("q_proj + k_proj + v_proj", &shape, &bytes))?));

@@ -100,7 +100,7 @@ pub const FP8_GEMV_MAX_ROWS: usize = 8;
 impl CudaWeight {
     /// Uploads `l`'s weight (bf16 or FP8, no bias).
     pub(super) fn upload(gpu: &Gpu, l: &Linear) -> Result<CudaWeight> {
-        let (n, k) = (l.weight.shape[0], l.weight.shape[1]);
+        let [n, k] = l.shape();
         Ok(CudaWeight { w: Weights::upload(gpu, &[l], [n, k], 0)?, n, k })
     }
 
@@ -165,21 +165,18 @@ pub(super) fn mlp_rows(
 }
 
 /// Uploads `l`'s weight into `dst` as bf16: its bytes as they are where it is bf16 (staged, no
-/// copy in between), else converted.
+/// copy in between), else converted (NVFP4 dequantized on the host: [`Linear::to_bf16`]).
 pub(super) fn put_bf16(gpu: &Gpu, l: &Linear, dst: &mut CudaViewMut<bf16>) -> Result<()> {
     if l.weight.dtype == Dtype::Bf16 {
         return Ok(gpu.upload_bytes_into(l.weight.bytes, dst)?);
     }
-    Ok(gpu.upload_into(&l.weight.to_bf16()?, dst)?)
+    Ok(gpu.upload_into(&l.to_bf16()?, dst)?)
 }
 
 /// Fails unless `l` has `shape` (`whose`: whose shape that is, for the message) and no bias.
 pub(super) fn check_linear(l: &Linear, shape: [usize; 2], whose: &str) -> Result<()> {
-    if l.weight.shape != shape {
-        return Err(Error::Unsupported(format!(
-            "`{}` has shape {:?}; {whose} is {shape:?}",
-            l.weight.name, l.weight.shape
-        )));
+    if l.shape() != shape {
+        return Err(Error::Unsupported(format!("`{}` has shape {:?}; {whose} is {shape:?}", l.weight.name, l.shape())));
     }
     if l.bias.is_some() {
         return Err(unsupported("biased linear layers"));

@@ -99,7 +99,7 @@ fn put_pieces(
     (inter, hidden): (usize, usize),
     (up, down): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
 ) -> Result<()> {
-    let si = s.up.weight.shape[0];
+    let si = s.up.shape()[0];
     for (l, shape) in [(&s.up, [si, hidden]), (&s.down, [hidden, si])] {
         check_linear(l, shape, "the shared expert's")?;
     }
@@ -107,7 +107,7 @@ fn put_pieces(
     let padded = si.next_multiple_of(inter);
     // Up: the shared up's rows in order; down: its rows, each padded to `padded` columns.
     put_bf16(gpu, &s.up, &mut up.slice_mut(at..at + si * hidden))?;
-    let d = s.down.weight.to_bf16()?;
+    let d = s.down.to_bf16()?;
     let mut wide = vec![bf16::ZERO; hidden * padded];
     for (to, from) in wide.chunks_mut(padded).zip(d.chunks(si)) {
         to[..si].copy_from_slice(from);
@@ -119,10 +119,10 @@ impl CudaExperts {
     /// Uploads the routed experts `list` (all of one shape) and the shared expert.
     pub(super) fn upload(gpu: &Gpu, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
         let first = list.first().ok_or_else(|| Error::Unsupported("a MoE layer without experts".into()))?;
-        let (inter, hidden) = (first.up.weight.shape[0], first.up.weight.shape[1]);
+        let [inter, hidden] = first.up.shape();
         let bf16 = |m: &Mlp| m.up.fp8.is_none() && m.down.fp8.is_none();
         let pieces = match shared {
-            Some(s) if bf16(s) && list.iter().all(bf16) => shared_pieces(list.len(), inter, s.up.weight.shape[0]),
+            Some(s) if bf16(s) && list.iter().all(bf16) => shared_pieces(list.len(), inter, s.up.shape()[0]),
             _ => 0,
         };
         let ups: Vec<&Linear> = list.iter().map(|m| &m.up).collect();

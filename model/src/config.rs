@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::quantization::Quantization;
 
 /// The kind of one layer's mixer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +117,9 @@ pub struct Config {
     /// The dense MLP's intermediate size (present when a `-` layer exists).
     pub mlp_intermediate: Option<usize>,
     pub mlp_bias: bool,
+    /// The quantization the checkpoint declares (config.json's `quantization_config`, or
+    /// `hf_quant_config.json` beside it, which [`Config::from_dir`] reads).
+    pub quantization: Option<Quantization>,
 }
 
 /// The raw file: every key this crate reads; everything else is ignored.
@@ -128,6 +132,7 @@ struct Raw {
     layers_block_type: Option<Vec<String>>,
     layer_norm_epsilon: Option<Value>,
     tie_word_embeddings: Option<bool>,
+    quantization_config: Option<Value>,
     mamba_num_heads: Option<usize>,
     mamba_head_dim: Option<usize>,
     ssm_state_size: Option<usize>,
@@ -384,6 +389,7 @@ impl Config {
                 .then(|| size("intermediate_size", raw.intermediate_size))
                 .transpose()?,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
+            quantization: raw.quantization_config.as_ref().map(Quantization::from_quantization_config).transpose()?,
             layers,
         })
     }
@@ -393,7 +399,29 @@ impl Config {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path)
             .map_err(|e| bad("config.json", format!("cannot read {}: {e}", path.display())))?;
-        Config::from_json(&text)
+        let mut config = Config::from_json(&text)?;
+        let hf = dir.join("hf_quant_config.json");
+        if hf.exists() {
+            let text = std::fs::read_to_string(&hf).map_err(|e| Error::Checkpoint {
+                path: hf.clone(),
+                tensor: String::new(),
+                reason: format!("cannot be read: {e}"),
+            })?;
+            config.quantization = Some(Quantization::from_hf_quant_config(&text)?);
+        }
+        Ok(config)
+    }
+
+    /// What the engine does otherwise than the checkpoint declares, for the caller to say:
+    /// an FP8 KV cache kept in bf16 (its `k_scale` / `v_scale` not used).
+    pub fn kv_cache_note(&self) -> Option<String> {
+        let q = self.quantization.as_ref()?;
+        let kv = q.kv_cache.as_deref()?;
+        Some(format!(
+            "{} declares a {kv} KV cache; this engine keeps the KV cache in bf16 and does not use the checkpoint's \
+             k_scale / v_scale",
+            q.source
+        ))
     }
 
     /// How many layers of each kind: (Mamba, MoE, attention, MLP).

@@ -22,6 +22,7 @@ pub mod logs;
 pub mod model;
 pub mod nvfp4;
 pub mod profile;
+pub mod quantization;
 pub mod reference;
 pub mod sampling;
 pub mod serve;

@@ -269,6 +269,30 @@ fn malformed_nvfp4_checkpoints_name_the_tensor() {
     assert_eq!(count, 7);
 }
 
+/// hf_quant_config.json beside config.json is read with it: NVFP4 with an FP8 KV cache is
+/// taken (and the bf16 cache said), an algorithm or block size this crate does not run is an
+/// error naming the file; the NVFP4 fixture without it declares nothing.
+#[test]
+fn hf_quant_config_is_read_beside_config_json() {
+    let dir = temp("hfq");
+    write_nvfp4(&dir, |_| {});
+    assert_eq!(Config::from_dir(&dir).unwrap().quantization, None);
+    let write = |q: &str| std::fs::write(dir.join("hf_quant_config.json"), q).unwrap();
+    write(
+        r#"{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+        "group_size": 16, "exclude_modules": ["lm_head"]}}"#,
+    );
+    let config = Config::from_dir(&dir).unwrap();
+    assert_eq!(config.quantization.as_ref().map(|q| q.quant_algo.as_str()), Some("NVFP4"));
+    let note = config.kv_cache_note().unwrap_or_default();
+    assert!(note.contains("FP8 KV cache") && note.contains("bf16"), "{note}");
+    let layout_ok = Layout::new(&config, &Checkpoint::open(&dir).unwrap()).is_ok();
+    assert!(layout_ok, "the NVFP4 fixture loads with its declaration");
+    write(r#"{"quantization": {"quant_algo": "NVFP4", "group_size": 32}}"#);
+    let e = Config::from_dir(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("hf_quant_config.json") && e.contains("`group_size`"), "{e}");
+}
+
 /// The NVFP4 fixture on the CUDA backend (weights dequantized on the host and uploaded as bf16)
 /// against the CPU backend (the same bf16 weights): a 40-token prompt, then 16 decode steps fed
 /// the CPU's greedy tokens, every step's logits within the bf16 band.

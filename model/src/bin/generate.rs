@@ -155,6 +155,9 @@ fn main() -> Result<()> {
     let t0 = Instant::now();
     tracing::info!("loading {}", dir.display());
     let config = Config::from_dir(&dir)?;
+    if let Some(note) = config.kv_cache_note() {
+        tracing::warn!("{note}");
+    }
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
         bail!("{} has no tokenizer.json: the CLI needs the checkpoint's tokenizer", dir.display());

@@ -90,7 +90,7 @@ fn main() -> Result<()> {
         Some(path) => {
             let json = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             tracing::info!("random weights for {}", path.display());
-            Weights::Random(Config::from_json(&json)?)
+            Weights::Random(Box::new(Config::from_json(&json)?))
         }
         None => {
             tracing::info!("loading {}", dir.display());
@@ -147,7 +147,7 @@ enum Weights {
     /// A checkpoint directory.
     Checkpoint(PathBuf),
     /// Random, for this config (`--synthetic`).
-    Random(Config),
+    Random(Box<Config>),
 }
 
 /// The engine over `backend` with `weights` loaded.
@@ -161,6 +161,9 @@ fn load_engine<B: model::backend::Backend>(
     let model = match weights {
         Weights::Checkpoint(dir) => {
             let config = Config::from_dir(dir)?;
+            if let Some(note) = config.kv_cache_note() {
+                tracing::warn!("{note}");
+            }
             let checkpoint = Checkpoint::open(dir)?;
             Model::load(backend, &config, &Layout::new(&config, &checkpoint)?, slots, max_len)?
         }

@@ -98,7 +98,7 @@ pub const SPLIT_MIN_K: usize = 3072;
 pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
 impl CudaWeight {
-    /// Uploads `l`'s weight (bf16 or FP8, no bias).
+    /// Uploads `l`'s weight (bf16, FP8 codes, or NVFP4 dequantized to bf16; no bias).
     pub(super) fn upload(gpu: &Gpu, l: &Linear) -> Result<CudaWeight> {
         let [n, k] = l.shape();
         Ok(CudaWeight { w: Weights::upload(gpu, &[l], [n, k], 0)?, n, k })

@@ -4,7 +4,8 @@
 //! backend takes for bf16 linear layers. Method as in
 //! benches/norm.rs (CUDA graph replays timed with events; cold: weights rotated through more
 //! than the L2); bytes: the weight, x and y once. Then FP8 (W8A8, static input scale):
-//! `fp8/.../m*` the FP8 gemv against the FP8 GEMM on tensor cores
+//! `fp8/.../m1` and `m8` the FP8 gemv alone, by graph replays, cold (the bf16 gemv's method);
+//! `fp8/.../m16` and up the FP8 gemv against the FP8 GEMM on tensor cores
 //! (`host::grouped::linear_fp8_as`, its quantization included; 64-row tiles and, where the GPU
 //! has it, `wgmma`) from 16 to 4096 rows, each timed with events around one call (median of
 //! 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it: cuBLASLt and the
@@ -58,6 +59,26 @@ fn main() {
     for (name, n, k) in shapes.into_iter().filter(|&(name, ..)| name != "lm_head") {
         let (codes, wb) = (gpu.zeros::<u8>(n * k).unwrap(), gpu.zeros::<bf16>(n * k).unwrap());
         let w = Weights::Fp8 { codes: &codes, w_scale: &one, in_scale: Some(&one) };
+        // Decode rows: the FP8 gemv by graph replays as the bf16 one above, cold (code sets
+        // rotated), beside the bf16 gemv's bytes floor.
+        let sets = BenchGpu::cold_sets(n * k);
+        let code_sets: Vec<_> = (0..sets).map(|_| gpu.zeros::<u8>(n * k).unwrap()).collect();
+        for rows in [1usize, 8] {
+            let tag = format!("fp8/{name}/{n}x{k}/m{rows}");
+            if !BenchGpu::selected(&format!("gemv/{tag}/")) {
+                continue;
+            }
+            let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
+            let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
+            let proj = |i: usize| Proj {
+                w: Weights::Fp8 { codes: &code_sets[i], w_scale: &one, in_scale: Some(&one) },
+                n,
+                k,
+                relu2: false,
+            };
+            let timed = b.capture(sets, |i| gemv(gpu, &x, rows, proj(i), &mut y));
+            timed.report(&format!("gemv/{tag}/kernel"), n * k + rows * (n + k) * 2);
+        }
         for rows in [16usize, 64, 128, 512, 4096] {
             let tag = format!("fp8/{name}/{n}x{k}/m{rows}");
             if !BenchGpu::selected(&format!("gemv/{tag}/")) {

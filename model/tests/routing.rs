@@ -62,7 +62,7 @@ fn summary(loads: &[ExpertLoad]) -> Vec<(usize, usize)> {
     loads.iter().map(|l| (l.touched(), l.largest())).collect()
 }
 
-/// Balanced routers, fitted by `synthetic::balance` on 256 tokens, spread 64 other tokens
+/// Balanced routers, fitted by `synthetic::balance` on 128 tokens (6 steps), spread 64 other tokens
 /// over about as many experts as uniform routing would (128 (1 - (1 - 6/128)^64) = 122.1 a
 /// layer), no expert taking more than four times its share; drawn alone (not fitted) they
 /// fall short in the deeper layers (the residual stream's common components). The skewed
@@ -74,14 +74,14 @@ fn synthetic_routers_are_balanced_unless_skewed() {
     let tokens = prompt(64);
     let (config, mut balanced) = model(Routing::Balanced);
     let (drawn, _) = tallied(&mut balanced, &config, &tokens);
-    let fit: Vec<u32> = (0..256u32).map(|i| (i * 104_729 + 17) % 4096).collect();
-    let fitted = model::synthetic::balance(&mut balanced, &fit, 8).unwrap();
+    let fit: Vec<u32> = (0..128u32).map(|i| (i * 104_729 + 17) % 4096).collect();
+    let fitted = model::synthetic::balance(&mut balanced, &fit, 6).unwrap();
     assert_eq!(fitted.len(), 3);
     let (loads, logits) = tallied(&mut balanced, &config, &tokens);
     let (mean, largest) = (mean_touched(&loads), loads.iter().map(ExpertLoad::largest).max().unwrap());
     println!(
         "experts touched, largest expert's rows, a layer at 64 tokens (uniform {uniform:.1}): drawn {:?} ({:.1}), \
-         fitted {:?} ({mean:.1}); on the 256 fitting tokens {:?}",
+         fitted {:?} ({mean:.1}); on the 128 fitting tokens {:?}",
         summary(&drawn),
         mean_touched(&drawn),
         summary(&loads),

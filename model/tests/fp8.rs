@@ -13,7 +13,6 @@ use model::config::Config;
 use model::cpu::Cpu;
 use model::layout::Layout;
 use model::model::Model;
-use model::reference::Reference;
 use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
 use safetensors::tensor::TensorView;
@@ -55,34 +54,18 @@ fn write_fp8(out: &Path, static_experts: bool) -> usize {
     quantized
 }
 
-fn prompt_logits(dir: &Path, prompt: &[u32]) -> (Vec<f64>, Vec<f64>) {
-    let config = Config::from_dir(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
-    let layout = Layout::new(&config, &ck).unwrap();
-    let mut model = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
-    let cpu = model.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
-    let reference = Reference::new(&config, &layout).unwrap();
-    let mut st = reference.new_state();
-    let exact = prompt.iter().map(|&t| reference.step(&mut st, t).unwrap()).last().unwrap();
-    (cpu.into_iter().map(f64::from).collect(), exact)
-}
-
-fn max_gap(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
-}
-
 #[test]
 fn fp8_checkpoint_runs_as_w8a8() {
     let dir = std::env::temp_dir().join(format!("nemotron-fp8-{}", std::process::id()));
     let quantized = write_fp8(&dir, false);
     assert_eq!(quantized, 2 * 8 * 2 + 2 * 2 + 2 * 2 + 4 + 2, "every projection quantized");
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
-    let (fp8_cpu, fp8_exact) = prompt_logits(&dir, &prompt);
-    let (bf16_cpu, bf16_exact) = prompt_logits(&common::dir(), &prompt);
-    let (backend_gap, quant_gap) = (max_gap(&fp8_cpu, &fp8_exact), max_gap(&fp8_exact, &bf16_exact));
+    let (fp8_cpu, fp8_exact) = common::prompt_logits(&dir, &prompt);
+    let (bf16_cpu, bf16_exact) = common::prompt_logits(&common::dir(), &prompt);
+    let (backend_gap, quant_gap) = (common::max_gap(&fp8_cpu, &fp8_exact), common::max_gap(&fp8_exact, &bf16_exact));
     println!(
         "max logit gap: FP8 CPU backend vs FP8 f64 reference {backend_gap:.3}, FP8 vs bf16 weights (f64) {quant_gap:.3}, bf16 CPU vs f64 {:.3}",
-        max_gap(&bf16_cpu, &bf16_exact)
+        common::max_gap(&bf16_cpu, &bf16_exact)
     );
     // The backend and the reference apply the same W8A8 definition; they differ by bf16
     // activations, which can move an activation across an e4m3 rounding boundary: a wider band
@@ -126,7 +109,7 @@ fn cuda_fp8_matches_cpu_fp8() {
             if n == 0 {
                 assert_close(&format!("FP8 CUDA vs CPU at the {len}-token prompt"), &b, &a, 0.15, 0.05);
             }
-            worst = worst.max(max_gap(&a, &b));
+            worst = worst.max(common::max_gap(&a, &b));
             let (ta, tb) = (common::argmax(&a), common::argmax(&b));
             same += usize::from(ta == tb);
             next[0] = ta;
@@ -188,7 +171,7 @@ fn synthetic_fp8_checkpoint_is_the_bf16_one_quantized() {
         l.into_iter().map(f64::from).collect::<Vec<f64>>()
     };
     let (b, f) = (logits(&bf16_ck), logits(&fp8_ck));
-    let gap = max_gap(&b, &f);
+    let gap = common::max_gap(&b, &f);
     assert!(gap > 1e-3, "the FP8 checkpoint changed nothing: {gap}");
     assert_close("synthetic FP8 vs bf16, CPU backend", &f, &b, 0.6, 0.2);
 }

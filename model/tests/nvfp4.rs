@@ -18,7 +18,6 @@ use model::config::Config;
 use model::cpu::Cpu;
 use model::layout::Layout;
 use model::model::Model;
-use model::reference::Reference;
 use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
 use safetensors::Dtype;
@@ -150,22 +149,6 @@ fn nvfp4_dequantization_is_codes_times_scales() {
     println!("NVFP4 dequantization: {layers} projections, {values} weights, each codes x scales exactly");
 }
 
-fn prompt_logits(dir: &Path, prompt: &[u32]) -> (Vec<f64>, Vec<f64>) {
-    let config = Config::from_dir(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
-    let layout = Layout::new(&config, &ck).unwrap();
-    let mut model = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
-    let cpu = model.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
-    let reference = Reference::new(&config, &layout).unwrap();
-    let mut st = reference.new_state();
-    let exact = prompt.iter().map(|&t| reference.step(&mut st, t).unwrap()).last().unwrap();
-    (cpu.into_iter().map(f64::from).collect(), exact)
-}
-
-fn max_gap(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
-}
-
 /// The NVFP4 fixture on the CPU backend and the f64 reference (weight-only: the weights
 /// dequantized, the activations as they are, the q/k/v `input_scale` not applied) against the
 /// bf16 model: the backend near the reference; NVFP4 against bf16 within the gap measured here
@@ -175,13 +158,13 @@ fn nvfp4_checkpoint_runs_weight_only() {
     let dir = temp("logits");
     write_nvfp4(&dir, |_| {});
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 64) as u32).collect();
-    let (cpu, exact) = prompt_logits(&dir, &prompt);
-    let (bf16_cpu, bf16_exact) = prompt_logits(&common::dir(), &prompt);
-    let (backend_gap, quant_gap) = (max_gap(&cpu, &exact), max_gap(&exact, &bf16_exact));
+    let (cpu, exact) = common::prompt_logits(&dir, &prompt);
+    let (bf16_cpu, bf16_exact) = common::prompt_logits(&common::dir(), &prompt);
+    let (backend_gap, quant_gap) = (common::max_gap(&cpu, &exact), common::max_gap(&exact, &bf16_exact));
     println!(
         "max logit gap: NVFP4 CPU backend vs NVFP4 f64 reference {backend_gap:.3}, NVFP4 vs bf16 weights (f64) \
          {quant_gap:.3}, bf16 CPU vs f64 {:.3}",
-        max_gap(&bf16_cpu, &bf16_exact)
+        common::max_gap(&bf16_cpu, &bf16_exact)
     );
     // The backend rounds the dequantized weights to bf16 (2^-9 relative) on top of its bf16
     // activations: measured 0.050 at most here, against the bf16 model's 0.021.

@@ -131,3 +131,23 @@ pub fn fake_hub(tag: &str) -> (PathBuf, PathBuf) {
     }
     (home, snapshot)
 }
+
+/// The last logits of `prompt` from the checkpoint in `dir` on the CPU backend and from the f64
+/// reference.
+pub fn prompt_logits(dir: &Path, prompt: &[u32]) -> (Vec<f64>, Vec<f64>) {
+    use model::cache::Part;
+    let config = Config::from_dir(dir).unwrap();
+    let ck = Checkpoint::open(dir).unwrap();
+    let layout = model::layout::Layout::new(&config, &ck).unwrap();
+    let mut model = model::model::Model::load(model::cpu::Cpu::default(), &config, &layout, 1, 64).unwrap();
+    let cpu = model.step(&[Part { slot: 0, computed: 0, tokens: prompt }]).unwrap().remove(0);
+    let reference = model::reference::Reference::new(&config, &layout).unwrap();
+    let mut st = reference.new_state();
+    let exact = prompt.iter().map(|&t| reference.step(&mut st, t).unwrap()).last().unwrap();
+    (cpu.into_iter().map(f64::from).collect(), exact)
+}
+
+/// The largest |a - b|.
+pub fn max_gap(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}

@@ -302,28 +302,35 @@ pub fn in_memory_as(config: &Config, seed: u64, draws: Draws) -> Result<Checkpoi
 pub fn balance<B: Backend>(model: &mut Model<B>, tokens: &[u32], steps: usize) -> Result<Vec<ExpertLoad>> {
     let Some(experts) = model.config().moe.as_ref().map(|c| c.experts) else { return Ok(Vec::new()) };
     model.set_expert_tally(true);
-    let mut fit = || -> Result<Vec<ExpertLoad>> {
-        let run = |m: &mut Model<B>| -> Result<Vec<ExpertLoad>> {
-            m.step(&[Part { slot: 0, computed: 0, tokens }])?;
-            Ok(m.expert_loads().to_vec())
-        };
-        let mut loads = run(model)?;
-        let mut bias = vec![vec![0.0f32; experts]; loads.len()];
-        for _ in 0..steps {
-            for (l, b) in loads.iter().zip(&mut bias) {
-                let mean = l.rows.iter().sum::<usize>() as f32 / experts as f32;
-                for (v, &n) in b.iter_mut().zip(&l.rows) {
-                    *v += BALANCE_RATE * (mean - n as f32) / mean;
-                }
-                model.set_score_bias(l.layer, b)?;
-            }
-            loads = run(model)?;
-        }
-        Ok(loads)
-    };
-    let loads = fit();
+    let loads = fit_biases(model, tokens, steps, experts);
     model.set_expert_tally(false);
     loads
+}
+
+/// [`balance`]'s steps on a model whose steps tally their loads.
+fn fit_biases<B: Backend>(
+    model: &mut Model<B>,
+    tokens: &[u32],
+    steps: usize,
+    experts: usize,
+) -> Result<Vec<ExpertLoad>> {
+    let run = |m: &mut Model<B>| -> Result<Vec<ExpertLoad>> {
+        m.step(&[Part { slot: 0, computed: 0, tokens }])?;
+        Ok(m.expert_loads().to_vec())
+    };
+    let mut loads = run(model)?;
+    let mut bias = vec![vec![0.0f32; experts]; loads.len()];
+    for _ in 0..steps {
+        for (l, b) in loads.iter().zip(&mut bias) {
+            let mean = l.rows.iter().sum::<usize>() as f32 / experts as f32;
+            for (v, &n) in b.iter_mut().zip(&l.rows) {
+                *v += BALANCE_RATE * (mean - n as f32) / mean;
+            }
+            model.set_score_bias(l.layer, b)?;
+        }
+        loads = run(model)?;
+    }
+    Ok(loads)
 }
 
 /// [`balance`] as the benches and `serve --synthetic` fit a loaded synthetic model: on

@@ -342,7 +342,7 @@ impl Backend for Cuda {
     }
 
     fn moe_choices(&self, c: &MoeConfig, x: In<Buffer<bf16>>, rows: usize, w: &MoeWeights<Cuda>) -> Result<Vec<u32>> {
-        w.experts.choices(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias })
+        moe::choices(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias })
     }
 
     fn attention_qkv(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {

@@ -12,7 +12,7 @@ use host::moe::{
     Choices, Dispatch, ExpertMlp, MAX_EXPERTS, MAX_TOP_K, Router, combine, dispatch, experts_mlp, experts_mlp_choices,
     experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
-use host::{Buffer, CudaSlice, Gpu};
+use host::{Buffer, CudaSlice, CudaView, Gpu};
 
 use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
 use super::{unsupported, view_mut};
@@ -142,25 +142,6 @@ impl CudaExperts {
         Ok(CudaExperts { up, down, inter, shared })
     }
 
-    /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row) as [`Self::forward`]
-    /// routes them, on the host.
-    pub(super) fn choices(
-        &self,
-        g: &Gpu,
-        c: &MoeConfig,
-        (x, rows): (In<Buffer<bf16>>, usize),
-        router: Router,
-    ) -> Result<Vec<u32>> {
-        let hidden = router.gate.len() / c.experts;
-        if x.stride != hidden {
-            return Err(unsupported("strided MoE inputs"));
-        }
-        let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
-        let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
-        route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
-        Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
-    }
-
     /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`.
     pub(super) fn forward(
         &self,
@@ -170,11 +151,7 @@ impl CudaExperts {
         router: Router,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let hidden = router.gate.len() / c.experts;
-        if x.stride != hidden {
-            return Err(unsupported("strided MoE inputs"));
-        }
-        let xv = x.buf.slice(x.offset..x.offset + rows * hidden);
+        let (xv, hidden) = moe_input(c, (x, rows), &router)?;
         let pieces = match self.shared {
             Shared::Pieces(n) => n,
             _ => 0,
@@ -267,6 +244,30 @@ impl CudaExperts {
         }
         Ok(combine(g, (&grouped, hidden), shared.as_deref(), (d.slot(), &wts, choices), &mut y)?)
     }
+}
+
+/// A MoE layer's `rows` rows of `x` (contiguous: the kernels take no stride) and the hidden
+/// size, read from the router's `[experts, hidden]`.
+fn moe_input<'a>(
+    c: &MoeConfig,
+    (x, rows): (In<'a, Buffer<bf16>>, usize),
+    router: &Router,
+) -> Result<(CudaView<'a, bf16>, usize)> {
+    let hidden = router.gate.len() / c.experts;
+    if x.stride != hidden {
+        return Err(unsupported("strided MoE inputs"));
+    }
+    Ok((x.buf.slice(x.offset..x.offset + rows * hidden), hidden))
+}
+
+/// The routed experts of each of `rows` rows of `x` (`top_k` ids a row) as
+/// [`CudaExperts::forward`] routes them, on the host.
+pub(super) fn choices(g: &Gpu, c: &MoeConfig, x: (In<Buffer<bf16>>, usize), router: Router) -> Result<Vec<u32>> {
+    let rows = x.1;
+    let (xv, hidden) = moe_input(c, x, &router)?;
+    let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
+    route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
+    Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
 }
 
 #[cfg(test)]

@@ -7,8 +7,11 @@
 //!   (counted from its routing), the shared expert, the router, x and y.
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
 //!   (which reads the offsets back), by the grouped GEMM (each of its tiles, `wgmma` where the
-//!   GPU has it) and by the FP8 grouped GEMM (its quantizations included), each timed with events around one call, median of 11,
-//!   with the TFLOP/s of the two projections (`4 entries inter hidden`).
+//!   GPU has it), by the FP8 expert kernel (the warp mode at one token, tensor cores from two;
+//!   its quantization inside) and by the FP8 grouped GEMM (its quantizations included), each
+//!   timed with events around one call, median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`)
+//!   and, for the expert kernels, the share of the copy bandwidth that reading the routed
+//!   experts' weights once in that time is.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
@@ -80,6 +83,8 @@ fn active_experts(
 #[derive(Clone, Copy)]
 enum Path {
     Kernel,
+    /// The FP8 expert kernel, static input scales.
+    KernelFp8,
     Cublas,
     Grouped(Tiles),
     /// The FP8 grouped GEMM, static input scales (each projection's rows quantized first).
@@ -87,8 +92,9 @@ enum Path {
 }
 
 impl Path {
-    const ALL: [Path; 7] = [
+    const ALL: [Path; 8] = [
         Path::Kernel,
+        Path::KernelFp8,
         Path::Cublas,
         Path::Grouped(Tiles::Narrow),
         Path::Grouped(Tiles::Wide),
@@ -100,6 +106,7 @@ impl Path {
     fn label(self) -> String {
         match self {
             Path::Kernel => "expert kernel".into(),
+            Path::KernelFp8 => "FP8 expert kernel".into(),
             Path::Cublas => "cuBLASLt per expert".into(),
             Path::Grouped(t) => format!("grouped {t:?}"),
             Path::GroupedFp8(t) => format!("grouped FP8 {t:?}"),
@@ -136,7 +143,7 @@ fn bench_layer(
         println!("moe/{name}: {active} experts routed to");
         timed.report(&format!("moe/{name}"), bytes);
     }
-    for batch in [16usize, 64, 256, 512, 1024, 4096, 16384] {
+    for batch in [1usize, 8, 16, 64, 256, 512, 1024, 4096, 16384] {
         let name = format!("experts/b{batch}");
         if !BenchGpu::selected(&name) {
             continue;
@@ -151,9 +158,10 @@ fn bench_layer(
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
         // The up projections' weights stand in for the down projections too (the same size).
         let mlp = ExpertMlp { up, down: up, inter, hidden };
-        // The expert kernel is the path up to 32 rows (EXPERT_KERNEL_MAX_ROWS); past 1024 it only
-        // takes time.
-        let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[1..] };
+        // The expert kernels are the paths up to 32 and 64 rows (EXPERT_KERNEL_MAX_ROWS,
+        // FP8_EXPERT_KERNEL_MAX_ROWS); past 1024 they only take time.
+        let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[2..] };
+        let active = gpu.download(d.active_count()).unwrap()[0] as usize;
         let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
         for &path in
             paths.iter().filter(|p| wgmma || !matches!(p, Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma)))
@@ -167,11 +175,22 @@ fn bench_layer(
                     experts_mlp_grouped_as(gpu, &d, &x, fp8, tiles, &mut out)
                 }
                 Path::Kernel => experts_mlp(gpu, &d, &x, bf16, 0, &mut out),
+                Path::KernelFp8 => {
+                    experts_mlp(gpu, &d, &x, ExpertMlp { up: fp8, down: fp8, inter, hidden }, 0, &mut out)
+                }
             });
+            // The routed experts' weights read once (the expert kernels read no more).
+            let elem = match path {
+                Path::Kernel => 2,
+                Path::KernelFp8 => 1,
+                _ => 0,
+            };
+            let copy = (elem * 2 * active * inter * hidden) as f64 / (med * 1e-6) / b.copy_bytes_per_s * 100.0;
             println!(
-                "moe/{name} {:<20} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {:6.1} TFLOP/s",
+                "moe/{name} {:<20} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {:6.1} TFLOP/s{}",
                 path.label(),
-                flops / (med * 1e-6) / 1e12
+                flops / (med * 1e-6) / 1e12,
+                if elem > 0 { format!(", {active} experts: {copy:5.1}% of copy") } else { String::new() },
             );
         }
     }

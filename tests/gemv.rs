@@ -49,10 +49,24 @@ fn gpu_gemv_fp8_matches_reference() {
     let gpu = gpu();
     let mut rng = Rng::new(97);
     let mut compared = 0;
-    // A Nano expert's up projection shape with a static input scale and with per-token scales;
-    // an odd shape.
-    let (cases, rows) = ([(1856, 2688, true), (1856, 2688, false), (40, 136, true)], 5);
-    for (n, k, static_in) in cases {
+    // (n, k, static input scale, rows). A Nano expert's up projection with a static input scale
+    // and with per-token scales at 1, 5 and 8 rows (one pass of the tensor-core kernel) and 9
+    // (two), q at 8; odd shapes: n not a multiple of the 32 rows of a block, k not of the
+    // 64-byte half step (k 2720: a half step of 32 bytes at the end, 16-byte loads; k 136: rows
+    // 8-byte aligned only, one 8-byte chunk at the end), 17 rows (three passes, one row in
+    // the last).
+    let cases = [
+        (1856, 2688, true, 1),
+        (1856, 2688, false, 1),
+        (1856, 2688, true, 5),
+        (1856, 2688, false, 8),
+        (4096, 2688, true, 8),
+        (1856, 2688, false, 9),
+        (72, 2720, false, 3),
+        (40, 136, true, 5),
+        (40, 136, false, 17),
+    ];
+    for (n, k, static_in, rows) in cases {
         let (codes, w_scale, values) = fp8_weights(&mut rng, 1, n, k);
         let in_scale = static_in.then(|| rng.uniform(0.002, 0.004) as f32);
         let x = rng.bf16s(rows * k, -1.0, 1.0);
@@ -66,7 +80,7 @@ fn gpu_gemv_fp8_matches_reference() {
         compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
     }
     println!("FP8 gemv: {compared} values compared");
-    assert_eq!(compared, cases.iter().map(|&(n, _, _)| rows * n).sum::<usize>());
+    assert_eq!(compared, cases.iter().map(|&(n, _, _, rows)| rows * n).sum::<usize>());
 }
 
 /// The FP8 linear layer of many rows on tensor cores (`linear_fp8_as`: the rows quantized, then

@@ -782,10 +782,15 @@ mod gpu {
         let mut rng = Rng::new(96);
         let mut compared = 0;
         // NemotronH's expert sizes, static input scales for up and per-token for down, then
-        // the other way round; an odd shape.
-        for (hidden, inter, e, k, rows, up_static) in
-            [(2688, 1856, 8, 2, 7, true), (2688, 1856, 8, 2, 7, false), (136, 40, 5, 2, 33, true)]
-        {
+        // the other way round, and a decode step's one token of 6 choices; an odd shape (up's k
+        // 136 and down's 40 not multiples of 16: rows 8-byte aligned; n not a multiple of the
+        // 32 rows of a block; experts of over 8 rows: passes of the tensor-core kernel).
+        for (hidden, inter, e, k, rows, up_static) in [
+            (2688, 1856, 8, 2, 7, true),
+            (2688, 1856, 8, 2, 7, false),
+            (2688, 1856, 8, 6, 1, true),
+            (136, 40, 5, 2, 33, true),
+        ] {
             let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), up_static);
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
             let idx = rng.choices(rows, k, e);
@@ -810,6 +815,7 @@ mod gpu {
             compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 64.0);
         }
         println!("FP8 experts: {compared} values compared");
+        assert_eq!(compared, 2 * 7 * 2 * 2688 + 6 * 2688 + 33 * 2 * 136);
     }
 
     /// FP8 experts for the tests: `e` experts' up `[inter, hidden]` and down `[hidden, inter]`

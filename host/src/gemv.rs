@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::Kernel;
 use kernels_gpu::gemv::{DenseParams, Operands, SPLIT_BLOCK, SPLIT_ROWS, SplitParams, WARP_BLOCK, WARP_BLOCK_ROWS};
+use kernels_gpu::qgemv::{QG_BLOCK, QG_ROWS};
 
 use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS};
@@ -92,14 +93,24 @@ impl Proj<Weights<'_>> {
     }
 }
 
+/// Fewest rows of an FP8 projection (a linear layer's, or an expert launch's tokens) that run on
+/// tensor cores (kernels-gpu/src/qgemv.rs) rather than the warp mode. On the H200 (`cargo bench
+/// --bench gemv -- m1/`, `m8/`, cold) the warp mode took 6.66 us at one row for q (4096 x 2688)
+/// and 12.54 for Mamba's in_proj (10304 x 2688), the tensor-core kernel 7.73 and 18.05 (as
+/// first built); at eight rows the tensor-core kernel 7.78 and 18.16 against the warp mode's
+/// 31.10 for q (it streams the weights once per row). FP8 `Engine::step` at decode batch 8 and
+/// 64 went from 9.476 and 34.489 ms to 7.222 and 22.457 (docs/PERFORMANCE.md).
+pub const FP8_TC_MIN_ROWS: usize = 2;
+
 /// Most rows of a launch of the warp mode (each warp loops over them): 2^24 - 1, as for the
 /// expert launches, whose kernels share its code.
 const MAX_WARP_ROWS: usize = (1 << 24) - 1;
 
 /// A linear layer at few rows: `out = f(x W^T)` for `rows` rows of `x`, one matrix of weights
-/// `[n, k]`; a warp per pair of weight rows, each streamed once for all the rows (a
-/// bandwidth-bound GEMV for small batches), and the FP8 path of linear layers (W8A8: each
-/// input row quantized to e4m3 first).
+/// `[n, k]`, each weight row streamed once for all the rows (a bandwidth-bound GEMV for small
+/// batches): bf16 weights a warp per pair of weight rows (kernels-gpu/src/gemv.rs); FP8 ones
+/// (W8A8: each input row quantized to e4m3 first) the same way at one row, on tensor cores from
+/// [`FP8_TC_MIN_ROWS`] (eight rows of x a pass over the weights, kernels-gpu/src/qgemv.rs).
 pub fn gemv(
     gpu: &Gpu,
     x: &impl DevicePtr<bf16>,
@@ -107,16 +118,17 @@ pub fn gemv(
     p: Proj<Weights>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kern = match p.w {
-        Weights::Bf16(_) => Kernel::Gemv,
-        Weights::Fp8 { .. } => Kernel::GemvFp8,
+    let (kern, block_rows, block) = match p.w {
+        Weights::Bf16(_) => (Kernel::Gemv, WARP_BLOCK_ROWS, WARP_BLOCK),
+        Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => (Kernel::GemvFp8, WARP_BLOCK_ROWS, WARP_BLOCK),
+        Weights::Fp8 { .. } => (Kernel::GemvTcFp8, QG_ROWS, QG_BLOCK),
     };
     let a = gpu.args(kern);
     a.check().count("rows", MAX_WARP_ROWS, rows)?;
     let params = DenseParams { o: p.operands(&a, (x, rows), 1, (out, rows))?, rows: rows as u32 };
     // SAFETY: x holds rows * k, w one matrix of n * k (and the scales one value each), out
     // rows * n; k is a multiple of 8.
-    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(WARP_BLOCK_ROWS), 1, 1), WARP_BLOCK, 0, params) }
+    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(block_rows), 1, 1), block, 0, params) }
 }
 
 /// As [`gemv`] for bf16 weights and no activation, each weight row split along k over the

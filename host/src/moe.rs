@@ -10,12 +10,13 @@ use kernels_gpu::moe::{
 };
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
+use kernels_gpu::qgemv::{QG_BLOCK, QG_ROWS};
 use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router_takes};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
-use crate::gemv::Proj;
+use crate::gemv::{FP8_TC_MIN_ROWS, Proj};
 use crate::gpu::Gpu;
 
 /// Routing settings (docs/MATH.md section 6).
@@ -394,11 +395,14 @@ fn project(
     let kern = match (p.w, rows) {
         (ExpertWeights::Bf16(_), ExpertRows::Choices(..)) => Kernel::MoeExpertChoices,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
+        (ExpertWeights::Fp8 { .. }, ExpertRows::Routed { d, .. }) if d.rows() >= FP8_TC_MIN_ROWS => {
+            Kernel::MoeExpertTcFp8
+        }
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
     };
     let a = gpu.args(kern);
     let c = a.check();
-    c.that("w", !bf16_only || kern != Kernel::MoeExpertFp8, "bf16 weights", "FP8 weights")?;
+    c.that("w", !bf16_only || kern == Kernel::MoeExpertChoices, "bf16 weights", "FP8 weights")?;
     let (experts, entries, x_rows) = match rows {
         ExpertRows::Routed { d, by_token, pieces } => {
             d.check_filled(kern.name())?;
@@ -442,12 +446,14 @@ fn project(
         per: per as u32,
         experts: experts as u32,
     };
+    let (block_rows, block) =
+        if kern == Kernel::MoeExpertTcFp8 { (QG_ROWS, QG_BLOCK) } else { (WARP_BLOCK_ROWS, WARP_BLOCK) };
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
     // choices read row a / per of x (entries / per rows) and trap on an id not below experts;
     // w holds experts * n * k weights and the scales one per expert; out holds entries * n; k
     // is a multiple of 8.
-    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(WARP_BLOCK_ROWS), slots, 1), WARP_BLOCK, 0, params) }
+    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(block_rows), slots, 1), block, 0, params) }
 }
 
 /// The routed experts' MLPs for every grouped row of `d`, into `out [entries, hidden]` in

@@ -28,6 +28,7 @@ pub mod mamba;
 pub mod mma;
 pub mod moe;
 pub mod norm;
+pub mod qgemv;
 pub mod quant;
 pub mod router;
 pub mod sample;
@@ -157,6 +158,9 @@ kernels! {
     Gemv = "gemv_bf16",
     /// [`gemv::DenseParams`]: as `Gemv`, e4m3 weights (W8A8).
     GemvFp8 = "gemv_fp8",
+    /// [`gemv::DenseParams`]: an FP8 linear layer of a few rows (W8A8) on tensor cores
+    /// ([`qgemv`]).
+    GemvTcFp8 = "gemv_tc_fp8",
     /// [`gemv::SplitParams`]: a bf16 linear layer, each weight row split along k over a block.
     GemvSplit = "gemv_split_bf16",
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
@@ -170,6 +174,8 @@ kernels! {
     MoeExpert = "moe_expert_bf16",
     /// [`moe::ExpertParams`]: as `MoeExpert`, e4m3 weights (W8A8).
     MoeExpertFp8 = "moe_expert_fp8",
+    /// [`moe::ExpertParams`]: as `MoeExpertFp8`, on tensor cores ([`qgemv`]).
+    MoeExpertTcFp8 = "moe_expert_tc_fp8",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.

@@ -192,6 +192,7 @@ mod kernels {
     use crate::EW_BLOCK;
     use crate::device::*;
     use crate::gemv::{Chunk, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows};
+    use crate::qgemv::{Fp8Rows, QG_ROWS, fp8_tiles};
 
     /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
     /// values, by one full warp (lanes over i). NaN marks an entry already taken: skipped.
@@ -530,22 +531,45 @@ mod kernels {
         }
     }
 
-    /// The body of both expert kernels (see [`moe_expert_bf16`]); `W` the weight chunk, `fp8`
-    /// whether inputs are quantized.
+    /// The expert and the grouped rows of block row `block_y` of an expert launch over a
+    /// dispatch (expert `active[block_y]`), none past the active count.
+    ///
+    /// # Safety
+    /// offsets, active and active_count from the dispatch kernel over the launch's entries.
+    #[inline(always)]
+    unsafe fn active_expert(p: &ExpertParams) -> Option<(usize, (usize, usize))> {
+        let a = block_y() as usize;
+        // SAFETY: the caller's contract.
+        unsafe {
+            if a as u32 >= ld(p.active_count, 0) {
+                return None;
+            }
+            let e = ld(p.active, a) as usize;
+            Some((e, (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize)))
+        }
+    }
+
+    /// Row of x of grouped row j of an expert launch over a dispatch.
+    ///
+    /// # Safety
+    /// `x_row` null or holding the launch's entries.
+    #[inline(always)]
+    unsafe fn x_row(p: &ExpertParams, j: usize) -> usize {
+        // SAFETY: the caller's contract.
+        if p.x_row.is_null() { j } else { unsafe { ld(p.x_row, j) as usize } }
+    }
+
+    /// The body of both warp-mode expert kernels (see [`moe_expert_bf16`]); `W` the weight
+    /// chunk, `fp8` whether inputs are quantized.
     #[inline(always)]
     unsafe fn expert_rows<W: Chunk>(p: ExpertParams, fp8: bool) {
         grid_dependency_wait();
         // SAFETY: launch contract checked by host/src/moe.rs: offsets/active/active_count from
         // the dispatch kernel over the same entries.
         unsafe {
-            let a = block_y() as usize;
-            if a as u32 >= ld(p.active_count, 0) {
-                return;
+            if let Some((e, rows)) = active_expert(&p) {
+                expert_warp::<W, false>(&p, e, block_row0(), rows, |j| x_row(&p, j), fp8);
             }
-            let e = ld(p.active, a) as usize;
-            let rows = (ld(p.offsets, e) as usize, ld(p.offsets, e + 1) as usize);
-            let x_row = |j| if p.x_row.is_null() { j } else { ld(p.x_row, j) as usize };
-            expert_warp::<W, false>(&p, e, block_row0(), rows, x_row, fp8);
         }
     }
 
@@ -668,6 +692,28 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
         // SAFETY: forwarded launch contract (it waits on the kernel before).
         unsafe { expert_rows::<u64>(p, true) }
+    }
+
+    /// As [`moe_expert_fp8`] on tensor cores (kernels-gpu/src/qgemv.rs): grid `(ceil(n /
+    /// QG_ROWS), slots)` with `slots >= active_count` (blocks past it return), block
+    /// [`QG_BLOCK`](crate::qgemv::QG_BLOCK); block `(b, a)` computes weight rows `b * QG_ROWS..`
+    /// of expert `active[a]` for its rows, [`QG_TOKENS`](crate::qgemv::QG_TOKENS) a pass over
+    /// the weights.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_tc_fp8(p: ExpertParams) {
+        grid_dependency_wait();
+        let (n, k) = (p.o.n as usize, p.o.k as usize);
+        let row0 = block_x() as usize * QG_ROWS as usize;
+        // SAFETY: as for moe_expert_fp8; the whole block returns or goes on together.
+        unsafe {
+            let Some((e, rows)) = active_expert(&p) else { return };
+            if row0 >= n {
+                return;
+            }
+            let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
+            let r = Fp8Rows { w: p.o.w.wrapping_add(at), stride, valid: (n - row0).min(QG_ROWS as usize), e };
+            fp8_tiles(&p.o, &r, row0, rows, |j| x_row(&p, j));
+        }
     }
 
     /// Combining, [`CombineParams`]. Grid `(rows, ceil(hidden / EW_BLOCK))`, block

@@ -93,8 +93,10 @@ pub const SPLIT_MIN_K: usize = 3072;
 /// FP8 GEMM on tensor cores ([`linear_fp8`]). On the H200 (`cargo bench --bench gemv --
 /// fp8/`, static input scale, the GEMM's quantization included) at 16 rows the GEMM took 40.9
 /// us against the gemv's 143.5 for Mamba's in_proj (10304 x 2688) and 39.0 against 65.4 for
-/// the shared expert's up projection, but 79.5 against 62.7 for out_proj (2688 x 4096); the
-/// gemv's time grows with the rows, the GEMM's hardly does below 128.
+/// the shared expert's up projection, but 79.5 against 62.7 for out_proj (2688 x 4096), with the
+/// gemv's warp mode then (its time grew with the rows; the GEMM's hardly does below 128). From
+/// 2 rows the gemv now runs on tensor cores, eight rows a pass (`host::gemv::FP8_TC_MIN_ROWS`):
+/// its 16-row time against the GEMM's is not yet measured.
 pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
 impl CudaWeight {

@@ -8,6 +8,7 @@ use half::bf16;
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
 use crate::nvfp4::NVFP4_BLOCK;
+use crate::quantization::{Declared, Quantization};
 use crate::weights::{Checkpoint, Dtype, Tensor};
 
 /// A linear layer's weight `[out, in]`: floating point, or FP8 e4m3 with its per-tensor
@@ -139,6 +140,8 @@ struct Finder<'a> {
     problems: Vec<String>,
     /// Whether every tensor's values are read for NaN and infinities.
     scan: bool,
+    /// The checkpoint's declared quantization, which the weights' formats must agree with.
+    quant: Option<Quantization>,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -196,6 +199,9 @@ impl<'a> Finder<'a> {
     /// NVFP4.
     fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Option<Linear<'a>> {
         let name = format!("{prefix}.weight");
+        if let Ok(t) = self.ck.tensor(&name) {
+            self.agrees(prefix, t.dtype);
+        }
         if self.ck.tensor(&name).is_ok_and(|t| t.dtype == Dtype::U8) {
             return self.nvfp4_linear(prefix, out, inp, bias);
         }
@@ -217,6 +223,35 @@ impl<'a> Finder<'a> {
             _ => None,
         };
         Some(Linear { weight, bias: bias.flatten(), fp8, nvfp4: None })
+    }
+
+    /// Records a problem where the format of module `prefix`'s weight (`dtype`: U8 is NVFP4,
+    /// F8_E4M3 FP8, floats unquantized) contradicts the declared quantization
+    /// ([`Quantization::declared`]). An unquantized weight of a module a single-algorithm
+    /// declaration does not exclude is accepted (it runs as it is).
+    fn agrees(&mut self, prefix: &str, dtype: Dtype) {
+        let Some(q) = &self.quant else { return };
+        let name = format!("{prefix}.weight");
+        let format = match dtype {
+            Dtype::U8 => Some("NVFP4"),
+            Dtype::F8E4M3 => Some("FP8"),
+            _ => None,
+        };
+        let from = q.source;
+        let problem = match (q.declared(prefix), format) {
+            (Declared::Excluded(p), Some(f)) => {
+                Some(format!("`{name}` is {f}, but `{p}` in {from}'s exclude_modules leaves `{prefix}` unquantized"))
+            }
+            (Declared::As(d), Some(f)) if d != f => Some(format!("`{name}` is {f}, but {from} declares it {d}")),
+            (Declared::Unlisted, Some(f)) => {
+                Some(format!("`{name}` is {f}, but {from}'s quantized_layers has no entry for `{prefix}`"))
+            }
+            (Declared::As(d), None) if q.quant_algo == "MIXED_PRECISION" => {
+                Some(format!("`{name}` is {dtype:?}, but {from}'s quantized_layers declares `{prefix}` {d}"))
+            }
+            _ => None,
+        };
+        self.problems.extend(problem);
     }
 
     /// [`Self::linear`] of an NVFP4 weight (`{prefix}.weight` U8): `[out, inp / 2]` with
@@ -273,7 +308,7 @@ impl<'a> Layout<'a> {
     }
 
     fn find(config: &Config, ck: &'a Checkpoint, scan: bool) -> Result<Layout<'a>> {
-        let mut f = Finder { ck, problems: Vec::new(), scan };
+        let mut f = Finder { ck, problems: Vec::new(), scan, quant: config.quantization.clone() };
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
         let embeddings = f.float("backbone.embeddings.weight", &[vocab, hidden]);
         let mut layers = Vec::new();

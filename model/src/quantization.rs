@@ -1,11 +1,15 @@
 //! The quantization a ModelOpt checkpoint declares, from `hf_quant_config.json` beside its
 //! config.json (`{"quantization": {"quant_algo", "kv_cache_quant_algo", "group_size",
 //! "exclude_modules" | "quantized_layers"}}`) or from config.json's `quantization_config`
-//! (`"quant_method": "modelopt"`, `"quant_algo"`, `"kv_cache_scheme"`). Which layers are
-//! quantized the tensors themselves say (their dtypes and scales, checked by the layout); this
-//! is checked for what the tensors cannot say: an algorithm or block size this crate does not
-//! run is an error, and an FP8 KV cache is reported (`kv_cache`), since the engine keeps its
-//! cache in bf16 and does not use the checkpoint's `k_scale` / `v_scale`.
+//! (`"quant_method": "modelopt"`, `"quant_algo"`, `"kv_cache_scheme"`, `"exclude_modules"`).
+//! Which layers are quantized the tensors themselves say (their dtypes and scales, checked by
+//! the layout), and the layout holds them to the declaration ([`Quantization::declared`]): a
+//! quantized weight in a module `exclude_modules` names (`*` any run of characters), of another
+//! format than `quant_algo`, or, for `MIXED_PRECISION`, not of the format its entry in
+//! `quantized_layers` gives (or without an entry, or an entry's module left bf16), is an error
+//! naming the tensor. An algorithm or block size this crate does not run is an error, and an FP8
+//! KV cache is reported (`kv_cache`), since the engine keeps its cache in bf16 and does not use
+//! the checkpoint's `k_scale` / `v_scale`.
 
 use serde_json::Value;
 
@@ -18,8 +22,23 @@ pub struct Quantization {
     pub quant_algo: String,
     /// The KV cache's declared format (`FP8`), if any: the engine keeps a bf16 cache.
     pub kv_cache: Option<String>,
+    /// `exclude_modules`: patterns of the modules left unquantized.
+    pub exclude: Vec<String>,
+    /// `quantized_layers` (`MIXED_PRECISION`): each module's algorithm.
+    pub layers: Vec<(String, String)>,
     /// Where it was read.
     pub source: &'static str,
+}
+
+/// What a declaration says of one module's weight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Declared<'q> {
+    /// Quantized with this algorithm (`FP8`, `NVFP4`).
+    As(&'q str),
+    /// Left unquantized by this pattern of `exclude_modules`.
+    Excluded(&'q str),
+    /// `MIXED_PRECISION` without an entry for it in `quantized_layers`: unquantized.
+    Unlisted,
 }
 
 /// Algorithms whose layers this crate runs (by the tensors' dtypes).
@@ -89,13 +108,60 @@ impl Quantization {
         if let Some(k) = kv.as_deref().filter(|k| *k != "FP8") {
             return Err(bad(source, "kv_cache_quant_algo", format!("\"{k}\" is not supported (FP8, or none)")));
         }
-        Ok(Quantization { quant_algo: algo.to_string(), kv_cache: kv, source })
+        let strings = |field: &str| -> Result<Vec<String>> {
+            match q.get(field).filter(|v| !v.is_null()) {
+                None => Ok(Vec::new()),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_string).ok_or_else(|| bad(source, field, format!("holds {v}"))))
+                    .collect(),
+                Some(v) => Err(bad(source, field, format!("is {v}, not a list of names"))),
+            }
+        };
+        let exclude = strings("exclude_modules")?;
+        let layers = match q.get("quantized_layers").filter(|v| !v.is_null()) {
+            None => Vec::new(),
+            Some(Value::Object(m)) => m
+                .iter()
+                .map(|(name, v)| match v.get("quant_algo").and_then(Value::as_str) {
+                    Some(a @ ("FP8" | "NVFP4")) => Ok((name.clone(), a.to_string())),
+                    _ => Err(bad(source, "quantized_layers", format!("`{name}`: {v} is not FP8 or NVFP4"))),
+                })
+                .collect::<Result<_>>()?,
+            Some(v) => Err(bad(source, "quantized_layers", format!("is {v}, not an object")))?,
+        };
+        Ok(Quantization { quant_algo: algo.to_string(), kv_cache: kv, exclude, layers, source })
+    }
+
+    /// What the declaration says of module `module` (a linear layer's name, its weight's
+    /// without `.weight`).
+    pub fn declared(&self, module: &str) -> Declared<'_> {
+        if let Some(p) = self.exclude.iter().find(|p| matches(p, module)) {
+            return Declared::Excluded(p);
+        }
+        if self.quant_algo != "MIXED_PRECISION" {
+            return Declared::As(&self.quant_algo);
+        }
+        match self.layers.iter().find(|(name, _)| name == module) {
+            Some((_, algo)) => Declared::As(algo),
+            None => Declared::Unlisted,
+        }
+    }
+}
+
+/// Whether `name` matches `pattern`, whose `*` stands for any run of characters.
+fn matches(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            name.strip_prefix(head).is_some_and(|tail| (0..=tail.len()).any(|i| matches(rest, &tail[i..])))
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Quantization;
+    use super::{Declared, Quantization, matches};
 
     fn err(r: crate::Result<Quantization>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
@@ -130,5 +196,42 @@ mod tests {
         let bad_kv =
             serde_json::json!({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 4}});
         assert!(err(Quantization::from_quantization_config(&bad_kv)).contains("kv_cache_scheme"));
+        let e = err(Quantization::from_hf_quant_config(
+            r#"{"quantization": {"quant_algo": "FP8", "exclude_modules": "x"}}"#,
+        ));
+        assert!(e.contains("exclude_modules") && e.contains("not a list"), "{e}");
+        let e = err(Quantization::from_hf_quant_config(
+            r#"{"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": {"quant_algo": "INT4"}}}}"#,
+        ));
+        assert!(e.contains("quantized_layers") && e.contains("`a`"), "{e}");
+    }
+
+    #[test]
+    fn modules_are_declared_by_pattern_and_by_entry() {
+        for (p, name, want) in [
+            ("lm_head", "lm_head", true),
+            ("lm_head", "lm_head2", false),
+            ("backbone.layers.4.mixer*", "backbone.layers.4.mixer.in_proj", true),
+            ("backbone.layers.4.mixer*", "backbone.layers.44.mixer.in_proj", false),
+            ("*.conv1d", "backbone.layers.0.mixer.conv1d", true),
+            ("*mixer.*_proj", "backbone.layers.5.mixer.q_proj", true),
+            ("*mixer.*_proj", "backbone.layers.5.mixer.gate", false),
+            ("*", "anything", true),
+            ("a*b*c", "axxbyc", true),
+            ("a*b*c", "axxbyd", false),
+        ] {
+            assert_eq!(matches(p, name), want, "{p} ~ {name}");
+        }
+        let nano =
+            r#"{"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head", "backbone.layers.4.mixer*"]}}"#;
+        let q = Quantization::from_hf_quant_config(nano).unwrap();
+        assert_eq!(q.declared("lm_head"), Declared::Excluded("lm_head"));
+        assert_eq!(q.declared("backbone.layers.4.mixer.q_proj"), Declared::Excluded("backbone.layers.4.mixer*"));
+        assert_eq!(q.declared("backbone.layers.1.mixer.experts.0.up_proj"), Declared::As("NVFP4"));
+        let mixed = r#"{"quantization": {"quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {"backbone.layers.0.mixer.in_proj": {"quant_algo": "FP8"}}}}"#;
+        let q = Quantization::from_hf_quant_config(mixed).unwrap();
+        assert_eq!(q.declared("backbone.layers.0.mixer.in_proj"), Declared::As("FP8"));
+        assert_eq!(q.declared("backbone.layers.0.mixer.out_proj"), Declared::Unlisted);
     }
 }

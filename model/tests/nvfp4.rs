@@ -276,6 +276,42 @@ fn hf_quant_config_is_read_beside_config_json() {
     assert!(e.contains("hf_quant_config.json") && e.contains("`group_size`"), "{e}");
 }
 
+/// The layout holds the weights' formats to the declaration (`Quantization::declared`): an
+/// NVFP4 weight in an excluded module, under an FP8 declaration, or (MIXED_PRECISION) without an
+/// entry in quantized_layers, and an entry's module left bf16, each refused naming the tensor.
+#[test]
+fn the_weights_agree_with_the_declaration() {
+    let dir = temp("declared");
+    write_nvfp4(&dir, |_| {});
+    let p = "backbone.layers.0.mixer.in_proj";
+    let cases = [
+        (
+            r#"{"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head", "backbone.layers.0.mixer*"]}}"#,
+            format!("`{p}.weight` is NVFP4, but `backbone.layers.0.mixer*` in hf_quant_config.json's exclude_modules"),
+        ),
+        (
+            r#"{"quantization": {"quant_algo": "FP8"}}"#,
+            format!("`{p}.weight` is NVFP4, but hf_quant_config.json declares it FP8"),
+        ),
+        (
+            r#"{"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}}"#,
+            format!("`{p}.weight` is NVFP4, but hf_quant_config.json's quantized_layers has no entry for `{p}`"),
+        ),
+        (
+            r#"{"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"lm_head": {"quant_algo": "NVFP4"}}}}"#,
+            "`lm_head.weight` is Bf16, but hf_quant_config.json's quantized_layers declares `lm_head` NVFP4".into(),
+        ),
+    ];
+    let ck = Checkpoint::open(&dir).unwrap();
+    for (declaration, want) in &cases {
+        std::fs::write(dir.join("hf_quant_config.json"), declaration).unwrap();
+        let config = Config::from_dir(&dir).unwrap();
+        let err = Layout::new(&config, &ck).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(want.as_str()), "want {want:?} in:\n{err}");
+    }
+    assert_eq!(cases.len(), 4);
+}
+
 /// The NVFP4 fixture on the CUDA backend (weights dequantized on the host and uploaded as bf16)
 /// against the CPU backend (the same bf16 weights): a 40-token prompt, then 16 decode steps fed
 /// the CPU's greedy tokens, every step's logits within the bf16 band.

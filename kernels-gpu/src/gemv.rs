@@ -340,6 +340,23 @@ mod device {
         }
     }
 
+    /// The per-token FP8 scale of the bf16 row at `x` (`k` elements, docs/MATH.md section 4),
+    /// found by a whole warp (every lane gets it).
+    ///
+    /// # Safety
+    /// The row readable for k elements.
+    #[inline(always)]
+    pub unsafe fn warp_token_scale(x: *const u16, k: usize) -> f32 {
+        let mut amax = 0.0f32;
+        let mut c = lane_id() as usize * 8;
+        while c < k {
+            // SAFETY: forwarded (load8_bf16 reads only below k).
+            amax = unsafe { load8_bf16(x, c, k) }.iter().fold(amax, |m, v| fmax(m, v.abs()));
+            c += 256;
+        }
+        crate::quant::token_scale(warp_max(amax), f32::INFINITY)
+    }
+
     /// The first weight row of this warp's in the warp mode: block x's rows are the
     /// [`WARP_BLOCK_ROWS`] from `block_x * WARP_BLOCK_ROWS`, [`WARP_ROWS`] a warp.
     #[inline(always)]
@@ -431,17 +448,7 @@ mod device {
                     if t < toks {
                         *x = o.x.wrapping_add(x_row(j0 + t) * k);
                         if fp8 {
-                            let s = if o.in_scale.is_null() {
-                                let mut amax = 0.0f32;
-                                let mut c = lane * 8;
-                                while c < k {
-                                    amax = load8_bf16(*x, c, k).iter().fold(amax, |m, v| fmax(m, v.abs()));
-                                    c += 256;
-                                }
-                                crate::quant::token_scale(warp_max(amax), f32::INFINITY)
-                            } else {
-                                ld(o.in_scale, self.e)
-                            };
+                            let s = if o.in_scale.is_null() { warp_token_scale(*x, k) } else { ld(o.in_scale, self.e) };
                             scale[t] = (s, 1.0 / s);
                         }
                     }

@@ -47,7 +47,7 @@ pub(crate) use device::*;
 mod device {
     use super::*;
     use crate::device::*;
-    use crate::gemv::{DenseParams, Operands};
+    use crate::gemv::{DenseParams, Operands, warp_token_scale};
     use crate::mma::{acc_col, acc_row, mma_e4m3};
 
     /// A block's weight rows of one matrix: the first at `w`, each next `stride` bytes on,
@@ -128,14 +128,7 @@ mod device {
                     // Warp w finds the amax of rows w, w + QG_WARPS, ...
                     let mut t = warp;
                     while t < toks {
-                        let x = xr(t);
-                        let mut amax = 0.0f32;
-                        let mut c = lane * 8;
-                        while c < k {
-                            amax = load8_bf16(x, c, k).iter().fold(amax, |m, v| fmax(m, v.abs()));
-                            c += 256;
-                        }
-                        let s = crate::quant::token_scale(warp_max(amax), f32::INFINITY);
+                        let s = warp_token_scale(xr(t), k);
                         if lane == 0 {
                             st(scales, t, s);
                         }

@@ -199,10 +199,11 @@ impl<'a> Finder<'a> {
     /// NVFP4.
     fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Option<Linear<'a>> {
         let name = format!("{prefix}.weight");
-        if let Ok(t) = self.ck.tensor(&name) {
-            self.agrees(prefix, t.dtype);
+        let dtype = self.ck.tensor(&name).ok().map(|t| t.dtype);
+        if let Some(d) = dtype {
+            self.agrees(prefix, d);
         }
-        if self.ck.tensor(&name).is_ok_and(|t| t.dtype == Dtype::U8) {
+        if dtype == Some(Dtype::U8) {
             return self.nvfp4_linear(prefix, out, inp, bias);
         }
         let weight = self.shaped(&name, &[out, inp]);

@@ -69,7 +69,8 @@ struct Args {
     /// The context of a request: its prompt plus generated tokens.
     #[arg(long, default_value_t = 4096)]
     max_len: usize,
-    /// Requests that may wait for a slot; past them a request gets 429.
+    /// Requests that may wait for a slot; past them a request gets 429 (with the slots, counted
+    /// up to the largest `usize`: a larger sum admits without bound).
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
     /// Feed at most this many tokens per engine step (long prompts in chunks); unbounded by default.

@@ -95,6 +95,13 @@ pub struct EngineHandle {
     pub info: ModelInfo,
 }
 
+/// Requests admitted at once: the slots plus the queue, all of `usize` where they would pass it
+/// (`--max-queue 18446744073709551615` admits without bound; a wrapped sum admitted almost
+/// none).
+fn admission_limit(slots: usize, max_queue: usize) -> usize {
+    slots.saturating_add(max_queue)
+}
+
 impl EngineHandle {
     /// Starts the engine thread, which runs `start` to build the engine there (the backend
     /// opened, the weights uploaded) and hand it to [`Starter::run`]; returns once it has,
@@ -110,7 +117,12 @@ impl EngineHandle {
         let info = ready_rx
             .recv()
             .map_err(|_| Error::Unsupported("the engine thread ended while loading the model".into()))??;
-        Ok(EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: info.slots + max_queue, info })
+        Ok(EngineHandle {
+            jobs,
+            admitted: Arc::new(AtomicUsize::new(0)),
+            limit: admission_limit(info.slots, max_queue),
+            info,
+        })
     }
 
     /// Hands a request to the engine thread; its tokens come on the returned channel, which
@@ -221,5 +233,19 @@ pub(super) fn scripted(
             reply(prompt, params, out);
         }
     });
-    EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: info.slots + max_queue, info }
+    EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: admission_limit(info.slots, max_queue), info }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::admission_limit;
+
+    #[test]
+    fn the_admission_limit_does_not_wrap() {
+        assert_eq!(admission_limit(16, 64), 80);
+        assert_eq!(admission_limit(16, usize::MAX - 16), usize::MAX);
+        assert_eq!(admission_limit(16, usize::MAX - 15), usize::MAX);
+        assert_eq!(admission_limit(16, usize::MAX), usize::MAX);
+        assert_eq!(admission_limit(0, 0), 0);
+    }
 }

@@ -465,12 +465,7 @@ mod device {
                     for (t, &v) in acc.iter().enumerate() {
                         if r < rows && t < toks {
                             let s = warp_sum(v) * self.w_scale * scale[t].0;
-                            let y = if o.relu2 != 0 {
-                                let h = bf16_to_f32(f32_to_bf16(s)).max(0.0);
-                                h * h
-                            } else {
-                                s
-                            };
+                            let y = relu2_if(s, o.relu2 != 0);
                             if lane == 0 {
                                 st(o.out, (j0 + t) * n + self.row0 + r, f32_to_bf16(y));
                             }

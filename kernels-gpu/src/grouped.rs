@@ -482,14 +482,7 @@ mod kernels {
                 }
             }
             let relu2 = j.relu2 != 0;
-            let f = |v: f32| {
-                if relu2 {
-                    let r = fmax(bf16_to_f32(f32_to_bf16(v)), 0.0);
-                    r * r
-                } else {
-                    v
-                }
-            };
+            let f = |v: f32| relu2_if(v, relu2);
             let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
             for (i, tiles) in acc.iter().enumerate() {
                 for h in 0..2 {
@@ -610,14 +603,7 @@ mod kernels {
                 mma_stage::<FP8>(&mut acc, a, b);
             }
             let relu2 = j.relu2 != 0;
-            let f = |v: f32| {
-                if relu2 {
-                    let r = fmax(bf16_to_f32(f32_to_bf16(v)), 0.0);
-                    r * r
-                } else {
-                    v
-                }
-            };
+            let f = |v: f32| relu2_if(v, relu2);
             let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
             for rh in 0..2u32 {
                 let row = 64 * g + acc_row(wi, lane, 2 * rh);

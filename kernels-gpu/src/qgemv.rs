@@ -190,13 +190,7 @@ mod device {
                         for w in 0..QG_WARPS {
                             sum += ld(red, w * RED + v);
                         }
-                        let y = sum * w_scale * ld(scales, t);
-                        let y = if o.relu2 != 0 {
-                            let h = bf16_to_f32(f32_to_bf16(y)).max(0.0);
-                            h * h
-                        } else {
-                            y
-                        };
+                        let y = relu2_if(sum * w_scale * ld(scales, t), o.relu2 != 0);
                         st(o.out, (j0 + t) * n + row0 + row, f32_to_bf16(y));
                     }
                     v += QG_BLOCK as usize;

@@ -67,6 +67,19 @@ pub fn silu(v: f32) -> f32 {
     r
 }
 
+/// A projection's output activation: `relu(bf16(v))^2` where `relu2` (the experts' and the
+/// MLPs' hidden activation, the square of the value rounded as the un-fused path stores it),
+/// else `v`.
+#[inline(always)]
+pub fn relu2_if(v: f32, relu2: bool) -> f32 {
+    if relu2 {
+        let r = fmax(super::bf16_to_f32(super::f32_to_bf16(v)), 0.0);
+        r * r
+    } else {
+        v
+    }
+}
+
 /// Correctly rounded square root (`sqrt.rn.f32`).
 #[inline(always)]
 pub fn sqrt(v: f32) -> f32 {

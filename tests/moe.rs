@@ -467,7 +467,8 @@ mod gpu {
             gpu_route(&gpu, s, (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
             let ch = Choices { idx: &idx, weight: &wt, per, experts: all };
             let mlp = ExpertMlp { up: &up, down: &down, inter, hidden };
-            experts_mlp_choices(&gpu, ch, &x, mlp, (pieces, Some(&shared)), &mut out).unwrap();
+            let w = ExpertMlp { up: ExpertWeights::Bf16(&up), down: ExpertWeights::Bf16(&down), inter, hidden };
+            experts_mlp_choices(&gpu, ch, &x, w, (pieces, Some(&shared)), &mut out).unwrap();
             // The pieces' up projections in the routing's launch.
             let ((mut idx2, mut wt2), mut out2) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
             let mut h = gpu.upload(&vec![POISON_BF16; per * inter]).unwrap();
@@ -755,7 +756,7 @@ mod gpu {
             combine(&gpu, (&grouped, hidden), dsh.as_ref(), (d.slot(), &dw, k), &mut unfused).unwrap();
             let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
             let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
-            let mlp = ExpertMlp { up: &dup, down: &ddown, inter, hidden };
+            let mlp = ExpertMlp { up: up_w, down: down_w, inter, hidden };
             experts_mlp_choices(&gpu, ch, &dx, mlp, (pieces, dsh.as_ref()), &mut fused).unwrap();
             let label =
                 format!("experts per choice, combined: hidden {hidden} inter {inter} rows {rows} pieces {pieces}");
@@ -813,9 +814,38 @@ mod gpu {
             // The codes are the same on both sides (same bf16 inputs, same f32 division);
             // sums in f32 against f64 can move a hidden value by one bf16 step.
             compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 2e-3, 1.0 / 64.0);
+            // Per choice, the combining fused, a shared output added: each token's weighted sum
+            // of the reference's expert outputs, within the sum of their tolerances above and
+            // the output's bf16 rounding; at one token (the warp mode on both paths) bit for
+            // bit `experts_mlp` then `combine`.
+            let wt: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
+            let shared = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let (dw, didx, dsh) = (gpu.upload(&wt).unwrap(), gpu.upload(&idx).unwrap(), gpu.upload(&shared).unwrap());
+            let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
+            let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+            let mlp = ExpertMlp { up, down, inter, hidden };
+            experts_mlp_choices(&gpu, ch, &gpu.upload(&x).unwrap(), mlp, (0, Some(&dsh)), &mut fused).unwrap();
+            let fused = to_f64(&gpu.download(&fused).unwrap());
+            let mut outside = 0;
+            for (i, &got) in fused.iter().enumerate() {
+                let (t, c) = (i / hidden, i % hidden);
+                let terms = (0..k).map(|j| (f64::from(wt[t * k + j]), want[slot[t * k + j] as usize * hidden + c]));
+                let (sum, bound) = terms
+                    .fold((shared[i].to_f64(), 0.0), |(s, b), (w, v)| (s + w * v, b + w * (2e-3 + v.abs() / 64.0)));
+                outside += usize::from((got - sum).abs() > bound + sum.abs() / 256.0);
+            }
+            assert_eq!(outside, 0, "{label}, per choice combined: {outside} of {} outside", fused.len());
+            compared += fused.len();
+            if rows == 1 {
+                let mut unfused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+                combine(&gpu, (&out, hidden), Some(&dsh), (d.slot(), &dw, k), &mut unfused).unwrap();
+                let unfused = to_f64(&gpu.download(&unfused).unwrap());
+                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                compared += assert_same(&format!("{label}, per choice"), &bits(&fused), &bits(&unfused));
+            }
         }
         println!("FP8 experts: {compared} values compared");
-        assert_eq!(compared, 2 * 7 * 2 * 2688 + 6 * 2688 + 33 * 2 * 136);
+        assert_eq!(compared, 2 * 7 * 2 * 2688 + 6 * 2688 + 33 * 2 * 136 + 2 * 7 * 2688 + 2 * 2688 + 33 * 136);
     }
 
     /// FP8 experts for the tests: `e` experts' up `[inter, hidden]` and down `[hidden, inter]`
@@ -990,16 +1020,20 @@ mod gpu {
         let mut y = gpu.zeros::<bf16>(rows * hidden).unwrap();
         let ch = Choices { idx: &cidx, weight: &cw, per: k, experts: e };
         let short = gpu.zeros::<f32>(rows * k - 1).unwrap();
-        let mlp = ExpertMlp { up: &w, down: &w, inter, hidden };
+        let bw = ExpertWeights::Bf16(&w);
+        let mlp = ExpertMlp { up: bw, down: bw, inter, hidden };
         let err = experts_mlp_choices(&gpu, Choices { weight: &short, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`weight`"), "{err}");
         let down = gpu.zeros::<bf16>(e * hidden * inter - 1).unwrap();
-        let err = experts_mlp_choices(&gpu, ch, &x, ExpertMlp { down: &down, ..mlp }, (0, None), &mut y).unwrap_err();
-        assert!(err.to_string().contains("`down`"), "{err}");
+        let err =
+            experts_mlp_choices(&gpu, ch, &x, ExpertMlp { down: ExpertWeights::Bf16(&down), ..mlp }, (0, None), &mut y)
+                .unwrap_err();
+        assert!(err.to_string().contains("moe_expert_combine_bf16: argument `w`"), "{err}");
         let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`top_k`"), "{err}");
         let odd = gpu.zeros::<bf16>(e * (inter - 1) * hidden).unwrap();
-        let odd = ExpertMlp { up: &odd, down: &odd, inter: inter - 1, hidden };
+        let odd =
+            ExpertMlp { up: ExpertWeights::Bf16(&odd), down: ExpertWeights::Bf16(&odd), inter: inter - 1, hidden };
         let err = experts_mlp_choices(&gpu, ch, &x, odd, (0, None), &mut y).unwrap_err();
         assert!(err.to_string().contains("`inter`"), "{err}");
         let many = gpu.zeros::<i32>(65536).unwrap();

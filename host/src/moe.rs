@@ -391,9 +391,9 @@ fn project(
     p: Proj<ExpertWeights>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let bf16_only = matches!(rows, ExpertRows::Choices(..));
     let kern = match (p.w, rows) {
         (ExpertWeights::Bf16(_), ExpertRows::Choices(..)) => Kernel::MoeExpertChoices,
+        (ExpertWeights::Fp8 { .. }, ExpertRows::Choices(..)) => Kernel::MoeExpertChoicesFp8,
         (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
         (ExpertWeights::Fp8 { .. }, ExpertRows::Routed { d, .. }) if d.rows() >= FP8_TC_MIN_ROWS => {
             Kernel::MoeExpertTcFp8
@@ -402,7 +402,6 @@ fn project(
     };
     let a = gpu.args(kern);
     let c = a.check();
-    c.that("w", !bf16_only || kern == Kernel::MoeExpertChoices, "bf16 weights", "FP8 weights")?;
     let (experts, entries, x_rows) = match rows {
         ExpertRows::Routed { d, by_token, pieces } => {
             d.check_filled(kern.name())?;
@@ -479,16 +478,17 @@ pub fn experts_mlp(
 
 /// The MLPs of each token's chosen experts, combined, without a dispatch: `out[t] =
 /// shared[t] + sum_j weight[t, j] * down_e(relu(up_e x_t)^2)`, `e = idx[t, j]`, each expert
-/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit). bf16 weights as
-/// for [`experts_mlp`] (the last `pieces` experts may be a shared expert's pieces), `x [rows,
-/// hidden]`, `out [rows, hidden]`, the shared expert's output rows `shared` added where given.
-/// Every choice streams its expert's weights on its own: the path for a token or a few, where
-/// a dispatch and a combine cost more than repeated experts. Two launches, no synchronization.
+/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit where
+/// [`experts_mlp`] runs the warp mode). Weights as for [`experts_mlp`] (bf16: the last
+/// `pieces` experts may be a shared expert's pieces; FP8: W8A8), `x [rows, hidden]`, `out
+/// [rows, hidden]`, the shared expert's output rows `shared` added where given. Every choice
+/// streams its expert's weights on its own: the path for a token or a few, where a dispatch
+/// and a combine cost more than repeated experts. Two launches, no synchronization.
 pub fn experts_mlp_choices(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
-    mlp: ExpertMlp<&CudaSlice<bf16>>,
+    mlp: ExpertMlp<ExpertWeights>,
     shared: (usize, Option<&CudaSlice<bf16>>),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
@@ -513,7 +513,7 @@ pub fn experts_mlp_choices_after(
     let c = Check(Kernel::MoeExpertChoices.name());
     c.count("appended", ch.per.min(pieces), appended)?;
     let launched = ch.per - appended;
-    choices_mlp(gpu, ch, x, mlp, (pieces, shared), (h, launched), out)
+    choices_mlp(gpu, ch, x, mlp.weights(), (pieces, shared), (h, launched), out)
 }
 
 /// The up projections of the first `launched` choices into `h` (all of them, or of one token,
@@ -522,21 +522,27 @@ fn choices_mlp(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
-    mlp: ExpertMlp<&CudaSlice<bf16>>,
+    mlp: ExpertMlp<ExpertWeights>,
     (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
     (h, launched): (&mut CudaSlice<bf16>, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::MoeExpertCombine;
+    let k = match mlp.down {
+        ExpertWeights::Bf16(_) => Kernel::MoeExpertCombine,
+        ExpertWeights::Fp8 { .. } => Kernel::MoeExpertCombineFp8,
+    };
     let a = gpu.args(k);
     let c = a.check();
     let (inter, hidden) = (mlp.inter, mlp.hidden);
     let rows = ch.rows(k.name())?;
     c.that("pieces", pieces <= ch.experts, format!("at most the {} experts", ch.experts), pieces)?;
     c.that("inter", inter.is_multiple_of(8), "a multiple of 8", inter)?;
+    let (w, w_scale, in_scale) = mlp.down.args(&a, ch.experts, (hidden, inter))?;
     let p = ExpertCombineParams {
         x: a.input("h", h, Len::Exactly(ch.idx.len() * inter))?,
-        w: a.input("down", mlp.down, Len::Exactly(ch.experts * hidden * inter))?.cast(),
+        w,
+        w_scale,
+        in_scale,
         idx: a.input("idx", ch.idx, Len::Any)?,
         weight: a.input("weight", ch.weight, Len::Any)?,
         shared: a.opt_input("shared", shared, Len::Exactly(rows * hidden))?,
@@ -551,7 +557,7 @@ fn choices_mlp(
     // The combining kernel reads the choices before its wait: the per-choice kernel just
     // before it lets it launch only once the routing has completed.
     c.that("launched", launched > 0, "at least one choice's up projection in this call", launched)?;
-    project(gpu, ExpertRows::Choices(ch, launched), x, mlp.weights().up_proj(), h)?;
+    project(gpu, ExpertRows::Choices(ch, launched), x, mlp.up_proj(), h)?;
     let blocks = (hidden as u32).div_ceil(COMBINE_ROWS);
     // SAFETY: h holds rows * per rows of inter (a multiple of 8; its first `launched` rows
     // written by the up projection above, the others before the call), down experts * hidden

@@ -178,8 +178,12 @@ kernels! {
     MoeExpertTcFp8 = "moe_expert_tc_fp8",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
+    /// [`moe::ExpertParams`]: as `MoeExpertChoices`, e4m3 weights (W8A8).
+    MoeExpertChoicesFp8 = "moe_expert_choices_fp8",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
+    /// [`moe::ExpertCombineParams`]: as `MoeExpertCombine`, e4m3 weights (W8A8).
+    MoeExpertCombineFp8 = "moe_expert_combine_fp8",
     /// [`grouped::GroupedParams`]: one projection of every expert with rows, on tensor cores.
     MoeGrouped = "moe_grouped_bf16",
     /// [`grouped::GroupedParams`]: as `MoeGrouped`, tiles of 128 rows (experts of many rows).
@@ -235,7 +239,12 @@ impl Kernel {
     pub const fn loads_early(self) -> bool {
         matches!(
             self,
-            Kernel::Gemv | Kernel::GemvSplit | Kernel::MoeRoute | Kernel::MoeExpertCombine | Kernel::MambaDecode
+            Kernel::Gemv
+                | Kernel::GemvSplit
+                | Kernel::MoeRoute
+                | Kernel::MoeExpertCombine
+                | Kernel::MoeExpertCombineFp8
+                | Kernel::MambaDecode
         )
     }
 }

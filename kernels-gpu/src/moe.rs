@@ -113,7 +113,8 @@ pub struct ExpertParams {
     pub o: Operands,
     /// `[entries]` grouped row -> row of `x`; null: row `j` of `x` itself.
     pub x_row: *const u32,
-    /// The dispatch's offsets, active list and count (null for [`moe_expert_choices_bf16`]).
+    /// The dispatch's offsets, active list and count (null for the per-choice kernels,
+    /// [`moe_expert_choices_bf16`] and `_fp8`).
     pub offsets: *const u32,
     pub active: *const u32,
     pub active_count: *const u32,
@@ -122,7 +123,7 @@ pub struct ExpertParams {
     /// into pieces): row r of piece j at `(piece0 * n + r * pieces) * k + j * k`. 0: none.
     pub piece0: u32,
     pub pieces: u32,
-    /// Per choice ([`moe_expert_choices_bf16`] only; offsets, active, active_count and x_row
+    /// Per choice (the per-choice kernels only; offsets, active, active_count and x_row
     /// null): `[entries]` the expert of each choice, tokens' choices in order, `per` per token;
     /// choice a (expert `idx[a]`, below `experts`, else the kernel traps) takes row `a / per`
     /// of x into row a of out.
@@ -133,14 +134,19 @@ pub struct ExpertParams {
 
 /// The down projection of each of `rows` tokens' `per` choices, combined: `out[t] =
 /// shared[t] + sum_j weight[t, j] * bf16(x[t * per + j] W_{idx[t, j]}^T)` (the order of j;
-/// pieces as in [`ExpertParams`]).
+/// pieces as in [`ExpertParams`]; with e4m3 weights the product is W8A8's, as in
+/// [`Operands`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertCombineParams {
     /// `[rows * per, k]` bf16 hidden rows, in choice order.
     pub x: *const u16,
-    /// `[experts, n, k]` bf16 weights.
+    /// `[experts, n, k]` bf16 weights, or e4m3 codes for the FP8 kernel.
     pub w: *const u8,
+    /// FP8: `[experts]` weight scales (unused by the bf16 kernel).
+    pub w_scale: *const f32,
+    /// FP8: `[experts]` static input scales, or null for per-token scales.
+    pub in_scale: *const f32,
     /// `[rows, per]` chosen experts; each below `experts`, else the kernel traps.
     pub idx: *const i32,
     /// `[rows, per]` their weights.
@@ -191,7 +197,7 @@ mod kernels {
     use super::*;
     use crate::EW_BLOCK;
     use crate::device::*;
-    use crate::gemv::{Chunk, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows};
+    use crate::gemv::{Chunk, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
     use crate::qgemv::{Fp8Rows, QG_ROWS, fp8_tiles};
 
     /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
@@ -582,17 +588,37 @@ mod kernels {
     /// wait.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { choice_rows::<Streamed>(&p, false) }
+    }
+
+    /// As [`moe_expert_choices_bf16`], e4m3 weights (W8A8): each choice's input quantized to
+    /// e4m3 with its token's scale before the product, as [`moe_expert_fp8`] computes it.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_choices_fp8(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { choice_rows::<u64>(&p, true) }
+    }
+
+    /// The body of both per-choice kernels (see [`moe_expert_choices_bf16`]); `W` the weight
+    /// chunk, `fp8` whether inputs are quantized.
+    ///
+    /// # Safety
+    /// The launch contract checked by host/src/moe.rs: idx holds entries ids (one out of range
+    /// traps), x entries / per rows, w experts * n * k (the scales one per expert), out
+    /// entries * n.
+    #[inline(always)]
+    unsafe fn choice_rows<W: Chunk>(p: &ExpertParams, fp8: bool) {
         grid_dependency_wait_first();
         let a = block_y() as usize;
-        // SAFETY: launch contract checked by host/src/moe.rs: idx holds entries ids (one out
-        // of range traps), x entries / per rows, w experts * n * k, out entries * n.
+        // SAFETY: the caller's contract.
         unsafe {
             let e = ld(p.idx, a);
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }
             let x = a / p.per as usize;
-            expert_warp::<Streamed, false>(&p, e as usize, block_row0(), (a, a + 1), |_| x, false);
+            expert_warp::<W, false>(p, e as usize, block_row0(), (a, a + 1), |_| x, fp8);
         }
     }
 
@@ -625,19 +651,50 @@ mod kernels {
     /// first): [`moe_expert_bf16`] then [`moe_combine_bf16`] in one launch, bit for bit.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_combine_bf16(p: ExpertCombineParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { expert_combine::<Streamed, true>(&p, false) }
+    }
+
+    /// As [`moe_expert_combine_bf16`], e4m3 weights (W8A8): each choice's hidden row quantized
+    /// to e4m3 with its expert's static input scale or, where there are none, its own
+    /// (docs/MATH.md section 4), each product scaled by both scales before its rounding to
+    /// bf16, as [`moe_expert_fp8`] computes it. With static scales its first weights load
+    /// before it waits, as there; with per-token scales (found from the hidden rows that the
+    /// kernel before writes) it waits first.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_combine_fp8(p: ExpertCombineParams) {
+        // SAFETY: forwarded launch contract; early only with static scales.
+        unsafe {
+            if p.in_scale.is_null() {
+                grid_dependency_wait();
+                expert_combine::<u64, false>(&p, true)
+            } else {
+                expert_combine::<u64, true>(&p, true)
+            }
+        }
+    }
+
+    /// The body of both expert-combine kernels (see [`moe_expert_combine_bf16`]); `W` the
+    /// weight chunk, `fp8` whether the hidden rows are quantized, `EARLY` whether the first
+    /// weights load before the wait (with `fp8` only for static input scales).
+    ///
+    /// # Safety
+    /// The launch contract checked by host/src/moe.rs: x holds rows * per rows of k, w an n *
+    /// k matrix for each expert (the pieces among them; FP8: the scales one per expert), idx
+    /// and weight per values for each row, shared (when not null) and out rows * n, per <=
+    /// MAX_TOP_K; an expert id out of range traps. Before its wait (in the first pass of `partial_dots`) it reads only the
+    /// choices, the weights and their scales: the kernel before it, the per-choice kernel,
+    /// lets it launch once the routing that wrote the choices has completed.
+    #[inline(always)]
+    unsafe fn expert_combine<W: Chunk, const EARLY: bool>(p: &ExpertCombineParams, fp8: bool) {
         const R: usize = COMBINE_ROWS as usize;
         let (n, k, per) = (p.n as usize, p.k as usize, p.per as usize);
         let (t, j) = (block_y() as usize, warp_id() as usize);
         let row0 = block_x() as usize * R;
         let rows = (n - row0).min(R);
-        // SAFETY: launch contract checked by host/src/moe.rs: x holds rows * per rows of k, w
-        // experts * n * k (the pieces among them), idx and weight rows * per, shared (when not
-        // null) and out rows * n, per <= MAX_TOP_K; an expert id out of range traps. Shared
-        // memory: the products below, each written by lane 0 of its warp before the barrier.
-        // Each output element is written by the one thread owning its row. Before its wait
-        // (in the first pass of `partial_dots`) it reads only the choices and the weights:
-        // the kernel before it, the per-choice kernel, lets it launch once the routing that
-        // wrote the choices has completed.
+        // SAFETY: the caller's contract. Shared memory: the products below, each written by
+        // lane 0 of its warp before the barrier. Each output element is written by the one
+        // thread owning its row.
         unsafe {
             let y = static_smem!("combine_y", MAX_TOP_K * COMBINE_ROWS * 4);
             let c = t * per + j;
@@ -645,20 +702,27 @@ mod kernels {
             if e < 0 || e as u32 >= p.experts {
                 trap();
             }
-            let (at, stride) = weight_rows(e as usize, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
+            let e = e as usize;
+            let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
             let x = [p.x.wrapping_add(c * k)];
-            let w = p.w.wrapping_add(at * 2);
+            let elem = if fp8 { 1 } else { 2 };
+            let w = p.w.wrapping_add(at * elem);
+            let (w_scale, s) = match fp8 {
+                false => (1.0, 1.0),
+                true if p.in_scale.is_null() => (ld(p.w_scale, e), warp_token_scale(x[0], k)),
+                true => (ld(p.w_scale, e), ld(p.in_scale, e)),
+            };
             let warp = (lane_id() as usize, 32);
-            let dots = partial_dots::<Streamed, R, 1, WARP_UNROLL, true>(
+            let dots = partial_dots::<W, R, 1, WARP_UNROLL, EARLY>(
                 w,
-                (stride, 2),
+                (stride, elem),
                 rows,
-                (&x, 1, &[(1.0, 1.0)]),
-                (k, false),
+                (&x, 1, &[(s, 1.0 / s)]),
+                (k, fp8),
                 warp,
             );
             for (r, d) in dots.iter().enumerate() {
-                let v = bf16_to_f32(f32_to_bf16(warp_sum(d[0])));
+                let v = bf16_to_f32(f32_to_bf16(warp_sum(d[0]) * w_scale * s));
                 if lane_id() == 0 {
                     st(y, j * R + r, v);
                 }

@@ -10,11 +10,11 @@
 //! to read the expert offsets).
 //!
 //! FP8 (W8A8) linear layers and experts keep their e4m3 codes on the device and run through
-//! the FP8 gemv kernel and the expert kernel (the same row-dot code, an expert per row), which
-//! quantize each input row with the checkpoint's `input_scale` (or per token without one)
-//! before the product, at up to [`FP8_GEMV_MAX_ROWS`] and [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows;
-//! at more, the rows are quantized the same way into codes first and multiplied on tensor
-//! cores (the FP8 GEMM and grouped GEMM).
+//! the FP8 gemv kernels (up to [`FP8_GEMV_MAX_ROWS`] rows) and, at one row, the per-choice
+//! expert kernels (the same row-dot code, an expert per choice), which quantize each input row
+//! with the checkpoint's `input_scale` (or per token without one) before the product; at more
+//! rows (experts: past [`FP8_EXPERT_KERNEL_MAX_ROWS`]), the rows are quantized the same way
+//! into codes first and multiplied on tensor cores (the FP8 GEMM and grouped GEMM).
 //!
 //! A step's rows (tokens, slots, positions, prefill sequences) are checked and uploaded once
 //! per step ([`CudaRows`]). Steps of decode rows only, up to [`GRAPH_MAX_ROWS`] of them (no

@@ -3,8 +3,8 @@
 //! through them ([`CudaExperts::forward`]): routing, then by rows per routing choice
 //! ([`CHOICES_MAX_ROWS`]), through the expert kernel ([`EXPERT_KERNEL_MAX_ROWS`]), the grouped
 //! GEMM ([`GROUPED_MAX_ROWS`]) or per-expert cuBLASLt GEMMs (see the backend's doc); FP8
-//! experts through the expert kernel up to [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows, the FP8
-//! grouped GEMM past them.
+//! experts per routing choice as bf16's, then through the expert kernel up to
+//! [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows, the FP8 grouped GEMM past them.
 
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped};
@@ -55,8 +55,13 @@ enum Shared {
 pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
 
 /// Most rows of an FP8 MoE layer that go through the expert kernel rather than the FP8
-/// grouped GEMM (the two not yet measured against each other).
-pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 64;
+/// grouped GEMM (where its sizes allow it: multiples of 16): none past the one row that runs
+/// per routing choice. The routed experts alone (`cargo bench --bench moe -- experts/b`, H200,
+/// Nano sizes) took 216.5 us by the expert kernel on tensor cores at 8 rows against 187.0 by
+/// the FP8 grouped GEMM on `wgmma`, 657.3 against 461.2 at 64; FP8 `Engine::step` (one lease,
+/// 2026-12-04) went from 7.264 to 6.467 ms at decode batch 8 and from 22.524 to 17.958 at 64
+/// when this went from 64 to 1.
+pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
 /// GPU has no `wgmma` kernels; more go through per-expert cuBLASLt GEMMs. Where it has them
@@ -66,8 +71,8 @@ pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 /// 16384 against 4886.0 (the lines cross between); `wgmma` 1532.4 and 4673.3.
 pub const GROUPED_MAX_ROWS: usize = 8192;
 
-/// Most rows of a bf16 MoE layer whose experts run per routing choice, without a dispatch, the
-/// down projections and the combining in one launch ([`experts_mlp_choices`]).
+/// Most rows of a MoE layer (bf16 or FP8) whose experts run per routing choice, without a
+/// dispatch, the down projections and the combining in one launch ([`experts_mlp_choices`]).
 pub const CHOICES_MAX_ROWS: usize = 1;
 
 /// Most rows of a MoE layer whose shared expert runs as pieces inside the routed experts'
@@ -202,14 +207,18 @@ impl CudaExperts {
         };
         let mut y = view_mut(y, rows * hidden)?;
         let experts = c.experts + pieces;
-        if let (Weights::Bf16(up), Weights::Bf16(down)) = (&self.up, &self.down)
-            && rows <= CHOICES_MAX_ROWS
-        {
+        if rows <= CHOICES_MAX_ROWS {
             let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
-            let (mlp, pieces) = (ExpertMlp { up, down, inter: self.inter, hidden }, (pieces, shared.as_deref()));
-            match &mut h {
-                Some(h) => experts_mlp_choices_after(g, ch, &xv, mlp, pieces, (h, shape.shared), &mut y)?,
-                None => experts_mlp_choices(g, ch, &xv, mlp, pieces, &mut y)?,
+            let pieces = (pieces, shared.as_deref());
+            match (&mut h, &self.up, &self.down) {
+                (Some(h), Weights::Bf16(up), Weights::Bf16(down)) => {
+                    let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
+                    experts_mlp_choices_after(g, ch, &xv, mlp, pieces, (h, shape.shared), &mut y)?
+                }
+                _ => {
+                    let mlp = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
+                    experts_mlp_choices(g, ch, &xv, mlp, pieces, &mut y)?
+                }
             }
             return Ok(());
         }

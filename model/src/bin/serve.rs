@@ -16,6 +16,7 @@ use model::cuda::Cuda;
 use model::engine::Engine;
 use model::layout::Layout;
 use model::model::Model;
+use model::serve::api::Limits;
 use model::serve::prompt::Chat;
 use model::serve::worker::{EngineHandle, Starter};
 use model::serve::{Served, now, router};
@@ -76,6 +77,12 @@ struct Args {
     /// Feed at most this many tokens per engine step (long prompts in chunks); unbounded by default.
     #[arg(long)]
     max_step_tokens: Option<usize>,
+    /// Most `stop` strings a request may give (each is matched against all the text generated).
+    #[arg(long, default_value_t = Limits::default().max_stop)]
+    max_stop: usize,
+    /// Most bytes of each `stop` string.
+    #[arg(long, default_value_t = Limits::default().max_stop_bytes)]
+    max_stop_bytes: usize,
 }
 
 fn main() -> Result<()> {
@@ -132,7 +139,8 @@ fn main() -> Result<()> {
     .context("loading the model")?;
     let info = engine.info;
     tracing::info!(slots = info.slots, max_len = info.max_len, max_queue = args.max_queue, "model `{name}` loaded");
-    let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now() });
+    let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
+    let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now(), limits });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);

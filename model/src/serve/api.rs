@@ -85,6 +85,35 @@ impl ApiError {
         }
     }
 
+    /// 405: a route this server has, asked with another method.
+    pub fn wrong_method(method: &str, path: &str) -> ApiError {
+        let allowed = if path == "/v1/models" || path == "/health" { "GET" } else { "POST" };
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("{path} takes {allowed}, not {method}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 413: a request body past `limit` bytes.
+    pub fn too_large(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("The request body is larger than this server's limit of {limit} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// Any other error status, with `message`: a client error or a server error by its class.
+    pub fn other(status: StatusCode, message: impl Into<String>) -> ApiError {
+        let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+        ApiError { status, message: message.into(), kind, param: None, code: None }
+    }
+
     /// The body: `{"error": {...}}`.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
@@ -146,11 +175,34 @@ impl Fields<'_> {
         }
     }
 
-    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(v) => v.as_i64().map(Some).ok_or_else(|| Self::wrong(name, "an integer", v)),
+    /// An integer in `lo..=hi`: a JSON integer, or a number with no fraction (`4.0`, as
+    /// Python clients may send it); a fraction is refused as not an integer.
+    fn integer(&self, name: &str, (lo, hi): (i128, i128)) -> Result<Option<i128>, ApiError> {
+        let Some(v) = self.get(name) else { return Ok(None) };
+        let n = match (v.as_i64(), v.as_u64(), v.as_f64()) {
+            (Some(n), ..) => i128::from(n),
+            (_, Some(n), _) => i128::from(n),
+            // Saturating: past the range it stays past it.
+            (.., Some(x)) if x.fract() == 0.0 => x as i128,
+            (.., Some(x)) => {
+                return Err(ApiError::invalid(Some(name), format!("`{name}` must be an integer, not {x}")));
+            }
+            _ => return Err(Self::wrong(name, "an integer", v)),
+        };
+        if !(lo..=hi).contains(&n) {
+            return Err(ApiError::invalid(Some(name), format!("`{name}` must be in {lo}..={hi}, not {v}")));
         }
+        Ok(Some(n))
+    }
+
+    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        Ok(self.integer(name, (i64::MIN.into(), i64::MAX.into()))?.map(|n| n as i64))
+    }
+
+    /// `seed`: every u64 (as `generate --seed` takes), and the negative i64 that clients
+    /// written for vLLM send, as their two's complement.
+    pub fn seed(&self) -> Result<Option<u64>, ApiError> {
+        Ok(self.integer("seed", (i64::MIN.into(), u64::MAX.into()))?.map(|n| n as u64))
     }
 
     /// A non-negative integer.
@@ -182,17 +234,49 @@ impl Fields<'_> {
         }
     }
 
-    /// `stop`: a string or a list of strings.
-    pub fn stop(&self) -> Result<Vec<String>, ApiError> {
-        match self.get("stop") {
-            None => Ok(vec![]),
-            Some(Value::String(s)) => Ok(vec![s.clone()]),
+    /// `stop`: a string or a list of strings, at most `limits.max_stop` of at most
+    /// `limits.max_stop_bytes` bytes each.
+    pub fn stop(&self, limits: &Limits) -> Result<Vec<String>, ApiError> {
+        let stop: Vec<String> = match self.get("stop") {
+            None => vec![],
+            Some(Value::String(s)) => vec![s.clone()],
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|s| s.as_str().map(str::to_string).ok_or_else(|| Self::wrong("stop", "a list of strings", s)))
-                .collect(),
-            Some(v) => Err(Self::wrong("stop", "a string or a list of strings", v)),
+                .collect::<Result<_, _>>()?,
+            Some(v) => return Err(Self::wrong("stop", "a string or a list of strings", v)),
+        };
+        if stop.len() > limits.max_stop {
+            let (n, max) = (stop.len(), limits.max_stop);
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!("`stop` holds {n} strings; this server takes at most {max}"),
+            ));
         }
+        if let Some(long) = stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
+            let (n, max) = (long.len(), limits.max_stop_bytes);
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!("a `stop` string of {n} bytes; this server takes at most {max} bytes a string"),
+            ));
+        }
+        Ok(stop)
+    }
+}
+
+/// What a request may ask for, the server's settings (`serve --max-stop`, `--max-stop-bytes`):
+/// each stop string is matched against every piece of text generated, so their number and
+/// length bound that work.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_stop: usize,
+    pub max_stop_bytes: usize,
+}
+
+impl Default for Limits {
+    /// 8 stop strings (OpenAI takes 4) of at most 256 bytes.
+    fn default() -> Limits {
+        Limits { max_stop: 8, max_stop_bytes: 256 }
     }
 }
 
@@ -240,7 +324,7 @@ fn unsupported(f: &Fields) -> Result<(), ApiError> {
 
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with
 /// `top_logprobs`) when `chat`, else completions' (the number of top tokens).
-pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
+pub fn common(f: &Fields, chat: bool, seed: u64, limits: &Limits) -> Result<Common, ApiError> {
     let mut s = SamplingParams { temperature: 1.0, seed, ..SamplingParams::greedy() };
     if let Some(t) = f.f32("temperature")? {
         if !(t.is_finite() && t >= 0.0) {
@@ -286,8 +370,8 @@ pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
         }
         s.repetition_penalty = r;
     }
-    if let Some(seed) = f.i64("seed")? {
-        s.seed = seed as u64;
+    if let Some(seed) = f.seed()? {
+        s.seed = seed;
     }
     if chat {
         s.logprobs = f.bool("logprobs")?.unwrap_or(false);
@@ -338,7 +422,7 @@ pub fn common(f: &Fields, chat: bool, seed: u64) -> Result<Common, ApiError> {
         include_usage,
         max_tokens,
         sampling: s,
-        stop: f.stop()?,
+        stop: f.stop(limits)?,
         token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
     })
@@ -386,7 +470,7 @@ mod tests {
 
     fn read(body: &str, chat: bool) -> Result<Common, ApiError> {
         let m = parse_body(body.as_bytes())?;
-        common(&Fields(&m), chat, 7)
+        common(&Fields(&m), chat, 7, &Limits::default())
     }
 
     #[test]
@@ -444,5 +528,51 @@ mod tests {
         assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, [2, 3]);
         let c = read(r#"{"ignore_eos": true}"#, false).unwrap();
         assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, Vec::<u32>::new());
+    }
+
+    /// Integers as clients send them: `4.0` is 4, a fraction is not an integer; seeds over the
+    /// whole u64 range (as `generate --seed`), negative ones as vLLM takes them.
+    #[test]
+    fn integers_and_seeds() {
+        assert_eq!(read(r#"{"max_tokens": 4.0}"#, false).unwrap().max_tokens, Some(4));
+        for (body, param, says) in [
+            (r#"{"max_tokens": 4.5}"#, "max_tokens", "must be an integer, not 4.5"),
+            (r#"{"seed": 1.5}"#, "seed", "must be an integer, not 1.5"),
+            (r#"{"seed": 18446744073709551616}"#, "seed", "must be in"),
+            (r#"{"seed": -1e19}"#, "seed", "must be in"),
+            (r#"{"top_k": 1e300}"#, "top_k", "must be in"),
+            (r#"{"seed": "1"}"#, "seed", "must be an integer, not a string"),
+        ] {
+            let e = read(body, false).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
+        for (body, seed) in [
+            (r#"{"seed": 18446744073709551615}"#, u64::MAX),
+            (r#"{"seed": 9223372036854775808}"#, 1 << 63),
+            (r#"{"seed": -1}"#, u64::MAX),
+            (r#"{"seed": 7.0}"#, 7),
+        ] {
+            assert_eq!(read(body, false).unwrap().sampling.seed, seed, "{body}");
+        }
+    }
+
+    /// At most `max_stop` stop strings of at most `max_stop_bytes` bytes each.
+    #[test]
+    fn stop_strings_are_bounded() {
+        let limits = Limits { max_stop: 3, max_stop_bytes: 5 };
+        let stop = |v: Value| {
+            let m = json!({ "stop": v }).as_object().cloned().unwrap();
+            common(&Fields(&m), true, 7, &limits).map(|c| c.stop)
+        };
+        assert_eq!(stop(json!(["a", "bb", "ccccc"])).unwrap(), ["a", "bb", "ccccc"]);
+        assert_eq!(stop(json!("ddddd")).unwrap(), ["ddddd"]);
+        let e = stop(json!(["a", "b", "c", "d"])).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        assert!(e.message.contains("holds 4 strings; this server takes at most 3"), "{}", e.message);
+        let e = stop(json!("éééé")).unwrap_err();
+        assert!(e.message.contains("of 8 bytes; this server takes at most 5 bytes"), "{}", e.message);
+        let many: Vec<String> = (0..110_000).map(|i| i.to_string()).collect();
+        assert!(common(&Fields(json!({ "stop": many }).as_object().unwrap()), true, 7, &Limits::default()).is_err());
     }
 }

@@ -15,7 +15,7 @@ use super::{Served, fresh, now};
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
     let m = api::parse_body(&body)?;
     let f = Fields(&m);
-    let c = api::common(&f, true, fresh())?;
+    let c = api::common(&f, true, fresh(), &s.limits)?;
     s.check_model(&c)?;
     let messages = m.get("messages").ok_or_else(|| ApiError::invalid(Some("messages"), "`messages` is required"))?;
     check_messages(messages)?;

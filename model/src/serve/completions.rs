@@ -37,7 +37,7 @@ fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, Api
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
     let m = api::parse_body(&body)?;
     let f = Fields(&m);
-    let c = api::common(&f, false, fresh())?;
+    let c = api::common(&f, false, fresh(), &s.limits)?;
     s.check_model(&c)?;
     if f.bool("echo")? == Some(true) {
         return Err(ApiError::invalid(Some("echo"), "`echo` is not supported"));

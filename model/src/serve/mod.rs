@@ -28,17 +28,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::Uri;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Router, middleware};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
 use crate::chat::StopMatcher;
-use api::{ApiError, Common};
+use api::{ApiError, Common, Limits};
 use generation::Gen;
 use prompt::Chat;
 use text::Detok;
@@ -53,9 +54,17 @@ pub struct Served {
     pub engine: EngineHandle,
     /// When the server started (the model's `created`).
     pub created: u64,
+    /// What a request may ask for.
+    pub limits: Limits,
 }
 
-/// The server's routes.
+/// The largest request body the server reads (axum's default, stated): past it a request gets
+/// 413.
+pub const BODY_LIMIT: usize = 2 << 20;
+
+/// The server's routes. Every error answer is OpenAI's error JSON, also those that axum makes
+/// itself (an unknown path: 404, a wrong method: 405, a body past [`BODY_LIMIT`]: 413; see
+/// [`json_errors`]).
 pub fn router(state: Arc<Served>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -63,7 +72,34 @@ pub fn router(state: Arc<Served>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::wrong_method(method.as_str(), uri.path())
+        })
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::map_response(json_errors))
         .with_state(state)
+}
+
+/// An error answer that is not JSON (axum's own rejections, such as the body limit's plain
+/// text) as OpenAI's error JSON with the same status: 413 with the limit, others with their
+/// text (its first 1024 bytes).
+async fn json_errors(r: Response) -> Response {
+    let status = r.status();
+    let json = r.headers().get(CONTENT_TYPE).is_some_and(|t| t.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return r;
+    }
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::too_large(BODY_LIMIT).into_response();
+    }
+    let text = axum::body::to_bytes(r.into_body(), 1024).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let message = if text.trim().is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text.trim().to_string()
+    };
+    ApiError::other(status, message).into_response()
 }
 
 /// Seconds since the Unix epoch.

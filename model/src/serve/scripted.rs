@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::api::Limits;
 use super::prompt::Chat;
 use super::worker::{self, ModelInfo, Update};
 use super::{Served, router};
@@ -61,7 +62,7 @@ pub fn built_in(mut script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
     let engine = worker::scripted(info, 0, move |prompt, params, out| {
         script(Turn { prompt, params, out, tokenizer: tok.clone(), eos })
     });
-    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0 })
+    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0, limits: Limits::default() })
 }
 
 /// The routes of a [`built_in`] server whose engine writes back each request's last user

@@ -9,7 +9,7 @@ use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use super::{Served, chat, scripted};
+use super::{BODY_LIMIT, Served, chat, scripted};
 
 const CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
     <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
@@ -158,4 +158,48 @@ async fn a_dropped_response_closes_its_channel() {
     assert!(tokio::time::timeout(Duration::from_millis(300), handler).await.is_err(), "no last token: no answer");
     let out = rx.recv_timeout(Duration::from_secs(10)).expect("the request reached the engine");
     assert!(out.is_closed(), "the dropped handler closed the request's channel");
+}
+
+/// The answers axum makes itself (an unknown path, a wrong method, a body past the limit) and
+/// the handlers' own, each in OpenAI's error JSON with its status.
+#[tokio::test]
+async fn every_error_is_openai_json() {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    let app = scripted::echo();
+    let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(BODY_LIMIT));
+    let cases = [
+        ("GET", "/v1/chat/completions", String::new(), 405, "/v1/chat/completions takes POST, not GET"),
+        ("POST", "/v1/models", String::new(), 405, "/v1/models takes GET, not POST"),
+        ("DELETE", "/health", String::new(), 405, "/health takes GET, not DELETE"),
+        ("POST", "/v1/completions", big, 413, "larger than this server's limit of 2097152 bytes"),
+        ("GET", "/nope", String::new(), 404, "No route /nope"),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "a", "stop": ["1","2","3","4","5","6","7","8","9"]}"#.into(),
+            400,
+            "at most 8",
+        ),
+        ("POST", "/v1/completions", r#"{"prompt": "a", "max_tokens": 2.5}"#.into(), 400, "must be an integer, not 2.5"),
+    ];
+    for (method, path, body, status, says) in cases {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        let r = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        let json = r.headers()["content-type"].to_str().unwrap().starts_with("application/json");
+        let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
+        assert!(json, "{method} {path}: {}", String::from_utf8_lossy(&bytes));
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        let message = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{method} {path}: {v}"));
+        assert!(message.contains(says), "{method} {path}: {message}");
+        assert!(v["error"]["type"].is_string(), "{v}");
+    }
 }

@@ -111,7 +111,30 @@ fn built_in_model_has_chat_tokens_and_stops_at_end_of_turn() {
     // The output parser's tags survive a decode that skips special tokens; turn markers do not.
     let text = tokenizer.decode(&[id("<|im_start|>"), id("<think>"), 104, id("</think>"), im_end], true).unwrap();
     assert_eq!(text, "<think>h</think>");
-    assert_eq!(generation_eos_ids(&built_in_dir()), [im_end, 256]);
+    assert_eq!(generation_eos_ids(&built_in_dir()).unwrap(), [im_end, 256]);
     let config = model::Config::from_dir(&built_in_dir()).unwrap();
     assert!(tokenizer.get_vocab_size(true) <= config.vocab_size, "every token has an embedding row");
+}
+
+/// generation_config.json read strictly: absent, its ids (and config.json's) without repeats;
+/// not JSON, or an `eos_token_id` that is not token ids, an error naming the file.
+#[test]
+fn a_corrupt_generation_config_is_an_error_naming_it() {
+    let dir = std::env::temp_dir().join(format!("nemotron-eos-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#).unwrap();
+    assert_eq!(generation_eos_ids(&dir).unwrap(), [2], "config.json alone");
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [7, 2]}"#).unwrap();
+    assert_eq!(generation_eos_ids(&dir).unwrap(), [7, 2]);
+    for (text, says) in [
+        ("{nope", "is not valid JSON"),
+        (r#"{"eos_token_id": "7"}"#, "`eos_token_id` must be a token id or a list of them"),
+        (r#"{"eos_token_id": [7, -1]}"#, "`eos_token_id` must be"),
+        (r#"{"eos_token_id": 4294967296}"#, "`eos_token_id` must be"),
+    ] {
+        std::fs::write(dir.join("generation_config.json"), text).unwrap();
+        let e = generation_eos_ids(&dir).unwrap_err();
+        assert!(e.contains("generation_config.json") && e.contains(says), "{text}: {e}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -28,7 +28,6 @@
 //! message, then exit.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -189,7 +188,8 @@ fn main() -> Result<()> {
         Choice::Cuda => Some(Cuda::new(0)?),
         Choice::Auto => Cuda::new(0).map_err(|e| tracing::info!("no GPU ({e}): using the CPU reference backend")).ok(),
     };
-    let session = Session { args: &args, tokenizer: &tokenizer, dir: &dir };
+    let eos = model::chat::generation_eos_ids(&dir).map_err(anyhow::Error::msg)?;
+    let session = Session { args: &args, tokenizer: &tokenizer, eos };
     match gpu {
         Some(cuda) => {
             tracing::info!("backend: CUDA ({})", cuda.gpu().name().unwrap_or_default());
@@ -239,7 +239,8 @@ fn load<B: Backend>(
 struct Session<'a> {
     args: &'a Args,
     tokenizer: &'a Tokenizer,
-    dir: &'a Path,
+    /// The ids that end a turn.
+    eos: Vec<u32>,
 }
 
 /// What one request gave.
@@ -274,7 +275,7 @@ impl Session<'_> {
         RequestParams {
             max_new_tokens: self.args.max_new_tokens,
             sampling: self.args.sampling(),
-            stop_tokens: model::chat::generation_eos_ids(self.dir),
+            stop_tokens: self.eos.clone(),
         }
     }
 

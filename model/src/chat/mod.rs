@@ -29,24 +29,40 @@ pub use stop::StopMatcher;
 pub use template::ChatTemplate;
 
 /// The ids that end generation: `eos_token_id` of generation_config.json (an id or a list)
-/// then of config.json, without repeats. Missing or unreadable files and fields add nothing.
-pub fn generation_eos_ids(dir: &Path) -> Vec<u32> {
+/// then of config.json, without repeats. A missing file or field adds nothing; a file that
+/// cannot be read or is not JSON, or an `eos_token_id` that is not token ids, is an error
+/// naming the file.
+pub fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>, String> {
     let mut ids = Vec::new();
     for file in ["generation_config.json", "config.json"] {
-        let Ok(text) = std::fs::read_to_string(dir.join(file)) else { continue };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { continue };
-        let found: Vec<u64> = match &v["eos_token_id"] {
-            serde_json::Value::Array(a) => a.iter().filter_map(|n| n.as_u64()).collect(),
-            n => n.as_u64().into_iter().collect(),
+        let path = dir.join(file);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("reading {}: {e}", path.display())),
         };
-        let found = found.into_iter().filter_map(|n| u32::try_from(n).ok());
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
+        let id = |n: &serde_json::Value| n.as_u64().and_then(|n| u32::try_from(n).ok());
+        let found: Option<Vec<u32>> = match &v["eos_token_id"] {
+            serde_json::Value::Null => Some(vec![]),
+            serde_json::Value::Array(a) => a.iter().map(id).collect(),
+            n => id(n).map(|n| vec![n]),
+        };
+        let Some(found) = found else {
+            return Err(format!(
+                "{}: `eos_token_id` must be a token id or a list of them, not {}",
+                path.display(),
+                v["eos_token_id"]
+            ));
+        };
         for id in found {
             if !ids.contains(&id) {
                 ids.push(id);
             }
         }
     }
-    ids
+    Ok(ids)
 }
 
 /// Whether a rendered prompt leaves the model inside a `<think>` block (its last `<think>`

@@ -413,6 +413,12 @@ pub fn common(f: &Fields, chat: bool, seed: u64, limits: &Limits) -> Result<Comm
     s.check().map_err(|e| ApiError::invalid(None, e.to_string()))?;
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                Some("stream_options"),
+                "`stream_options` is only allowed when `stream` is true",
+            ));
+        }
         Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
         None => false,
     };
@@ -514,6 +520,8 @@ mod tests {
             (r#"{"response_format": {}}"#, "response_format"),
             (r#"{"guided_json": {"type": "object"}}"#, "guided_json"),
             (r#"{"guided_choice": ["a", "b"]}"#, "guided_choice"),
+            (r#"{"stream_options": {"include_usage": true}}"#, "stream_options"),
+            (r#"{"stream": false, "stream_options": {}}"#, "stream_options"),
         ] {
             let e = read(body, true).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}: {e:?}");

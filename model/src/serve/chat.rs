@@ -21,7 +21,10 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     check_messages(messages)?;
     let tools = match m.get("tools") {
         None | Some(Value::Null) => None,
-        Some(t @ Value::Array(_)) => Some(t),
+        Some(t @ Value::Array(list)) => {
+            check_tools(list)?;
+            Some(t)
+        }
         Some(_) => return Err(ApiError::invalid(Some("tools"), "`tools` must be a list")),
     };
     let kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
@@ -179,8 +182,31 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
             return bad(format!("`messages[{i}]` must be an object with a string `role`"));
         }
         match m.get("content") {
-            None | Some(Value::Null | Value::String(_) | Value::Array(_)) => {}
+            None | Some(Value::Null | Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                // The template takes the text of each part: any other part would vanish.
+                if let Some(j) = parts.iter().position(|p| p["type"] != "text" || !p["text"].is_string()) {
+                    return bad(format!(
+                        "`messages[{i}].content[{j}]` must be a text part, {{\"type\": \"text\", \"text\": ...}}: \
+                         this server takes no images, audio or files"
+                    ));
+                }
+            }
             Some(_) => return bad(format!("`messages[{i}].content` must be a string or a list of parts")),
+        }
+    }
+    Ok(())
+}
+
+/// `tools`: a list of `{"type": "function", "function": {"name": ...}}` (the template renders
+/// each function; anything else would be rendered as garbage or dropped).
+fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, t) in tools.iter().enumerate() {
+        if t["type"] != "function" || !t["function"]["name"].is_string() {
+            return Err(ApiError::invalid(
+                Some("tools"),
+                format!("`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ..., ...}}}}"),
+            ));
         }
     }
     Ok(())

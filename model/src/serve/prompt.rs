@@ -23,7 +23,7 @@ impl Chat {
     /// The chat setup of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Chat, String> {
         let template = ChatTemplate::from_dir(dir).map_err(|e| e.to_string())?;
-        Ok(Chat { template, eos: generation_eos_ids(dir) })
+        Ok(Chat { template, eos: generation_eos_ids(dir)? })
     }
 
     /// The prompt for `messages` (checked by the caller to be a non-empty list of objects

@@ -184,6 +184,7 @@ async fn every_error_is_openai_json() {
             "at most 8",
         ),
         ("POST", "/v1/completions", r#"{"prompt": "a", "max_tokens": 2.5}"#.into(), 400, "must be an integer, not 2.5"),
+        ("POST", "/v1/completions", r#"{"prompt": "a", "stream_options": {}}"#.into(), 400, "only allowed when"),
     ];
     for (method, path, body, status, says) in cases {
         let request = Request::builder()
@@ -202,4 +203,36 @@ async fn every_error_is_openai_json() {
         assert!(message.contains(says), "{method} {path}: {message}");
         assert!(v["error"]["type"].is_string(), "{v}");
     }
+}
+
+/// What a chat template would drop or garble is refused by name: content parts that are not
+/// text, tools that are not functions; text parts are taken.
+#[tokio::test]
+async fn parts_and_tools_the_template_cannot_take_are_refused() {
+    let s = writing("ok");
+    let user = |content: Value| json!({"messages": [{"role": "user", "content": content}]});
+    for (body, param, says) in [
+        (user(json!([1, 2])), "messages", "`messages[0].content[0]` must be a text part"),
+        (
+            user(json!([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}])),
+            "messages",
+            "content[1]",
+        ),
+        (json!({"messages": [{"role": "user", "content": "a"}], "tools": [1, 2]}), "tools", "`tools[0]` must be"),
+        (json!({"messages": [{"role": "user", "content": "a"}], "tools": [{}]}), "tools", "`tools[0]` must be"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {}}]}),
+            "tools",
+            "`tools[0]`",
+        ),
+    ] {
+        let e = chat::handle(s.clone(), Bytes::from(body.to_string()))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{body} taken"));
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some(param)), "{body}");
+        assert!(e.message.contains(says), "{body}: {}", e.message);
+    }
+    let (status, body) = post(&s, user(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
 }

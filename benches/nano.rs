@@ -1,8 +1,8 @@
 //! `cargo bench --bench nano`: the whole model at Nemotron-3 Nano 30B-A3B sizes (52 layers,
 //! `model/assets/nano-30b-a3b.json`; random bf16 weights generated in-process by
 //! `model::synthetic::in_memory`, 63 GB on the device, or with `--fp8` every linear projection
-//! as FP8 W8A8 with static input scales, `model::synthetic::Precision::Fp8`) on the CUDA
-//! backend.
+//! as FP8 W8A8 with static input scales, `model::synthetic::Precision::Fp8`, or with `--nvfp4`
+//! NVIDIA's NVFP4 recipe for Nano, `Precision::Nvfp4`) on the CUDA backend.
 //! - prefill: one fresh request of 512, of 4096 and of 16384 tokens; wall time of `Model::step` (which
 //!   returns the last row's logits, so it includes the synchronization); median of 3; then the
 //!   same prompt as one greedy request through `Engine::step` (its first token sampled on the
@@ -79,6 +79,7 @@ use model::model::Model;
 use model::profile::{ExpertLoad, Group, Profile};
 use model::sampling::SamplingParams;
 use model::synthetic::{Draws, Precision, Routing};
+use model::weights::Checkpoint;
 use nemotron_rs::BenchGpu;
 
 /// Context of the decode-at-depth cases, and the prompt tokens a step of their prefill takes.
@@ -87,10 +88,10 @@ const DEPTH_STEP_TOKENS: usize = 8192;
 
 /// What a step of the model reads at least, in bytes.
 struct Bytes {
-    /// Every non-expert weight and the shared experts; the projections at the precision's
-    /// bytes an element (2 bf16, 1 FP8), the rest bf16.
+    /// Every weight but the embeddings and the routed experts (the projections as the
+    /// checkpoint holds them: bf16, FP8 codes, NVFP4 codes and block scales; every scale).
     always: f64,
-    /// One routed expert's up and down projections.
+    /// One routed expert's up and down projections (the mean over the layers' experts).
     expert: f64,
     /// The SSM state of one slot.
     state: f64,
@@ -101,23 +102,25 @@ struct Bytes {
 }
 
 impl Bytes {
-    fn of(c: &Config, proj: f64, bw: f64) -> Bytes {
-        let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
+    fn of(c: &Config, ck: &Checkpoint, bw: f64) -> Bytes {
         let m = c.mamba.as_ref().expect("Nano has Mamba layers");
         let e = c.moe.as_ref().expect("Nano has MoE layers");
         let a = c.attention.as_ref().expect("Nano has attention layers");
         let (nm, ne, na, _) = c.layer_counts();
-        let mamba =
-            (m.in_proj_width() as f64 * h + h * m.inner() as f64) * proj + (m.conv_dim() * m.conv_kernel) as f64 * 2.0;
-        let kv = 2.0 * (a.kv_heads * a.head_dim) as f64;
-        let attn = (2.0 * (a.heads * a.head_dim) as f64 * h + kv * h) * proj;
-        let shared = e.shared_intermediate.map_or(0.0, |s| 2.0 * s as f64 * h * proj);
-        let gate = e.experts as f64 * h * 2.0;
+        let (mut always, mut experts) = (0.0, 0.0);
+        for name in ck.names() {
+            let bytes = ck.tensor(name).expect("a listed tensor").bytes.len() as f64;
+            if name.contains(".experts.") {
+                experts += bytes;
+            } else if name != "backbone.embeddings.weight" {
+                always += bytes;
+            }
+        }
         Bytes {
-            always: nm as f64 * mamba + na as f64 * attn + ne as f64 * (shared + gate) + v * h * 2.0,
-            expert: 2.0 * e.intermediate as f64 * h * proj,
+            always,
+            expert: experts / (ne * e.experts) as f64,
             state: (nm * m.inner() * m.state_size * 4) as f64,
-            kv_token: na as f64 * kv * 2.0,
+            kv_token: na as f64 * 2.0 * (a.kv_heads * a.head_dim) as f64 * 2.0,
             bw,
         }
     }
@@ -235,7 +238,12 @@ fn main() {
     let json = include_str!("../model/assets/nano-30b-a3b.json");
     let config = Config::from_json(json).expect("the Nano config parses");
     let t = Instant::now();
-    let precision = if flag("--fp8") { Precision::Fp8 } else { Precision::Bf16 };
+    let precision = match (flag("--fp8"), flag("--nvfp4")) {
+        (true, true) => panic!("--fp8 and --nvfp4: one precision a run"),
+        (true, false) => Precision::Fp8,
+        (false, true) => Precision::Nvfp4,
+        (false, false) => Precision::Bf16,
+    };
     let routing = if flag("--skewed-routing") { Routing::Skewed } else { Routing::Balanced };
     let ck = model::synthetic::in_memory_as(&config, 7, Draws { precision, routing }).expect("synthetic weights");
     let layout = Layout::trusting_values(&config, &ck).expect("a complete layout");
@@ -249,7 +257,7 @@ fn main() {
     let e = config.moe.as_ref().expect("Nano has MoE layers");
     let run = Run {
         b: &b,
-        bytes: Bytes::of(&config, if precision == Precision::Fp8 { 1.0 } else { 2.0 }, b.copy_bytes_per_s),
+        bytes: Bytes::of(&config, &ck, b.copy_bytes_per_s),
         shape: (e.experts, e.top_k),
         vocab: config.vocab_size as u32,
         breakdown: !flag("--no-breakdown"),

@@ -1,6 +1,6 @@
 //! Test and bench support shared by the integration suites (`tests/`) and the benches
-//! (`benches/`): seeded random data, FP8 weights and their W8A8 reference, and comparisons that
-//! report what they compared.
+//! (`benches/`): seeded random data, FP8 weights and their W8A8 reference, NVFP4 weights, and
+//! comparisons that report what they compared.
 
 use half::bf16;
 use host::cpu::quant::{E4M3_MAX, MIN_SCALE, e4m3_decode, e4m3_encode};
@@ -190,6 +190,22 @@ pub fn w8a8(x: &[f64], w: &[f64], w_scale: f32, in_scale: Option<f32>) -> Vec<f6
     });
     let xq: Vec<f64> = x.iter().map(|&v| f64::from(e4m3_decode(e4m3_encode(v as f32 / s)))).collect();
     w.chunks(x.len()).map(|row| row.iter().zip(&xq).map(|(a, b)| a * b).sum::<f64>() * f64::from(w_scale * s)).collect()
+}
+
+/// NVFP4 weights `[count, n, k]` (matrix i uniform in +-(1 + (i % 4) / 4) sqrt(3 / k), so the
+/// per-tensor scales differ, each quantized by `host::cpu::nvfp4::quantize`): the device's rows
+/// (`host::nvfp4::pack_rows` of each), the per-tensor scales, and the weights' exact values.
+pub fn nvfp4_weights(rng: &mut Rng, count: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
+    let (mut rows, mut globals, mut values) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..count {
+        let a = (1.0 + (i % 4) as f64 / 4.0) * (3.0 / k as f64).sqrt();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
+        let q = host::cpu::nvfp4::quantize(&w, n, k);
+        rows.extend(host::nvfp4::pack_rows(&q.packed, &q.block, n, k).expect("packing NVFP4 rows"));
+        values.extend(host::cpu::nvfp4::dequantize(&q.packed, &q.block, q.global, k));
+        globals.push(q.global);
+    }
+    (rows, globals, values)
 }
 
 /// A bf16 NaN, to poison output buffers before a kernel writes them.

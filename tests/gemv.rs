@@ -1,13 +1,16 @@
 //! The gemv kernels (kernels-gpu/src/gemv.rs: linear layers at few rows) against the f64
 //! references (`#[ignore]`d: needs a GPU): bf16 weights in the warp and the split mode at
 //! Nemotron-3 Nano's projection shapes and odd ones, e4m3 weights (W8A8) with a static input
-//! scale and with per-token scales.
+//! scale and with per-token scales, NVFP4 weights (weight-only) and their dequantization to
+//! bf16.
 
 use half::bf16;
 use host::cpu::gemm::linear;
+use host::cpu::nvfp4::bf16_nearest;
 use host::gemv::{Proj, Weights, gemv, gemv_split};
 use host::grouped::{Tiles, gemm, linear_fp8_as};
-use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
+use host::nvfp4::{pack_rows, row_bytes, to_bf16};
+use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, nvfp4_weights, to_f64, w8a8};
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -81,6 +84,134 @@ fn gpu_gemv_fp8_matches_reference() {
     }
     println!("FP8 gemv: {compared} values compared");
     assert_eq!(compared, cases.iter().map(|&(n, _, _, rows)| rows * n).sum::<usize>());
+}
+
+/// The NVFP4 gemv (weight-only: `x W^T` with `W` the exact dequantized weights) against f64:
+/// Nano's shapes quantized as ModelOpt does (the expert up projection, in_proj, out_proj) at 1
+/// to 4 rows, with relu^2 once; rows of 16-byte-aligned codes whose k is not a multiple of the
+/// warp's 256-element pass (k 2688: a checked last pass); rows whose byte length is not a
+/// multiple of 4 (k 144, 2720: every chunk loaded byte by byte); k of one block.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemv_nvfp4_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(99);
+    let mut compared = 0;
+    let cases = [
+        (1856, 2688, 1, false),
+        (10304, 2688, 1, false),
+        (2688, 4096, 3, false),
+        (1856, 2688, 4, true),
+        (72, 2720, 2, false),
+        (40, 144, 5, true),
+        (9, 16, 1, false),
+    ];
+    for (n, k, rows, relu2) in cases {
+        let (packed, global, values) = nvfp4_weights(&mut rng, 1, n, k);
+        let x = rng.bf16s(rows * k, -1.0, 1.0);
+        let (dw, dg) = (gpu.upload(&packed).unwrap(), gpu.upload(&global).unwrap());
+        let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+        let w = Weights::Nvfp4 { rows: &dw, global: &dg };
+        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, Proj { w, n, k, relu2 }, &mut y).unwrap();
+        let want: Vec<f64> = x
+            .chunks(k)
+            .flat_map(|r| {
+                let r = to_f64(r);
+                values.chunks(k).map(move |w| w.iter().zip(&r).map(|(a, b)| a * b).sum::<f64>()).collect::<Vec<_>>()
+            })
+            .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
+            .collect();
+        let label = format!("NVFP4 gemv {n} x {k}, rows {rows}, relu2 {relu2}");
+        compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-4, 1.0 / 128.0);
+    }
+    println!("NVFP4 gemv: {compared} values compared");
+    assert_eq!(compared, cases.iter().map(|&(n, _, rows, _)| rows * n).sum::<usize>());
+}
+
+/// NVFP4 dequantized to bf16 on the device (`nvfp4::to_bf16`) against the CPU's exact values
+/// (`host::cpu::nvfp4::dequantize`) rounded once to bf16 (`bf16_nearest`), bit for bit: three matrices of an
+/// expert's shape (per-tensor scales of their own) and one whose first weight's product with
+/// its per-tensor scale rounds in f32 onto a bf16 tie that the exact product is not on (a
+/// rounding in f32 then to bf16 gets it wrong).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_nvfp4_to_bf16_is_bit_exact() {
+    let gpu = gpu();
+    let mut rng = Rng::new(100);
+    let mut compared = 0;
+    let (n, k) = (1856, 2688);
+    let (packed, global, values) = nvfp4_weights(&mut rng, 3, n, k);
+    // The tie: a global scale and a block scale code whose 1.5 * scale * global does it.
+    let (tie_global, tie_scale) = (0..)
+        .map(|_| rng.uniform(1e-4, 1e-2) as f32)
+        .find_map(|g| {
+            (1u8..0x7f).find_map(|s| {
+                let a = 1.5 * host::cpu::quant::e4m3_decode(s);
+                let exact = f64::from(a) * f64::from(g);
+                (bf16::from_f32(a * g) != bf16_nearest(exact)).then_some((g, s))
+            })
+        })
+        .unwrap();
+    let (small_n, small_k) = (4, 32);
+    let mut codes: Vec<u8> = (0..small_n * small_k / 2).map(|_| rng.next_u64() as u8).collect();
+    codes[0] = (codes[0] & 0xf0) | 3; // element 0: +1.5
+    let scales: Vec<u8> = (0..small_n * small_k / 16).map(|i| if i == 0 { tie_scale } else { 0x38 }).collect();
+    let cases = [
+        (packed, global, values, 3, n, k),
+        (
+            pack_rows(&codes, &scales, small_n, small_k).unwrap(),
+            vec![tie_global],
+            host::cpu::nvfp4::dequantize(&codes, &scales, tie_global, small_k),
+            1,
+            small_n,
+            small_k,
+        ),
+    ];
+    for (packed, global, values, matrices, n, k) in cases {
+        let (dw, dg) = (gpu.upload(&packed).unwrap(), gpu.upload(&global).unwrap());
+        let mut out = gpu.upload(&vec![POISON_BF16; matrices * n * k]).unwrap();
+        to_bf16(&gpu, Weights::Nvfp4 { rows: &dw, global: &dg }, matrices, (n, k), &mut out).unwrap();
+        let got: Vec<u16> = gpu.download(&out).unwrap().iter().map(|v| v.to_bits()).collect();
+        let want: Vec<u16> = values.iter().map(|&v| bf16_nearest(v).to_bits()).collect();
+        compared += assert_same(&format!("NVFP4 to bf16, {matrices} x {n} x {k}"), &got, &want);
+    }
+    println!("NVFP4 to bf16: {compared} weights compared, bit for bit");
+    assert_eq!(compared, 3 * n * k + small_n * small_k);
+}
+
+/// NVFP4 launches refuse what their kernels cannot take, naming it: k a multiple of 8 but not
+/// of 16 (a block scale would cover two rows), codes and scales of another length than the
+/// matrix's, the dequantization given bf16 weights or a short output.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_nvfp4_misuse_is_refused() {
+    let gpu = gpu();
+    let (n, k) = (8, 32);
+    let (rows, one) = (gpu.zeros::<u8>(n * row_bytes(k)).unwrap(), gpu.upload(&[1.0f32]).unwrap());
+    let (x, mut y) = (gpu.zeros::<bf16>(k).unwrap(), gpu.zeros::<bf16>(n).unwrap());
+    let w = Weights::Nvfp4 { rows: &rows, global: &one };
+    gemv(&gpu, &x, 1, Proj { w, n, k, relu2: false }, &mut y).unwrap();
+    let mut refusals = 0;
+    for (proj, says) in [
+        (Proj { w, n, k: 24, relu2: false }, "a multiple of 16"),
+        (Proj { w, n: n + 1, k, relu2: false }, "`w`"),
+        (Proj { w, n: n - 1, k, relu2: false }, "`w`"),
+    ] {
+        let err = gemv(&gpu, &x, 1, proj, &mut y).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+        refusals += 1;
+    }
+    let mut out = gpu.zeros::<bf16>(n * k).unwrap();
+    to_bf16(&gpu, w, 1, (n, k), &mut out).unwrap();
+    let bf = gpu.zeros::<bf16>(n * k).unwrap();
+    let err = to_bf16(&gpu, Weights::Bf16(&bf), 1, (n, k), &mut out).unwrap_err().to_string();
+    assert!(err.contains("NVFP4 weights"), "{err}");
+    let mut short = gpu.zeros::<bf16>(n * k - 1).unwrap();
+    let err = to_bf16(&gpu, w, 1, (n, k), &mut short).unwrap_err().to_string();
+    assert!(err.contains("`out`"), "{err}");
+    let err = to_bf16(&gpu, w, 2, (n, k), &mut out).unwrap_err().to_string();
+    assert!(err.contains("`w`"), "{err}");
+    println!("NVFP4 misuse: {} refusals, each naming its argument", refusals + 3);
 }
 
 /// The FP8 linear layer of many rows on tensor cores (`linear_fp8_as`: the rows quantized, then

@@ -4,9 +4,9 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
 use kernels_gpu::gemv::{DenseParams, Operands, SPLIT_BLOCK, SPLIT_ROWS, SplitParams, WARP_BLOCK, WARP_BLOCK_ROWS};
 use kernels_gpu::qgemv::{QG_BLOCK, QG_ROWS};
+use kernels_gpu::{Kernel, nvfp4};
 
 use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS};
@@ -14,8 +14,8 @@ use crate::error::Result;
 use crate::gpu::Gpu;
 
 /// The weights of one projection, `[matrices, n, k]`: one matrix for a linear layer, one per
-/// expert for MoE (a [`Proj`]'s). FP8 scales must be finite and > 0 (the model's layout checks a
-/// checkpoint's); others give garbage, not unsafety.
+/// expert for MoE (a [`Proj`]'s). FP8 and NVFP4 scales must be finite and > 0 (the model's
+/// layout checks a checkpoint's); others give garbage, not unsafety.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
     Bf16(&'a CudaSlice<bf16>),
@@ -26,11 +26,19 @@ pub enum Weights<'a> {
         w_scale: &'a CudaSlice<f32>,
         in_scale: Option<&'a CudaSlice<f32>>,
     },
+    /// NVFP4 rows as [`kernels_gpu::nvfp4`] lays them out (e2m1 codes, then the row's e4m3
+    /// block scales; [`crate::nvfp4::pack_rows`]) with a per-tensor scale per matrix, run
+    /// weight-only (k a multiple of 16).
+    Nvfp4 {
+        rows: &'a CudaSlice<u8>,
+        global: &'a CudaSlice<f32>,
+    },
 }
 
 impl Weights<'_> {
-    /// The kernel's pointers to `matrices` matrices of `[n, k]` (bf16 or e4m3 codes, as bytes),
-    /// the weight scales and the input scales (null where there are none), one per matrix.
+    /// The kernel's pointers to `matrices` matrices of `[n, k]` (bf16, e4m3 codes or NVFP4
+    /// rows, as bytes), the weight scales and the input scales (null where there are none),
+    /// one per matrix.
     pub(crate) fn args(
         self,
         a: &Args,
@@ -45,6 +53,11 @@ impl Weights<'_> {
                 a.input("w_scale", w_scale, scale)?,
                 a.opt_input("in_scale", in_scale, scale)?,
             )),
+            Weights::Nvfp4 { rows, global } => {
+                a.check().that("k", k.is_multiple_of(nvfp4::BLOCK), "a multiple of 16 (NVFP4 blocks)", k)?;
+                let w = Len::Exactly(matrices * n * nvfp4::row_bytes(k));
+                Ok((a.input("w", rows, w)?, a.input("w_scale", global, scale)?, std::ptr::null()))
+            }
         }
     }
 }
@@ -110,7 +123,8 @@ const MAX_WARP_ROWS: usize = (1 << 24) - 1;
 /// `[n, k]`, each weight row streamed once for all the rows (a bandwidth-bound GEMV for small
 /// batches): bf16 weights a warp per pair of weight rows (kernels-gpu/src/gemv.rs); FP8 ones
 /// (W8A8: each input row quantized to e4m3 first) the same way at one row, on tensor cores from
-/// [`FP8_TC_MIN_ROWS`] (eight rows of x a pass over the weights, kernels-gpu/src/qgemv.rs).
+/// [`FP8_TC_MIN_ROWS`] (eight rows of x a pass over the weights, kernels-gpu/src/qgemv.rs);
+/// NVFP4 ones (weight-only) as bf16's, a pass over the weights a row.
 pub fn gemv(
     gpu: &Gpu,
     x: &impl DevicePtr<bf16>,
@@ -122,6 +136,7 @@ pub fn gemv(
         Weights::Bf16(_) => (Kernel::Gemv, WARP_BLOCK_ROWS, WARP_BLOCK),
         Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => (Kernel::GemvFp8, WARP_BLOCK_ROWS, WARP_BLOCK),
         Weights::Fp8 { .. } => (Kernel::GemvTcFp8, QG_ROWS, QG_BLOCK),
+        Weights::Nvfp4 { .. } => (Kernel::GemvNvfp4, WARP_BLOCK_ROWS, WARP_BLOCK),
     };
     let a = gpu.args(kern);
     a.check().count("rows", MAX_WARP_ROWS, rows)?;

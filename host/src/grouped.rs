@@ -173,11 +173,11 @@ fn fp8_weights(
 ) -> Result<(*const u8, *const f32)> {
     match w {
         Weights::Fp8 { .. } => w.args(args, matrices, (n, k)).map(|(codes, scale, _)| (codes, scale)),
-        Weights::Bf16(_) => Err(Error::Shape {
+        Weights::Bf16(_) | Weights::Nvfp4 { .. } => Err(Error::Shape {
             kernel: args.check().0,
             arg: "w",
             expected: "FP8 weights".into(),
-            got: "bf16 weights".into(),
+            got: "bf16 or NVFP4 weights".into(),
         }),
     }
 }
@@ -354,8 +354,8 @@ pub fn experts_mlp_grouped_as(
         _ => Err(Error::Shape {
             kernel: Kernel::MoeGroupedFp8.name(),
             arg: "down",
-            expected: "weights of the up projection's kind".into(),
-            got: "bf16 and FP8 weights mixed".into(),
+            expected: "bf16 or FP8 weights, the up and down projections of one kind".into(),
+            got: "NVFP4 weights (dequantize them first: nvfp4::to_bf16), or kinds mixed".into(),
         }),
     }
 }
@@ -382,7 +382,7 @@ pub fn linear_fp8_as(
 ) -> Result<()> {
     let in_scale = match p.w {
         Weights::Fp8 { in_scale, .. } => in_scale,
-        Weights::Bf16(_) => None,
+        Weights::Bf16(_) | Weights::Nvfp4 { .. } => None,
     };
     Check(Kernel::GemmFp8.name()).len_at_least("x", rows * p.k, x.len())?;
     let xs = x.slice(0..rows * p.k);

@@ -32,6 +32,7 @@ pub mod mamba;
 pub mod mma;
 pub mod moe;
 pub mod norm;
+pub mod nvfp4;
 pub mod quant;
 pub mod sample;
 pub mod ssd;

@@ -399,6 +399,8 @@ fn project(
             Kernel::MoeExpertTcFp8
         }
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
+        (ExpertWeights::Nvfp4 { .. }, ExpertRows::Choices(..)) => Kernel::MoeExpertChoicesNvfp4,
+        (ExpertWeights::Nvfp4 { .. }, _) => Kernel::MoeExpertNvfp4,
     };
     let a = gpu.args(kern);
     let c = a.check();
@@ -530,6 +532,7 @@ fn choices_mlp(
     let k = match mlp.down {
         ExpertWeights::Bf16(_) => Kernel::MoeExpertCombine,
         ExpertWeights::Fp8 { .. } => Kernel::MoeExpertCombineFp8,
+        ExpertWeights::Nvfp4 { .. } => Kernel::MoeExpertCombineNvfp4,
     };
     let a = gpu.args(k);
     let c = a.check();

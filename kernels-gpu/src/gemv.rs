@@ -12,7 +12,10 @@ use crate::KernelParams;
 /// kernel's `moe::ExpertParams`: an expert per row). FP8 weights (W8A8, docs/MATH.md section 7):
 /// `W_e = codes * w_scale[e]`, and each input row is quantized to e4m3 first, with
 /// `in_scale[e]` or, when `in_scale` is null, its own per-token scale (docs/MATH.md section 4);
-/// the product of the codes is summed in f32 and scaled by both scales.
+/// the product of the codes is summed in f32 and scaled by both scales. NVFP4 weights
+/// (weight-only, [`crate::nvfp4`]): `W_e = e2m1 * block scale * w_scale[e]`, each chunk's
+/// products with the bf16 inputs summed in f32, scaled by its block scale and added, the sum
+/// scaled by `w_scale[e]`.
 ///
 /// The order of the fields moves registers: with `relu2` before `n` ptxas 13.5 gave `gemv_bf16`
 /// 96 registers on sm_90, 80 with this order.
@@ -21,9 +24,10 @@ use crate::KernelParams;
 pub struct Operands {
     /// Input rows of `k` bf16.
     pub x: *const u16,
-    /// `[matrices, n, k]` weights: bf16, or e4m3 codes for the FP8 kernels.
+    /// `[matrices, n, k]` weights: bf16, e4m3 codes for the FP8 kernels, NVFP4 rows
+    /// ([`crate::nvfp4`]) for the NVFP4 ones.
     pub w: *const u8,
-    /// FP8: `[matrices]` weight scales (unused by the bf16 kernels).
+    /// FP8, NVFP4: `[matrices]` weight scales (unused by the bf16 kernels).
     pub w_scale: *const f32,
     /// FP8: `[matrices]` static input scales, or null for per-token scales.
     pub in_scale: *const f32,
@@ -76,6 +80,7 @@ pub const WARP_UNROLL: usize = 4;
 pub const WARP_BLOCK_ROWS: u32 = WARP_ROWS * WARP_BLOCK / 32;
 /// Rows of out the warp mode multiplies with one pass over its weight rows.
 pub const WARP_TOKENS: usize = 1;
+
 /// Threads per block of the split mode (together over each weight row).
 pub const SPLIT_BLOCK: u32 = 128;
 /// Weight rows per block of the split mode.
@@ -92,18 +97,32 @@ mod device {
     use super::*;
     use crate::device::*;
 
-    /// A chunk of 8 weights of one row, as loaded: bf16 pairs or e4m3 codes.
+    /// A chunk of 8 weights of one row, as loaded: bf16 pairs, e4m3 codes, or e2m1 codes with
+    /// their block's scale.
     pub trait Chunk: Copy {
         const ZERO: Self;
-        /// Bytes of a chunk: the alignment [`Chunk::load_whole`] needs.
+        /// Bytes of a chunk's weights: the alignment [`Chunk::load_whole`] needs.
         const BYTES: usize;
+        /// Whether each matrix has a weight scale ([`Operands::w_scale`]) that the sums are
+        /// multiplied by: FP8's, NVFP4's per-tensor one.
+        const MATRIX_SCALE: bool;
+        /// Bytes that `elems` weights of a row take (for NVFP4 a multiple of 16: codes and
+        /// block scales, [`crate::nvfp4::row_bytes`]).
+        fn bytes(elems: usize) -> usize;
         /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
-        /// Elements `c..c + 8` of the row at `w`, all within it and aligned to
-        /// [`Chunk::BYTES`]: one load, no checks.
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self;
-        /// The weights as f32 (bf16 values, or e4m3 code values).
+        /// Elements `c..c + 8` of the row at `w` (`k` elements), all within it and aligned to
+        /// [`Chunk::BYTES`]: one load of the weights (NVFP4: and one of their scale), no checks.
+        unsafe fn load_whole(w: *const u8, c: usize, k: usize) -> Self;
+        /// The weights as f32 (bf16 values, e4m3 code values, or e2m1 values times 2^-14),
+        /// before [`Chunk::scale`].
         fn values(self) -> [f32; 8];
+        /// What the chunk's dot product with the input is multiplied by before it is added to
+        /// the sum (NVFP4: its block scale times 2^14), where [`Chunk::SCALED`].
+        fn scale(self) -> f32;
+        /// Whether [`Chunk::scale`] applies: each chunk's products summed apart, then scaled
+        /// and added (else every product goes into the sum itself).
+        const SCALED: bool;
     }
 
     /// Eight bf16 weights that the launch reads once (one row: each weight row streamed by
@@ -115,13 +134,19 @@ mod device {
     impl Chunk for Streamed {
         const ZERO: Self = Streamed([0; 4]);
         const BYTES: usize = 16;
+        const MATRIX_SCALE: bool = false;
+        const SCALED: bool = false;
+        #[inline(always)]
+        fn bytes(elems: usize) -> usize {
+            2 * elems
+        }
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
             // SAFETY: forwarded (w holds k bf16, weights: unchanged while the kernel runs).
             Streamed(unsafe { load8_stream(w as *const u16, c, k) })
         }
         #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+        unsafe fn load_whole(w: *const u8, c: usize, _: usize) -> Self {
             // SAFETY: forwarded (the chunk within the row and aligned, weights unchanged).
             Streamed(unsafe { load8_stream_whole((w as *const u16).wrapping_add(c)) })
         }
@@ -129,18 +154,28 @@ mod device {
         fn values(self) -> [f32; 8] {
             self.0.values()
         }
+        #[inline(always)]
+        fn scale(self) -> f32 {
+            1.0
+        }
     }
 
     impl Chunk for [u32; 4] {
         const ZERO: Self = [0; 4];
         const BYTES: usize = 16;
+        const MATRIX_SCALE: bool = false;
+        const SCALED: bool = false;
+        #[inline(always)]
+        fn bytes(elems: usize) -> usize {
+            2 * elems
+        }
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
             // SAFETY: forwarded (w holds k bf16).
             unsafe { load8_raw(w as *const u16, c, k) }
         }
         #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+        unsafe fn load_whole(w: *const u8, c: usize, _: usize) -> Self {
             // SAFETY: forwarded (the chunk within the row and aligned).
             unsafe { load8_raw_whole((w as *const u16).wrapping_add(c)) }
         }
@@ -148,13 +183,23 @@ mod device {
         fn values(self) -> [f32; 8] {
             raw8_values(self)
         }
+        #[inline(always)]
+        fn scale(self) -> f32 {
+            1.0
+        }
     }
 
     impl Chunk for u64 {
         const ZERO: Self = 0;
         const BYTES: usize = 8;
+        const MATRIX_SCALE: bool = true;
+        const SCALED: bool = false;
         #[inline(always)]
-        unsafe fn load_whole(w: *const u8, c: usize) -> Self {
+        fn bytes(elems: usize) -> usize {
+            elems
+        }
+        #[inline(always)]
+        unsafe fn load_whole(w: *const u8, c: usize, _: usize) -> Self {
             // SAFETY: forwarded (the chunk within the row and 8-byte aligned).
             unsafe { *(w.wrapping_add(c) as *const u64) }
         }
@@ -163,7 +208,7 @@ mod device {
             // SAFETY: forwarded (w holds k codes); 8-byte loads when whole and aligned.
             unsafe {
                 if c + 8 <= k && (w.wrapping_add(c) as usize).is_multiple_of(8) {
-                    Self::load_whole(w, c)
+                    Self::load_whole(w, c, k)
                 } else {
                     let mut v = 0u64;
                     for i in 0..8 {
@@ -183,10 +228,69 @@ mod device {
             }
             v
         }
+        #[inline(always)]
+        fn scale(self) -> f32 {
+            1.0
+        }
+    }
+
+    /// Eight NVFP4 weights (docs/MATH.md, "Checkpoint formats") of a row laid out as
+    /// [`crate::nvfp4`] says (the row's codes, then its block scales): the 8 e2m1 codes
+    /// (element `c + i` in bits `4i..4i + 4`) and their block's e4m3 scale. Loaded past L1: a
+    /// launch reads each weight once per row of x, as [`Streamed`].
+    #[derive(Clone, Copy)]
+    pub struct Fp4 {
+        codes: u32,
+        scale: u16,
+    }
+
+    impl Chunk for Fp4 {
+        const ZERO: Self = Fp4 { codes: 0, scale: 0 };
+        const BYTES: usize = 4;
+        const MATRIX_SCALE: bool = true;
+        const SCALED: bool = true;
+        #[inline(always)]
+        fn bytes(elems: usize) -> usize {
+            crate::nvfp4::row_bytes(elems)
+        }
+        #[inline(always)]
+        unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
+            // k is a multiple of 16 and c of 8: a chunk lies wholly within k or wholly past it.
+            if c >= k {
+                return Self::ZERO;
+            }
+            // SAFETY: forwarded (w holds the row's k / 2 code bytes, then its scales).
+            unsafe {
+                let mut codes = 0u32;
+                for i in 0..4 {
+                    codes |= u32::from(ld(w, c / 2 + i)) << (8 * i);
+                }
+                Fp4 { codes, scale: u16::from(ld(w, k / 2 + c / crate::nvfp4::BLOCK)) }
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_whole(w: *const u8, c: usize, k: usize) -> Self {
+            // SAFETY: forwarded (the chunk's 4 code bytes within the row and 4-byte aligned,
+            // its scale after the row's codes).
+            unsafe {
+                Fp4 {
+                    codes: load4_stream_whole(w.wrapping_add(c / 2)),
+                    scale: u16::from(ld(w, k / 2 + c / crate::nvfp4::BLOCK)),
+                }
+            }
+        }
+        #[inline(always)]
+        fn values(self) -> [f32; 8] {
+            e2m1x8_to_f32(self.codes)
+        }
+        #[inline(always)]
+        fn scale(self) -> f32 {
+            e4m3x2_to_f32(self.scale).0 * 16384.0
+        }
     }
 
     /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
-    /// `stride` elements of `elem` bytes apart, `k` each) with `toks` (<= T) inputs `xs` (`k`
+    /// `stride` bytes apart, `k` elements each) with `toks` (<= T) inputs `xs` (`k`
     /// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
     /// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
     /// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
@@ -200,7 +304,7 @@ mod device {
     #[inline(always)]
     pub unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: usize, const EARLY: bool>(
         w: *const u8,
-        (stride, elem): (usize, usize),
+        stride: usize,
         rows: usize,
         (xs, toks, scale): (&[*const u16; T], usize, &[(f32, f32); T]),
         (k, fp8): (usize, bool),
@@ -210,9 +314,9 @@ mod device {
         let mut acc = [[0.0f32; T]; R];
         let mut c = me * 8;
         let aligned = (w as usize).is_multiple_of(W::BYTES)
-            && (stride * elem).is_multiple_of(W::BYTES)
+            && stride.is_multiple_of(W::BYTES)
             && xs.iter().all(|&x| (x as usize).is_multiple_of(16));
-        let d = Dots { w, stride: stride * elem, rows, xs, toks, scale, k, fp8, step };
+        let d = Dots { w, stride, rows, xs, toks, scale, k, fp8, step };
         // SAFETY: unchecked chunk loads only where all is aligned, without a test only where
         // the pass lies within k (caller: the rows and inputs readable for k elements; with
         // `early`, nothing else read yet that the kernel before writes).
@@ -301,7 +405,7 @@ mod device {
                             let at = c + u * step;
                             *v = match MODE {
                                 ELEMENTS => W::load(row, at, k),
-                                _ if whole(at) => W::load_whole(row, at),
+                                _ if whole(at) => W::load_whole(row, at, k),
                                 _ => W::ZERO,
                             };
                         }
@@ -329,8 +433,16 @@ mod device {
                             }
                             for (acc, wv) in acc.iter_mut().zip(&wv) {
                                 let wf = wv[u].values();
-                                for i in 0..8 {
-                                    acc[t] = fma(wf[i], xv[i], acc[t]);
+                                if W::SCALED {
+                                    let mut dot = 0.0f32;
+                                    for i in 0..8 {
+                                        dot = fma(wf[i], xv[i], dot);
+                                    }
+                                    acc[t] = fma(dot, wv[u].scale(), acc[t]);
+                                } else {
+                                    for i in 0..8 {
+                                        acc[t] = fma(wf[i], xv[i], acc[t]);
+                                    }
                                 }
                             }
                         }
@@ -368,11 +480,12 @@ mod device {
     /// most, none past n) of matrix `e`, the first `at` elements into `o.w` and each next one
     /// `stride` elements on, for rows `lo..hi` of out, row j of x row `x_row(j)`; each weight
     /// row streamed once per [`WARP_TOKENS`] rows (again from cache for the next). `fp8`: e4m3
-    /// weights, inputs quantized. `EARLY`: the first weight loads issued before it waits on the
-    /// kernel before (see [`partial_dots`]).
+    /// weights, inputs quantized. The sums are scaled by matrix e's weight scale where `W` has
+    /// one ([`Chunk::MATRIX_SCALE`]). `EARLY`: the first weight loads issued before it waits on
+    /// the kernel before (see [`partial_dots`]).
     ///
     /// # Safety
-    /// k a multiple of 8; the weights (and the scales of matrix e, the pieces of a matrix
+    /// k a multiple of 8 (NVFP4: of 16; `at` and `stride` too); the weights (and the scales of matrix e, the pieces of a matrix
     /// wherever they are) readable; `x_row` rows of x for rows `lo..hi`, which out holds. Each
     /// output element is written by lane 0 of the one warp owning its weight row.
     #[inline(always)]
@@ -388,11 +501,10 @@ mod device {
         if row0 >= o.n as usize {
             return;
         }
-        let elem = if fp8 { 1 } else { 2 };
         // SAFETY: forwarded from the caller.
         unsafe {
-            let w_scale = if fp8 { ld(o.w_scale, e) } else { 1.0 };
-            let wr = WarpRows { w: o.w.wrapping_add(at * elem), stride, elem, row0, e, w_scale, fp8 };
+            let w_scale = if W::MATRIX_SCALE { ld(o.w_scale, e) } else { 1.0 };
+            let wr = WarpRows { w: o.w.wrapping_add(W::bytes(at)), stride: W::bytes(stride), row0, e, w_scale, fp8 };
             // EARLY: the first group apart (it waits on the kernel before once its weights
             // are loading), so its loads are not hoisted out of the loop of the others.
             let mut j0 = lo;
@@ -407,12 +519,11 @@ mod device {
         }
     }
 
-    /// A warp's weight rows of [`warp_rows`]: the first (`w`, `stride` elements of `elem`
-    /// bytes apart), the first's index, the matrix and its weight scale; FP8 or not.
+    /// A warp's weight rows of [`warp_rows`]: the first (`w`, `stride` bytes apart), the
+    /// first's index, the matrix and its weight scale; inputs quantized (FP8) or not.
     struct WarpRows {
         w: *const u8,
         stride: usize,
-        elem: usize,
         row0: usize,
         e: usize,
         w_scale: f32,
@@ -455,7 +566,7 @@ mod device {
                 }
                 let acc = partial_dots::<W, R, T, WARP_UNROLL, EARLY>(
                     self.w,
-                    (self.stride, self.elem),
+                    self.stride,
                     rows,
                     (&xs, toks, &scale),
                     (k, fp8),
@@ -497,7 +608,18 @@ mod device {
         unsafe { dense_rows::<u64, false>(&p, true) }
     }
 
-    /// The body of both kernels of the warp mode: one matrix, row j of x for row j of out.
+    /// As [`gemv_bf16`], NVFP4 weights ([`Fp4`]: e2m1 codes with their block scales, laid
+    /// out as [`crate::nvfp4`] says), weight-only: the inputs as they are, each chunk's dot
+    /// product scaled by its block scale, the sum by the matrix's per-tensor scale
+    /// (`w_scale`). Its first weights load before it waits, as there.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemv_nvfp4(p: DenseParams) {
+        // SAFETY: launch contract checked by host/src/gemv.rs (k a multiple of 16); it reads
+        // nothing of the kernel before until it waits.
+        unsafe { dense_rows::<Fp4, true>(&p, false) }
+    }
+
+    /// The body of the kernels of the warp mode: one matrix, row j of x for row j of out.
     ///
     /// # Safety
     /// x holds rows * k, w n * k (and the scales one value each), out rows * n; k a multiple
@@ -533,7 +655,7 @@ mod device {
             // It waits on the kernel before once its weights are loading (partial_dots).
             let one = [(1.0, 1.0)];
             let acc =
-                partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, (k, 2), rows, (&x, 1, &one), (k, false), block);
+                partial_dots::<Streamed, R, 1, SPLIT_UNROLL, true>(w, 2 * k, rows, (&x, 1, &one), (k, false), block);
             for (r, a) in acc.iter().enumerate() {
                 let v = warp_sum(a[0]);
                 if lane_id() == 0 {

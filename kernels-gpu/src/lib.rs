@@ -28,6 +28,7 @@ pub mod mamba;
 pub mod mma;
 pub mod moe;
 pub mod norm;
+pub mod nvfp4;
 pub mod qgemv;
 pub mod quant;
 pub mod router;
@@ -161,6 +162,11 @@ kernels! {
     /// [`gemv::DenseParams`]: an FP8 linear layer of a few rows (W8A8) on tensor cores
     /// ([`qgemv`]).
     GemvTcFp8 = "gemv_tc_fp8",
+    /// [`gemv::DenseParams`]: as `Gemv`, NVFP4 weights (weight-only), its first weights
+    /// loading before it waits.
+    GemvNvfp4 = "gemv_nvfp4",
+    /// [`nvfp4::ToBf16Params`]: NVFP4 weights dequantized to bf16.
+    Nvfp4ToBf16 = "nvfp4_to_bf16",
     /// [`gemv::SplitParams`]: a bf16 linear layer, each weight row split along k over a block.
     GemvSplit = "gemv_split_bf16",
     /// [`moe::RouteParams`]: router logits in f32, then sigmoid, bias, group-limited top-k,
@@ -174,16 +180,22 @@ kernels! {
     MoeExpert = "moe_expert_bf16",
     /// [`moe::ExpertParams`]: as `MoeExpert`, e4m3 weights (W8A8).
     MoeExpertFp8 = "moe_expert_fp8",
+    /// [`moe::ExpertParams`]: as `MoeExpert`, NVFP4 weights (weight-only).
+    MoeExpertNvfp4 = "moe_expert_nvfp4",
     /// [`moe::ExpertParams`]: as `MoeExpertFp8`, on tensor cores ([`qgemv`]).
     MoeExpertTcFp8 = "moe_expert_tc_fp8",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
     /// [`moe::ExpertParams`]: as `MoeExpertChoices`, e4m3 weights (W8A8).
     MoeExpertChoicesFp8 = "moe_expert_choices_fp8",
+    /// [`moe::ExpertParams`]: as `MoeExpertChoices`, NVFP4 weights (weight-only).
+    MoeExpertChoicesNvfp4 = "moe_expert_choices_nvfp4",
     /// [`moe::ExpertCombineParams`]: each token's chosen down projections, combined.
     MoeExpertCombine = "moe_expert_combine_bf16",
     /// [`moe::ExpertCombineParams`]: as `MoeExpertCombine`, e4m3 weights (W8A8).
     MoeExpertCombineFp8 = "moe_expert_combine_fp8",
+    /// [`moe::ExpertCombineParams`]: as `MoeExpertCombine`, NVFP4 weights (weight-only).
+    MoeExpertCombineNvfp4 = "moe_expert_combine_nvfp4",
     /// [`grouped::GroupedParams`]: one projection of every expert with rows, on tensor cores.
     MoeGrouped = "moe_grouped_bf16",
     /// [`grouped::GroupedParams`]: as `MoeGrouped`, tiles of 128 rows (experts of many rows).
@@ -240,10 +252,12 @@ impl Kernel {
         matches!(
             self,
             Kernel::Gemv
+                | Kernel::GemvNvfp4
                 | Kernel::GemvSplit
                 | Kernel::MoeRoute
                 | Kernel::MoeExpertCombine
                 | Kernel::MoeExpertCombineFp8
+                | Kernel::MoeExpertCombineNvfp4
                 | Kernel::MambaDecode
         )
     }

@@ -141,9 +141,10 @@ pub struct ExpertParams {
 pub struct ExpertCombineParams {
     /// `[rows * per, k]` bf16 hidden rows, in choice order.
     pub x: *const u16,
-    /// `[experts, n, k]` bf16 weights, or e4m3 codes for the FP8 kernel.
+    /// `[experts, n, k]` bf16 weights, e4m3 codes for the FP8 kernel, NVFP4 rows
+    /// ([`crate::nvfp4`]) for the NVFP4 one.
     pub w: *const u8,
-    /// FP8: `[experts]` weight scales (unused by the bf16 kernel).
+    /// FP8, NVFP4: `[experts]` weight scales (unused by the bf16 kernel).
     pub w_scale: *const f32,
     /// FP8: `[experts]` static input scales, or null for per-token scales.
     pub in_scale: *const f32,
@@ -197,7 +198,7 @@ mod kernels {
     use super::*;
     use crate::EW_BLOCK;
     use crate::device::*;
-    use crate::gemv::{Chunk, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
+    use crate::gemv::{Chunk, Fp4, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
     use crate::qgemv::{Fp8Rows, QG_ROWS, fp8_tiles};
 
     /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
@@ -600,7 +601,15 @@ mod kernels {
         unsafe { choice_rows::<u64>(&p, true) }
     }
 
-    /// The body of both per-choice kernels (see [`moe_expert_choices_bf16`]); `W` the weight
+    /// As [`moe_expert_choices_bf16`], NVFP4 weights (weight-only, as
+    /// [`gemv_nvfp4`](crate::gemv) computes them).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_choices_nvfp4(p: ExpertParams) {
+        // SAFETY: forwarded launch contract (k a multiple of 16).
+        unsafe { choice_rows::<Fp4>(&p, false) }
+    }
+
+    /// The body of the per-choice kernels (see [`moe_expert_choices_bf16`]); `W` the weight
     /// chunk, `fp8` whether inputs are quantized.
     ///
     /// # Safety
@@ -674,7 +683,16 @@ mod kernels {
         }
     }
 
-    /// The body of both expert-combine kernels (see [`moe_expert_combine_bf16`]); `W` the
+    /// As [`moe_expert_combine_bf16`], NVFP4 weights (weight-only, as
+    /// [`gemv_nvfp4`](crate::gemv) computes them), each product scaled by its expert's
+    /// per-tensor scale before its rounding to bf16; its first weights load before it waits.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_combine_nvfp4(p: ExpertCombineParams) {
+        // SAFETY: forwarded launch contract (k a multiple of 16).
+        unsafe { expert_combine::<Fp4, true>(&p, false) }
+    }
+
+    /// The body of the expert-combine kernels (see [`moe_expert_combine_bf16`]); `W` the
     /// weight chunk, `fp8` whether the hidden rows are quantized, `EARLY` whether the first
     /// weights load before the wait (with `fp8` only for static input scales).
     ///
@@ -705,17 +723,17 @@ mod kernels {
             let e = e as usize;
             let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
             let x = [p.x.wrapping_add(c * k)];
-            let elem = if fp8 { 1 } else { 2 };
-            let w = p.w.wrapping_add(at * elem);
-            let (w_scale, s) = match fp8 {
-                false => (1.0, 1.0),
-                true if p.in_scale.is_null() => (ld(p.w_scale, e), warp_token_scale(x[0], k)),
-                true => (ld(p.w_scale, e), ld(p.in_scale, e)),
+            let w = p.w.wrapping_add(W::bytes(at));
+            let w_scale = if W::MATRIX_SCALE { ld(p.w_scale, e) } else { 1.0 };
+            let s = match fp8 {
+                false => 1.0,
+                true if p.in_scale.is_null() => warp_token_scale(x[0], k),
+                true => ld(p.in_scale, e),
             };
             let warp = (lane_id() as usize, 32);
             let dots = partial_dots::<W, R, 1, WARP_UNROLL, EARLY>(
                 w,
-                (stride, elem),
+                W::bytes(stride),
                 rows,
                 (&x, 1, &[(s, 1.0 / s)]),
                 (k, fp8),
@@ -756,6 +774,14 @@ mod kernels {
     pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
         // SAFETY: forwarded launch contract (it waits on the kernel before).
         unsafe { expert_rows::<u64>(p, true) }
+    }
+
+    /// Expert projection, NVFP4 weights (weight-only, as [`gemv_nvfp4`](crate::gemv)
+    /// computes them), [`ExpertParams`]; as [`moe_expert_bf16`].
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_nvfp4(p: ExpertParams) {
+        // SAFETY: forwarded launch contract (it waits on the kernel before; k a multiple of 16).
+        unsafe { expert_rows::<Fp4>(p, false) }
     }
 
     /// As [`moe_expert_fp8`] on tensor cores (kernels-gpu/src/qgemv.rs): grid `(ceil(n /

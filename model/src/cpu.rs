@@ -17,6 +17,7 @@ use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
 use crate::layout::{self, Linear, Mlp};
+use crate::nvfp4::Nvfp4Linear;
 
 /// The CPU backend (buffers are `Vec`s). It runs steps of any size unless made with
 /// [`Cpu::limited`].
@@ -40,11 +41,12 @@ impl Cpu {
     }
 }
 
-/// A linear layer's weight `[n, k]`: bf16, or FP8 (W8A8).
+/// A linear layer's weight `[n, k]`: bf16, FP8 (W8A8), or NVFP4 (weight-only, exact).
 #[derive(Clone)]
 pub enum CpuWeight {
     Bf16 { w: Vec<bf16>, n: usize, k: usize },
     Fp8(Fp8Linear),
+    Nvfp4(Nvfp4Linear),
 }
 
 impl CpuWeight {
@@ -52,6 +54,7 @@ impl CpuWeight {
         match self {
             CpuWeight::Bf16 { k, .. } => *k,
             CpuWeight::Fp8(f) => f.k,
+            CpuWeight::Nvfp4(f) => f.k,
         }
     }
 
@@ -61,6 +64,9 @@ impl CpuWeight {
             CpuWeight::Bf16 { w, n, k } => gemm::linear(xs, w, rows, *n, *k),
             CpuWeight::Fp8(f) => {
                 xs.chunks_exact(f.k).flat_map(|r| f.apply(&r.iter().map(|v| v.to_f32()).collect::<Vec<_>>())).collect()
+            }
+            CpuWeight::Nvfp4(f) => {
+                xs.chunks_exact(f.k).flat_map(|r| f.apply(&r.iter().map(|v| v.to_f64()).collect::<Vec<_>>())).collect()
             }
         }
     }
@@ -256,6 +262,9 @@ impl Backend for Cpu {
         }
         if let Some(f) = Fp8Linear::new(l)? {
             return Ok(CpuWeight::Fp8(f));
+        }
+        if let Some(f) = Nvfp4Linear::new(l)? {
+            return Ok(CpuWeight::Nvfp4(f));
         }
         let [n, k] = l.shape();
         Ok(CpuWeight::Bf16 { w: l.to_bf16()?, n, k })

@@ -30,11 +30,12 @@ impl<'a> Linear<'a> {
     }
 
     /// The weight as bf16 values: floats as [`Tensor::to_bf16`] gives them, NVFP4 dequantized
-    /// ([`crate::nvfp4::dequantize`]) and rounded to nearest even; FP8 is an error (its codes
+    /// ([`crate::nvfp4::dequantize`]) and rounded once to nearest even
+    /// (`host::cpu::nvfp4::bf16_nearest`); FP8 is an error (its codes
     /// run as they are).
     pub fn to_bf16(&self) -> Result<Vec<bf16>> {
         match self.nvfp4 {
-            Some(_) => Ok(crate::nvfp4::dequantize(self)?.into_iter().map(bf16::from_f64).collect()),
+            Some(_) => Ok(crate::nvfp4::dequantize(self)?.into_iter().map(host::cpu::nvfp4::bf16_nearest).collect()),
             None => self.weight.to_bf16(),
         }
     }

@@ -4,23 +4,18 @@
 //! scale per block of 16 elements along `in`, `weight_scale_2` one f32 for the tensor, so that
 //! `W[o][i] = e2m1(code) * e4m3(weight_scale[o][i / 16]) * weight_scale_2`.
 //!
-//! The backends run NVFP4 layers weight-only: the weights dequantized once at load (exactly
-//! in f64 here; the CUDA backend rounds them to bf16), the activations as they are. A
-//! checkpoint made for W4A4 also holds an `input_scale`, its activations' scale for FP4
-//! products; it is kept in the layout and not applied (the difference is measured on the
-//! fixture in model/tests/nvfp4.rs).
-
-use host::cpu::quant::e4m3_decode;
+//! The backends run NVFP4 layers weight-only, the activations as they are: the CPU backend
+//! from the codes, each product exact in f64 ([`Nvfp4Linear`]); the CUDA backend from the
+//! codes at few rows (each chunk's products with the bf16 inputs summed in f32, scaled by its
+//! block scale, the sum by the per-tensor one), and at many rows with the weights dequantized
+//! to bf16 (rounded once) for its bf16 GEMMs. A checkpoint made for W4A4 also holds an
+//! `input_scale`, its activations' scale for FP4 products; it is kept in the layout and not
+//! applied (the difference is measured on the fixture in model/tests/nvfp4.rs).
 
 use crate::error::{Error, Result};
 use crate::layout::Linear;
 
-/// Elements along `in` that share a block scale.
-pub const NVFP4_BLOCK: usize = 16;
-
-/// The value of each e2m1 code: bit 3 the sign, bits 2..1 the exponent (bias 1), bit 0 the
-/// mantissa; exponent 0 is subnormal (0 and 0.5).
-pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub use host::cpu::nvfp4::{E2M1, NVFP4_BLOCK};
 
 /// The weights of NVFP4 layer `l` (`[out, in]` row-major), dequantized exactly (each is the
 /// product of an e2m1 value, an e4m3 value and an f32, held exactly by an f64); an error when
@@ -29,32 +24,53 @@ pub fn dequantize(l: &Linear) -> Result<Vec<f64>> {
     let Some(s) = l.nvfp4 else {
         return Err(Error::Unsupported(format!("`{}` is not an NVFP4 weight", l.weight.name)));
     };
-    let (out, half) = (l.weight.shape[0], l.weight.shape[1]);
-    let inp = 2 * half;
-    let global = f64::from(s.global);
-    let mut w = Vec::with_capacity(out * inp);
-    for (row, scales) in l.weight.bytes.chunks_exact(half).zip(s.block.bytes.chunks_exact(inp / NVFP4_BLOCK)) {
-        for (i, &byte) in row.iter().enumerate() {
-            let scale = f64::from(e4m3_decode(scales[2 * i / NVFP4_BLOCK])) * global;
-            w.push(f64::from(E2M1[usize::from(byte & 15)]) * scale);
-            w.push(f64::from(E2M1[usize::from(byte >> 4)]) * scale);
-        }
-    }
-    Ok(w)
+    Ok(host::cpu::nvfp4::dequantize(l.weight.bytes, s.block.bytes, s.global, 2 * l.weight.shape[1]))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::E2M1;
+/// An NVFP4 linear layer `[n, k]` as the CPU backend holds it: its codes and decoded block
+/// scales (a byte a weight), multiplied exactly ([`Nvfp4Linear::apply`]).
+#[derive(Clone)]
+pub struct Nvfp4Linear {
+    codes: Vec<u8>,
+    block: Vec<f64>,
+    global: f64,
+    pub n: usize,
+    pub k: usize,
+}
 
-    /// Each code's value from its bits: sign, exponent (bias 1; 0 subnormal), mantissa.
-    #[test]
-    fn e2m1_values_follow_the_bits() {
-        for (code, &v) in E2M1.iter().enumerate() {
-            let (sign, exp, man) = (code >> 3, (code >> 1) & 3, code & 1);
-            let mag = if exp == 0 { 0.5 * man as f32 } else { (1.0 + 0.5 * man as f32) * 2f32.powi(exp as i32 - 1) };
-            let want = if sign == 1 { -mag } else { mag };
-            assert_eq!(v.to_bits(), want.to_bits(), "code {code:#06b}");
-        }
+impl Nvfp4Linear {
+    /// The layer, when `l` is NVFP4.
+    pub fn new(l: &Linear) -> Result<Option<Nvfp4Linear>> {
+        let Some(s) = l.nvfp4 else { return Ok(None) };
+        let [n, k] = l.shape();
+        let block = s.block.bytes.iter().map(|&c| f64::from(host::cpu::quant::e4m3_decode(c))).collect();
+        Ok(Some(Nvfp4Linear { codes: l.weight.bytes.to_vec(), block, global: f64::from(s.global), n, k }))
+    }
+
+    /// `y = x W^T` for one row `x` of `k` values, each weight `e2m1 * block scale * global`:
+    /// a block's products summed, times its scale, the row's sum times the per-tensor scale
+    /// (in f64: exact products, sums to f64's rounding).
+    pub fn apply(&self, x: &[f64]) -> Vec<f64> {
+        let (half, blocks) = (self.k / 2, self.k / NVFP4_BLOCK);
+        let rows = self.codes.chunks_exact(half).zip(self.block.chunks_exact(blocks));
+        rows.map(|(codes, scales)| {
+            let sum: f64 = codes
+                .chunks_exact(NVFP4_BLOCK / 2)
+                .zip(x.chunks_exact(NVFP4_BLOCK))
+                .zip(scales)
+                .map(|((c, x), s)| {
+                    let dot: f64 = c
+                        .iter()
+                        .zip(x.chunks_exact(2))
+                        .map(|(&b, x)| {
+                            f64::from(E2M1[usize::from(b & 15)]) * x[0] + f64::from(E2M1[usize::from(b >> 4)]) * x[1]
+                        })
+                        .sum();
+                    dot * s
+                })
+                .sum();
+            sum * self.global
+        })
+        .collect()
     }
 }

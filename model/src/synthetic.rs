@@ -225,12 +225,45 @@ pub enum Precision {
     /// largest |w| over 448) and a static `input_scale` of [`FP8_INPUT_SCALE`]: W8A8 as
     /// ModelOpt's FP8 checkpoints hold it.
     Fp8,
+    /// NVIDIA's NVFP4 recipe for Nemotron-3 Nano: the routed and shared experts' projections
+    /// and the Mamba layers' in_proj and out_proj, except those of a Mamba layer just before
+    /// an attention layer, as NVFP4 (ModelOpt's rounding: `host::cpu::nvfp4::quantize`; a
+    /// `weight_scale`, `weight_scale_2` and an `input_scale` of [`FP8_INPUT_SCALE`] /
+    /// 6, which weight-only runs do not read); attention, those Mamba layers, the routers, the
+    /// embeddings and the LM head bf16.
+    Nvfp4,
+}
+
+impl Precision {
+    /// Whether the tensor `name` of `shape` is quantized: never for [`Precision::Bf16`], every
+    /// projection weight for [`Precision::Fp8`], those of its recipe for [`Precision::Nvfp4`].
+    fn quantizes(self, config: &Config, name: &str, shape: &[usize]) -> bool {
+        if shape.len() != 2 || !name.ends_with("proj.weight") {
+            return false;
+        }
+        match self {
+            Precision::Bf16 => false,
+            Precision::Fp8 => true,
+            Precision::Nvfp4 => {
+                let layer = name.split('.').nth(2).and_then(|i| i.parse::<usize>().ok());
+                let kind = |i: usize| config.layers.get(i).copied();
+                let moe = name.contains(".experts.") || name.contains(".shared_experts.");
+                let mamba = layer
+                    .is_some_and(|i| kind(i) == Some(LayerKind::Mamba) && kind(i + 1) != Some(LayerKind::Attention));
+                (moe || mamba) && shape[1].is_multiple_of(host::cpu::nvfp4::NVFP4_BLOCK)
+            }
+        }
+    }
 }
 
 /// The static activation scale of every projection of an FP8 synthetic checkpoint: activations
 /// up to 8 in magnitude keep their e4m3 precision (larger ones saturate, which changes no
 /// kernel's speed).
 pub const FP8_INPUT_SCALE: f32 = 8.0 / E4M3_MAX;
+
+/// A kind of tensor of an [`in_memory_as`] checkpoint: its name without layer and expert
+/// numbers, and its shape.
+type Kind = (String, Vec<usize>);
 
 /// What an [`in_memory_as`] checkpoint holds beside its shapes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -255,29 +288,48 @@ pub fn in_memory_as(config: &Config, seed: u64, draws: Draws) -> Result<Checkpoi
     let Draws { precision, routing } = draws;
     let mut seed = seed;
     let layers = config.layers.len();
-    // Per kind: the buffer of its values (or codes) and, for FP8, that of its weight scale.
-    let mut kinds: BTreeMap<(String, Vec<usize>), (usize, Option<usize>)> = BTreeMap::new();
-    // Buffer 0: the input scale every FP8 projection shares (4 bytes nothing reads in bf16).
-    let mut buffers: Vec<Vec<u8>> = vec![FP8_INPUT_SCALE.to_le_bytes().to_vec()];
+    // Per kind (and whether quantized): the buffer of its values or codes and, quantized,
+    // those of its scales (FP8: the weight scale; NVFP4: the block scales, then the
+    // per-tensor scale).
+    let mut kinds: BTreeMap<(Kind, bool), (usize, Option<usize>)> = BTreeMap::new();
+    // Per kind: the seed of its draw, the same whether quantized or not (a layer kept bf16
+    // and one quantized share the values, as in the bf16 checkpoint).
+    let mut seeds: BTreeMap<Kind, u64> = BTreeMap::new();
+    // Buffer 0: the input scale every FP8 projection shares (4 bytes nothing reads in bf16);
+    // buffer 1: NVFP4's (weight-only runs read neither).
+    let mut buffers: Vec<Vec<u8>> =
+        vec![FP8_INPUT_SCALE.to_le_bytes().to_vec(), (FP8_INPUT_SCALE / 6.0).to_le_bytes().to_vec()];
     let mut tensors = Vec::new();
     for (name, shape) in tensor_shapes(config) {
         let kind: String = name.chars().filter(|c| !c.is_ascii_digit()).collect();
-        let fp8 = precision == Precision::Fp8 && shape.len() == 2 && name.ends_with("proj.weight");
-        let (file, scale) = *kinds.entry((kind, shape.clone())).or_insert_with(|| {
+        let quantized = precision.quantizes(config, &name, &shape);
+        let seed = *seeds.entry((kind.clone(), shape.clone())).or_insert_with(|| next_seed(&mut seed));
+        let (file, scale) = *kinds.entry(((kind, shape.clone()), quantized)).or_insert_with(|| {
             let (n, draw) = (shape.iter().product(), Draw::of(&name, &shape, layers, Scaling::FanIn, routing));
-            let seed = next_seed(&mut seed);
-            if fp8 {
-                let v = values(n, draw, seed);
-                let w_scale = v.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs())) / E4M3_MAX;
-                buffers.push(v.iter().map(|x| e4m3_encode(x.to_f32() / w_scale)).collect());
-                buffers.push(w_scale.to_le_bytes().to_vec());
-                (buffers.len() - 2, Some(buffers.len() - 1))
-            } else {
+            if !quantized {
                 buffers.push(value_bytes(n, draw, seed));
-                (buffers.len() - 1, None)
+                return (buffers.len() - 1, None);
             }
+            let v = values(n, draw, seed);
+            if precision == Precision::Nvfp4 {
+                let v: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                let q = host::cpu::nvfp4::quantize(&v, shape[0], shape[1]);
+                buffers.extend([q.packed, q.block, q.global.to_le_bytes().to_vec()]);
+                return (buffers.len() - 3, Some(buffers.len() - 2));
+            }
+            let w_scale = v.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs())) / E4M3_MAX;
+            buffers.push(v.iter().map(|x| e4m3_encode(x.to_f32() / w_scale)).collect());
+            buffers.push(w_scale.to_le_bytes().to_vec());
+            (buffers.len() - 2, Some(buffers.len() - 1))
         });
         match (scale, name.strip_suffix(".weight")) {
+            (Some(block), Some(prefix)) if precision == Precision::Nvfp4 => {
+                let (out, inp) = (shape[0], shape[1]);
+                tensors.push((format!("{prefix}.weight_scale"), Dtype::F8E4M3, vec![out, inp / 16], block));
+                tensors.push((format!("{prefix}.weight_scale_2"), Dtype::F32, vec![], block + 1));
+                tensors.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], 1));
+                tensors.push((name, Dtype::U8, vec![out, inp / 2], file));
+            }
             (Some(w_scale), Some(prefix)) => {
                 tensors.push((format!("{prefix}.weight_scale"), Dtype::F32, vec![], w_scale));
                 tensors.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], 0));

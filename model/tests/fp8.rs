@@ -163,14 +163,7 @@ fn synthetic_fp8_checkpoint_is_the_bf16_one_quantized() {
     }
     assert!(projections > 8, "{projections} projections");
     println!("synthetic FP8: {projections} projections, {values} codes within half a step");
-    let prompt: Vec<u32> = (0..24).map(|i| (i * 5 % 200) as u32).collect();
-    let logits = |ck: &Checkpoint| {
-        let layout = Layout::trusting_values(&config, ck).unwrap();
-        let mut m = Model::load(Cpu::default(), &config, &layout, 1, 64).unwrap();
-        let l = m.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).unwrap().remove(0);
-        l.into_iter().map(f64::from).collect::<Vec<f64>>()
-    };
-    let (b, f) = (logits(&bf16_ck), logits(&fp8_ck));
+    let (b, f) = (common::synthetic_logits(&config, &bf16_ck), common::synthetic_logits(&config, &fp8_ck));
     let gap = common::max_gap(&b, &f);
     assert!(gap > 1e-3, "the FP8 checkpoint changed nothing: {gap}");
     assert_close("synthetic FP8 vs bf16, CPU backend", &f, &b, 0.6, 0.2);

@@ -7,6 +7,7 @@ pub mod conv1d;
 pub mod gemm;
 pub mod moe;
 pub mod norm;
+pub mod nvfp4;
 pub mod quant;
 pub mod sample;
 pub mod ssd;

@@ -1,4 +1,4 @@
-//! Conversions between f32 and the storage formats: bf16 and FP8 e4m3.
+//! Conversions between f32 and the storage formats: bf16, FP8 e4m3 and FP4 e2m1.
 
 use core::arch::asm;
 
@@ -67,4 +67,26 @@ pub fn e4m3x2_to_f32(codes: u16) -> (f32, f32) {
         asm!("cvt.f32.f16 {hi}, {a};", hi = out(reg32) hi, a = in(reg16) (h >> 16) as u16, options(pure, nomem, nostack));
     }
     (lo, hi)
+}
+
+/// Eight e2m1 codes (code i in bits `4i..4i + 4`: sign, two exponent bits of bias 1, one
+/// mantissa bit) to their values times 2^-14, exactly: each pair of codes `i` and `i + 4`
+/// becomes an f16 pair by placing the sign at bit 15 and the other three bits at 9..12 (an
+/// f16 of exponent field e and mantissa m << 9 is `(1 + m / 2) 2^(e - 15)`, and for e = 0 the
+/// subnormal `m / 2 * 2^-14`: the e2m1 value times 2^-14 either way), then to f32.
+#[inline(always)]
+pub fn e2m1x8_to_f32(codes: u32) -> [f32; 8] {
+    let mut v = [0.0; 8];
+    for i in 0..4 {
+        let t = codes >> (4 * i);
+        let h = ((t << 9) & 0x0e00_0e00) | ((t << 12) & 0x8000_8000);
+        let (lo, hi): (f32, f32);
+        // SAFETY: register-to-register conversions (every f16 is exact in f32).
+        unsafe {
+            asm!("cvt.f32.f16 {lo}, {a};", lo = out(reg32) lo, a = in(reg16) h as u16, options(pure, nomem, nostack));
+            asm!("cvt.f32.f16 {hi}, {a};", hi = out(reg32) hi, a = in(reg16) (h >> 16) as u16, options(pure, nomem, nostack));
+        }
+        (v[i], v[i + 4]) = (lo, hi);
+    }
+    v
 }

@@ -1,6 +1,6 @@
 //! Linear layers and the dense MLP on the CUDA backend: a weight on the device ([`CudaWeight`],
-//! bf16 or FP8 codes with their scales) and the kernel it runs through, by rows and weight
-//! kind ([`CudaWeight::forward`]).
+//! bf16, FP8 codes with their scales, or NVFP4 codes with theirs) and the kernel it runs
+//! through, by rows and weight kind ([`CudaWeight::forward`]).
 
 use half::bf16;
 use host::gemv::{Proj, gemv, gemv_split};
@@ -29,6 +29,12 @@ pub(super) enum Weights {
         w_scale: CudaSlice<f32>,
         in_scale: Option<CudaSlice<f32>>,
     },
+    /// NVFP4 rows as the kernels take them ([`host::nvfp4::pack_rows`]: each row's e2m1 codes,
+    /// then its e4m3 block scales) and a per-tensor scale per matrix; run weight-only.
+    Nvfp4 {
+        rows: CudaSlice<u8>,
+        global: CudaSlice<f32>,
+    },
 }
 
 impl Weights {
@@ -38,24 +44,56 @@ impl Weights {
             Weights::Fp8 { codes, w_scale, in_scale } => {
                 ExpertWeights::Fp8 { codes, w_scale, in_scale: in_scale.as_ref() }
             }
+            Weights::Nvfp4 { rows, global } => ExpertWeights::Nvfp4 { rows, global },
         }
     }
 
-    /// Uploads `list` (all of `shape`, all bf16 or all FP8 with or without input scales)
-    /// into one buffer, with room for `spare` more bf16 matrices (zeros) after them.
+    /// `matrices` matrices of `[n, k]` as bf16: bf16 weights as they are, NVFP4 ones
+    /// dequantized into a temporary ([`host::nvfp4::to_bf16`]), for the bf16 GEMMs of many
+    /// rows; FP8 is an error (its GEMMs take the codes).
+    pub(super) fn as_bf16<'a>(&'a self, g: &Gpu, matrices: usize, (n, k): (usize, usize)) -> Result<Bf16Weights<'a>> {
+        match self {
+            Weights::Bf16(w) => Ok(Bf16Weights::Held(w)),
+            Weights::Nvfp4 { .. } => {
+                // SAFETY: to_bf16 writes all matrices * n * k values before they are read.
+                let mut w = unsafe { g.scratch::<bf16>(matrices * n * k) }?;
+                host::nvfp4::to_bf16(g, self.view(), matrices, (n, k), &mut *w)?;
+                Ok(Bf16Weights::Made(w))
+            }
+            Weights::Fp8 { .. } => Err(unsupported("FP8 weights as bf16")),
+        }
+    }
+
+    /// Uploads `list` (all of `shape`, all bf16, all NVFP4, or all FP8 with or without input
+    /// scales) into one buffer, with room for `spare` more bf16 matrices (zeros) after them.
     pub(super) fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2], spare: usize) -> Result<Weights> {
         let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
         let size = shape[0] * shape[1];
         for l in list {
             check_linear(l, shape, "its siblings'")?;
             if l.fp8.is_some() != first.fp8.is_some()
+                || l.nvfp4.is_some() != first.nvfp4.is_some()
                 || l.fp8.map(|f| f.input_scale.is_some()) != first.fp8.map(|f| f.input_scale.is_some())
             {
                 return Err(Error::Unsupported(format!(
-                    "`{}` mixes FP8 and bf16, or static and dynamic FP8 inputs, with `{}`",
+                    "`{}` mixes formats (bf16, FP8, NVFP4), or static and dynamic FP8 inputs, with `{}`",
                     l.weight.name, first.weight.name
                 )));
             }
+        }
+        if first.nvfp4.is_some() {
+            if spare > 0 {
+                return Err(unsupported("NVFP4 matrices beside bf16 ones"));
+            }
+            let [n, k] = shape;
+            let mut rows = Vec::with_capacity(list.len() * n * host::nvfp4::row_bytes(k));
+            let mut global = Vec::with_capacity(list.len());
+            for l in list {
+                let s = l.nvfp4.ok_or_else(|| unsupported("NVFP4 without scales"))?;
+                rows.extend(host::nvfp4::pack_rows(l.weight.bytes, s.block.bytes, n, k)?);
+                global.push(s.global);
+            }
+            return Ok(Weights::Nvfp4 { rows: gpu.upload(&rows)?, global: gpu.upload(&global)? });
         }
         if first.fp8.is_none() {
             let mut w = gpu.zeros::<bf16>((list.len() + spare) * size)?;
@@ -99,8 +137,31 @@ pub const SPLIT_MIN_K: usize = 3072;
 /// its 16-row time against the GEMM's is not yet measured.
 pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
+/// Most rows of an NVFP4 linear layer that run through the gemv kernel (weight-only, the
+/// codes streamed and decoded once a row); more dequantize the weight to bf16
+/// ([`Weights::as_bf16`]) and go through cuBLASLt. On the H200 (`cargo bench --bench gemv --
+/// nvfp4/`, cold) Mamba's in_proj (10304 x 2688) took 40.4 us through the gemv at 4 rows and
+/// 75.1 at 8, the dequantization and cuBLASLt 55.1 and 53.7; q (4096 x 2688) 16.3 and 31.1
+/// against 28.1 and 28.7.
+pub const NVFP4_GEMV_MAX_ROWS: usize = 4;
+
+/// Weights as bf16 for a GEMM ([`Weights::as_bf16`]): held, or made for the launch.
+pub(super) enum Bf16Weights<'a> {
+    Held(&'a CudaSlice<bf16>),
+    Made(host::Buffer<bf16>),
+}
+
+impl Bf16Weights<'_> {
+    pub(super) fn slice(&self) -> &CudaSlice<bf16> {
+        match self {
+            Bf16Weights::Held(w) => w,
+            Bf16Weights::Made(w) => w,
+        }
+    }
+}
+
 impl CudaWeight {
-    /// Uploads `l`'s weight (bf16, FP8 codes, or NVFP4 dequantized to bf16; no bias).
+    /// Uploads `l`'s weight (bf16, FP8 codes, or NVFP4 codes; no bias).
     pub(super) fn upload(gpu: &Gpu, l: &Linear) -> Result<CudaWeight> {
         let [n, k] = l.shape();
         Ok(CudaWeight { w: Weights::upload(gpu, &[l], [n, k], 0)?, n, k })
@@ -110,7 +171,8 @@ impl CudaWeight {
     /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
     /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
     /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
-    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM.
+    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM; NVFP4 weights through the warp
+    /// mode, or past [`NVFP4_GEMV_MAX_ROWS`] rows dequantized to bf16 and through cuBLASLt.
     pub(super) fn forward(
         &self,
         g: &Gpu,
@@ -128,6 +190,10 @@ impl CudaWeight {
                 if rows > FP8_GEMV_MAX_ROWS && self.k.is_multiple_of(16) && self.n.is_multiple_of(8) =>
             {
                 Ok(linear_fp8(g, (x, rows), Proj { w: self.w.view(), n: self.n, k: self.k, relu2 }, y)?)
+            }
+            Weights::Nvfp4 { .. } if rows > NVFP4_GEMV_MAX_ROWS => {
+                let w = self.w.as_bf16(g, 1, (self.n, self.k))?;
+                gemm_rows(g, x, rows, &w.slice().as_view(), (self.n, self.k), relu2, y)
             }
             weights => Ok(gemv(g, x, rows, Proj { w: weights.view(), n: self.n, k: self.k, relu2 }, y)?),
         }

@@ -9,8 +9,8 @@
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped};
 use host::moe::{
-    Choices, Dispatch, ExpertMlp, MAX_EXPERTS, MAX_TOP_K, Router, combine, dispatch, experts_mlp, experts_mlp_choices,
-    experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
+    Choices, Dispatch, ExpertMlp, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, Router, combine, dispatch, experts_mlp,
+    experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
 use host::{Buffer, CudaSlice, CudaView, Gpu};
 
@@ -62,6 +62,11 @@ pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
 /// 2026-12-04) went from 7.264 to 6.467 ms at decode batch 8 and from 22.524 to 17.958 at 64
 /// when this went from 64 to 1.
 pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
+
+/// Most rows of an NVFP4 MoE layer that go through the expert kernel (weight-only, the codes
+/// streamed once per row of an expert); more dequantize every expert to bf16 and take bf16's
+/// path past its expert kernel.
+pub const NVFP4_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
 /// GPU has no `wgmma` kernels; more go through per-expert cuBLASLt GEMMs. Where it has them
@@ -125,7 +130,7 @@ impl CudaExperts {
     pub(super) fn upload(gpu: &Gpu, list: &[Mlp], shared: Option<&Mlp>) -> Result<CudaExperts> {
         let first = list.first().ok_or_else(|| Error::Unsupported("a MoE layer without experts".into()))?;
         let [inter, hidden] = first.up.shape();
-        let bf16 = |m: &Mlp| m.up.fp8.is_none() && m.down.fp8.is_none();
+        let bf16 = |m: &Mlp| [&m.up, &m.down].iter().all(|l| l.fp8.is_none() && l.nvfp4.is_none());
         let pieces = match shared {
             Some(s) if bf16(s) && list.iter().all(bf16) => shared_pieces(list.len(), inter, s.up.shape()[0]),
             _ => 0,
@@ -229,13 +234,13 @@ impl CudaExperts {
         match (&self.up, &self.down) {
             (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
                 let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
-                let wgmma = Tiles::for_grouped(g) == Tiles::Wgmma;
-                if (rows <= GROUPED_MAX_ROWS || wgmma) && self.inter.is_multiple_of(8) && hidden.is_multiple_of(8) {
-                    let w = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
-                    experts_mlp_grouped(g, &d, &xv, w, &mut grouped)?
-                } else {
-                    experts_mlp_gemm(g, &d, &xv, mlp, &mut grouped)?
-                }
+                bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
+            }
+            (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => {
+                let up = self.up.as_bf16(g, c.experts, (self.inter, hidden))?;
+                let down = self.down.as_bf16(g, c.experts, (hidden, self.inter))?;
+                let mlp = ExpertMlp { up: up.slice(), down: down.slice(), inter: self.inter, hidden };
+                bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
             }
             (Weights::Fp8 { .. }, Weights::Fp8 { .. })
                 if rows > FP8_EXPERT_KERNEL_MAX_ROWS
@@ -252,6 +257,26 @@ impl CudaExperts {
             }
         }
         Ok(combine(g, (&grouped, hidden), shared.as_deref(), (d.slot(), &wts, choices), &mut y)?)
+    }
+}
+
+/// The dispatched rows of bf16 experts `mlp` (`rows` tokens) past the expert kernel's rows:
+/// the grouped GEMM (on `wgmma` where the GPU has it, else on `mma.sync` up to
+/// [`GROUPED_MAX_ROWS`]), otherwise per-expert cuBLASLt GEMMs.
+fn bf16_experts(
+    g: &Gpu,
+    (d, rows): (&Dispatch, usize),
+    xv: &CudaView<bf16>,
+    mlp: ExpertMlp<&CudaSlice<bf16>>,
+    grouped: &mut Buffer<bf16>,
+) -> Result<()> {
+    let wgmma = Tiles::for_grouped(g) == Tiles::Wgmma;
+    if (rows <= GROUPED_MAX_ROWS || wgmma) && mlp.inter.is_multiple_of(8) && mlp.hidden.is_multiple_of(8) {
+        let (up, down) = (ExpertWeights::Bf16(mlp.up), ExpertWeights::Bf16(mlp.down));
+        let w = ExpertMlp { up, down, inter: mlp.inter, hidden: mlp.hidden };
+        Ok(experts_mlp_grouped(g, d, xv, w, grouped)?)
+    } else {
+        Ok(experts_mlp_gemm(g, d, xv, mlp, grouped)?)
     }
 }
 

@@ -147,6 +147,17 @@ pub fn prompt_logits(dir: &Path, prompt: &[u32]) -> (Vec<f64>, Vec<f64>) {
     (cpu.into_iter().map(f64::from).collect(), exact)
 }
 
+/// The last logits of a 24-token prompt on the CPU backend from the checkpoint `ck` of `config`
+/// (an in-memory synthetic one, its values trusted).
+pub fn synthetic_logits(config: &Config, ck: &Checkpoint) -> Vec<f64> {
+    use model::cache::Part;
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 5 % 200) as u32).collect();
+    let layout = model::layout::Layout::trusting_values(config, ck).unwrap();
+    let mut m = model::model::Model::load(model::cpu::Cpu::default(), config, &layout, 1, 64).unwrap();
+    let l = m.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).unwrap().remove(0);
+    l.into_iter().map(f64::from).collect()
+}
+
 /// The largest |a - b|.
 pub fn max_gap(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)

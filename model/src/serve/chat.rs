@@ -7,13 +7,25 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::api::{self, ApiError, Fields};
+use super::api::{self, ApiError, Common, Fields};
 use super::generation::{Out, TokenOut, sse};
 use super::prompt::Delta;
 use super::{Served, fresh, now};
 
-pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
-    let m = api::parse_body(&body)?;
+/// A chat request checked, its messages rendered with the chat template and tokenized.
+struct Prepared {
+    c: Common,
+    prompt: Vec<u32>,
+    /// The rendered prompt (the output parser starts from its end).
+    text: String,
+    /// The tools whose calls the output is parsed for.
+    parse_tools: Option<Value>,
+}
+
+/// The blocking part of a chat request (parsing, checks, the template, the tokenizer): run on
+/// the blocking pool ([`Served::blocking`]), never on the async threads.
+fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
+    let m = api::parse_body(body)?;
     let f = Fields(&m);
     let c = api::common(&f, true, fresh(), &s.limits)?;
     s.check_model(&c)?;
@@ -49,10 +61,15 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         .render(messages, tools, &kwargs)
         .map_err(|e| ApiError::invalid(Some("messages"), format!("The chat template failed: {e}")))?;
     let prompt = s.encode(&text)?;
+    Ok(Prepared { c, prompt, text, parse_tools: parse_tools.cloned() })
+}
+
+pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
+    let Prepared { c, prompt, text, parse_tools } = s.blocking(move |s| prepare(s, &body)).await?;
     let mut g = s.start(&c, prompt, "messages")?;
     let new_parser = {
-        let (chat, text, tools) = (s.clone(), text.clone(), parse_tools.cloned());
-        move || chat.chat.parser(&text, tools.as_ref())
+        let chat = s.clone();
+        move || chat.chat.parser(&text, parse_tools.as_ref())
     };
     let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
     if !c.stream {

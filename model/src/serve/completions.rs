@@ -34,8 +34,10 @@ fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, Api
     }
 }
 
-pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
-    let m = api::parse_body(&body)?;
+/// The blocking part of a completions request (parsing, checks, the tokenizer): run on the
+/// blocking pool ([`Served::blocking`]), never on the async threads.
+fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Vec<u32>), ApiError> {
+    let m = api::parse_body(body)?;
     let f = Fields(&m);
     let c = api::common(&f, false, fresh(), &s.limits)?;
     s.check_model(&c)?;
@@ -45,7 +47,11 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     if f.str("suffix")?.is_some() {
         return Err(ApiError::invalid(Some("suffix"), "`suffix` is not supported"));
     }
-    let prompt = completion_prompt(&s, &m)?;
+    Ok((c, completion_prompt(s, &m)?))
+}
+
+pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
+    let (c, prompt) = s.blocking(move |s| prepare(s, &body)).await?;
     let mut g = s.start(&c, prompt, "prompt")?;
     let (id, created) = (format!("cmpl-{:016x}", fresh()), now());
     if !c.stream {

@@ -3,7 +3,8 @@
 //! server-sent events or not), `GET /v1/models`, `GET /health`.
 //!
 //! One thread owns the engine ([`worker`]); each HTTP request (its handler in `chat.rs` or
-//! `completions.rs`) checks its body ([`api`]), tokenizes its prompt and hands it over, then
+//! `completions.rs`) checks its body ([`api`]), renders and tokenizes its prompt (these on the
+//! blocking pool, `Served::blocking`, not on the async threads) and hands it over, then
 //! turns the tokens it gets back into text (`generation.rs`: [`text`], then `stop` strings;
 //! for chat the reasoning and tool-call split of [`crate::chat`]) and OpenAI's response or
 //! chunks. A client that goes away drops its end of the token channel, and the engine thread
@@ -137,6 +138,19 @@ impl Served {
             Some(m) if *m != self.name => Err(ApiError::unknown_model(m, &self.name)),
             _ => Ok(()),
         }
+    }
+
+    /// `f(self)` on tokio's blocking pool: the parsing, template rendering and tokenizing of a
+    /// request (seconds for a prompt of megabytes) never hold an async thread, so `/health`
+    /// and the streams of other requests go on meanwhile.
+    async fn blocking<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Served) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let s = self.clone();
+        tokio::task::spawn_blocking(move || f(&s))
+            .await
+            .map_err(|e| ApiError::internal(format!("preparing the request: {e}")))?
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {

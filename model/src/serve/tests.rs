@@ -236,3 +236,37 @@ async fn parts_and_tools_the_template_cannot_take_are_refused() {
     let (status, body) = post(&s, user(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
 }
+
+/// Parsing, rendering and tokenizing run on the blocking pool: on a runtime of one async
+/// thread (so that work done on it holds every other request), `/health` answers while two
+/// requests of 400 kB prompts are still being tokenized; they get their 400 (too long for the
+/// context) after it. With the tokenizing on the async thread, both were done before `/health`
+/// was polled (seen red).
+#[tokio::test]
+async fn health_answers_while_huge_prompts_are_tokenized() {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    let app = super::router(writing("ok"));
+    let body = json!({"prompt": "word ".repeat(80_000)}).to_string();
+    let post = |body: String| {
+        let request = Request::post("/v1/completions").header("content-type", "application/json");
+        request.body(Body::from(body)).unwrap()
+    };
+    let huge: Vec<_> = (0..2).map(|_| tokio::spawn(app.clone().oneshot(post(body.clone())))).collect();
+    // The runtime's one thread runs the spawned requests up to their first wait.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t = std::time::Instant::now();
+    let health = tokio::spawn(app.clone().oneshot(Request::get("/health").body(Body::empty()).unwrap()));
+    let health = health.await.unwrap().unwrap();
+    let waited = t.elapsed();
+    assert_eq!(health.status(), StatusCode::OK);
+    let pending = huge.iter().filter(|h| !h.is_finished()).count();
+    for h in huge {
+        let r = h.await.unwrap().unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "a prompt past the context");
+    }
+    assert_eq!(pending, 2, "the huge prompts were done before /health answered ({waited:?})");
+    assert!(waited < Duration::from_millis(250), "/health took {waited:?} beside the prompts being tokenized");
+}

@@ -9,8 +9,8 @@
 # With `ab BASE NAME [FILTER]`: a bench of another tree beside this one's on the same machine,
 # BASE (that tree's bench executable, e.g. built with `cargo bench --no-run --bench NAME` there)
 # and .device/benches/NAME alternating ROUNDS times (default 3), each run with FILTER.
-# With `anchors`: torch's attention and grouped GEMM beside which the attn and moe benches are
-# read (scripts/anchors/: each checked against its float32 reference first, then timed).
+# With `anchors`: torch's attention, grouped GEMM and FP8 GEMM (cuBLASLt) beside which the attn,
+# moe and gemv benches are read (scripts/anchors/: each checked against its float32 reference first, then timed).
 OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -24,7 +24,7 @@ if [ "$1" = ab ]; then
   exit
 fi
 if [ "$1" = anchors ]; then
-  for a in attn grouped; do
+  for a in attn grouped fp8_gemm; do
     echo "=== anchor $a"
     python3 scripts/anchors/$a.py --check && python3 scripts/anchors/$a.py 2>&1 | tee $OUT/anchor-$a.log
   done

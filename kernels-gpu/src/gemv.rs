@@ -80,7 +80,6 @@ pub const WARP_UNROLL: usize = 4;
 pub const WARP_BLOCK_ROWS: u32 = WARP_ROWS * WARP_BLOCK / 32;
 /// Rows of out the warp mode multiplies with one pass over its weight rows.
 pub const WARP_TOKENS: usize = 1;
-
 /// Threads per block of the split mode (together over each weight row).
 pub const SPLIT_BLOCK: u32 = 128;
 /// Weight rows per block of the split mode.
@@ -105,7 +104,7 @@ mod device {
         const BYTES: usize;
         /// Whether each matrix has a weight scale ([`Operands::w_scale`]) that the sums are
         /// multiplied by: FP8's, NVFP4's per-tensor one.
-        const MATRIX_SCALE: bool;
+        const MATRIX_SCALE: bool = false;
         /// Bytes that `elems` weights of a row take (for NVFP4 a multiple of 16: codes and
         /// block scales, [`crate::nvfp4::row_bytes`]).
         fn bytes(elems: usize) -> usize;
@@ -119,10 +118,13 @@ mod device {
         fn values(self) -> [f32; 8];
         /// What the chunk's dot product with the input is multiplied by before it is added to
         /// the sum (NVFP4: its block scale times 2^14), where [`Chunk::SCALED`].
-        fn scale(self) -> f32;
+        #[inline(always)]
+        fn scale(self) -> f32 {
+            1.0
+        }
         /// Whether [`Chunk::scale`] applies: each chunk's products summed apart, then scaled
         /// and added (else every product goes into the sum itself).
-        const SCALED: bool;
+        const SCALED: bool = false;
     }
 
     /// Eight bf16 weights that the launch reads once (one row: each weight row streamed by
@@ -134,8 +136,6 @@ mod device {
     impl Chunk for Streamed {
         const ZERO: Self = Streamed([0; 4]);
         const BYTES: usize = 16;
-        const MATRIX_SCALE: bool = false;
-        const SCALED: bool = false;
         #[inline(always)]
         fn bytes(elems: usize) -> usize {
             2 * elems
@@ -154,17 +154,11 @@ mod device {
         fn values(self) -> [f32; 8] {
             self.0.values()
         }
-        #[inline(always)]
-        fn scale(self) -> f32 {
-            1.0
-        }
     }
 
     impl Chunk for [u32; 4] {
         const ZERO: Self = [0; 4];
         const BYTES: usize = 16;
-        const MATRIX_SCALE: bool = false;
-        const SCALED: bool = false;
         #[inline(always)]
         fn bytes(elems: usize) -> usize {
             2 * elems
@@ -183,17 +177,12 @@ mod device {
         fn values(self) -> [f32; 8] {
             raw8_values(self)
         }
-        #[inline(always)]
-        fn scale(self) -> f32 {
-            1.0
-        }
     }
 
     impl Chunk for u64 {
         const ZERO: Self = 0;
         const BYTES: usize = 8;
         const MATRIX_SCALE: bool = true;
-        const SCALED: bool = false;
         #[inline(always)]
         fn bytes(elems: usize) -> usize {
             elems
@@ -227,10 +216,6 @@ mod device {
                 (v[2 * i], v[2 * i + 1]) = e4m3x2_to_f32((self >> (16 * i)) as u16);
             }
             v
-        }
-        #[inline(always)]
-        fn scale(self) -> f32 {
-            1.0
         }
     }
 

@@ -3,17 +3,13 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::act::{GatherParams, Relu2Params};
-use kernels_gpu::{EW_BLOCK, Kernel, chunks};
+use kernels_gpu::{EW_BLOCK, Kernel};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gpu::Gpu;
-
-/// Blocks of a grid-stride launch over `n` elements (four chunks per thread, at most 2048).
-fn grid(n: usize) -> u32 {
-    chunks(n as u32).div_ceil(EW_BLOCK * 4).clamp(1, 2048)
-}
+use crate::quant::elementwise_grid;
 
 /// `x = bf16(relu(x)^2)` over the first `n` elements.
 pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()> {
@@ -22,7 +18,7 @@ pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()>
     a.check().count("n", MAX_ELEMS, n)?;
     let p = Relu2Params { x: a.output("x", x, Len::AtLeast(n))?, n: n as u32 };
     // SAFETY: x holds at least n elements.
-    unsafe { gpu.launch(k, (grid(n), 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
 }
 
 /// `out[r] = table[idx[r]]`, rows of `width`; the indices are checked here (an index

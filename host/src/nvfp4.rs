@@ -7,13 +7,14 @@ use cudarc::driver::DevicePtrMut;
 use half::bf16;
 pub use kernels_gpu::nvfp4::row_bytes;
 use kernels_gpu::nvfp4::{BLOCK, ToBf16Params};
-use kernels_gpu::{EW_BLOCK, Kernel, chunks};
+use kernels_gpu::{EW_BLOCK, Kernel};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
 use crate::gemv::Weights;
 use crate::gpu::Gpu;
+use crate::quant::elementwise_grid;
 
 /// The device layout of `n` rows of `k` NVFP4 weights from a checkpoint's `codes` (`[n, k /
 /// 2]`, two e2m1 codes a byte, element `2i` in the low four bits) and block `scales` (`[n, k /
@@ -33,7 +34,7 @@ pub fn pack_rows(codes: &[u8], scales: &[u8], n: usize, k: usize) -> Result<Vec<
 
 /// `out = bf16(W)` for `matrices` NVFP4 matrices of `[n, k]` (`w`: [`Weights::Nvfp4`]), each
 /// weight `e2m1 * block scale * global[m]` rounded once to bf16 (nearest even, from the exact
-/// product: what `half::bf16::from_f64` gives the exact value). One launch.
+/// product: what `crate::cpu::nvfp4::bf16_nearest` gives the exact value). One launch.
 pub fn to_bf16(
     gpu: &Gpu,
     w: Weights<'_>,
@@ -44,30 +45,32 @@ pub fn to_bf16(
     let kern = Kernel::Nvfp4ToBf16;
     let a = gpu.args(kern);
     let c = a.check();
-    let Weights::Nvfp4 { rows, global } = w else {
+    if !matches!(w, Weights::Nvfp4 { .. }) {
         return Err(crate::Error::Shape {
             kernel: kern.name(),
             arg: "w",
             expected: "NVFP4 weights".into(),
             got: "bf16 or FP8 weights".into(),
         });
-    };
+    }
     c.count("n", MAX_ELEMS, n)?;
-    c.that("k", k.is_multiple_of(BLOCK) && k > 0, "a positive multiple of 16", k)?;
+    c.that("k", k > 0, "positive", k)?;
     let total = matrices * n * k;
     c.count("matrices * n * k", MAX_ELEMS, total)?;
+    // The codes and block scales of every matrix and a per-tensor scale each, k a multiple
+    // of 16: the checks of every NVFP4 launch.
+    let (rows, global, _) = w.args(&a, matrices, (n, k))?;
     let p = ToBf16Params {
-        w: a.input("w", rows, Len::Exactly(matrices * n * row_bytes(k)))?,
-        global: a.input("global", global, Len::Exactly(matrices))?,
+        w: rows,
+        global,
         out: a.output("out", out, Len::AtLeast(total))?,
         n: n as u32,
         k: k as u32,
         rows: (matrices * n) as u32,
     };
-    let grid = chunks(total as u32).div_ceil(EW_BLOCK * 4).clamp(1, 4096);
     // SAFETY: w holds matrices * n rows, global a scale per matrix, out the total; k is a
     // multiple of 16 and the total below 2^31.
-    unsafe { gpu.launch(kern, (grid, 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(kern, (elementwise_grid(total), 1, 1), EW_BLOCK, 0, p) }
 }
 
 #[cfg(test)]

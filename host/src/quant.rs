@@ -33,8 +33,9 @@ fn rows_of(kernel: Kernel, len: usize, width: usize) -> Result<usize> {
     Ok(len / width)
 }
 
-/// Blocks of a grid-stride launch over `n` elements (`n <= MAX_ELEMS`).
-fn elementwise_grid(n: usize) -> u32 {
+/// Blocks of a grid-stride launch over `n` elements (`n <= MAX_ELEMS`): the element-wise
+/// kernels' (here, act.rs, nvfp4.rs).
+pub(crate) fn elementwise_grid(n: usize) -> u32 {
     chunks(n as u32).div_ceil(EW_BLOCK * EW_CHUNKS_PER_THREAD).clamp(1, MAX_GRID)
 }
 

@@ -54,23 +54,19 @@ impl Nvfp4Linear {
         let (half, blocks) = (self.k / 2, self.k / NVFP4_BLOCK);
         let rows = self.codes.chunks_exact(half).zip(self.block.chunks_exact(blocks));
         rows.map(|(codes, scales)| {
-            let sum: f64 = codes
-                .chunks_exact(NVFP4_BLOCK / 2)
-                .zip(x.chunks_exact(NVFP4_BLOCK))
-                .zip(scales)
-                .map(|((c, x), s)| {
-                    let dot: f64 = c
-                        .iter()
-                        .zip(x.chunks_exact(2))
-                        .map(|(&b, x)| {
-                            f64::from(E2M1[usize::from(b & 15)]) * x[0] + f64::from(E2M1[usize::from(b >> 4)]) * x[1]
-                        })
-                        .sum();
-                    dot * s
-                })
-                .sum();
+            let mut sum = 0.0;
+            for ((c, x), s) in codes.chunks_exact(NVFP4_BLOCK / 2).zip(x.chunks_exact(NVFP4_BLOCK)).zip(scales) {
+                let pairs = c.iter().zip(x.chunks_exact(2));
+                let dot: f64 = pairs.map(|(&b, x)| e2m1(b & 15) * x[0] + e2m1(b >> 4) * x[1]).sum();
+                sum += dot * s;
+            }
             sum * self.global
         })
         .collect()
     }
+}
+
+/// The value of e2m1 code `c` (the low four bits).
+fn e2m1(c: u8) -> f64 {
+    f64::from(E2M1[usize::from(c)])
 }

@@ -48,20 +48,14 @@ impl Weights {
         }
     }
 
-    /// `matrices` matrices of `[n, k]` as bf16: bf16 weights as they are, NVFP4 ones
-    /// dequantized into a temporary ([`host::nvfp4::to_bf16`]), for the bf16 GEMMs of many
-    /// rows; FP8 is an error (its GEMMs take the codes).
-    pub(super) fn as_bf16<'a>(&'a self, g: &Gpu, matrices: usize, (n, k): (usize, usize)) -> Result<Bf16Weights<'a>> {
-        match self {
-            Weights::Bf16(w) => Ok(Bf16Weights::Held(w)),
-            Weights::Nvfp4 { .. } => {
-                // SAFETY: to_bf16 writes all matrices * n * k values before they are read.
-                let mut w = unsafe { g.scratch::<bf16>(matrices * n * k) }?;
-                host::nvfp4::to_bf16(g, self.view(), matrices, (n, k), &mut *w)?;
-                Ok(Bf16Weights::Made(w))
-            }
-            Weights::Fp8 { .. } => Err(unsupported("FP8 weights as bf16")),
-        }
+    /// `matrices` NVFP4 matrices of `[n, k]` dequantized to bf16 into a temporary
+    /// ([`host::nvfp4::to_bf16`]), for the bf16 GEMMs of many rows; other weights are an error.
+    pub(super) fn dequantized(&self, g: &Gpu, matrices: usize, (n, k): (usize, usize)) -> Result<host::Buffer<bf16>> {
+        // SAFETY: to_bf16 writes all matrices * n * k values before they are read (it refuses
+        // weights that are not NVFP4 before it launches).
+        let mut w = unsafe { g.scratch::<bf16>(matrices * n * k) }?;
+        host::nvfp4::to_bf16(g, self.view(), matrices, (n, k), &mut *w)?;
+        Ok(w)
     }
 
     /// Uploads `list` (all of `shape`, all bf16, all NVFP4, or all FP8 with or without input
@@ -139,26 +133,11 @@ pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
 /// Most rows of an NVFP4 linear layer that run through the gemv kernel (weight-only, the
 /// codes streamed and decoded once a row); more dequantize the weight to bf16
-/// ([`Weights::as_bf16`]) and go through cuBLASLt. On the H200 (`cargo bench --bench gemv --
+/// ([`Weights::dequantized`]) and go through cuBLASLt. On the H200 (`cargo bench --bench gemv --
 /// nvfp4/`, cold) Mamba's in_proj (10304 x 2688) took 40.4 us through the gemv at 4 rows and
 /// 75.1 at 8, the dequantization and cuBLASLt 55.1 and 53.7; q (4096 x 2688) 16.3 and 31.1
 /// against 28.1 and 28.7.
 pub const NVFP4_GEMV_MAX_ROWS: usize = 4;
-
-/// Weights as bf16 for a GEMM ([`Weights::as_bf16`]): held, or made for the launch.
-pub(super) enum Bf16Weights<'a> {
-    Held(&'a CudaSlice<bf16>),
-    Made(host::Buffer<bf16>),
-}
-
-impl Bf16Weights<'_> {
-    pub(super) fn slice(&self) -> &CudaSlice<bf16> {
-        match self {
-            Bf16Weights::Held(w) => w,
-            Bf16Weights::Made(w) => w,
-        }
-    }
-}
 
 impl CudaWeight {
     /// Uploads `l`'s weight (bf16, FP8 codes, or NVFP4 codes; no bias).
@@ -192,8 +171,8 @@ impl CudaWeight {
                 Ok(linear_fp8(g, (x, rows), Proj { w: self.w.view(), n: self.n, k: self.k, relu2 }, y)?)
             }
             Weights::Nvfp4 { .. } if rows > NVFP4_GEMV_MAX_ROWS => {
-                let w = self.w.as_bf16(g, 1, (self.n, self.k))?;
-                gemm_rows(g, x, rows, &w.slice().as_view(), (self.n, self.k), relu2, y)
+                let w = self.w.dequantized(g, 1, (self.n, self.k))?;
+                gemm_rows(g, x, rows, &w.as_view(), (self.n, self.k), relu2, y)
             }
             weights => Ok(gemv(g, x, rows, Proj { w: weights.view(), n: self.n, k: self.k, relu2 }, y)?),
         }

@@ -237,9 +237,9 @@ impl CudaExperts {
                 bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
             }
             (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => {
-                let up = self.up.as_bf16(g, c.experts, (self.inter, hidden))?;
-                let down = self.down.as_bf16(g, c.experts, (hidden, self.inter))?;
-                let mlp = ExpertMlp { up: up.slice(), down: down.slice(), inter: self.inter, hidden };
+                let up = self.up.dequantized(g, c.experts, (self.inter, hidden))?;
+                let down = self.down.dequantized(g, c.experts, (hidden, self.inter))?;
+                let mlp = ExpertMlp { up: &*up, down: &*down, inter: self.inter, hidden };
                 bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
             }
             (Weights::Fp8 { .. }, Weights::Fp8 { .. })

@@ -10,13 +10,14 @@
 //! has it, `wgmma`) from 16 to 4096 rows, each timed with events around one call (median of
 //! 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it: cuBLASLt and the
 //! same tensor-core GEMMs (`host::grouped::gemm`, every tile); TFLOP/s of `2 rows n k`. Then
-//! NVFP4 (weight-only): `nvfp4/.../m1` to `m16` the NVFP4 gemv by graph replays, cold, bytes the
-//! codes and block scales, x and y once; `nvfp4/.../m4` and up also the path past the gemv's
-//! rows, the weight dequantized to bf16 (`host::nvfp4::to_bf16`) then cuBLASLt, events around
-//! each call (median of 11).
+//! NVFP4 (weight-only): `nvfp4/.../m1` to `m64` the NVFP4 gemv by graph replays, cold, bytes the
+//! rows (codes, block scales, padding), x and y once: `kernel` what `gemv` takes (the warp mode
+//! at one row, then the tensor cores), `tc` the tensor-core kernel where `gemv` takes the warp
+//! mode; `nvfp4/.../m4` and up also the path past the gemv's rows, the weight dequantized to
+//! bf16 (`host::nvfp4::to_bf16`) then cuBLASLt, events around each call (median of 11).
 
 use half::bf16;
-use host::gemv::{Proj, Weights, gemv, gemv_split};
+use host::gemv::{NVFP4_TC_MIN_ROWS, Proj, Weights, gemv, gemv_split, gemv_tc};
 use host::grouped::{Tiles, gemm, linear_fp8_as};
 use host::nvfp4::{row_bytes, to_bf16};
 use nemotron_rs::{BenchGpu, Rng};
@@ -121,7 +122,7 @@ fn main() {
         let sets = BenchGpu::cold_sets(n * row_bytes(k));
         let row_sets: Vec<_> = (0..sets).map(|_| gpu.zeros::<u8>(n * row_bytes(k)).unwrap()).collect();
         let mut wb = gpu.zeros::<bf16>(n * k).unwrap();
-        for rows in [1usize, 2, 4, 8, 16] {
+        for rows in [1usize, 2, 4, 8, 16, 32, 64] {
             let tag = format!("nvfp4/{name}/{n}x{k}/m{rows}");
             if !BenchGpu::selected(&format!("gemv/{tag}/")) {
                 continue;
@@ -129,8 +130,13 @@ fn main() {
             let x = gpu.upload(&rng.bf16s(rows * k, -1.0, 1.0)).unwrap();
             let mut y = gpu.zeros::<bf16>(rows * n).unwrap();
             let w = |i: usize| Weights::Nvfp4 { rows: &row_sets[i], global: &one };
+            let bytes = n * row_bytes(k) + rows * (n + k) * 2;
             let timed = b.capture(sets, |i| gemv(gpu, &x, rows, Proj { w: w(i), n, k, relu2: false }, &mut y));
-            timed.report(&format!("gemv/{tag}/kernel"), n * row_bytes(k) + rows * (n + k) * 2);
+            timed.report(&format!("gemv/{tag}/kernel"), bytes);
+            if rows < NVFP4_TC_MIN_ROWS {
+                let timed = b.capture(sets, |i| gemv_tc(gpu, &x, rows, Proj { w: w(i), n, k, relu2: false }, &mut y));
+                timed.report(&format!("gemv/{tag}/tc"), bytes);
+            }
             if rows >= 4 {
                 let (med, p10, p90) = b.calls_us(|| {
                     to_bf16(gpu, w(0), 1, (n, k), &mut wb)?;

@@ -81,10 +81,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
 /// block, and the blocks an SM should hold at once (`.minnctapersm`, 0: not said). One block
 /// for `sample_bf16` (for sm_121a ptxas otherwise kept it at 64 registers, and spilled); the
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
-/// staging of some blocks overlaps the products of others; the FP8 mat-vecs two, so an SM
+/// staging of some blocks overlaps the products of others; the FP8 and NVFP4 tensor-core mat-vecs two, so an SM
 /// holds 16 warps of weight loads. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(Kernel, u32, u32); 24] = [
+const LAUNCH_BOUNDS: [(Kernel, u32, u32); 26] = [
     (Kernel::MoeRouteTc, router::ROUTER_BLOCK, 2),
     (Kernel::MoeGroupedWide, grouped::GROUPED_BLOCK, 2),
     (Kernel::MoeGrouped, grouped::GROUPED_BLOCK, 2),
@@ -101,6 +101,8 @@ const LAUNCH_BOUNDS: [(Kernel, u32, u32); 24] = [
     (Kernel::MambaDecode, mamba::MAMBA_BLOCK, 0),
     (Kernel::GemvTcFp8, qgemv::QG_BLOCK, 2),
     (Kernel::MoeExpertTcFp8, qgemv::QG_BLOCK, 2),
+    (Kernel::GemvTcNvfp4, qgemv::QG_BLOCK, 3),
+    (Kernel::MoeExpertTcNvfp4, qgemv::QG_BLOCK, 2),
     (Kernel::Sample, sample::SAMPLE_BLOCK, 1),
     (Kernel::SsdChunkState, ssd::SSD_STATE_BLOCK, 3),
     (Kernel::SsdStatePassF32, ssd::SSD_PASS_BLOCK, 2),

@@ -7,7 +7,7 @@
 use half::bf16;
 use host::cpu::gemm::linear;
 use host::cpu::nvfp4::bf16_nearest;
-use host::gemv::{Proj, Weights, gemv, gemv_split};
+use host::gemv::{Proj, Weights, gemv, gemv_split, gemv_tc};
 use host::grouped::{Tiles, gemm, linear_fp8_as};
 use host::nvfp4::{pack_rows, row_bytes, to_bf16};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, fp8_weights, gpu, nvfp4_weights, to_f64, w8a8};
@@ -86,11 +86,14 @@ fn gpu_gemv_fp8_matches_reference() {
     assert_eq!(compared, cases.iter().map(|&(n, _, _, rows)| rows * n).sum::<usize>());
 }
 
-/// The NVFP4 gemv (weight-only: `x W^T` with `W` the exact dequantized weights) against f64:
-/// Nano's shapes quantized as ModelOpt does (the expert up projection, in_proj, out_proj) at 1
-/// to 4 rows, with relu^2 once; rows of 16-byte-aligned codes whose k is not a multiple of the
-/// warp's 256-element pass (k 2688: a checked last pass); rows whose byte length is not a
-/// multiple of 4 (k 144, 2720: every chunk loaded byte by byte); k of one block.
+/// The NVFP4 gemv (weight-only: `x W^T` with `W` the exact dequantized weights) against f64,
+/// both kernels (`gemv` at one row takes the warp mode, from two the tensor cores; `gemv_tc`
+/// the tensor cores at every row count): Nano's shapes quantized as ModelOpt does (the expert
+/// up projection, in_proj, out_proj) at 1 to 17 rows (a pass of the tensor-core kernel is 8),
+/// with relu^2; k not a multiple of the warp mode's 256-element pass (2688, 2720: a checked last
+/// pass) nor of the tensor-core kernel's 128-element half step (2720: 1360 code bytes); k 144
+/// (72 code bytes: a lane's 16-byte load half past k, one block scale of its two); k of one
+/// block; n not a multiple of 16 (a block's rows partly past n).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gemv_nvfp4_matches_reference() {
@@ -102,17 +105,17 @@ fn gpu_gemv_nvfp4_matches_reference() {
         (10304, 2688, 1, false),
         (2688, 4096, 3, false),
         (1856, 2688, 4, true),
+        (4096, 2688, 8, false),
+        (2688, 1856, 9, true),
         (72, 2720, 2, false),
         (40, 144, 5, true),
         (9, 16, 1, false),
+        (24, 2720, 17, false),
     ];
     for (n, k, rows, relu2) in cases {
         let (packed, global, values) = nvfp4_weights(&mut rng, 1, n, k);
         let x = rng.bf16s(rows * k, -1.0, 1.0);
-        let (dw, dg) = (gpu.upload(&packed).unwrap(), gpu.upload(&global).unwrap());
-        let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-        let w = Weights::Nvfp4 { rows: &dw, global: &dg };
-        gemv(&gpu, &gpu.upload(&x).unwrap(), rows, Proj { w, n, k, relu2 }, &mut y).unwrap();
+        let (dw, dg, dx) = (gpu.upload(&packed).unwrap(), gpu.upload(&global).unwrap(), gpu.upload(&x).unwrap());
         let want: Vec<f64> = x
             .chunks(k)
             .flat_map(|r| {
@@ -121,11 +124,47 @@ fn gpu_gemv_nvfp4_matches_reference() {
             })
             .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
             .collect();
-        let label = format!("NVFP4 gemv {n} x {k}, rows {rows}, relu2 {relu2}");
-        compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-4, 1.0 / 128.0);
+        let w = Weights::Nvfp4 { rows: &dw, global: &dg };
+        for (kernel, tc) in [("gemv", false), ("gemv_tc", true)] {
+            let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+            let p = Proj { w, n, k, relu2 };
+            if tc { gemv_tc(&gpu, &dx, rows, p, &mut y) } else { gemv(&gpu, &dx, rows, p, &mut y) }.unwrap();
+            let label = format!("NVFP4 {kernel} {n} x {k}, rows {rows}, relu2 {relu2}");
+            compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-4, 1.0 / 128.0);
+        }
     }
     println!("NVFP4 gemv: {compared} values compared");
-    assert_eq!(compared, cases.iter().map(|&(n, _, rows, _)| rows * n).sum::<usize>());
+    assert_eq!(compared, 2 * cases.iter().map(|&(n, _, rows, _)| rows * n).sum::<usize>());
+}
+
+/// The tensor-core NVFP4 kernel's weights (each made a bf16 from its code and block scale,
+/// kernels-gpu/src/qgemv.rs) bit for bit: a row per e4m3 block scale code (all 254 that are not
+/// NaN, negative ones too, subnormals and zero), its 16 weights the 16 e2m1 codes, times rows
+/// of x that are the unit vectors: each output one weight times the per-tensor scale 1, a
+/// product bf16 holds exactly (at most 6 significant bits), against the CPU's exact values.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_nvfp4_tc_weights_are_exact() {
+    let gpu = gpu();
+    let k = 16;
+    let scales: Vec<u8> = (0..=255u8).filter(|s| s & 0x7f != 0x7f).collect();
+    let n = scales.len();
+    // Byte i of a row: codes 2i (low four bits) and 2i + 1.
+    let codes: Vec<u8> = (0..n * k / 2).map(|i| (2 * (i % 8) as u8) | (2 * (i % 8) as u8 + 1) << 4).collect();
+    let values = host::cpu::nvfp4::dequantize(&codes, &scales, 1.0, k);
+    let x: Vec<bf16> = (0..k * k).map(|i| if i / k == i % k { bf16::ONE } else { bf16::ZERO }).collect();
+    let (dw, dg) = (gpu.upload(&pack_rows(&codes, &scales, n, k).unwrap()).unwrap(), gpu.upload(&[1.0f32]).unwrap());
+    let mut y = gpu.upload(&vec![POISON_BF16; k * n]).unwrap();
+    let w = Weights::Nvfp4 { rows: &dw, global: &dg };
+    gemv_tc(&gpu, &gpu.upload(&x).unwrap(), k, Proj { w, n, k, relu2: false }, &mut y).unwrap();
+    // Zeros as +0 (the sign of a zero sum is the tensor cores' choice).
+    let bits = |v: bf16| if v == bf16::ZERO { 0 } else { v.to_bits() };
+    let got: Vec<u16> = gpu.download(&y).unwrap().into_iter().map(bits).collect();
+    // Row j of y is column j of the weights.
+    let want: Vec<u16> = (0..k * n).map(|i| bits(bf16_nearest(values[(i % n) * k + i / n]))).collect();
+    let compared = assert_same("NVFP4 tensor-core weights", &got, &want);
+    println!("NVFP4 tensor-core weights: {compared} compared, bit for bit");
+    assert_eq!(compared, 16 * 254);
 }
 
 /// NVFP4 dequantized to bf16 on the device (`nvfp4::to_bf16`) against the CPU's exact values
@@ -180,8 +219,9 @@ fn gpu_nvfp4_to_bf16_is_bit_exact() {
 }
 
 /// NVFP4 launches refuse what their kernels cannot take, naming it: k a multiple of 8 but not
-/// of 16 (a block scale would cover two rows), codes and scales of another length than the
-/// matrix's, the dequantization given bf16 weights or a short output.
+/// of 16 (a block scale would cover two rows; both gemv kernels), codes and scales of another
+/// length than the matrix's, the dequantization given bf16 weights or a short output, the
+/// tensor-core gemv given bf16 weights.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_nvfp4_misuse_is_refused() {
@@ -211,7 +251,11 @@ fn gpu_nvfp4_misuse_is_refused() {
     assert!(err.contains("`out`"), "{err}");
     let err = to_bf16(&gpu, w, 2, (n, k), &mut out).unwrap_err().to_string();
     assert!(err.contains("`w`"), "{err}");
-    println!("NVFP4 misuse: {} refusals, each naming its argument", refusals + 3);
+    let err = gemv_tc(&gpu, &x, 1, Proj { w: Weights::Bf16(&bf), n, k, relu2: false }, &mut y).unwrap_err().to_string();
+    assert!(err.contains("FP8 or NVFP4 weights"), "{err}");
+    let err = gemv_tc(&gpu, &x, 1, Proj { w, n, k: 24, relu2: false }, &mut y).unwrap_err().to_string();
+    assert!(err.contains("a multiple of 16"), "{err}");
+    println!("NVFP4 misuse: {} refusals, each naming its argument", refusals + 5);
 }
 
 /// The FP8 linear layer of many rows on tensor cores (`linear_fp8_as`: the rows quantized, then

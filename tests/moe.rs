@@ -822,9 +822,10 @@ mod gpu {
     }
 
     /// NVFP4 experts (weight-only, quantized as ModelOpt does) against f64 with the exact
-    /// dequantized weights: the expert kernel (`experts_mlp` after a dispatch) at Nano's expert
-    /// sizes (7 tokens of 2 choices, 40 of 6) and an odd shape (rows of 81 and 27 bytes: loads
-    /// byte by byte; 33 tokens); per choice (`experts_mlp_choices`, the combining fused, a
+    /// dequantized weights: the expert kernels (`experts_mlp` after a dispatch: the warp mode at
+    /// one token, the tensor cores from two) at Nano's expert sizes (7 tokens of 2 choices, 1
+    /// of 6, 40 of 6) and an odd shape (k of 144 and 48: 72 and 24 code bytes, a lane's 16-byte
+    /// load half past k; 33 tokens); per choice (`experts_mlp_choices`, the combining fused, a
     /// shared output added) within the summed tolerances, and at one token bit for bit the
     /// expert kernel then `combine`.
     #[test]

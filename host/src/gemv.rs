@@ -115,6 +115,16 @@ impl Proj<Weights<'_>> {
 /// 64 went from 9.476 and 34.489 ms to 7.222 and 22.457 (docs/PERFORMANCE.md).
 pub const FP8_TC_MIN_ROWS: usize = 2;
 
+/// Fewest rows of an NVFP4 linear layer, and fewest dispatched rows an expert on average of an
+/// expert launch, that run on tensor cores (kernels-gpu/src/qgemv.rs) rather than the warp mode.
+/// On the H200 (`cargo bench --bench gemv -- nvfp4/`, cold) the tensor-core kernel took 12.86 us
+/// at one row for Mamba's in_proj (10304 x 2688) against the warp mode's 12.54, 6.52 against
+/// 5.28 for q (4096 x 2688), and 14.31 and 6.74 at eight rows, where the warp mode had taken
+/// 75.13 and 31.13. NVFP4 `Engine::step` at decode batch 8 (48 choices over 128 experts, most
+/// given one row) took 7.128 ms with every expert launch on tensor cores, 6.224 (the next lease)
+/// with them in the warp mode.
+pub const NVFP4_TC_MIN_ROWS: usize = 2;
+
 /// Most rows of a launch of the warp mode (each warp loops over them): 2^24 - 1, as for the
 /// expert launches, whose kernels share its code.
 const MAX_WARP_ROWS: usize = (1 << 24) - 1;
@@ -123,8 +133,8 @@ const MAX_WARP_ROWS: usize = (1 << 24) - 1;
 /// `[n, k]`, each weight row streamed once for all the rows (a bandwidth-bound GEMV for small
 /// batches): bf16 weights a warp per pair of weight rows (kernels-gpu/src/gemv.rs); FP8 ones
 /// (W8A8: each input row quantized to e4m3 first) the same way at one row, on tensor cores from
-/// [`FP8_TC_MIN_ROWS`] (eight rows of x a pass over the weights, kernels-gpu/src/qgemv.rs);
-/// NVFP4 ones (weight-only) as bf16's, a pass over the weights a row.
+/// [`FP8_TC_MIN_ROWS`] ([`gemv_tc`]); NVFP4 ones (weight-only) as bf16's at one row, on tensor
+/// cores from [`NVFP4_TC_MIN_ROWS`].
 pub fn gemv(
     gpu: &Gpu,
     x: &impl DevicePtr<bf16>,
@@ -132,17 +142,53 @@ pub fn gemv(
     p: Proj<Weights>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let (kern, block_rows, block) = match p.w {
-        Weights::Bf16(_) => (Kernel::Gemv, WARP_BLOCK_ROWS, WARP_BLOCK),
-        Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => (Kernel::GemvFp8, WARP_BLOCK_ROWS, WARP_BLOCK),
-        Weights::Fp8 { .. } => (Kernel::GemvTcFp8, QG_ROWS, QG_BLOCK),
-        Weights::Nvfp4 { .. } => (Kernel::GemvNvfp4, WARP_BLOCK_ROWS, WARP_BLOCK),
+    let kern = match p.w {
+        Weights::Bf16(_) => Kernel::Gemv,
+        Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => Kernel::GemvFp8,
+        Weights::Nvfp4 { .. } if rows < NVFP4_TC_MIN_ROWS => Kernel::GemvNvfp4,
+        _ => return gemv_tc(gpu, x, rows, p, out),
     };
+    dense(gpu, (kern, WARP_BLOCK_ROWS, WARP_BLOCK), x, rows, p, out)
+}
+
+/// [`gemv`] of FP8 or NVFP4 weights on tensor cores (kernels-gpu/src/qgemv.rs): eight rows of
+/// x a pass over the weights, at any number of rows (bf16 weights are refused).
+pub fn gemv_tc(
+    gpu: &Gpu,
+    x: &impl DevicePtr<bf16>,
+    rows: usize,
+    p: Proj<Weights>,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let kern = match p.w {
+        Weights::Fp8 { .. } => Kernel::GemvTcFp8,
+        Weights::Nvfp4 { .. } => Kernel::GemvTcNvfp4,
+        Weights::Bf16(_) => {
+            return Err(crate::Error::Shape {
+                kernel: Kernel::GemvTcFp8.name(),
+                arg: "w",
+                expected: "FP8 or NVFP4 weights".into(),
+                got: "bf16 weights".into(),
+            });
+        }
+    };
+    dense(gpu, (kern, QG_ROWS, QG_BLOCK), x, rows, p, out)
+}
+
+/// A launch of a dense gemv kernel ([`DenseParams`]) with its weight rows and threads a block.
+fn dense(
+    gpu: &Gpu,
+    (kern, block_rows, block): (Kernel, u32, u32),
+    x: &impl DevicePtr<bf16>,
+    rows: usize,
+    p: Proj<Weights>,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
     let a = gpu.args(kern);
     a.check().count("rows", MAX_WARP_ROWS, rows)?;
     let params = DenseParams { o: p.operands(&a, (x, rows), 1, (out, rows))?, rows: rows as u32 };
-    // SAFETY: x holds rows * k, w one matrix of n * k (and the scales one value each), out
-    // rows * n; k is a multiple of 8.
+    // SAFETY: x holds rows * k, w one matrix of n rows of k (the scales one value each), out
+    // rows * n; k is a multiple of 8 (NVFP4: 16); the caller pairs the kernel with its block.
     unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(block_rows), 1, 1), block, 0, params) }
 }
 

@@ -16,7 +16,7 @@ use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
-use crate::gemv::{FP8_TC_MIN_ROWS, Proj};
+use crate::gemv::{FP8_TC_MIN_ROWS, NVFP4_TC_MIN_ROWS, Proj};
 use crate::gpu::Gpu;
 
 /// Routing settings (docs/MATH.md section 6).
@@ -371,7 +371,9 @@ impl<'a> ExpertMlp<&'a CudaSlice<bf16>> {
 /// shared expert's down projection cut into pieces; see [`experts_mlp`]). FP8 weights: W8A8,
 /// each input row quantized to e4m3 first. For small batches: each warp streams its weight rows
 /// once per [`kernels_gpu::gemv::WARP_TOKENS`] rows of the expert (again from cache for the
-/// next), as [`crate::gemv::gemv`] for one matrix.
+/// next), as [`crate::gemv::gemv`] for one matrix; FP8 weights from [`FP8_TC_MIN_ROWS`] tokens
+/// and NVFP4 ones from [`NVFP4_TC_MIN_ROWS`] dispatched rows an expert on average (entries
+/// against experts) on tensor cores, eight rows of an expert a pass over its weights.
 pub fn experts(
     gpu: &Gpu,
     d: &Dispatch,
@@ -400,6 +402,9 @@ fn project(
         }
         (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
         (ExpertWeights::Nvfp4 { .. }, ExpertRows::Choices(..)) => Kernel::MoeExpertChoicesNvfp4,
+        (ExpertWeights::Nvfp4 { .. }, ExpertRows::Routed { d, .. }) if d.entries() >= NVFP4_TC_MIN_ROWS * d.experts => {
+            Kernel::MoeExpertTcNvfp4
+        }
         (ExpertWeights::Nvfp4 { .. }, _) => Kernel::MoeExpertNvfp4,
     };
     let a = gpu.args(kern);
@@ -447,8 +452,10 @@ fn project(
         per: per as u32,
         experts: experts as u32,
     };
-    let (block_rows, block) =
-        if kern == Kernel::MoeExpertTcFp8 { (QG_ROWS, QG_BLOCK) } else { (WARP_BLOCK_ROWS, WARP_BLOCK) };
+    let (block_rows, block) = match kern {
+        Kernel::MoeExpertTcFp8 | Kernel::MoeExpertTcNvfp4 => (QG_ROWS, QG_BLOCK),
+        _ => (WARP_BLOCK_ROWS, WARP_BLOCK),
+    };
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
     // choices read row a / per of x (entries / per rows) and trap on an id not below experts;

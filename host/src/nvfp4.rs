@@ -18,7 +18,7 @@ use crate::quant::elementwise_grid;
 
 /// The device layout of `n` rows of `k` NVFP4 weights from a checkpoint's `codes` (`[n, k /
 /// 2]`, two e2m1 codes a byte, element `2i` in the low four bits) and block `scales` (`[n, k /
-/// 16]` e4m3): each row's codes, then its scales ([`row_bytes`] a row).
+/// 16]` e4m3): each row's codes, then its scales, then zeros ([`row_bytes`] a row).
 pub fn pack_rows(codes: &[u8], scales: &[u8], n: usize, k: usize) -> Result<Vec<u8>> {
     let c = Check("nvfp4::pack_rows");
     c.that("k", k.is_multiple_of(BLOCK) && k > 0, "a positive multiple of 16", k)?;
@@ -28,6 +28,7 @@ pub fn pack_rows(codes: &[u8], scales: &[u8], n: usize, k: usize) -> Result<Vec<
     for (row, s) in codes.chunks_exact(k / 2).zip(scales.chunks_exact(k / BLOCK)) {
         out.extend_from_slice(row);
         out.extend_from_slice(s);
+        out.resize(out.len().next_multiple_of(16), 0);
     }
     Ok(out)
 }
@@ -77,19 +78,26 @@ pub fn to_bf16(
 mod tests {
     use super::{pack_rows, row_bytes};
 
-    /// Each row's codes, then its scales; lengths and k refused by name.
+    /// Each row's codes, then its scales, then zeros to 16 bytes (none where the row fills
+    /// them); lengths and k refused by name.
     #[test]
     fn rows_are_codes_then_scales() {
+        for (n, k, pad) in [(3, 32, 14), (2, 128, 8), (2, 256, 0)] {
+            let codes: Vec<u8> = (0..n * k / 2).map(|i| i as u8).collect();
+            let scales: Vec<u8> = (0..n * k / 16).map(|i| 200 - i as u8).collect();
+            let rows = pack_rows(&codes, &scales, n, k).unwrap();
+            assert_eq!(row_bytes(k), k / 2 + k / 16 + pad, "k {k}");
+            assert_eq!(rows.len(), n * row_bytes(k));
+            for r in 0..n {
+                let row = &rows[r * row_bytes(k)..][..row_bytes(k)];
+                assert_eq!(&row[..k / 2], &codes[r * k / 2..][..k / 2], "row {r} codes");
+                assert_eq!(&row[k / 2..][..k / 16], &scales[r * k / 16..][..k / 16], "row {r} scales");
+                assert!(row[k / 2 + k / 16..].iter().all(|&b| b == 0), "row {r} padding");
+            }
+        }
         let (n, k) = (3, 32);
         let codes: Vec<u8> = (0..n * k / 2).map(|i| i as u8).collect();
         let scales: Vec<u8> = (0..n * k / 16).map(|i| 200 + i as u8).collect();
-        let rows = pack_rows(&codes, &scales, n, k).unwrap();
-        assert_eq!(rows.len(), n * row_bytes(k));
-        for r in 0..n {
-            let row = &rows[r * row_bytes(k)..][..row_bytes(k)];
-            assert_eq!(&row[..k / 2], &codes[r * k / 2..][..k / 2], "row {r} codes");
-            assert_eq!(&row[k / 2..], &scales[r * 2..][..2], "row {r} scales");
-        }
         for (c, s, k, says) in [(&codes[1..], &scales[..], k, "`codes`"), (&codes[..], &scales[1..], k, "`scales`")] {
             let err = pack_rows(c, s, n, k).unwrap_err().to_string();
             assert!(err.contains(says), "{err}");

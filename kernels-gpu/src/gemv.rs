@@ -105,9 +105,9 @@ mod device {
         /// Whether each matrix has a weight scale ([`Operands::w_scale`]) that the sums are
         /// multiplied by: FP8's, NVFP4's per-tensor one.
         const MATRIX_SCALE: bool = false;
-        /// Bytes that `elems` weights of a row take (for NVFP4 a multiple of 16: codes and
-        /// block scales, [`crate::nvfp4::row_bytes`]).
-        fn bytes(elems: usize) -> usize;
+        /// Bytes that `elems` weights take, whole rows of `k` (`elems` a multiple of k; NVFP4:
+        /// a row its codes, block scales and padding, [`crate::nvfp4::row_bytes`]).
+        fn bytes(elems: usize, k: usize) -> usize;
         /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
         /// Elements `c..c + 8` of the row at `w` (`k` elements), all within it and aligned to
@@ -137,7 +137,7 @@ mod device {
         const ZERO: Self = Streamed([0; 4]);
         const BYTES: usize = 16;
         #[inline(always)]
-        fn bytes(elems: usize) -> usize {
+        fn bytes(elems: usize, _: usize) -> usize {
             2 * elems
         }
         #[inline(always)]
@@ -160,7 +160,7 @@ mod device {
         const ZERO: Self = [0; 4];
         const BYTES: usize = 16;
         #[inline(always)]
-        fn bytes(elems: usize) -> usize {
+        fn bytes(elems: usize, _: usize) -> usize {
             2 * elems
         }
         #[inline(always)]
@@ -184,7 +184,7 @@ mod device {
         const BYTES: usize = 8;
         const MATRIX_SCALE: bool = true;
         #[inline(always)]
-        fn bytes(elems: usize) -> usize {
+        fn bytes(elems: usize, _: usize) -> usize {
             elems
         }
         #[inline(always)]
@@ -235,8 +235,8 @@ mod device {
         const MATRIX_SCALE: bool = true;
         const SCALED: bool = true;
         #[inline(always)]
-        fn bytes(elems: usize) -> usize {
-            crate::nvfp4::row_bytes(elems)
+        fn bytes(elems: usize, k: usize) -> usize {
+            elems / k * crate::nvfp4::row_bytes(k)
         }
         #[inline(always)]
         unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
@@ -470,8 +470,9 @@ mod device {
     /// the kernel before (see [`partial_dots`]).
     ///
     /// # Safety
-    /// k a multiple of 8 (NVFP4: of 16; `at` and `stride` too); the weights (and the scales of matrix e, the pieces of a matrix
-    /// wherever they are) readable; `x_row` rows of x for rows `lo..hi`, which out holds. Each
+    /// k a multiple of 8 (NVFP4: of 16), `at` and `stride` multiples of k (whole rows, whose
+    /// bytes [`Chunk::bytes`] gives); the weights (and the scales of matrix e, the pieces
+    /// of a matrix wherever they are) readable; `x_row` rows of x for rows `lo..hi`, which out holds. Each
     /// output element is written by lane 0 of the one warp owning its weight row.
     #[inline(always)]
     pub unsafe fn warp_rows<W: Chunk, const EARLY: bool>(
@@ -489,7 +490,9 @@ mod device {
         // SAFETY: forwarded from the caller.
         unsafe {
             let w_scale = if W::MATRIX_SCALE { ld(o.w_scale, e) } else { 1.0 };
-            let wr = WarpRows { w: o.w.wrapping_add(W::bytes(at)), stride: W::bytes(stride), row0, e, w_scale, fp8 };
+            let k = o.k as usize;
+            let wr =
+                WarpRows { w: o.w.wrapping_add(W::bytes(at, k)), stride: W::bytes(stride, k), row0, e, w_scale, fp8 };
             // EARLY: the first group apart (it waits on the kernel before once its weights
             // are loading), so its loads are not hoisted out of the loop of the others.
             let mut j0 = lo;

@@ -162,6 +162,9 @@ kernels! {
     /// [`gemv::DenseParams`]: an FP8 linear layer of a few rows (W8A8) on tensor cores
     /// ([`qgemv`]).
     GemvTcFp8 = "gemv_tc_fp8",
+    /// [`gemv::DenseParams`]: an NVFP4 linear layer of a few rows (weight-only) on tensor
+    /// cores ([`qgemv`]).
+    GemvTcNvfp4 = "gemv_tc_nvfp4",
     /// [`gemv::DenseParams`]: as `Gemv`, NVFP4 weights (weight-only), its first weights
     /// loading before it waits.
     GemvNvfp4 = "gemv_nvfp4",
@@ -184,6 +187,8 @@ kernels! {
     MoeExpertNvfp4 = "moe_expert_nvfp4",
     /// [`moe::ExpertParams`]: as `MoeExpertFp8`, on tensor cores ([`qgemv`]).
     MoeExpertTcFp8 = "moe_expert_tc_fp8",
+    /// [`moe::ExpertParams`]: as `MoeExpertNvfp4`, on tensor cores ([`qgemv`]).
+    MoeExpertTcNvfp4 = "moe_expert_tc_nvfp4",
     /// [`moe::ExpertParams`]: one projection per routing choice, no dispatch (small batches).
     MoeExpertChoices = "moe_expert_choices_bf16",
     /// [`moe::ExpertParams`]: as `MoeExpertChoices`, e4m3 weights (W8A8).

@@ -199,7 +199,7 @@ mod kernels {
     use crate::EW_BLOCK;
     use crate::device::*;
     use crate::gemv::{Chunk, Fp4, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
-    use crate::qgemv::{Fp8Rows, QG_ROWS, fp8_tiles};
+    use crate::qgemv::{Fp8, Nvfp4, QG_ROWS, TcRows, TcWeights, tc_tiles};
 
     /// The largest of `v[0..n]` (shared memory) and its index, lowest index among equal
     /// values, by one full warp (lanes over i). NaN marks an entry already taken: skipped.
@@ -723,7 +723,7 @@ mod kernels {
             let e = e as usize;
             let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
             let x = [p.x.wrapping_add(c * k)];
-            let w = p.w.wrapping_add(W::bytes(at));
+            let w = p.w.wrapping_add(W::bytes(at, k));
             let w_scale = if W::MATRIX_SCALE { ld(p.w_scale, e) } else { 1.0 };
             let s = match fp8 {
                 false => 1.0,
@@ -733,7 +733,7 @@ mod kernels {
             let warp = (lane_id() as usize, 32);
             let dots = partial_dots::<W, R, 1, WARP_UNROLL, EARLY>(
                 w,
-                W::bytes(stride),
+                W::bytes(stride, k),
                 rows,
                 (&x, 1, &[(s, 1.0 / s)]),
                 (k, fp8),
@@ -791,18 +791,37 @@ mod kernels {
     /// the weights.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn moe_expert_tc_fp8(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { expert_tiles::<Fp8>(&p) }
+    }
+
+    /// As [`moe_expert_tc_fp8`], NVFP4 weights (weight-only, as
+    /// [`gemv_tc_nvfp4`](crate::qgemv) computes them; k a multiple of 16).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn moe_expert_tc_nvfp4(p: ExpertParams) {
+        // SAFETY: forwarded launch contract.
+        unsafe { expert_tiles::<Nvfp4>(&p) }
+    }
+
+    /// The body of the tensor-core expert kernels, weights of format `F`.
+    ///
+    /// # Safety
+    /// As for [`moe_expert_fp8`] (k a multiple of 16 for NVFP4); the whole block calls it.
+    #[inline(always)]
+    unsafe fn expert_tiles<F: TcWeights>(p: &ExpertParams) {
         grid_dependency_wait();
         let (n, k) = (p.o.n as usize, p.o.k as usize);
         let row0 = block_x() as usize * QG_ROWS as usize;
-        // SAFETY: as for moe_expert_fp8; the whole block returns or goes on together.
+        // SAFETY: the caller's contract; the whole block returns or goes on together.
         unsafe {
-            let Some((e, rows)) = active_expert(&p) else { return };
+            let Some((e, rows)) = active_expert(p) else { return };
             if row0 >= n {
                 return;
             }
             let (at, stride) = weight_rows(e, row0, (n, k), (p.piece0 as usize, p.pieces as usize));
-            let r = Fp8Rows { w: p.o.w.wrapping_add(at), stride, valid: (n - row0).min(QG_ROWS as usize), e };
-            fp8_tiles(&p.o, &r, row0, rows, |j| x_row(&p, j));
+            let (at, stride) = (F::bytes(at, k), F::bytes(stride, k));
+            let r = TcRows { w: p.o.w.wrapping_add(at), stride, valid: (n - row0).min(QG_ROWS as usize), e };
+            tc_tiles::<F>(&p.o, &r, row0, rows, |j| x_row(p, j));
         }
     }
 

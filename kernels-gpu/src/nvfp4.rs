@@ -5,9 +5,10 @@
 //!
 //! Layout: each row of `k` weights (k a multiple of [`BLOCK`]) is its `k / 2` code bytes (two
 //! e2m1 codes a byte, element `2i` in the low four bits) followed by its `k / 16` e4m3 block
-//! scales: [`row_bytes`] a row, rows one after another, matrices one after another; a f32
-//! per-tensor scale per matrix apart. So a chunk of 8 weights and its block scale lie in the
-//! row that a warp streams.
+//! scales, padded with zeros to a multiple of 16 bytes: [`row_bytes`] a row, rows one after
+//! another, matrices one after another; a f32 per-tensor scale per matrix apart. So a chunk of
+//! weights and its block scale lie in the row that a warp streams, and every row starts
+//! 16-byte aligned (the tensor-core kernels load 16 bytes of codes at a time).
 
 use crate::KernelParams;
 
@@ -15,9 +16,9 @@ use crate::KernelParams;
 pub const BLOCK: usize = 16;
 
 /// Bytes of `k` NVFP4 weights of a row (`k` a multiple of [`BLOCK`]): the codes, then the
-/// block scales.
+/// block scales, then zeros to a multiple of 16.
 pub const fn row_bytes(k: usize) -> usize {
-    k / 2 + k / BLOCK
+    (k / 2 + k / BLOCK).next_multiple_of(16)
 }
 
 /// `out = bf16(W)` for `rows` rows of NVFP4 weights laid out as this module says, `W[r][c] =

@@ -330,10 +330,12 @@ fn the_weights_agree_with_the_declaration() {
 /// - a 24-token prompt fed a token a step, then 8 greedy steps: every step the CUDA backend's
 ///   one-row path (the gemv and per-choice expert kernels reading the codes), each step's
 ///   logits within the bf16 band;
-/// - a 40-token prompt in a second slot (the dense projections past the gemv's rows: their
-///   weights dequantized to bf16, rounded once, for cuBLASLt; the experts through the expert
-///   kernel) and an 80-token one in a third (the experts past the expert kernel's rows: the
-///   bf16 grouped GEMM), their logits within the band of bf16-rounded weights; then 16 decode
+/// - a 12-token prompt in the first slot again (the dense projections and the experts on the
+///   tensor-core mat-vec, from the codes), a 40-token prompt in a second slot (the dense
+///   projections past the gemv's rows: their weights dequantized to bf16, rounded once, for
+///   cuBLASLt; the experts still on the tensor-core mat-vec) and an 80-token one in a third
+///   (the experts past the expert kernel's rows: the bf16 grouped GEMM), their logits within
+///   the band of bf16-rounded weights; then 16 decode
 ///   steps after the 80 fed the CPU's greedy tokens, whose states carry the prefill's bf16
 ///   weights: the largest gap printed, the greedy tokens mostly the same.
 #[test]
@@ -361,7 +363,9 @@ fn cuda_nvfp4_matches_cpu_nvfp4() {
             tok[0] = common::argmax(&a);
         }
         let mut next = [0u32];
-        for (slot, len) in [(2, 40), (1, 80)] {
+        cpu.release(0);
+        gpu.release(0);
+        for (slot, len) in [(0, 12), (2, 40), (1, 80)] {
             let prompt: Vec<u32> = (0..len).map(|i| (i * 7 % 64) as u32).collect();
             let part = Part { slot, computed: 0, tokens: &prompt };
             let p = [part];
@@ -372,7 +376,7 @@ fn cuda_nvfp4_matches_cpu_nvfp4() {
             compared += assert_close(&label, &b, &a, 0.12, 0.04);
             next[0] = common::argmax(&a);
         }
-        expected += 34 * config.vocab_size;
+        expected += 35 * config.vocab_size;
         let (mut worst, mut same) = (0.0f64, 0);
         for n in 0..16 {
             let part = Part { slot: 1, computed: 80 + n, tokens: &next };

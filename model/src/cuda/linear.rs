@@ -131,13 +131,15 @@ pub const SPLIT_MIN_K: usize = 3072;
 /// its 16-row time against the GEMM's is not yet measured.
 pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
-/// Most rows of an NVFP4 linear layer that run through the gemv kernel (weight-only, the
-/// codes streamed and decoded once a row); more dequantize the weight to bf16
-/// ([`Weights::dequantized`]) and go through cuBLASLt. On the H200 (`cargo bench --bench gemv --
-/// nvfp4/`, cold) Mamba's in_proj (10304 x 2688) took 40.4 us through the gemv at 4 rows and
-/// 75.1 at 8, the dequantization and cuBLASLt 55.1 and 53.7; q (4096 x 2688) 16.3 and 31.1
-/// against 28.1 and 28.7.
-pub const NVFP4_GEMV_MAX_ROWS: usize = 4;
+/// Most rows of an NVFP4 linear layer that run through the gemv kernels (weight-only, from the
+/// codes: the warp mode at one row, the tensor cores from `host::gemv::NVFP4_TC_MIN_ROWS`,
+/// eight rows a pass); more dequantize the weight to bf16 ([`Weights::dequantized`]) and go
+/// through cuBLASLt. On the H200 (`cargo bench --bench gemv -- nvfp4/`, cold) at 32 rows the
+/// tensor-core gemv took 43.6 us for Mamba's in_proj (10304 x 2688) against 54.2 dequantized and
+/// through cuBLASLt, 26.3 against 28.1 for out_proj (2688 x 4096), 19.9 against 30.9 for q (4096
+/// x 2688); at 64 rows 82.8 against 54.0 for in_proj (the two paths from two leases of the same
+/// day).
+pub const NVFP4_GEMV_MAX_ROWS: usize = 32;
 
 impl CudaWeight {
     /// Uploads `l`'s weight (bf16, FP8 codes, or NVFP4 codes; no bias).
@@ -150,8 +152,8 @@ impl CudaWeight {
     /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
     /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
     /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
-    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM; NVFP4 weights through the warp
-    /// mode, or past [`NVFP4_GEMV_MAX_ROWS`] rows dequantized to bf16 and through cuBLASLt.
+    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM; NVFP4 weights through the gemv
+    /// kernels, or past [`NVFP4_GEMV_MAX_ROWS`] rows dequantized to bf16 and through cuBLASLt.
     pub(super) fn forward(
         &self,
         g: &Gpu,

@@ -63,9 +63,10 @@ pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
 /// when this went from 64 to 1.
 pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
 
-/// Most rows of an NVFP4 MoE layer that go through the expert kernel (weight-only, the codes
-/// streamed once per row of an expert); more dequantize every expert to bf16 and take bf16's
-/// path past its expert kernel.
+/// Most rows of an NVFP4 MoE layer that go through the expert kernels (weight-only, from the
+/// codes: the warp mode, or the tensor cores where the experts average two rows or more,
+/// `host::gemv::NVFP4_TC_MIN_ROWS`); more dequantize every expert to bf16 and take bf16's path
+/// past its expert kernel.
 pub const NVFP4_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the

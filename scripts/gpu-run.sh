@@ -34,7 +34,7 @@ if [ "$1" = serve ]; then
   PORT=${PORT:-8123}
   .device/bin/serve --synthetic model/assets/nano-30b-a3b.json --backend cuda --slots 64 --port $PORT 2> $OUT/serve.log &
   SERVE=$!
-  for _ in $(seq 900); do grep -q "listening on" $OUT/serve.log && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 900); do grep -q "ready on" $OUT/serve.log && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
   tail -3 $OUT/serve.log
   .device/bin/serve_bench --url http://127.0.0.1:$PORT $SERVE_BENCH_ARGS 2>&1 | tee $OUT/serve-bench.log
   status=$?

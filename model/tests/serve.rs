@@ -41,7 +41,7 @@ fn python() -> PathBuf {
 
 /// `serve` on the CPU backend and a free port of 127.0.0.1 with `args` (its environment
 /// changed by `env`: a value of `None` removes the variable): the process, its address once it
-/// listens, and its log (stderr, read to its end on a thread so it never blocks on a full pipe).
+/// serves (the model loaded), and its log (stderr, read to its end on a thread so it never blocks on a full pipe).
 fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinHandle<String>) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_serve"));
     command.args(["--backend", "cpu", "--host", "127.0.0.1", "--port", "0"]).args(args).env("RUST_LOG", "info");
@@ -59,7 +59,7 @@ fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinH
     let log = std::thread::spawn(move || {
         let mut all = String::new();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(url) = line.split("listening on ").nth(1) {
+            if let Some(url) = line.split("ready on ").nth(1) {
                 let _ = tx.send(url.trim().to_string());
             }
             all += &line;
@@ -71,7 +71,7 @@ fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinH
         Ok(url) => (server, url, log),
         Err(_) => {
             drop(server);
-            panic!("serve did not say it listens within 60 s:\n{}", log.join().unwrap_or_default())
+            panic!("serve did not say it is ready within 60 s:\n{}", log.join().unwrap_or_default())
         }
     }
 }
@@ -267,4 +267,21 @@ fn serve_bench_reports_each_concurrency() {
         assert!(row[4] > 0.0 && row[5] > 0.0 && row[5] <= row[6] && row[7] <= row[8] && row[9] >= 1.0, "{out}");
     }
     assert!(bench().is_err(), "no server: an error");
+}
+
+/// The port is bound before the model loads: a port in use ends `serve` with the address in
+/// its error and no model loaded.
+#[test]
+fn a_port_in_use_is_refused_before_the_model_loads() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let port = taken.local_addr().expect("its address").port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_serve"))
+        .args(["--backend", "cpu", "--host", "127.0.0.1", "--port", &port])
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("running serve");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains(&format!("listening on 127.0.0.1:{port}")), "{log}");
+    assert!(!log.contains("loaded") && !log.contains("backend:"), "{log}");
 }

@@ -2,11 +2,13 @@
 //! `model::serve` has the routes and the engine thread). `--model` takes a checkpoint
 //! directory or a Hugging Face repo id already in the local cache ([`model::hub`]); without
 //! it, the built-in model; `--synthetic CONFIG` random weights of any size made in memory, for
-//! benchmarks (`serve_bench`). Logs go to stderr through tracing (`RUST_LOG=debug` shows each request);
-//! once it listens it prints `listening on http://ADDR` there.
+//! benchmarks (`serve_bench`). Logs go to stderr through tracing (`RUST_LOG=debug` shows each request):
+//! `listening on http://ADDR` once the port is bound, before the model loads (every request
+//! gets 503 until then, `/health` `{"status": "loading"}`), and `ready on http://ADDR` once it
+//! serves.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
@@ -19,7 +21,7 @@ use model::model::Model;
 use model::serve::api::Limits;
 use model::serve::prompt::Chat;
 use model::serve::worker::{EngineHandle, Starter};
-use model::serve::{Served, now, router};
+use model::serve::{Served, loading, now, router};
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
@@ -116,7 +118,7 @@ fn main() -> Result<()> {
     }
     let chat = Chat::from_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     let (backend, slots, max_len, step_tokens) = (args.backend, args.slots, args.max_len, args.max_step_tokens);
-    let engine = EngineHandle::spawn(args.max_queue, move |start: Starter| {
+    let start = move |start: Starter| {
         let load = |start: Starter, b| match b {
             None => {
                 tracing::info!("backend: CPU reference");
@@ -135,19 +137,29 @@ fn main() -> Result<()> {
                 load(start, gpu.ok())
             }
         }
-    })
-    .context("loading the model")?;
-    let info = engine.info;
-    tracing::info!(slots = info.slots, max_len = info.max_len, max_queue = args.max_queue, "model `{name}` loaded");
-    let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
-    let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now(), limits });
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
+        // The port first (a clash shows before the load), answering 503 until the model is in.
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("listening on {addr}"))?;
         let local = listener.local_addr()?;
-        tracing::info!("listening on http://{local}");
-        axum::serve(listener, router(state)).await.context("serving")
+        tracing::info!("listening on http://{local} (503 until the model has loaded)");
+        let ready = Arc::new(OnceLock::new());
+        let server = tokio::spawn(axum::serve(listener, loading(ready.clone())).into_future());
+        let max_queue = args.max_queue;
+        let engine = tokio::task::spawn_blocking(move || EngineHandle::spawn(max_queue, start))
+            .await?
+            .context("loading the model")?;
+        let info = engine.info;
+        tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
+        let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
+        let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now(), limits });
+        if ready.set(router(state)).is_err() {
+            bail!("the router was set twice");
+        }
+        tracing::info!("ready on http://{local}");
+        server.await.context("serving")?.context("serving")
     })
 }
 

@@ -1,6 +1,7 @@
 //! An OpenAI-compatible HTTP server over the [`Engine`](crate::engine::Engine) (the `serve`
 //! binary): `POST /v1/chat/completions`, `POST /v1/completions` (each streamed as
-//! server-sent events or not), `GET /v1/models`, `GET /health`.
+//! server-sent events or not), `GET /v1/models`, `GET /health`; while the model loads, 503s
+//! ([`loading`]).
 //!
 //! One thread owns the engine ([`worker`]); each HTTP request (its handler in `chat.rs` or
 //! `completions.rs`) checks its body ([`api`]), renders and tokenizes its prompt (these on the
@@ -25,11 +26,12 @@ mod tests;
 pub mod text;
 pub mod worker;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::Request;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{Method, StatusCode, Uri};
@@ -38,6 +40,7 @@ use axum::routing::{get, post};
 use axum::{Router, middleware};
 use serde_json::json;
 use tokenizers::Tokenizer;
+use tower::ServiceExt;
 
 use crate::chat::StopMatcher;
 use api::{ApiError, Common, Limits};
@@ -79,6 +82,27 @@ pub fn router(state: Arc<Served>) -> Router {
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::map_response(json_errors))
         .with_state(state)
+}
+
+/// What the server answers before the model has loaded (the port is bound first, so a port
+/// clash shows at once): every request is handed to the router in `ready` once it is set; until
+/// then `/health` answers 503 `{"status": "loading"}` and every other request 503 in OpenAI's
+/// error JSON.
+pub fn loading(ready: Arc<OnceLock<Router>>) -> Router {
+    let serve = tower::service_fn(move |req: Request| {
+        let ready = ready.clone();
+        async move {
+            match ready.get() {
+                Some(router) => router.clone().oneshot(req).await,
+                None if req.uri().path() == "/health" => {
+                    Ok((StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "loading"}))).into_response())
+                }
+                None => Ok(ApiError::other(StatusCode::SERVICE_UNAVAILABLE, "The model is still loading; retry later")
+                    .into_response()),
+            }
+        }
+    });
+    Router::new().fallback_service(serve)
 }
 
 /// An error answer that is not JSON (axum's own rejections, such as the body limit's plain

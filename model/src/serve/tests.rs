@@ -270,3 +270,37 @@ async fn health_answers_while_huge_prompts_are_tokenized() {
     assert_eq!(pending, 2, "the huge prompts were done before /health answered ({waited:?})");
     assert!(waited < Duration::from_millis(250), "/health took {waited:?} beside the prompts being tokenized");
 }
+
+/// Before the model is in, the bound port answers 503: `/health` `{"status": "loading"}`, any
+/// other request OpenAI's error JSON; once the router is set, it serves.
+#[tokio::test]
+async fn loading_answers_503_until_the_model_is_in() {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    let ready = Arc::new(std::sync::OnceLock::new());
+    let app = super::loading(ready.clone());
+    let call = |req: Request<Body>| {
+        let app = app.clone();
+        async move {
+            let r = app.oneshot(req).await.expect("infallible");
+            let status = r.status();
+            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+            (status, serde_json::from_slice::<Value>(&body).expect("JSON"))
+        }
+    };
+    let health = || Request::get("/health").body(Body::empty()).unwrap();
+    let chat = || Request::post("/v1/chat/completions").body(Body::from(request(false).to_string())).unwrap();
+    let (status, body) = call(health()).await;
+    assert_eq!((status, &body), (StatusCode::SERVICE_UNAVAILABLE, &json!({"status": "loading"})));
+    let (status, body) = call(chat()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("loading")), "{body}");
+    assert!(ready.set(super::router(writing("Paris."))).is_ok());
+    let (status, body) = call(health()).await;
+    assert_eq!((status, &body), (StatusCode::OK, &json!({"status": "ok"})));
+    let (status, body) = call(chat()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["message"]["reasoning"], "Paris.", "{body}");
+}

@@ -7,7 +7,8 @@
 //! `fp8/.../m1` and `m8` the FP8 gemv alone, by graph replays, cold (the bf16 gemv's method);
 //! `fp8/.../m16` and up the FP8 gemv against the FP8 GEMM on tensor cores
 //! (`host::grouped::linear_fp8_as`, its quantization included; 64-row tiles and, where the GPU
-//! has it, `wgmma`) from 16 to 4096 rows, each timed with events around one call (median of
+//! has it, `wgmma`) and against cuBLASLt's FP8 GEMM (`host::gemm::linear_fp8`, its quantization
+//! included) from 16 to 4096 rows, each timed with events around one call (median of
 //! 11; the GEMM's temporaries outgrow a graph's arena), with bf16 beside it: cuBLASLt and the
 //! same tensor-core GEMMs (`host::grouped::gemm`, every tile); TFLOP/s of `2 rows n k`. Then
 //! NVFP4 (weight-only): `nvfp4/.../m1` to `m64` the NVFP4 gemv by graph replays, cold, bytes the
@@ -107,6 +108,7 @@ fn main() {
                 let what = format!("fp8 {tiles:?}");
                 line(&what, b.calls_us(|| linear_fp8_as(gpu, (&x.as_view(), rows), proj, tiles, &mut y)));
             }
+            line("fp8 cublaslt", b.calls_us(|| host::gemm::linear_fp8(gpu, (&x.as_view(), rows), proj, &mut y)));
             // bf16 beside it: cuBLASLt (the model's path past one row) and the same tensor-core
             // GEMMs in bf16.
             line("cublaslt", b.calls_us(|| host::gemm::linear(gpu, rows, &x.as_view(), &wb.as_view(), n, k, &mut y)));

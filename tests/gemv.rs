@@ -258,12 +258,14 @@ fn gpu_nvfp4_misuse_is_refused() {
     println!("NVFP4 misuse: {} refusals, each naming its argument", refusals + 5);
 }
 
-/// The FP8 linear layer of many rows on tensor cores (`linear_fp8_as`: the rows quantized, then
-/// `gemm_fp8`, with each FP8 tile kind this GPU has) against W8A8 in f64: a Nano expert's up
-/// shape and in_proj's (n past the 128- and 256-column tiles' multiples) with a static input
-/// scale and with per-row scales, at one row, at 65 (a partial 64-row tile) and at 129 or 300
-/// (partial 128-row tiles); an odd shape (k not a multiple of the 64- or 128-byte stage); with
-/// relu^2 once.
+/// The FP8 linear layer of many rows on tensor cores against W8A8 in f64: ours
+/// (`linear_fp8_as`: the rows quantized, then `gemm_fp8`, with each FP8 tile kind this GPU has)
+/// and, with a static input scale, cuBLASLt's FP8 GEMM (`host::gemm::linear_fp8`); a Nano
+/// expert's up shape and in_proj's (n past the 128- and 256-column tiles' multiples) with a
+/// static input scale and with per-row scales, at one row, at 65 (a partial 64-row tile) and at
+/// 129 or 300 (partial 128-row tiles); an odd shape (k not a multiple of the 64- or 128-byte
+/// stage); with relu^2 once. Then cuBLASLt's refusals: dynamic scales, k not a multiple of 16,
+/// n not of 8.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_linear_fp8_matches_reference() {
@@ -290,12 +292,19 @@ fn gpu_linear_fp8_matches_reference() {
                 .flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale))
                 .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
                 .collect();
-            for &tiles in dense_tiles(&gpu).iter().filter(|&&t| t != Tiles::Wide) {
+            // Our tiles, and cuBLASLt's FP8 GEMM (None) where the input scale is static.
+            let ours = dense_tiles(&gpu).into_iter().filter(|&t| t != Tiles::Wide).map(Some);
+            for tiles in ours.chain(static_in.then_some(None)) {
                 let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-                linear_fp8_as(&gpu, (&dx.as_view(), rows), Proj { w, n, k, relu2 }, tiles, &mut y).unwrap();
-                let label = format!(
-                    "FP8 GEMM ({tiles:?}) {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}"
-                );
+                let (xv, p) = ((&dx.as_view(), rows), Proj { w, n, k, relu2 });
+                match tiles {
+                    Some(tiles) => linear_fp8_as(&gpu, xv, p, tiles, &mut y),
+                    None => host::gemm::linear_fp8(&gpu, xv, p, &mut y),
+                }
+                .unwrap();
+                let path = tiles.map_or("cuBLASLt".into(), |t| format!("{t:?}"));
+                let label =
+                    format!("FP8 GEMM ({path}) {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}");
                 // f32 sums of exact products against f64; relu^2 doubles the relative error
                 // of its bf16-rounded input.
                 let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
@@ -306,6 +315,21 @@ fn gpu_linear_fp8_matches_reference() {
     }
     println!("FP8 GEMM: {compared} values compared");
     assert_eq!(compared, expected);
+    // cuBLASLt's FP8 GEMM takes per-tensor scales and its alignment only.
+    let (codes, w_scale, _) = fp8_weights(&mut rng, 1, 48, 152);
+    let (dc, ds, one) = (gpu.upload(&codes).unwrap(), gpu.upload(&w_scale).unwrap(), gpu.upload(&[1.0f32]).unwrap());
+    let dx = gpu.upload(&rng.bf16_rows(2, 152)).unwrap();
+    let refused = |w, k, n| {
+        let p = Proj { w, n, k, relu2: false };
+        host::gemm::linear_fp8(&gpu, (&dx.as_view(), 2), p, &mut gpu.zeros::<bf16>(2 * n).unwrap())
+            .unwrap_err()
+            .to_string()
+    };
+    let dynamic = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: None };
+    assert!(refused(dynamic, 152, 48).contains("static input scale"));
+    let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: Some(&one) };
+    assert!(refused(w, 152, 48).contains("a multiple of 16"));
+    assert!(refused(w, 144, 38).contains("a multiple of 8"));
 }
 
 /// The bf16 linear layer of many rows on tensor cores (`gemm`, every tile kind this GPU has) against the

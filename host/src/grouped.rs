@@ -360,19 +360,29 @@ pub fn experts_mlp_grouped_as(
     }
 }
 
-/// An FP8 (W8A8) linear layer `p` over `rows` rows of `x` on tensor cores: the rows quantized
-/// ([`quant_rows`], the weight's static scale or per row), then [`gemm_fp8`] with the tiles of
-/// [`Tiles::for_fp8_linear`]. Two launches.
+/// An FP8 (W8A8) linear layer `p` over `rows` rows of `x` on tensor cores: with a static input
+/// scale (k a multiple of 16, n of 8) cuBLASLt's FP8 GEMM ([`crate::gemm::linear_fp8`]), faster
+/// than ours at every row count measured (docs/PERFORMANCE.md); else the rows quantized
+/// ([`quant_rows`], per row), then [`gemm_fp8`] with the tiles of [`Tiles::for_fp8_linear`].
+/// Two launches (three with relu^2 through cuBLASLt).
 pub fn linear_fp8(
     gpu: &Gpu,
     (x, rows): (&CudaView<'_, bf16>, usize),
     p: Proj<Weights<'_>>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    linear_fp8_as(gpu, (x, rows), p, Tiles::for_fp8_linear(gpu), out)
+    match p.w {
+        Weights::Fp8 { in_scale: Some(_), .. }
+            if p.k.is_multiple_of(16) && p.n.is_multiple_of(8) && gpu.blas().is_ok() =>
+        {
+            crate::gemm::linear_fp8(gpu, (x, rows), p, out)
+        }
+        _ => linear_fp8_as(gpu, (x, rows), p, Tiles::for_fp8_linear(gpu), out),
+    }
 }
 
-/// [`linear_fp8`] with the tiles given.
+/// The rows quantized ([`quant_rows`], the weight's static scale or per row), then
+/// [`gemm_fp8`] with the tiles given: [`linear_fp8`]'s own path.
 pub fn linear_fp8_as(
     gpu: &Gpu,
     (x, rows): (&CudaView<'_, bf16>, usize),

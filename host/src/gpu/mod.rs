@@ -49,7 +49,7 @@ pub struct Gpu {
     /// Most threads per block each function can launch with (its register use decides).
     max_threads: Vec<u32>,
     /// cuBLASLt on `stream`, created on first use (see [`Gpu::blas`]).
-    blas: std::sync::OnceLock<CudaBlasLT>,
+    blas: std::sync::OnceLock<Blas>,
     /// Most dynamic shared memory a block of each function may use (the device's opt-in
     /// limit less the function's static shared memory, enabled at load).
     max_smem: Vec<u32>,
@@ -71,6 +71,16 @@ pub struct Gpu {
     uploads: std::sync::Mutex<Option<[Stage; 2]>>,
     _module: Arc<CudaModule>,
 }
+
+/// cuBLASLt's handle on a [`Gpu`]'s stream (cudarc's matmuls, with a workspace of its own)
+/// and the workspace of the matmuls this crate describes itself (host/src/gemm.rs).
+pub(crate) struct Blas {
+    pub(crate) lt: CudaBlasLT,
+    pub(crate) workspace: CudaSlice<u8>,
+}
+
+/// Bytes of [`Blas::workspace`]: what NVIDIA advises for Hopper and later.
+pub(crate) const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Arrival counters [`Gpu::counters`] holds: one per block row of a grid (at most 65535).
 pub(crate) const COUNTERS: usize = 65535;
@@ -164,8 +174,8 @@ impl Gpu {
         self.ctx.name().during("reading the device name")
     }
 
-    /// cuBLASLt bound to this Gpu's stream (its workspace is allocated on first use).
-    pub(crate) fn blas(&self) -> Result<&CudaBlasLT> {
+    /// cuBLASLt bound to this Gpu's stream, with a workspace (allocated on first use).
+    pub(crate) fn blas(&self) -> Result<&Blas> {
         if let Some(b) = self.blas.get() {
             return Ok(b);
         }
@@ -173,9 +183,10 @@ impl Gpu {
         if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
             return Err(Error::NoCublas);
         }
-        let b = CudaBlasLT::new(self.stream.clone())
+        let lt = CudaBlasLT::new(self.stream.clone())
             .map_err(|source| Error::Cublas { during: "creating a handle", source })?;
-        Ok(self.blas.get_or_init(|| b))
+        let workspace = self.stream.alloc_zeros(BLAS_WORKSPACE).during("allocating cuBLASLt's workspace")?;
+        Ok(self.blas.get_or_init(|| Blas { lt, workspace }))
     }
 
     /// The stream all of this Gpu's work runs on.

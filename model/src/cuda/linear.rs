@@ -121,14 +121,13 @@ impl Weights {
 /// weight row needs more round trips on long rows.
 pub const SPLIT_MIN_K: usize = 3072;
 
-/// Most rows of an FP8 linear layer that run through the gemv kernel; more run through the
-/// FP8 GEMM on tensor cores ([`linear_fp8`]). On the H200 (`cargo bench --bench gemv --
-/// fp8/`, static input scale, the GEMM's quantization included) at 16 rows the GEMM took 40.9
-/// us against the gemv's 143.5 for Mamba's in_proj (10304 x 2688) and 39.0 against 65.4 for
-/// the shared expert's up projection, but 79.5 against 62.7 for out_proj (2688 x 4096), with the
-/// gemv's warp mode then (its time grew with the rows; the GEMM's hardly does below 128). From
-/// 2 rows the gemv now runs on tensor cores, eight rows a pass (`host::gemv::FP8_TC_MIN_ROWS`):
-/// its 16-row time against the GEMM's is not yet measured.
+/// Most rows of an FP8 linear layer that run through the gemv kernels; more run through an
+/// FP8 GEMM ([`linear_fp8`]: cuBLASLt's with a static input scale). On the H200 (`cargo bench
+/// --bench gemv -- fp8/`, static input scale, the quantization launch included) at 16 rows the
+/// gemv (on tensor cores from 2 rows, eight rows a pass: `host::gemv::FP8_TC_MIN_ROWS`) took
+/// 17.9 us against cuBLASLt's FP8 20.5 for q (4096 x 2688) and 17.3 against 20.5 for the shared
+/// expert's up projection, but 36.8 against 33.8 for Mamba's in_proj (10304 x 2688); at 64 rows
+/// 47.8 against 21.4 for q.
 pub const FP8_GEMV_MAX_ROWS: usize = 8;
 
 /// Most rows of an NVFP4 linear layer that run through the gemv kernels (weight-only, from the
@@ -152,7 +151,7 @@ impl CudaWeight {
     /// bf16 weights at one row through the gemv kernels' split mode (long rows) or warp mode
     /// (`cargo bench --bench gemv`: each at least as fast as cuBLASLt there, and chained to the
     /// launches around them), at more rows through cuBLASLt; FP8 weights through the warp
-    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows the FP8 GEMM; NVFP4 weights through the gemv
+    /// mode, or past [`FP8_GEMV_MAX_ROWS`] rows an FP8 GEMM; NVFP4 weights through the gemv
     /// kernels, or past [`NVFP4_GEMV_MAX_ROWS`] rows dequantized to bf16 and through cuBLASLt.
     pub(super) fn forward(
         &self,

@@ -150,7 +150,8 @@ fn openai_client_sees_reasoning_and_tool_calls() {
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("a free port");
     let url = format!("http://{}", listener.local_addr().unwrap());
-    runtime.spawn(async move { axum::serve(listener, model::serve::scripted::echo()).await });
+    let limits = model::serve::conn::ConnLimits::default();
+    runtime.spawn(async move { model::serve::conn::serve(listener, model::serve::scripted::echo(), limits).await });
     if let Err(e) = run_for(client_test("tool_calls_test.py", &url), Duration::from_secs(120)) {
         panic!("{e}");
     }

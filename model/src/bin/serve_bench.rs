@@ -10,6 +10,15 @@
 //! of its own, so the gaps are per token; a token whose text is held back, an incomplete
 //! character, arrives with the next).
 //!
+//! `--mixed` measures instead what long prompts do to decoding streams (chunked prefill:
+//! `serve --max-step-tokens`): a long prompt alone (`--long-tokens` tokens, its length found by
+//! two short requests first; max_tokens 1) three times, its whole request's time giving the
+//! prefill rate; then `--streams` streams decoding alone for `--seconds` (each running
+//! `--max-tokens` requests back to back, after a warm-up request each), then the same streams
+//! for as long again while a new long prompt arrives every `--long-every-ms`. It prints the
+//! streams' inter-token latency (median, p90, p99, max) in both phases, the p99 with long
+//! prompts against the median without, and the long prompts' whole-request times.
+//!
 //! The clients speak HTTP/1.1 over plain TCP (one connection a request) and read the
 //! server-sent events as they come; no Python, no client library, so it runs where only the
 //! binaries are.
@@ -46,17 +55,35 @@ struct Args {
     /// The user message of every request (client i's is prefixed with its number).
     #[arg(long, default_value = "Write a long story about a lighthouse keeper and the sea.")]
     prompt: String,
+    /// Long prompts arriving among decoding streams instead of the client sweep.
+    #[arg(long)]
+    mixed: bool,
+    /// With --mixed: the decoding streams.
+    #[arg(long, default_value_t = 32)]
+    streams: usize,
+    /// With --mixed: the tokens of each long prompt (about: its text is a sentence repeated).
+    #[arg(long, default_value_t = 4000)]
+    long_tokens: usize,
+    /// With --mixed: a new long prompt every this many milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    long_every_ms: u64,
+    /// With --mixed: seconds of each phase (streams alone, streams with long prompts).
+    #[arg(long, default_value_t = 15)]
+    seconds: u64,
 }
 
 /// What one request measured.
 struct Sample {
     /// From connecting to its first chunk with text.
-    ttft: Duration,
+    ttft: Option<Duration>,
+    /// From connecting to the stream's end.
+    total: Duration,
     /// Between the stream's chunks with text.
     gaps: Vec<Duration>,
     chunks: usize,
-    /// Generated tokens (the usage the server reports).
+    /// Generated tokens and prompt tokens (the usage the server reports).
     tokens: usize,
+    prompt_tokens: usize,
 }
 
 fn main() -> Result<()> {
@@ -64,6 +91,9 @@ fn main() -> Result<()> {
     let addr = args.url.strip_prefix("http://").context("--url must be http://HOST:PORT")?.trim_end_matches('/');
     if args.clients.contains(&0) || args.rounds == 0 || args.max_tokens == 0 {
         bail!("--clients, --rounds and --max-tokens must be at least 1");
+    }
+    if args.mixed {
+        return mixed(addr, &args);
     }
     println!(
         "serve_bench: {} with {} tokens a request (greedy, ignore_eos), {} measured rounds after {} warm-up",
@@ -81,7 +111,7 @@ fn main() -> Result<()> {
                 args.max_tokens
             );
         }
-        let ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+        let ttft = samples.iter().map(|s| s.ttft.context("a stream ended without text")).collect::<Result<Vec<_>>>()?;
         let gaps: Vec<Duration> = samples.iter().flat_map(|s| s.gaps.iter().copied()).collect();
         let ms = |v: &[Duration], p: f64| {
             percentile(v, p).map_or("-".to_string(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
@@ -111,12 +141,7 @@ fn run(addr: &str, args: &Args, n: usize) -> Result<(Vec<Sample>, Duration)> {
     let start = Arc::new(Barrier::new(n + 1));
     let clients: Vec<_> = (0..n)
         .map(|i| {
-            let body = json!({
-                "messages": [{"role": "user", "content": format!("{i}: {}", args.prompt)}],
-                "stream": true, "stream_options": {"include_usage": true},
-                "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": true,
-            })
-            .to_string();
+            let body = chat_body(&format!("{i}: {}", args.prompt), args.max_tokens);
             let (addr, start, warmup, rounds) = (addr.to_string(), start.clone(), args.warmup, args.rounds);
             std::thread::spawn(move || -> Result<Vec<Sample>> {
                 let warm = (0..warmup).try_for_each(|_| request(&addr, &body).map(drop));
@@ -134,6 +159,118 @@ fn run(addr: &str, args: &Args, n: usize) -> Result<(Vec<Sample>, Duration)> {
         samples.extend(c.join().map_err(|_| anyhow::anyhow!("a client panicked"))??);
     }
     Ok((samples, t0.elapsed()))
+}
+
+/// A streamed greedy chat request of one user message, `max_tokens` tokens with ignore_eos.
+fn chat_body(content: &str, max_tokens: usize) -> String {
+    json!({
+        "messages": [{"role": "user", "content": content}],
+        "stream": true, "stream_options": {"include_usage": true},
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+    })
+    .to_string()
+}
+
+/// `--mixed` (module doc).
+fn mixed(addr: &str, args: &Args) -> Result<()> {
+    if args.streams == 0 || args.seconds == 0 || args.long_tokens < 64 {
+        bail!("--streams and --seconds must be at least 1, --long-tokens at least 64");
+    }
+    // The long prompt's length: a sentence repeated, its tokens a repeat found from two sizes.
+    let unit = "The keeper climbed the winding stairs at dusk and lit the great lamp above the sea. ";
+    let tokens = |reps: usize| request(addr, &chat_body(&unit.repeat(reps), 1)).map(|s| s.prompt_tokens);
+    let (t8, t16) = (tokens(8)?, tokens(16)?);
+    let per = (t16.saturating_sub(t8) as f64 / 8.0).max(1.0);
+    let fixed = t8 as f64 - 8.0 * per;
+    let reps = ((args.long_tokens as f64 - fixed) / per).round().max(1.0) as usize;
+    let long = |i: usize| chat_body(&format!("{i}: {}", unit.repeat(reps)), 1);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let alone: Vec<Sample> = (0..3).map(|i| request(addr, &long(i))).collect::<Result<_>>()?;
+    let prompt = alone[0].prompt_tokens;
+    let total: Vec<Duration> = alone.iter().map(|s| s.total).collect();
+    let p50 = percentile(&total, 0.5).unwrap_or_default();
+    println!(
+        "serve_bench --mixed: {}; a long prompt of {prompt} tokens alone (max_tokens 1): {:.1} ms (median of 3), \
+         {:.0} prompt tokens/s",
+        args.url,
+        ms(p50),
+        prompt as f64 / p50.as_secs_f64()
+    );
+    // Each stream's warm-up request first (a first step of each batch size records its graph).
+    let warm: Vec<String> = (0..args.streams).map(|i| chat_body(&format!("{i}: {}", args.prompt), 8)).collect();
+    std::thread::scope(|s| {
+        let all: Vec<_> = warm.iter().map(|b| s.spawn(|| request(addr, b))).collect();
+        all.into_iter().try_for_each(|h| joined(h).map(drop))
+    })?;
+    println!(
+        "phase                    ITL p50   ITL p90   ITL p99   ITL max  tokens/s  long prompts  their time p50 / max"
+    );
+    let mut plain = Duration::ZERO;
+    for with_long in [false, true] {
+        let until = Instant::now() + Duration::from_secs(args.seconds);
+        let (streams, longs, wall) = std::thread::scope(|s| -> Result<_> {
+            let t0 = Instant::now();
+            let streams: Vec<_> = (0..args.streams)
+                .map(|i| {
+                    let body = chat_body(&format!("{i}: {}", args.prompt), args.max_tokens);
+                    s.spawn(move || {
+                        let mut out = Vec::new();
+                        while Instant::now() < until {
+                            out.push(request(addr, &body)?);
+                        }
+                        Ok::<_, anyhow::Error>(out)
+                    })
+                })
+                .collect();
+            // A new long prompt every period, each on a thread of its own (they may overlap).
+            let mut longs = Vec::new();
+            let period = Duration::from_millis(args.long_every_ms);
+            let mut k = 0;
+            while with_long && t0 + period * k < until {
+                std::thread::sleep((t0 + period * k).saturating_duration_since(Instant::now()));
+                let body = long(1000 + k as usize);
+                longs.push(s.spawn(move || request(addr, &body)));
+                k += 1;
+            }
+            let streams: Vec<Vec<Sample>> = streams.into_iter().map(joined).collect::<Result<_>>()?;
+            let longs: Vec<Sample> = longs.into_iter().map(joined).collect::<Result<_>>()?;
+            let streams: Vec<Sample> = streams.into_iter().flatten().collect();
+            Ok((streams, longs, t0.elapsed()))
+        })?;
+        let gaps: Vec<Duration> = streams.iter().flat_map(|s| s.gaps.iter().copied()).collect();
+        let q = |p: f64| percentile(&gaps, p).map_or("-".into(), |d| format!("{:.2}", ms(d)));
+        let tokens: usize = streams.iter().map(|s| s.tokens).sum();
+        let total: Vec<Duration> = longs.iter().map(|s| s.total).collect();
+        let long_time = match (percentile(&total, 0.5), total.iter().max()) {
+            (Some(a), Some(b)) => format!("{:.1} / {:.1}", ms(a), ms(*b)),
+            _ => "-".into(),
+        };
+        let name =
+            if with_long { format!("{} streams + long", args.streams) } else { format!("{} streams", args.streams) };
+        println!(
+            "{name:<22} {:>9} {:>9} {:>9} {:>9} {:>9.1} {:>13}  {long_time}",
+            q(0.5),
+            q(0.9),
+            q(0.99),
+            q(1.0),
+            tokens as f64 / wall.as_secs_f64(),
+            longs.len(),
+        );
+        match with_long {
+            false => plain = percentile(&gaps, 0.5).unwrap_or_default(),
+            true => println!(
+                "ITL p99 with long prompts / ITL p50 without: {:.2}",
+                percentile(&gaps, 0.99).unwrap_or_default().as_secs_f64() / plain.as_secs_f64().max(1e-9)
+            ),
+        }
+    }
+    println!("(times in ms; each phase {} s)", args.seconds);
+    Ok(())
+}
+
+/// What a client thread returned, a panic as an error.
+fn joined<T>(h: std::thread::ScopedJoinHandle<'_, Result<T>>) -> Result<T> {
+    h.join().map_err(|_| anyhow::anyhow!("a client panicked"))?
 }
 
 /// One streamed chat request on a connection of its own.
@@ -165,8 +302,9 @@ fn request(addr: &str, body: &str) -> Result<Sample> {
         r.read_to_string(&mut rest)?;
         bail!("{status}: {rest}");
     }
-    let (mut events, mut sample, mut last) = (Events::default(), None::<Sample>, t0);
-    let mut tokens = None;
+    let (mut events, mut last) = (Events::default(), t0);
+    let mut sample = Sample { ttft: None, total: Duration::ZERO, gaps: vec![], chunks: 0, tokens: 0, prompt_tokens: 0 };
+    let (mut tokens, mut prompt_tokens) = (None, None);
     while let Some(bytes) = body_piece(&mut r, chunked)? {
         let now = Instant::now();
         for data in events.push(&bytes) {
@@ -179,24 +317,24 @@ fn request(addr: &str, body: &str) -> Result<Sample> {
             }
             if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                 tokens = Some(n as usize);
+                prompt_tokens = v["usage"]["prompt_tokens"].as_u64().map(|n| n as usize);
             }
             let delta = &v["choices"][0]["delta"];
             let text = ["content", "reasoning"].iter().any(|k| delta[k].as_str().is_some_and(|t| !t.is_empty()));
             if !text && delta.get("tool_calls").is_none() {
                 continue;
             }
-            match &mut sample {
-                None => sample = Some(Sample { ttft: now - t0, gaps: vec![], chunks: 1, tokens: 0 }),
-                Some(s) => {
-                    s.gaps.push(now - last);
-                    s.chunks += 1;
-                }
+            match sample.ttft {
+                None => sample.ttft = Some(now - t0),
+                Some(_) => sample.gaps.push(now - last),
             }
+            sample.chunks += 1;
             last = now;
         }
     }
-    let mut sample = sample.context("the stream ended without text")?;
+    sample.total = t0.elapsed();
     sample.tokens = tokens.context("the stream ended without usage")?;
+    sample.prompt_tokens = prompt_tokens.context("the usage has no prompt_tokens")?;
     Ok(sample)
 }
 

@@ -17,6 +17,7 @@
 pub mod api;
 mod chat;
 mod completions;
+pub mod conn;
 mod generation;
 pub mod prompt;
 #[cfg(feature = "scripted")]

@@ -22,6 +22,7 @@ use model::model::Model;
 use model::serve::api::Limits;
 use model::serve::conn::{self, ConnLimits};
 use model::serve::prompt::Chat;
+use model::serve::special::{Special, SpecialInContent};
 use model::serve::worker::{EngineHandle, Starter};
 use model::serve::{Served, loading, now, router};
 use model::weights::Checkpoint;
@@ -88,6 +89,11 @@ struct Args {
     /// Most bytes of each `stop` string.
     #[arg(long, default_value_t = Limits::default().max_stop_bytes)]
     max_stop_bytes: usize,
+    /// What becomes of special-token text (`<|im_end|>`, ...) in chat content: `allow` keeps it
+    /// as the control tokens it spells (as vLLM does: a user can then close their turn and open
+    /// another), `refuse` answers 400, `escape` tokenizes it as plain text.
+    #[arg(long, value_enum, default_value_t = SpecialInContent::Allow)]
+    special_tokens_in_content: SpecialInContent,
     /// Most connections open at once; past them a new one gets 503 (lowered to fit the
     /// process's descriptor limit, `ulimit -n`).
     #[arg(long, default_value_t = ConnLimits::default().max)]
@@ -139,6 +145,7 @@ fn main() -> Result<()> {
         model::synthetic::fill_vocabulary(&mut tokenizer, config.vocab_size);
     }
     let chat = Chat::from_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    let special = Special::new(&tokenizer, args.special_tokens_in_content).map_err(anyhow::Error::msg)?;
     let step_tokens = (args.max_step_tokens > 0).then_some(args.max_step_tokens);
     let (backend, slots, max_len) = (args.backend, args.slots, args.max_len);
     let start = move |start: Starter| {
@@ -177,7 +184,8 @@ fn main() -> Result<()> {
         let info = engine.info;
         tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
         let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
-        let state = Arc::new(Served { name, tokenizer: Arc::new(tokenizer), chat, engine, created: now(), limits });
+        let tokenizer = Arc::new(tokenizer);
+        let state = Arc::new(Served { name, tokenizer, chat, engine, created: now(), limits, special });
         if ready.set(router(state)).is_err() {
             bail!("the router was set twice");
         }

@@ -56,12 +56,8 @@ fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
         }
     };
     f.refuse(&["functions", "function_call"], "pass `tools`")?;
-    let text = s
-        .chat
-        .render(messages, tools, &kwargs)
-        .map_err(|e| ApiError::invalid(Some("messages"), format!("The chat template failed: {e}")))?;
-    let prompt = s.encode(&text)?;
-    Ok(Prepared { c, prompt, text, parse_tools: parse_tools.cloned() })
+    let p = s.special.prompt((&s.chat, &s.tokenizer), messages, tools, &kwargs)?;
+    Ok(Prepared { c, prompt: p.ids, text: p.text, parse_tools: parse_tools.cloned() })
 }
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {

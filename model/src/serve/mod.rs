@@ -22,6 +22,7 @@ mod generation;
 pub mod prompt;
 #[cfg(feature = "scripted")]
 pub mod scripted;
+pub mod special;
 #[cfg(test)]
 mod tests;
 pub mod text;
@@ -61,6 +62,8 @@ pub struct Served {
     pub created: u64,
     /// What a request may ask for.
     pub limits: Limits,
+    /// What becomes of special-token text in chat content.
+    pub special: special::Special,
 }
 
 /// The largest request body the server reads (axum's default, stated): past it a request gets
@@ -179,8 +182,7 @@ impl Served {
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        let enc = self.tokenizer.encode(text, false).map_err(|e| ApiError::internal(format!("tokenizing: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        special::encode(&self.tokenizer, text)
     }
 
     /// Checks the prompt and hands it to the engine.

@@ -12,6 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::Limits;
 use super::prompt::Chat;
+use super::special::{Special, SpecialInContent};
 use super::worker::{self, ModelInfo, Update};
 use super::{Served, router};
 use crate::engine::{Event, Finish, RequestParams};
@@ -52,7 +53,12 @@ impl Turn {
 
 /// A server on the built-in model's tokenizer and chat template whose engine hands each
 /// request to `script`, one at a time (2 slots, no queue past them, a context of 4096).
-pub fn built_in(mut script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
+pub fn built_in(script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
+    built_in_with(SpecialInContent::Allow, script)
+}
+
+/// [`built_in`] with special-token text in chat content as `special` says.
+pub fn built_in_with(special: SpecialInContent, mut script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
     let dir = crate::built_in::dir().expect("writing the built-in model");
     let tokenizer = Arc::new(Tokenizer::from_file(dir.join("tokenizer.json")).expect("its tokenizer"));
     let chat = Chat::from_dir(&dir).expect("its chat template");
@@ -62,7 +68,8 @@ pub fn built_in(mut script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
     let engine = worker::scripted(info, 0, move |prompt, params, out| {
         script(Turn { prompt, params, out, tokenizer: tok.clone(), eos })
     });
-    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0, limits: Limits::default() })
+    let special = Special::new(&tokenizer, special).expect("the built-in tokenizer's special tokens");
+    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0, limits: Limits::default(), special })
 }
 
 /// The routes of a [`built_in`] server whose engine writes back each request's last user

@@ -5,7 +5,8 @@
 //! and its body within [`ConnLimits::body`] ([`read_body`]: 408 past it); past
 //! [`ConnLimits::max`] open connections a new one gets 503 in OpenAI's error JSON and is
 //! closed, so the process stays below its descriptor limit (the cap is lowered to fit it) and
-//! refuses instead of going silent.
+//! refuses instead of going silent. hyper's own answers to requests it cannot parse (400, 431)
+//! get OpenAI's error JSON as their body ([`JsonErrors`]).
 
 use std::io;
 use std::sync::Arc;
@@ -20,7 +21,10 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::BODY_LIMIT;
@@ -89,10 +93,92 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnLimits) -> io
             let _guard = guard;
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(TokioTimer::new()).header_read_timeout(limits.header);
-            if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
+            let io = TokioIo::new(JsonErrors { inner: stream, pending: Vec::new() });
+            if let Err(e) = http.serve_connection(io, service).await {
                 tracing::debug!("connection ended: {e}");
             }
         });
+    }
+}
+
+/// A connection whose error answers from hyper itself (a malformed request: 400, headers past
+/// its buffer: 431; an empty body, written before any route sees the request) go out with
+/// OpenAI's error JSON as their body instead. Every other answer passes as written: the
+/// routes' errors already carry JSON, so an error status with `content-length: 0` is hyper's.
+struct JsonErrors<T> {
+    inner: T,
+    /// The rewritten answer's bytes not yet written.
+    pending: Vec<u8>,
+}
+
+impl<T> JsonErrors<T> {
+    /// The JSON answer for `buf` where it is one of hyper's bodiless error answers.
+    fn rewritten(buf: &[u8]) -> Option<Vec<u8>> {
+        let head_end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+        let head = std::str::from_utf8(&buf[..head_end]).ok()?;
+        let status_line = head.lines().next()?;
+        let code: u16 = status_line.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()?;
+        let status = StatusCode::from_u16(code).ok()?;
+        let empty = head.lines().any(|l| l.eq_ignore_ascii_case("content-length: 0"));
+        if !(status.is_client_error() || status.is_server_error()) || !empty || head_end + 4 != buf.len() {
+            return None;
+        }
+        let message = match status {
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => {
+                "The request's headers are too large or too many".to_string()
+            }
+            StatusCode::BAD_REQUEST => "The request is not valid HTTP/1.1".to_string(),
+            s => s.canonical_reason().unwrap_or("error").to_string(),
+        };
+        let body = ApiError::other(status, message).body().to_string();
+        let answer = format!(
+            "{status_line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        Some(answer.into_bytes())
+    }
+}
+
+impl<T: AsyncWrite + Unpin> JsonErrors<T> {
+    /// Writes what is pending of a rewritten answer.
+    fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.pending.is_empty() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.pending))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.pending.drain(..n);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for JsonErrors<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for JsonErrors<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        ready!(self.drain(cx))?;
+        if let Some(answer) = Self::rewritten(buf) {
+            self.pending = answer;
+            // Taken whole: the rest goes out with the next write, flush or shutdown.
+            let _ = self.drain(cx)?;
+            return Poll::Ready(Ok(buf.len()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.drain(cx))?;
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.drain(cx))?;
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -227,6 +313,30 @@ mod tests {
             .unwrap();
         let (got, _) = until_closed(&mut s, wait).await.expect("an answer");
         assert!(got.starts_with("HTTP/1.1 200") && got.ends_with("hello"), "{got}");
+    }
+
+    /// hyper's own answers to what never reaches the routes, in OpenAI's error JSON: 431 for
+    /// too many headers (or too large), 400 for what is not HTTP/1.1.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn malformed_requests_get_json_errors() {
+        let addr = server(ConnLimits::default()).await;
+        let many: String = (0..150).map(|i| format!("h{i}: v\r\n")).collect();
+        let huge = format!("x-big: {}\r\n", "a".repeat(1 << 19));
+        for (head, want) in [(many, "431"), (huge, "431"), (String::new(), "400")] {
+            let mut s = TcpStream::connect(&addr).await.unwrap();
+            let request = if head.is_empty() {
+                "GARBAGE\r\n\r\n".to_string()
+            } else {
+                format!("GET /health HTTP/1.1\r\n{head}\r\n")
+            };
+            // The server may answer and close before it has read all of a huge head.
+            let _ = s.write_all(request.as_bytes()).await;
+            let (got, _) = until_closed(&mut s, Duration::from_secs(5)).await.expect("an answer");
+            assert!(got.starts_with(&format!("HTTP/1.1 {want}")), "{got}");
+            let body = got.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+            let json: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {got}"));
+            assert_eq!(json["error"]["type"], "invalid_request_error", "{got}");
+        }
     }
 
     /// 300 slow sockets against a cap of 256: the ones past it get 503 at once, and so does

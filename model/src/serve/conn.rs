@@ -2,11 +2,11 @@
 //! slow or idle clients and floods of connections cannot hold the server. Each connection must
 //! send a request's headers within [`ConnLimits::header`] of the connection opening or of its
 //! last response (hyper's header read timeout: an idle keep-alive connection is closed too),
-//! and its body within [`ConnLimits::body`] ([`read_body`]: 408 past it); past
+//! and its body within [`ConnLimits::body`] (`read_body`: 408 past it); past
 //! [`ConnLimits::max`] open connections a new one gets 503 in OpenAI's error JSON and is
 //! closed, so the process stays below its descriptor limit (the cap is lowered to fit it) and
 //! refuses instead of going silent. hyper's own answers to requests it cannot parse (400, 431)
-//! get OpenAI's error JSON as their body ([`JsonErrors`]).
+//! get OpenAI's error JSON as their body (`JsonErrors`).
 
 use std::io;
 use std::sync::Arc;

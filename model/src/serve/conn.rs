@@ -54,8 +54,9 @@ const RESERVE_FDS: usize = 64;
 /// How long a refusal may take to write before its connection is dropped unanswered.
 const REFUSAL_WRITE: Duration = Duration::from_secs(1);
 
-/// The cap on open connections that fits `max` under this process's descriptor limit (its
-/// soft `RLIMIT_NOFILE` less [`RESERVE_FDS`], each refusal briefly holding one more).
+/// The cap on open connections that fits `max` under this process's descriptor limit: half of
+/// its soft `RLIMIT_NOFILE` less a reserve of 64 (the other half for connections on their way
+/// to a refusal, each holding a descriptor until its 503 is written).
 pub fn fitted_max(max: usize) -> usize {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes the struct it is given.

@@ -150,8 +150,10 @@ fn openai_client_sees_reasoning_and_tool_calls() {
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("a free port");
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let limits = model::serve::conn::ConnLimits::default();
-    runtime.spawn(async move { model::serve::conn::serve(listener, model::serve::scripted::echo(), limits).await });
+    // Never drained (the sender dropped): it serves until the runtime ends.
+    let (limits, never) = (model::serve::conn::ConnLimits::default(), tokio::sync::watch::channel(false).1);
+    let echo = model::serve::scripted::echo();
+    runtime.spawn(async move { model::serve::conn::serve(listener, echo, limits, never).await });
     if let Err(e) = run_for(client_test("tool_calls_test.py", &url), Duration::from_secs(120)) {
         panic!("{e}");
     }
@@ -285,4 +287,42 @@ fn a_port_in_use_is_refused_before_the_model_loads() {
     assert!(!out.status.success(), "{log}");
     assert!(log.contains(&format!("listening on 127.0.0.1:{port}")), "{log}");
     assert!(!log.contains("loaded") && !log.contains("backend:"), "{log}");
+}
+
+/// SIGTERM with a stream in flight (`--shutdown-timeout 0`: the generations are cut at once):
+/// the stream ends with a chunk of finish reason `abort` and `[DONE]`, and serve exits 0.
+#[test]
+fn sigterm_ends_a_stream_with_abort_and_exits_0() {
+    let (mut server, url, log) = serve(&["--shutdown-timeout", "0"], &[]);
+    let addr = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).expect("connecting");
+    let body = r#"{"messages": [{"role": "user", "content": "Go on."}], "stream": true, "max_tokens": 4000, "ignore_eos": true}"#;
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\n";
+    write!(stream, "{head}Content-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reader = BufReader::new(stream);
+    let (mut got, mut line) = (String::new(), String::new());
+    // The first chunk, then the signal.
+    while !got.contains("data: ") {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "the stream ended before its first chunk: {got}");
+        got += &line;
+    }
+    // SAFETY: kill sends a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) }, 0);
+    reader.read_to_string(&mut got).unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = server.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "serve still runs 10 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = log.join().unwrap_or_default();
+    assert!(status.success(), "serve ended {status}:\n{log}");
+    let abort = got.find(r#""finish_reason":"abort""#).unwrap_or_else(|| panic!("no abort chunk: {got}"));
+    let done = got.rfind("data: [DONE]").unwrap_or_else(|| panic!("no [DONE]: {got}"));
+    assert!(abort < done && got[done..].trim_end().ends_with("0"), "[DONE] last: {got}");
+    assert!(log.contains("SIGTERM: shutting down") && log.contains("shut down"), "{log}");
 }

@@ -94,6 +94,11 @@ struct Args {
     /// another), `refuse` answers 400, `escape` tokenizes it as plain text.
     #[arg(long, value_enum, default_value_t = SpecialInContent::Allow)]
     special_tokens_in_content: SpecialInContent,
+    /// Seconds the requests in flight have to finish after SIGTERM or SIGINT (new connections
+    /// get 503 meanwhile); then the generations still running end with finish reason `abort`
+    /// (a stream with its final chunk and `[DONE]`) and the server exits 0.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
     /// Most connections open at once; past them a new one gets 503 (lowered to fit the
     /// process's descriptor limit, `ulimit -n`).
     #[arg(long, default_value_t = ConnLimits::default().max)]
@@ -176,22 +181,59 @@ fn main() -> Result<()> {
         let local = listener.local_addr()?;
         tracing::info!(max_connections = conns.max, "listening on http://{local} (503 until the model has loaded)");
         let ready = Arc::new(OnceLock::new());
-        let server = tokio::spawn(conn::serve(listener, loading(ready.clone()), conns));
+        let (drain, drained) = tokio::sync::watch::channel(false);
+        let mut server = tokio::spawn(conn::serve(listener, loading(ready.clone()), conns, drained));
         let max_queue = args.max_queue;
-        let engine = tokio::task::spawn_blocking(move || EngineHandle::spawn(max_queue, start))
-            .await?
-            .context("loading the model")?;
+        let load = tokio::task::spawn_blocking(move || EngineHandle::spawn(max_queue, start));
+        let engine = tokio::select! {
+            engine = load => engine?.context("loading the model")?,
+            signal = shutdown_signal() => {
+                tracing::info!("{signal} while the model loads: exiting");
+                std::process::exit(0);
+            }
+        };
         let info = engine.info;
         tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
         let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
         let tokenizer = Arc::new(tokenizer);
-        let state = Arc::new(Served { name, tokenizer, chat, engine, created: now(), limits, special });
-        if ready.set(router(state)).is_err() {
+        let ending = Default::default();
+        let state = Arc::new(Served { name, tokenizer, chat, engine, created: now(), limits, special, ending });
+        if ready.set(router(state.clone())).is_err() {
             bail!("the router was set twice");
         }
         tracing::info!("ready on http://{local}");
-        server.await.context("serving")?.context("serving")
+        let signal = tokio::select! {
+            served = &mut server => return served.context("serving")?.context("serving"),
+            signal = shutdown_signal() => signal,
+        };
+        // Graceful: no new connections (503), the requests in flight finish until the deadline,
+        // then the generations still running end with `abort` and the connections close.
+        let timeout = Duration::from_secs(args.shutdown_timeout);
+        tracing::info!("{signal}: shutting down, requests in flight have {} s to finish", timeout.as_secs());
+        drain.send_replace(true);
+        if tokio::time::timeout(timeout, &mut server).await.is_err() {
+            tracing::info!("ending the generations still running (finish reason `abort`)");
+            state.ending.cut();
+            if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
+                tracing::warn!("connections still open 5 s after the generations ended: exiting anyway");
+            }
+        }
+        tracing::info!("shut down");
+        Ok(())
     })
+}
+
+/// SIGTERM or SIGINT (Ctrl-C), by name, once one arrives.
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::warn!("no signal handlers: SIGTERM and SIGINT end the server at once");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
 }
 
 /// `--max-step-tokens` by default, the largest of those measured that keeps decoding streams

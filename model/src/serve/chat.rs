@@ -73,8 +73,8 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         let (mut deltas, mut logprobs, mut finish) = (vec![], vec![], "stop");
         while let Some(p) = g.next().await? {
             deltas.extend(parser.push(&p.text));
-            if c.sampling.logprobs {
-                logprobs.push(s.chat_logprob(&p.token, c.token_ids));
+            if let (true, Some(t)) = (c.sampling.logprobs, &p.token) {
+                logprobs.push(s.chat_logprob(t, c.token_ids));
             }
             finish = p.finish.unwrap_or(finish);
         }
@@ -125,8 +125,8 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 Some(Some(p)) => p,
                 Some(None) => break,
             };
-            if c.sampling.logprobs {
-                pending.push(s.chat_logprob(&piece.token, c.token_ids));
+            if let (true, Some(t)) = (c.sampling.logprobs, &piece.token) {
+                pending.push(s.chat_logprob(t, c.token_ids));
             }
             let Some(p) = parser.as_mut() else { break };
             let mut deltas = p.push(&piece.text);

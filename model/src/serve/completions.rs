@@ -57,7 +57,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     if !c.stream {
         let (mut text, mut tokens, mut finish) = (String::new(), vec![], "stop");
         while let Some(p) = g.next().await? {
-            tokens.push((text.len(), p.token));
+            tokens.extend(p.token.map(|t| (text.len(), t)));
             text += &p.text;
             finish = p.finish.unwrap_or(finish);
         }
@@ -88,7 +88,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 Some(Some(p)) => p,
                 Some(None) => break,
             };
-            pending.push((offset, p.token));
+            pending.extend(p.token.map(|t| (offset, t)));
             offset += p.text.len();
             if (!p.text.is_empty() || p.finish.is_some())
                 && !out

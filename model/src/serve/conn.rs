@@ -26,6 +26,7 @@ use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
 
 use super::BODY_LIMIT;
 use super::api::ApiError;
@@ -69,12 +70,27 @@ pub fn fitted_max(max: usize) -> usize {
 }
 
 /// Serves `app` on `listener` within `limits` (`limits.max` as given: see [`fitted_max`]) until
-/// the listener fails.
-pub async fn serve(listener: TcpListener, app: Router, limits: ConnLimits) -> io::Result<()> {
-    let open = Arc::new(AtomicUsize::new(0));
+/// `drain` turns true and every connection has closed: from then on a new connection gets 503,
+/// and each open one finishes the request it is serving (a stream runs to its end) and closes.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnLimits,
+    mut drain: watch::Receiver<bool>,
+) -> io::Result<()> {
+    let (open, closed) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
     let app = app.layer(axum::middleware::from_fn_with_state(limits.body, read_body));
     loop {
-        let stream = match listener.accept().await {
+        let draining = *drain.borrow();
+        if draining && open.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = changed(&mut drain), if !draining => continue,
+            _ = closed.notified(), if draining => continue,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
                 // Out of descriptors (or another passing failure): wait for some to close.
@@ -83,22 +99,50 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnLimits) -> io
                 continue;
             }
         };
-        if open.fetch_add(1, Ordering::AcqRel) >= limits.max {
-            open.fetch_sub(1, Ordering::AcqRel);
-            tokio::spawn(refuse(stream, limits.max));
+        if draining {
+            tokio::spawn(refuse(stream, "The server is shutting down; retry elsewhere or later".into()));
             continue;
         }
-        let guard = Open(open.clone());
-        let service = TowerToHyperService::new(app.clone());
+        if open.fetch_add(1, Ordering::AcqRel) >= limits.max {
+            open.fetch_sub(1, Ordering::AcqRel);
+            let message = format!("The server has {} connections open, its limit; retry later", limits.max);
+            tokio::spawn(refuse(stream, message));
+            continue;
+        }
+        let guard = Open(open.clone(), closed.clone());
+        let (service, mut drain) = (TowerToHyperService::new(app.clone()), drain.clone());
         tokio::spawn(async move {
             let _guard = guard;
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(TokioTimer::new()).header_read_timeout(limits.header);
             let io = TokioIo::new(JsonErrors { inner: stream, pending: Vec::new() });
-            if let Err(e) = http.serve_connection(io, service).await {
+            let conn = http.serve_connection(io, service);
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = drained(&mut drain) => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!("connection ended: {e}");
             }
         });
+    }
+}
+
+/// Waits for `drain` to change; for ever once its sender is gone (nothing can drain it then).
+async fn changed(drain: &mut watch::Receiver<bool>) {
+    if drain.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Waits for `drain` to be true; for ever once its sender is gone while it is false.
+async fn drained(drain: &mut watch::Receiver<bool>) {
+    if drain.wait_for(|&d| d).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -183,23 +227,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for JsonErrors<T> {
     }
 }
 
-/// One open connection, counted until it is dropped.
-struct Open(Arc<AtomicUsize>);
+/// One open connection, counted until it is dropped (then the accept loop is told).
+struct Open(Arc<AtomicUsize>, Arc<Notify>);
 
 impl Drop for Open {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.notify_one();
     }
 }
 
-/// Answers a connection past the cap with 503 in OpenAI's error JSON and closes it.
-async fn refuse(mut stream: TcpStream, max: usize) {
-    let body = ApiError::other(
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("The server has {max} connections open, its limit; retry later"),
-    )
-    .body()
-    .to_string();
+/// Answers a connection with 503 (`message` in OpenAI's error JSON) and closes it.
+async fn refuse(mut stream: TcpStream, message: String) {
+    let body = ApiError::other(StatusCode::SERVICE_UNAVAILABLE, message).body().to_string();
     let answer = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
          connection: close\r\nretry-after: 1\r\n\r\n{body}",
@@ -260,7 +300,11 @@ mod tests {
             .route("/echo", post(|body: axum::body::Bytes| async move { body }));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(serve(listener, app, limits));
+        let (drain, rx) = watch::channel(false);
+        tokio::spawn(async move {
+            let _drain = drain;
+            serve(listener, app, limits, rx).await
+        });
         addr
     }
 
@@ -314,6 +358,34 @@ mod tests {
             .unwrap();
         let (got, _) = until_closed(&mut s, wait).await.expect("an answer");
         assert!(got.starts_with("HTTP/1.1 200") && got.ends_with("hello"), "{got}");
+    }
+
+    /// Draining: a new connection gets 503, a stream in flight runs to its end, then `serve`
+    /// returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn draining_finishes_what_is_in_flight_and_refuses_the_rest() {
+        use tokio_stream::StreamExt;
+        // Ten pieces, 100 ms apart.
+        let slow = || async {
+            let pieces = tokio_stream::iter(0..10).throttle(Duration::from_millis(100));
+            Body::from_stream(pieces.map(|i| Ok::<_, std::convert::Infallible>(format!("piece {i}\n"))))
+        };
+        let app = Router::new().route("/slow", get(slow)).route("/health", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (drain, rx) = watch::channel(false);
+        let served = tokio::spawn(serve(listener, app, ConnLimits::default(), rx));
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        drain.send_replace(true);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let got = health(&addr).await;
+        assert!(got.starts_with("HTTP/1.1 503") && got.contains("shutting down"), "{got}");
+        let (got, _) = until_closed(&mut s, Duration::from_secs(5)).await.expect("the stream ends");
+        assert!(got.contains("piece 0") && got.contains("piece 9\n"), "{got}");
+        let ended = tokio::time::timeout(Duration::from_secs(5), served).await;
+        assert!(matches!(ended, Ok(Ok(Ok(())))), "serve returns once drained: {ended:?}");
     }
 
     /// hyper's own answers to what never reaches the routes, in OpenAI's error JSON: 431 for

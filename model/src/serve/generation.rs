@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -24,10 +24,11 @@ pub(super) struct TokenOut {
 }
 
 /// What one token adds to a response: its text (possibly empty: held back), and the finish
-/// reason on the last.
+/// reason on the last. The piece that ends a generation cut short by the server's shutdown has
+/// no token: its text is what was held back, its finish `abort`.
 pub(super) struct Piece {
     pub(super) text: String,
-    pub(super) token: TokenOut,
+    pub(super) token: Option<TokenOut>,
     pub(super) finish: Option<&'static str>,
 }
 
@@ -40,6 +41,8 @@ pub(super) struct Gen {
     /// Tokens generated so far.
     pub(super) tokens: usize,
     pub(super) done: bool,
+    /// Set when the server's shutdown cuts the generations still running ([`super::Ending`]).
+    pub(super) cut: watch::Receiver<bool>,
 }
 
 impl Gen {
@@ -48,7 +51,12 @@ impl Gen {
         if self.done {
             return Ok(None);
         }
-        let event = match self.rx.recv().await {
+        let update = tokio::select! {
+            u = self.rx.recv() => Some(u),
+            _ = self.cut.wait_for(|&cut| cut) => None,
+        };
+        let Some(update) = update else { return self.abort().map(Some) };
+        let event = match update {
             None => return Err(ApiError::internal("the engine stopped")),
             Some(Update::Error { message, client: true }) => return Err(ApiError::invalid(None, message)),
             Some(Update::Error { message, .. }) => return Err(ApiError::internal(message)),
@@ -77,7 +85,21 @@ impl Gen {
             self.rx.close();
         }
         let token = TokenOut { id: event.token, logprob: event.logprob, top: event.top_logprobs };
-        Ok(Some(Piece { text, token, finish }))
+        Ok(Some(Piece { text, token: Some(token), finish }))
+    }
+
+    /// The generation ended by the server's shutdown: what text was held back, finish `abort`;
+    /// closing the channel cancels the request.
+    fn abort(&mut self) -> Result<Piece, ApiError> {
+        self.done = true;
+        self.rx.close();
+        let text = self.detok.finish().map_err(ApiError::internal)?;
+        let stop = self.stop.as_mut().expect("taken only when done");
+        let (mut text, _) = stop.push(&text);
+        if let Some(stop) = self.stop.take() {
+            text += &stop.finish();
+        }
+        Ok(Piece { text, token: None, finish: Some("abort") })
     }
 
     pub(super) fn usage(&self) -> Value {

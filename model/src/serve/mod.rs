@@ -12,7 +12,8 @@
 //! cancels its request at the next step: a stream's task sees its SSE channel close, and a
 //! non-streamed request's handler is dropped mid-await (hyper drops it when the connection
 //! closes), with the receiver it holds. Bad requests get a 4xx with an OpenAI error body and
-//! never reach the engine.
+//! never reach the engine. Connections are accepted by [`conn`] (timeouts, a cap, draining);
+//! at shutdown [`Ending::cut`] ends the generations still running.
 
 pub mod api;
 mod chat;
@@ -64,6 +65,27 @@ pub struct Served {
     pub limits: Limits,
     /// What becomes of special-token text in chat content.
     pub special: special::Special,
+    /// The server's shutdown, as the generations see it.
+    pub ending: Ending,
+}
+
+/// The end of the generations still running when the server shuts down: once [`Ending::cut`],
+/// each ends at once with finish reason `abort` (a stream with its final chunk and `[DONE]`,
+/// a non-streamed request with the text it has), its engine request cancelled.
+#[derive(Debug)]
+pub struct Ending(tokio::sync::watch::Sender<bool>);
+
+impl Default for Ending {
+    fn default() -> Ending {
+        Ending(tokio::sync::watch::Sender::new(false))
+    }
+}
+
+impl Ending {
+    /// Ends every generation running now or started later.
+    pub fn cut(&self) {
+        self.0.send_replace(true);
+    }
 }
 
 /// The largest request body the server reads (axum's default, stated): past it a request gets
@@ -200,6 +222,7 @@ impl Served {
             prompt_tokens: prompt.len(),
             tokens: 0,
             done: false,
+            cut: self.ending.0.subscribe(),
         })
     }
 

@@ -352,3 +352,38 @@ async fn special_token_text_in_content_as_the_policy_says() {
     }
     assert!(prompts.windows(2).all(|w| w[0] == w[1]), "a clean prompt's ids differ by policy: {prompts:?}");
 }
+
+/// The server's shutdown cuts the generations still running: a stream waiting for tokens ends
+/// with a chunk of finish reason `abort`, then `[DONE]`; a request started after the cut too.
+#[tokio::test]
+async fn a_cut_ends_running_streams_with_abort_and_done() {
+    // The engine takes each request and never answers it (its turn kept, so the channel stays open).
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = held.clone();
+    let s = scripted::built_in(move |turn| keep.lock().unwrap().push(turn));
+    let mut ask = request(true);
+    ask["stream_options"] = json!({"include_usage": true});
+    let running = tokio::spawn({
+        let (s, ask) = (s.clone(), ask.clone());
+        async move { post(&s, ask).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!running.is_finished(), "the stream waits for tokens");
+    s.ending.cut();
+    let limit = Duration::from_secs(5);
+    let first = tokio::time::timeout(limit, running).await.expect("the cut ends it").unwrap();
+    let later = tokio::time::timeout(limit, post(&s, ask)).await.expect("the cut ends it");
+    for (status, body) in [first, later] {
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let ev = events(&body);
+        assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{body}");
+        let finish: Vec<Value> = ev[..ev.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter(|v| !v["choices"][0]["finish_reason"].is_null())
+            .collect();
+        assert_eq!(finish.len(), 1, "{body}");
+        assert_eq!(finish[0]["choices"][0]["finish_reason"], "abort", "{body}");
+        assert!(body.contains(r#""completion_tokens":0"#), "{body}");
+    }
+}

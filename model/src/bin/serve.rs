@@ -24,7 +24,7 @@ use model::serve::conn::{self, ConnLimits};
 use model::serve::prompt::Chat;
 use model::serve::special::{Special, SpecialInContent};
 use model::serve::worker::{EngineHandle, Starter};
-use model::serve::{Served, loading, now, router};
+use model::serve::{Access, Served, loading, now, router};
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
@@ -94,6 +94,14 @@ struct Args {
     /// another), `refuse` answers 400, `escape` tokenizes it as plain text.
     #[arg(long, value_enum, default_value_t = SpecialInContent::Allow)]
     special_tokens_in_content: SpecialInContent,
+    /// The API key clients must send (`Authorization: Bearer KEY`) to the `/v1/` routes (else
+    /// 401; `/health` stays open). It shows in the process list: keep the machine's users in mind.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Origins whose browser pages may call the API (CORS), comma-separated
+    /// `http(s)://HOST[:PORT]`, or `*` for any; none by default.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
     /// Seconds the requests in flight have to finish after SIGTERM or SIGINT (new connections
     /// get 503 meanwhile); then the generations still running end with finish reason `abort`
     /// (a stream with its final chunk and `[DONE]`) and the server exits 0.
@@ -121,6 +129,8 @@ fn main() -> Result<()> {
     if args.max_connections == 0 || args.header_timeout == 0 || args.body_timeout == 0 {
         bail!("--max-connections, --header-timeout and --body-timeout must be at least 1");
     }
+    let access = Access { api_key: args.api_key.clone(), allowed_origins: args.allowed_origins.clone() };
+    access.check().map_err(|e| anyhow::anyhow!("--api-key / --allowed-origins: {e}"))?;
     let conns = ConnLimits {
         max: conn::fitted_max(args.max_connections),
         header: Duration::from_secs(args.header_timeout),
@@ -196,8 +206,8 @@ fn main() -> Result<()> {
         tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
         let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
         let tokenizer = Arc::new(tokenizer);
-        let ending = Default::default();
-        let state = Arc::new(Served { name, tokenizer, chat, engine, created: now(), limits, special, ending });
+        let (ending, created) = (Default::default(), now());
+        let state = Arc::new(Served { name, tokenizer, chat, engine, created, limits, special, ending, access });
         if ready.set(router(state.clone())).is_err() {
             bail!("the router was set twice");
         }

@@ -67,6 +67,37 @@ pub struct Served {
     pub special: special::Special,
     /// The server's shutdown, as the generations see it.
     pub ending: Ending,
+    /// Who may call the API.
+    pub access: Access,
+}
+
+/// Who may call the API: with an `api_key`, every `/v1/` route wants `Authorization: Bearer
+/// KEY` (compared in constant time; else 401 in OpenAI's error JSON; `/health` stays open for
+/// probes); with `allowed_origins`, browsers on those origins (`*`: any) may call it (CORS,
+/// preflight `OPTIONS` answered).
+#[derive(Clone, Debug, Default)]
+pub struct Access {
+    pub api_key: Option<String>,
+    pub allowed_origins: Vec<String>,
+}
+
+impl Access {
+    /// Fails on an empty key or an origin that is neither `*` nor `http(s)://HOST[:PORT]`.
+    pub fn check(&self) -> Result<(), String> {
+        if self.api_key.as_deref() == Some("") {
+            return Err("the API key is empty".into());
+        }
+        for o in &self.allowed_origins {
+            let url = o.strip_prefix("https://").or_else(|| o.strip_prefix("http://"));
+            let ok = o == "*"
+                || url.is_some_and(|h| !h.is_empty() && !h.contains('/'))
+                    && o.parse::<axum::http::HeaderValue>().is_ok();
+            if !ok {
+                return Err(format!("the allowed origin `{o}` is neither `*` nor http(s)://HOST[:PORT]"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The end of the generations still running when the server shuts down: once [`Ending::cut`],
@@ -96,7 +127,8 @@ pub const BODY_LIMIT: usize = 2 << 20;
 /// itself (an unknown path: 404, a wrong method: 405, a body past [`BODY_LIMIT`]: 413; see
 /// [`json_errors`]).
 pub fn router(state: Arc<Served>) -> Router {
-    Router::new()
+    let access = state.access.clone();
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
@@ -107,7 +139,51 @@ pub fn router(state: Arc<Served>) -> Router {
         })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::map_response(json_errors))
-        .with_state(state)
+        .layer(middleware::from_fn_with_state(Arc::new(access.api_key), authorized))
+        .with_state(state);
+    match cors(&access.allowed_origins) {
+        Some(cors) => routes.layer(cors),
+        None => routes,
+    }
+}
+
+/// Passes a request on where no key is set, where its path is not under `/v1/`, or where it
+/// carries `Authorization: Bearer KEY`; else 401 in OpenAI's error JSON.
+async fn authorized(State(key): State<Arc<Option<String>>>, req: Request, next: middleware::Next) -> Response {
+    let Some(key) = key.as_deref() else { return next.run(req).await };
+    let given = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let given = given.and_then(|v| v.strip_prefix("Bearer ")).unwrap_or_default();
+    if !req.uri().path().starts_with("/v1/") || same_secret(given.as_bytes(), key.as_bytes()) {
+        return next.run(req).await;
+    }
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "Incorrect or missing API key: send `Authorization: Bearer KEY`".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+    }
+    .into_response()
+}
+
+/// Whether `a` equals `b`, in a time that depends on their lengths only.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// The CORS layer for `origins` (`*`: any), none without them.
+fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| o.parse().ok()))
+    };
+    let headers = [axum::http::header::AUTHORIZATION, CONTENT_TYPE];
+    Some(CorsLayer::new().allow_origin(allow).allow_methods([Method::GET, Method::POST]).allow_headers(headers))
 }
 
 /// What the server answers before the model has loaded (the port is bound first, so a port

@@ -387,3 +387,66 @@ async fn a_cut_ends_running_streams_with_abort_and_done() {
         assert!(body.contains(r#""completion_tokens":0"#), "{body}");
     }
 }
+
+/// `--api-key`: the `/v1/` routes want `Authorization: Bearer KEY` (401 in OpenAI's error JSON
+/// without it or with another key, of the same length or not), `/health` does not;
+/// `--allowed-origins`: a browser's preflight from an allowed origin is answered with it,
+/// another origin is not; malformed settings are refused.
+#[tokio::test]
+async fn api_key_and_allowed_origins() {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    use super::{Access, router};
+
+    let mut served = Arc::try_unwrap(writing("Paris.")).ok().expect("the only owner");
+    served.access = Access { api_key: Some("sk-test".into()), allowed_origins: vec!["https://app.example".into()] };
+    let app = router(Arc::new(served));
+    let call = |req: Request<Body>| {
+        let app = app.clone();
+        async move {
+            let r = app.oneshot(req).await.expect("infallible");
+            let (status, headers) = (r.status(), r.headers().clone());
+            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+            (status, headers, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    let chat = |key: Option<&str>| {
+        let mut req = Request::post("/v1/chat/completions").header("content-type", "application/json");
+        if let Some(k) = key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        req.body(Body::from(request(false).to_string())).unwrap()
+    };
+    for key in [None, Some("sk-tesu"), Some("sk-test2"), Some("")] {
+        let (status, _, body) = call(chat(key)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{key:?}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{body}");
+    }
+    let (status, _, body) = call(chat(Some("sk-test"))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, _, body) = call(Request::get("/health").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let preflight = |origin: &str| {
+        Request::options("/v1/chat/completions")
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization,content-type")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, headers, _) = call(preflight("https://app.example")).await;
+    assert!(status.is_success(), "{status}");
+    assert_eq!(headers["access-control-allow-origin"], "https://app.example");
+    let (_, headers, _) = call(preflight("https://evil.example")).await;
+    assert!(headers.get("access-control-allow-origin").is_none(), "{headers:?}");
+    for (key, origin) in [(Some(""), "*"), (None, "app.example"), (None, "https://app.example/path"), (None, "ftp://x")]
+    {
+        let a = Access { api_key: key.map(String::from), allowed_origins: vec![origin.into()] };
+        assert!(a.check().is_err(), "{key:?} {origin}");
+    }
+    let a = Access { api_key: Some("k".into()), allowed_origins: vec!["*".into(), "http://localhost:3000".into()] };
+    assert_eq!(a.check(), Ok(()));
+}

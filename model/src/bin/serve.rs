@@ -40,7 +40,7 @@ enum Backend {
 }
 
 /// Serves a NemotronH model over the OpenAI API: /v1/chat/completions, /v1/completions,
-/// /v1/models, /health.
+/// /v1/models, vLLM's /tokenize and /detokenize, /health.
 #[derive(Parser, Debug)]
 #[command(name = "serve", version)]
 struct Args {

@@ -77,7 +77,8 @@ impl ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!(
-                "No route {path}: this server has /v1/chat/completions, /v1/completions, /v1/models, /health"
+                "No route {path}: this server has /v1/chat/completions, /v1/completions, /v1/models, /tokenize, \
+                 /detokenize, /health"
             ),
             kind: "invalid_request_error",
             param: None,

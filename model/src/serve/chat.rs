@@ -13,9 +13,9 @@ use super::prompt::Delta;
 use super::{Served, fresh, now};
 
 /// A chat request checked, its messages rendered with the chat template and tokenized.
-struct Prepared {
+pub(super) struct Prepared {
     c: Common,
-    prompt: Vec<u32>,
+    pub(super) prompt: Vec<u32>,
     /// The rendered prompt (the output parser starts from its end).
     text: String,
     /// The tools whose calls the output is parsed for.
@@ -24,7 +24,7 @@ struct Prepared {
 
 /// The blocking part of a chat request (parsing, checks, the template, the tokenizer): run on
 /// the blocking pool ([`Served::blocking`]), never on the async threads.
-fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
+pub(super) fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
     let m = api::parse_body(body)?;
     let f = Fields(&m);
     let c = api::common(&f, true, fresh(), &s.limits)?;

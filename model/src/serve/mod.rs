@@ -1,6 +1,7 @@
 //! An OpenAI-compatible HTTP server over the [`Engine`](crate::engine::Engine) (the `serve`
 //! binary): `POST /v1/chat/completions`, `POST /v1/completions` (each streamed as
-//! server-sent events or not), `GET /v1/models`, `GET /health`; while the model loads, 503s
+//! server-sent events or not), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
+//! `GET /health`; while the model loads, 503s
 //! ([`loading`]).
 //!
 //! One thread owns the engine ([`worker`]); each HTTP request (its handler in `chat.rs` or
@@ -27,6 +28,7 @@ pub mod special;
 #[cfg(test)]
 mod tests;
 pub mod text;
+mod tokenize;
 pub mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,9 +73,8 @@ pub struct Served {
     pub access: Access,
 }
 
-/// Who may call the API: with an `api_key`, every `/v1/` route wants `Authorization: Bearer
-/// KEY` (compared in constant time; else 401 in OpenAI's error JSON; `/health` stays open for
-/// probes); with `allowed_origins`, browsers on those origins (`*`: any) may call it (CORS,
+/// Who may call the API: with an `api_key`, every route but `/health` (open for probes) wants
+/// `Authorization: Bearer KEY` (compared in constant time; else 401 in OpenAI's error JSON); with `allowed_origins`, browsers on those origins (`*`: any) may call it (CORS,
 /// preflight `OPTIONS` answered).
 #[derive(Clone, Debug, Default)]
 pub struct Access {
@@ -133,6 +134,8 @@ pub fn router(state: Arc<Served>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::wrong_method(method.as_str(), uri.path())
@@ -147,13 +150,13 @@ pub fn router(state: Arc<Served>) -> Router {
     }
 }
 
-/// Passes a request on where no key is set, where its path is not under `/v1/`, or where it
-/// carries `Authorization: Bearer KEY`; else 401 in OpenAI's error JSON.
+/// Passes a request on where no key is set, where it asks for `/health`, or where it carries
+/// `Authorization: Bearer KEY`; else 401 in OpenAI's error JSON.
 async fn authorized(State(key): State<Arc<Option<String>>>, req: Request, next: middleware::Next) -> Response {
     let Some(key) = key.as_deref() else { return next.run(req).await };
     let given = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
     let given = given.and_then(|v| v.strip_prefix("Bearer ")).unwrap_or_default();
-    if !req.uri().path().starts_with("/v1/") || same_secret(given.as_bytes(), key.as_bytes()) {
+    if req.uri().path() == "/health" || same_secret(given.as_bytes(), key.as_bytes()) {
         return next.run(req).await;
     }
     ApiError {
@@ -256,6 +259,14 @@ async fn chat(State(s): State<Arc<Served>>, body: Bytes) -> Response {
 
 async fn completions(State(s): State<Arc<Served>>, body: Bytes) -> Response {
     completions::handle(s, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn tokenize(State(s): State<Arc<Served>>, body: Bytes) -> Response {
+    tokenize::tokenize(s, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn detokenize(State(s): State<Arc<Served>>, body: Bytes) -> Response {
+    tokenize::detokenize(s, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 impl Served {

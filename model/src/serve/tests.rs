@@ -450,3 +450,61 @@ async fn api_key_and_allowed_origins() {
     let a = Access { api_key: Some("k".into()), allowed_origins: vec!["*".into(), "http://localhost:3000".into()] };
     assert_eq!(a.check(), Ok(()));
 }
+
+/// `/tokenize` gives the ids a completions prompt or a chat request feeds the model (the
+/// chat's as the engine sees them), with token strings when asked; `/detokenize` gives the
+/// text back; bad input is a 400 naming the field.
+#[tokio::test]
+async fn tokenize_and_detokenize() {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let s = scripted::built_in(move |turn| {
+        record.lock().unwrap().push(turn.prompt.clone());
+        turn.write("ok");
+    });
+    let app = super::router(s.clone());
+    let call = |path: &str, body: Value| {
+        let (app, req) = (app.clone(), Request::post(path).body(Body::from(body.to_string())).unwrap());
+        async move {
+            let r = app.oneshot(req).await.expect("infallible");
+            let status = r.status();
+            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+            (status, serde_json::from_slice::<Value>(&body).expect("JSON"))
+        }
+    };
+    let (status, v) = call("/tokenize", json!({"prompt": "Hello there", "return_token_strs": true})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, s.tokenizer.encode("Hello there", false).unwrap().get_ids());
+    assert_eq!(v["count"], ids.len());
+    assert_eq!(v["max_model_len"], 4096);
+    assert_eq!(v["token_strs"].as_array().map(Vec::len), Some(ids.len()), "{v}");
+    let (status, back) = call("/detokenize", json!({"tokens": ids})).await;
+    assert_eq!((status, &back["prompt"]), (StatusCode::OK, &json!("Hello there")), "{back}");
+    // A chat request's ids are those the engine gets for it.
+    let (status, v) = call("/tokenize", request(false)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(v.get("token_strs").is_none(), "{v}");
+    let (status, _) = post(&s, request(false)).await;
+    assert_eq!(status, StatusCode::OK);
+    let fed = seen.lock().unwrap().pop().expect("the engine saw the prompt");
+    assert_eq!(serde_json::from_value::<Vec<u32>>(v["tokens"].clone()).unwrap(), fed);
+    let bad = [
+        ("/tokenize", json!({}), Value::Null),
+        ("/tokenize", json!({"prompt": 5}), json!("prompt")),
+        ("/tokenize", json!({"prompt": "a", "messages": []}), json!("prompt")),
+        ("/tokenize", json!({"prompt": "a", "add_generation_prompt": false}), json!("add_generation_prompt")),
+        ("/detokenize", json!({"tokens": [1, -2]}), json!("tokens")),
+        ("/detokenize", json!({"tokens": [u32::MAX]}), json!("tokens")),
+        ("/detokenize", json!({"tokens": "1 2"}), json!("tokens")),
+    ];
+    for (path, body, param) in bad {
+        let (status, v) = call(path, body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+    }
+}

@@ -59,7 +59,8 @@ fn serve(args: &[&str], env: &[(&str, Option<&Path>)]) -> (Killed, String, JoinH
     let log = std::thread::spawn(move || {
         let mut all = String::new();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(url) = line.split("ready on ").nth(1) {
+            // The address runs to the line's end, or to the quote that ends a JSON log field.
+            if let Some(url) = line.split("ready on ").nth(1).and_then(|u| u.split(['"', ' ']).next()) {
                 let _ = tx.send(url.trim().to_string());
             }
             all += &line;
@@ -325,4 +326,30 @@ fn sigterm_ends_a_stream_with_abort_and_exits_0() {
     let done = got.rfind("data: [DONE]").unwrap_or_else(|| panic!("no [DONE]: {got}"));
     assert!(abort < done && got[done..].trim_end().ends_with("0"), "[DONE] last: {got}");
     assert!(log.contains("SIGTERM: shutting down") && log.contains("shut down"), "{log}");
+    // The request's log line.
+    let line = log.lines().find(|l| l.contains(" request id=chatcmpl-")).unwrap_or_else(|| panic!("{log}"));
+    for field in ["prompt_tokens=", "completion_tokens=", "ttft_ms=", "duration_ms=", "finish=abort"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+}
+
+/// `--log-format json`: every log line is a JSON object; a request's line carries its id,
+/// tokens in and out, time to first token, duration and finish reason as fields.
+#[test]
+fn json_log_lines() {
+    let (server, url, log) = serve(&["--log-format", "json"], &[]);
+    let reply = http(&url, "POST /v1/completions", r#"{"prompt": "Hello", "max_tokens": 3, "ignore_eos": true}"#);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    std::thread::sleep(Duration::from_millis(200));
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    let lines: Vec<serde_json::Value> =
+        log.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let request = lines.iter().find(|v| v["fields"]["message"] == "request").unwrap_or_else(|| panic!("{log}"));
+    let f = &request["fields"];
+    assert!(f["prompt_tokens"].as_u64().is_some_and(|n| n > 0), "{f}");
+    assert_eq!(f["completion_tokens"].as_u64(), Some(3), "{f}");
+    assert!(f["id"].as_str().is_some_and(|id| id.starts_with("cmpl-")), "{f}");
+    assert!(f["ttft_ms"].is_number() && f["duration_ms"].is_number(), "{f}");
+    assert_eq!(f["finish"], "length", "{f}");
 }

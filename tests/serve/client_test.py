@@ -175,7 +175,10 @@ def test_bad_requests_leave_a_stream_unharmed():
 
 
 def test_queue_bound_gives_429():
-    streams = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=400, stream=True)
+    # Each stream runs to its 450 tokens (ignore_eos), so that the first ones still hold their
+    # slots while the rest are opened, on a busy machine too.
+    streams = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=450, stream=True,
+                                              extra_body={"ignore_eos": True})
                for _ in range(SLOTS + QUEUE)]
     try:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)

@@ -28,6 +28,13 @@ use model::serve::{Access, Served, loading, now, router};
 use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
+/// How the log is written.
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Backend {
@@ -102,6 +109,9 @@ struct Args {
     /// `http(s)://HOST[:PORT]`, or `*` for any; none by default.
     #[arg(long, value_delimiter = ',')]
     allowed_origins: Vec<String>,
+    /// How the log (stderr) is written: lines of text, or one JSON object a line.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     /// Seconds the requests in flight have to finish after SIGTERM or SIGINT (new connections
     /// get 503 meanwhile); then the generations still running end with finish reason `abort`
     /// (a stream with its final chunk and `[DONE]`) and the server exits 0.
@@ -122,7 +132,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    model::logs::init();
+    model::logs::init_as(args.log_format == LogFormat::Json);
     if args.slots == 0 || args.max_len < 2 {
         bail!("--slots must be at least 1 and --max-len at least 2");
     }

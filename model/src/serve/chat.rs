@@ -62,12 +62,12 @@ pub(super) fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
     let Prepared { c, prompt, text, parse_tools } = s.blocking(move |s| prepare(s, &body)).await?;
-    let mut g = s.start(&c, prompt, "messages")?;
     let new_parser = {
         let chat = s.clone();
         move || chat.chat.parser(&text, parse_tools.as_ref())
     };
     let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
+    let mut g = s.start(&c, prompt, "messages", &id)?;
     if !c.stream {
         let mut parser = new_parser();
         let (mut deltas, mut logprobs, mut finish) = (vec![], vec![], "stop");

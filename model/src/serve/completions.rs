@@ -52,8 +52,9 @@ fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Vec<u32>), ApiError> {
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
     let (c, prompt) = s.blocking(move |s| prepare(s, &body)).await?;
-    let mut g = s.start(&c, prompt, "prompt")?;
+
     let (id, created) = (format!("cmpl-{:016x}", fresh()), now());
+    let mut g = s.start(&c, prompt, "prompt", &id)?;
     if !c.stream {
         let (mut text, mut tokens, mut finish) = (String::new(), vec![], "stop");
         while let Some(p) = g.next().await? {

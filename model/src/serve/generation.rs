@@ -2,6 +2,7 @@
 //! the sink a streaming response's task sends its chunks to ([`Out`]).
 
 use std::convert::Infallible;
+use std::time::{Duration, Instant};
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -43,11 +44,53 @@ pub(super) struct Gen {
     pub(super) done: bool,
     /// Set when the server's shutdown cuts the generations still running ([`super::Ending`]).
     pub(super) cut: watch::Receiver<bool>,
+    pub(super) log: RequestLog,
+}
+
+/// What the request's log line says when its generation is dropped: its response id, when it
+/// was handed to the engine (after its parsing and tokenizing), its first token's time from
+/// then, how it ended (`None`: the client left first).
+pub(super) struct RequestLog {
+    pub(super) id: String,
+    pub(super) t0: Instant,
+    pub(super) first: Option<Duration>,
+    pub(super) finish: Option<&'static str>,
+}
+
+impl Drop for Gen {
+    /// One info line a request: id, tokens in and out, time to first token, duration, finish.
+    fn drop(&mut self) {
+        // Milliseconds to a tenth; no time to first token where none came.
+        let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+        tracing::info!(
+            id = %self.log.id,
+            prompt_tokens = self.prompt_tokens,
+            completion_tokens = self.tokens,
+            ttft_ms = self.log.first.map(ms),
+            duration_ms = ms(self.log.t0.elapsed()),
+            finish = %self.log.finish.unwrap_or("client left"),
+            "request"
+        );
+    }
 }
 
 impl Gen {
     /// The next token's piece; `None` after the last.
     pub(super) async fn next(&mut self) -> Result<Option<Piece>, ApiError> {
+        let next = self.step().await;
+        match &next {
+            Ok(Some(p)) => {
+                self.log.first = self.log.first.or(Some(self.log.t0.elapsed()));
+                self.log.finish = p.finish.or(self.log.finish);
+            }
+            Ok(None) => {}
+            Err(_) => self.log.finish = Some("error"),
+        }
+        next
+    }
+
+    /// [`Gen::next`] before its log.
+    async fn step(&mut self) -> Result<Option<Piece>, ApiError> {
         if self.done {
             return Ok(None);
         }

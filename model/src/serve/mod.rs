@@ -33,7 +33,7 @@ pub mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::Request;
@@ -49,7 +49,7 @@ use tower::ServiceExt;
 
 use crate::chat::StopMatcher;
 use api::{ApiError, Common, Limits};
-use generation::Gen;
+use generation::{Gen, RequestLog};
 use prompt::Chat;
 use text::Detok;
 use worker::EngineHandle;
@@ -294,8 +294,8 @@ impl Served {
         special::encode(&self.tokenizer, text)
     }
 
-    /// Checks the prompt and hands it to the engine.
-    fn start(&self, c: &Common, prompt: Vec<u32>, param: &str) -> Result<Gen, ApiError> {
+    /// Checks the prompt and hands it to the engine (`id`: the response's, for the log).
+    fn start(&self, c: &Common, prompt: Vec<u32>, param: &str, id: &str) -> Result<Gen, ApiError> {
         let vocab = self.engine.info.vocab;
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::invalid(Some(param), format!("Token id {t} is outside the vocabulary of {vocab}")));
@@ -310,6 +310,7 @@ impl Served {
             tokens: 0,
             done: false,
             cut: self.ending.0.subscribe(),
+            log: RequestLog { id: id.into(), t0: Instant::now(), first: None, finish: None },
         })
     }
 

@@ -47,7 +47,7 @@ enum Backend {
 }
 
 /// Serves a NemotronH model over the OpenAI API: /v1/chat/completions, /v1/completions,
-/// /v1/models, vLLM's /tokenize and /detokenize, /health.
+/// /v1/models, vLLM's /tokenize and /detokenize, /metrics, /health.
 #[derive(Parser, Debug)]
 #[command(name = "serve", version)]
 struct Args {
@@ -216,8 +216,9 @@ fn main() -> Result<()> {
         tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
         let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
         let tokenizer = Arc::new(tokenizer);
-        let (ending, created) = (Default::default(), now());
-        let state = Arc::new(Served { name, tokenizer, chat, engine, created, limits, special, ending, access });
+        let (ending, created, metrics) = (Default::default(), now(), Default::default());
+        let state =
+            Arc::new(Served { name, tokenizer, chat, engine, created, limits, special, ending, access, metrics });
         if ready.set(router(state.clone())).is_err() {
             bail!("the router was set twice");
         }

@@ -78,7 +78,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!(
                 "No route {path}: this server has /v1/chat/completions, /v1/completions, /v1/models, /tokenize, \
-                 /detokenize, /health"
+                 /detokenize, /metrics, /health"
             ),
             kind: "invalid_request_error",
             param: None,
@@ -88,7 +88,7 @@ impl ApiError {
 
     /// 405: a route this server has, asked with another method.
     pub fn wrong_method(method: &str, path: &str) -> ApiError {
-        let allowed = if path == "/v1/models" || path == "/health" { "GET" } else { "POST" };
+        let allowed = if ["/v1/models", "/metrics", "/health"].contains(&path) { "GET" } else { "POST" };
         ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,
             message: format!("{path} takes {allowed}, not {method}"),

@@ -2,6 +2,7 @@
 //! the sink a streaming response's task sends its chunks to ([`Out`]).
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -12,6 +13,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::ApiError;
+use super::metrics::Metrics;
 use super::text::Detok;
 use super::worker::Update;
 use crate::chat::StopMatcher;
@@ -45,6 +47,7 @@ pub(super) struct Gen {
     /// Set when the server's shutdown cuts the generations still running ([`super::Ending`]).
     pub(super) cut: watch::Receiver<bool>,
     pub(super) log: RequestLog,
+    pub(super) metrics: Arc<Metrics>,
 }
 
 /// What the request's log line says when its generation is dropped: its response id, when it
@@ -54,12 +57,15 @@ pub(super) struct RequestLog {
     pub(super) id: String,
     pub(super) t0: Instant,
     pub(super) first: Option<Duration>,
+    /// When its last token came.
+    pub(super) last: Option<Instant>,
     pub(super) finish: Option<&'static str>,
 }
 
 impl Drop for Gen {
     /// One info line a request: id, tokens in and out, time to first token, duration, finish.
     fn drop(&mut self) {
+        self.metrics.request((self.prompt_tokens, self.tokens), self.log.first, self.log.t0.elapsed());
         // Milliseconds to a tenth; no time to first token where none came.
         let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
         tracing::info!(
@@ -80,7 +86,12 @@ impl Gen {
         let next = self.step().await;
         match &next {
             Ok(Some(p)) => {
-                self.log.first = self.log.first.or(Some(self.log.t0.elapsed()));
+                let now = Instant::now();
+                if let (Some(last), Some(_)) = (self.log.last, &p.token) {
+                    self.metrics.gap(now - last);
+                }
+                self.log.last = p.token.as_ref().map(|_| now).or(self.log.last);
+                self.log.first = self.log.first.or(Some(now - self.log.t0));
                 self.log.finish = p.finish.or(self.log.finish);
             }
             Ok(None) => {}

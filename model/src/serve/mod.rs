@@ -1,7 +1,7 @@
 //! An OpenAI-compatible HTTP server over the [`Engine`](crate::engine::Engine) (the `serve`
 //! binary): `POST /v1/chat/completions`, `POST /v1/completions` (each streamed as
 //! server-sent events or not), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
-//! `GET /health`; while the model loads, 503s
+//! `GET /metrics` ([`metrics`]), `GET /health`; while the model loads, 503s
 //! ([`loading`]).
 //!
 //! One thread owns the engine ([`worker`]); each HTTP request (its handler in `chat.rs` or
@@ -21,6 +21,7 @@ mod chat;
 mod completions;
 pub mod conn;
 mod generation;
+pub mod metrics;
 pub mod prompt;
 #[cfg(feature = "scripted")]
 pub mod scripted;
@@ -71,6 +72,8 @@ pub struct Served {
     pub ending: Ending,
     /// Who may call the API.
     pub access: Access,
+    /// The counters `/metrics` shows.
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 /// Who may call the API: with an `api_key`, every route but `/health` (open for probes) wants
@@ -136,6 +139,7 @@ pub fn router(state: Arc<Served>) -> Router {
         .route("/health", get(health))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::wrong_method(method.as_str(), uri.path())
@@ -143,11 +147,25 @@ pub fn router(state: Arc<Served>) -> Router {
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::map_response(json_errors))
         .layer(middleware::from_fn_with_state(Arc::new(access.api_key), authorized))
+        .layer(middleware::from_fn_with_state(state.metrics.clone(), counted))
         .with_state(state);
     match cors(&access.allowed_origins) {
         Some(cors) => routes.layer(cors),
         None => routes,
     }
+}
+
+/// Counts each answer by route and status.
+async fn counted(State(m): State<Arc<metrics::Metrics>>, req: Request, next: middleware::Next) -> Response {
+    let path = req.uri().path().to_string();
+    let r = next.run(req).await;
+    m.response(&path, r.status().as_u16());
+    r
+}
+
+async fn metrics(State(s): State<Arc<Served>>) -> Response {
+    let text = s.metrics.render(&s.engine);
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
 /// Passes a request on where no key is set, where it asks for `/health`, or where it carries
@@ -310,7 +328,8 @@ impl Served {
             tokens: 0,
             done: false,
             cut: self.ending.0.subscribe(),
-            log: RequestLog { id: id.into(), t0: Instant::now(), first: None, finish: None },
+            log: RequestLog { id: id.into(), t0: Instant::now(), first: None, last: None, finish: None },
+            metrics: self.metrics.clone(),
         })
     }
 

@@ -69,8 +69,10 @@ pub fn built_in_with(special: SpecialInContent, mut script: impl FnMut(Turn) + S
         script(Turn { prompt, params, out, tokenizer: tok.clone(), eos })
     });
     let special = Special::new(&tokenizer, special).expect("the built-in tokenizer's special tokens");
-    let (limits, ending, access) = (Limits::default(), Default::default(), Default::default());
-    Arc::new(Served { name: "default".into(), tokenizer, chat, engine, created: 0, limits, special, ending, access })
+    let (limits, ending, access, metrics) =
+        (Limits::default(), Default::default(), Default::default(), Default::default());
+    let name = "default".into();
+    Arc::new(Served { name, tokenizer, chat, engine, created: 0, limits, special, ending, access, metrics })
 }
 
 /// The routes of a [`built_in`] server whose engine writes back each request's last user

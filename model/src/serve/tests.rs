@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
+use tower::ServiceExt;
 
 use super::{BODY_LIMIT, Served, chat, scripted};
 
@@ -35,6 +36,17 @@ async fn post(s: &Arc<Served>, body: Value) -> (StatusCode, String) {
     let status = r.status();
     let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
     (status, String::from_utf8(bytes.to_vec()).expect("UTF-8"))
+}
+
+/// A request through `app`: the answer's status, headers and body (text).
+async fn respond(
+    app: &axum::Router,
+    req: axum::http::Request<axum::body::Body>,
+) -> (StatusCode, axum::http::HeaderMap, String) {
+    let r = app.clone().oneshot(req).await.expect("infallible");
+    let (status, headers) = (r.status(), r.headers().clone());
+    let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+    (status, headers, String::from_utf8(body.to_vec()).expect("UTF-8"))
 }
 
 /// The `data:` of each server-sent event, `[DONE]` last.
@@ -166,8 +178,6 @@ async fn a_dropped_response_closes_its_channel() {
 async fn every_error_is_openai_json() {
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt;
-
     let app = scripted::echo();
     let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(BODY_LIMIT));
     let cases = [
@@ -246,8 +256,6 @@ async fn parts_and_tools_the_template_cannot_take_are_refused() {
 async fn health_answers_while_huge_prompts_are_tokenized() {
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt;
-
     let app = super::router(writing("ok"));
     let body = json!({"prompt": "word ".repeat(80_000)}).to_string();
     let post = |body: String| {
@@ -277,17 +285,13 @@ async fn health_answers_while_huge_prompts_are_tokenized() {
 async fn loading_answers_503_until_the_model_is_in() {
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt;
-
     let ready = Arc::new(std::sync::OnceLock::new());
     let app = super::loading(ready.clone());
     let call = |req: Request<Body>| {
         let app = app.clone();
         async move {
-            let r = app.oneshot(req).await.expect("infallible");
-            let status = r.status();
-            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
-            (status, serde_json::from_slice::<Value>(&body).expect("JSON"))
+            let (status, _, body) = respond(&app, req).await;
+            (status, serde_json::from_str::<Value>(&body).expect("JSON"))
         }
     };
     let health = || Request::get("/health").body(Body::empty()).unwrap();
@@ -394,24 +398,14 @@ async fn a_cut_ends_running_streams_with_abort_and_done() {
 /// another origin is not; malformed settings are refused.
 #[tokio::test]
 async fn api_key_and_allowed_origins() {
+    use super::{Access, router};
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt;
-
-    use super::{Access, router};
 
     let mut served = Arc::try_unwrap(writing("Paris.")).ok().expect("the only owner");
     served.access = Access { api_key: Some("sk-test".into()), allowed_origins: vec!["https://app.example".into()] };
     let app = router(Arc::new(served));
-    let call = |req: Request<Body>| {
-        let app = app.clone();
-        async move {
-            let r = app.oneshot(req).await.expect("infallible");
-            let (status, headers) = (r.status(), r.headers().clone());
-            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
-            (status, headers, String::from_utf8_lossy(&body).into_owned())
-        }
-    };
+    let call = |req: Request<Body>| respond(&app, req);
     let chat = |key: Option<&str>| {
         let mut req = Request::post("/v1/chat/completions").header("content-type", "application/json");
         if let Some(k) = key {
@@ -458,8 +452,6 @@ async fn api_key_and_allowed_origins() {
 async fn tokenize_and_detokenize() {
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt;
-
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = seen.clone();
     let s = scripted::built_in(move |turn| {
@@ -470,10 +462,8 @@ async fn tokenize_and_detokenize() {
     let call = |path: &str, body: Value| {
         let (app, req) = (app.clone(), Request::post(path).body(Body::from(body.to_string())).unwrap());
         async move {
-            let r = app.oneshot(req).await.expect("infallible");
-            let status = r.status();
-            let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
-            (status, serde_json::from_slice::<Value>(&body).expect("JSON"))
+            let (status, _, body) = respond(&app, req).await;
+            (status, serde_json::from_str::<Value>(&body).expect("JSON"))
         }
     };
     let (status, v) = call("/tokenize", json!({"prompt": "Hello there", "return_token_strs": true})).await;
@@ -507,4 +497,79 @@ async fn tokenize_and_detokenize() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
         assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
     }
+}
+
+/// `/metrics`: answers counted by route and status, the tokens of the generations, the time to
+/// first token, inter-token and duration histograms (cumulative buckets, as many as the
+/// requests that had tokens), and the admission gauges back at zero once the requests are done.
+#[tokio::test]
+async fn metrics_count_what_was_served() {
+    use axum::body::Body;
+    use axum::http::Request;
+    let s = writing("Paris, the capital.");
+    let app = super::router(s.clone());
+    let send = |req: Request<Body>| {
+        let app = app.clone();
+        async move {
+            let (status, _, body) = respond(&app, req).await;
+            (status, body)
+        }
+    };
+    let chat = |body: Value| Request::post("/v1/chat/completions").body(Body::from(body.to_string())).unwrap();
+    let mut prompt_tokens = 0;
+    let mut generated = 0;
+    for stream in [false, true] {
+        let mut body = request(stream);
+        body["stream_options"] = if stream { json!({"include_usage": true}) } else { Value::Null };
+        let (status, text) = send(chat(body)).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let usage = match stream {
+            false => serde_json::from_str::<Value>(&text).unwrap()["usage"].clone(),
+            true => {
+                let ev = events(&text);
+                serde_json::from_str::<Value>(&ev[ev.len() - 2]).unwrap()["usage"].clone()
+            }
+        };
+        prompt_tokens += usage["prompt_tokens"].as_u64().unwrap();
+        generated += usage["completion_tokens"].as_u64().unwrap();
+    }
+    let (status, _) = send(chat(json!({"messages": "no"}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = send(Request::get("/nowhere").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, text) = send(Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let value = |name: &str| -> f64 {
+        let line =
+            text.lines().find(|l| l.split(' ').next() == Some(name)).unwrap_or_else(|| panic!("{name}:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value(r#"nemotron_requests_total{route="/v1/chat/completions",status="200"}"#), 2.0);
+    assert_eq!(value(r#"nemotron_requests_total{route="/v1/chat/completions",status="400"}"#), 1.0);
+    assert_eq!(value(r#"nemotron_requests_total{route="other",status="404"}"#), 1.0);
+    assert_eq!(value("nemotron_prompt_tokens_total"), prompt_tokens as f64);
+    assert_eq!(value("nemotron_generation_tokens_total"), generated as f64);
+    assert_eq!(value("nemotron_time_to_first_token_seconds_count"), 2.0);
+    assert_eq!(value(r#"nemotron_time_to_first_token_seconds_bucket{le="+Inf"}"#), 2.0);
+    assert_eq!(value("nemotron_request_duration_seconds_count"), 2.0);
+    // A gap between each two tokens of a request.
+    assert_eq!(value("nemotron_inter_token_latency_seconds_count"), (generated - 2) as f64);
+    let buckets: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("nemotron_inter_token_latency_seconds_bucket"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(buckets.len() > 2 && buckets.windows(2).all(|w| w[0] <= w[1]), "{buckets:?}");
+    assert_eq!(value("nemotron_slots"), 2.0);
+    // The engine thread gives a request's place back just after its last token: soon zero.
+    for _ in 0..100 {
+        let (_, text) = send(Request::get("/metrics").body(Body::empty()).unwrap()).await;
+        if text.lines().any(|l| l == "nemotron_requests_admitted 0")
+            && text.lines().any(|l| l == "nemotron_busy_slots 0")
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("requests still admitted:\n{text}");
 }

@@ -296,7 +296,12 @@ pub struct Common {
     /// vLLM's extension: the eos ids do not end the generation (it runs to `max_tokens`, or a
     /// stop string).
     pub ignore_eos: bool,
+    /// vLLM's extension: token ids that end the generation (included in it), `ignore_eos` or not.
+    pub stop_token_ids: Vec<u32>,
 }
+
+/// Most `stop_token_ids` a request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 /// Refuses the fields both endpoints know but cannot honour: a non-empty `logit_bias`, a
 /// `response_format` other than `{"type": "text"}`, and vLLM's `guided_*` fields (the server
@@ -319,8 +324,32 @@ fn unsupported(f: &Fields) -> Result<(), ApiError> {
             None => return Err(ApiError::invalid(Some("response_format"), "`response_format` needs a `type`")),
         }
     }
+    if let Some(n) = f.i64("min_tokens")?.filter(|&n| n != 0) {
+        return Err(ApiError::invalid(
+            Some("min_tokens"),
+            format!("`min_tokens` ({n}) is not supported: the sampler cannot hold the end of sequence back yet"),
+        ));
+    }
     let guided = ["guided_json", "guided_regex", "guided_choice", "guided_grammar"];
     f.refuse(&guided, "this server has no constrained decoding")
+}
+
+/// `stop_token_ids`: a list of at most [`MAX_STOP_TOKEN_IDS`] token ids (checked against the
+/// vocabulary when the prompt is).
+fn stop_token_ids(f: &Fields) -> Result<Vec<u32>, ApiError> {
+    let bad = |m: String| Err(ApiError::invalid(Some("stop_token_ids"), m));
+    let list = match f.get_raw("stop_token_ids") {
+        None => return Ok(vec![]),
+        Some(Value::Array(list)) => list,
+        Some(_) => return bad("`stop_token_ids` must be a list of token ids".into()),
+    };
+    if list.len() > MAX_STOP_TOKEN_IDS {
+        return bad(format!("`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} ids, not {}", list.len()));
+    }
+    match list.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect::<Option<Vec<u32>>>() {
+        Some(ids) => Ok(ids),
+        None => bad("`stop_token_ids` must hold token ids (non-negative integers)".into()),
+    }
 }
 
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with
@@ -432,12 +461,13 @@ pub fn common(f: &Fields, chat: bool, seed: u64, limits: &Limits) -> Result<Comm
         stop: f.stop(limits)?,
         token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        stop_token_ids: stop_token_ids(f)?,
     })
 }
 
 /// The engine's parameters for a prompt of `prompt_len` tokens, checked against the context
-/// of `max_len` tokens (`param` names the prompt's field in errors); `stop_tokens` end the
-/// generation unless the request ignores them.
+/// of `max_len` tokens (`param` names the prompt's field in errors); `stop_tokens` (the model's
+/// eos ids) end the generation unless the request ignores them, its `stop_token_ids` always.
 pub fn request_params(
     c: &Common,
     prompt_len: usize,
@@ -467,7 +497,8 @@ pub fn request_params(
         Some(n) => n,
         None => room,
     };
-    let stop_tokens = if c.ignore_eos { vec![] } else { stop_tokens };
+    let mut stop_tokens = if c.ignore_eos { vec![] } else { stop_tokens };
+    stop_tokens.extend(c.stop_token_ids.iter().filter(|t| !stop_tokens.contains(t)).collect::<Vec<_>>());
     Ok(RequestParams { max_new_tokens, sampling: c.sampling, stop_tokens })
 }
 
@@ -537,6 +568,18 @@ mod tests {
         assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, [2, 3]);
         let c = read(r#"{"ignore_eos": true}"#, false).unwrap();
         assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, Vec::<u32>::new());
+        // stop_token_ids join the eos ids, and stay with ignore_eos.
+        let c = read(r#"{"stop_token_ids": [7, 3, 9]}"#, false).unwrap();
+        assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, [2, 3, 7, 9]);
+        let c = read(r#"{"stop_token_ids": [7], "ignore_eos": true, "min_tokens": 0}"#, false).unwrap();
+        assert_eq!(request_params(&c, 4, 10, vec![2, 3], "prompt").unwrap().stop_tokens, [7]);
+        let many = format!(r#"{{"stop_token_ids": {:?}}}"#, vec![1; MAX_STOP_TOKEN_IDS + 1]);
+        for body in
+            [r#"{"stop_token_ids": 5}"#, r#"{"stop_token_ids": [1, -1]}"#, r#"{"stop_token_ids": [4294967296]}"#, &many]
+        {
+            assert_eq!(read(body, true).unwrap_err().param.as_deref(), Some("stop_token_ids"), "{body}");
+        }
+        assert_eq!(read(r#"{"min_tokens": 4}"#, true).unwrap_err().param.as_deref(), Some("min_tokens"));
     }
 
     /// Integers as clients send them: `4.0` is 4, a fraction is not an integer; seeds over the

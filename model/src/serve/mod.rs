@@ -318,6 +318,10 @@ impl Served {
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::invalid(Some(param), format!("Token id {t} is outside the vocabulary of {vocab}")));
         }
+        if let Some(t) = c.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            let message = format!("Token id {t} is outside the vocabulary of {vocab}");
+            return Err(ApiError::invalid(Some("stop_token_ids"), message));
+        }
         let params = api::request_params(c, prompt.len(), self.engine.info.max_len, self.chat.stop_ids(), param)?;
         let rx = self.engine.submit(prompt.clone(), params).map_err(|b| ApiError::busy(b.limit))?;
         Ok(Gen {

@@ -573,3 +573,26 @@ async fn metrics_count_what_was_served() {
     }
     panic!("requests still admitted:\n{text}");
 }
+
+/// `stop_token_ids` reach the engine as stop tokens beside the eos ids (alone with
+/// `ignore_eos`); an id past the vocabulary is a 400 naming the field.
+#[tokio::test]
+async fn stop_token_ids_reach_the_engine() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let s = scripted::built_in(move |turn| {
+        record.lock().unwrap().push(turn.params.stop_tokens.clone());
+        turn.write("ok");
+    });
+    let eos = s.chat.stop_ids();
+    for (ignore_eos, want) in [(false, [eos.clone(), vec![5, 6]].concat()), (true, vec![5, 6])] {
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [5, 6], "ignore_eos": ignore_eos});
+        let (status, text) = post(&s, body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(seen.lock().unwrap().pop(), Some(want), "ignore_eos {ignore_eos}");
+    }
+    let vocab = s.engine.info.vocab;
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [vocab]});
+    let r = chat::handle(s.clone(), Bytes::from(body.to_string())).await.expect_err("refused");
+    assert_eq!((r.status, r.param.as_deref()), (StatusCode::BAD_REQUEST, Some("stop_token_ids")), "{r:?}");
+}

@@ -56,9 +56,10 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     let (id, created) = (format!("cmpl-{:016x}", fresh()), now());
     let mut g = s.start(&c, prompt, "prompt", &id)?;
     if !c.stream {
-        let (mut text, mut tokens, mut finish) = (String::new(), vec![], "stop");
+        let (mut text, mut tokens, mut finish, mut chars) = (String::new(), vec![], "stop", 0);
         while let Some(p) = g.next().await? {
-            tokens.extend(p.token.map(|t| (text.len(), t)));
+            tokens.extend(p.token.map(|t| (chars, t)));
+            chars += p.text.chars().count();
             text += &p.text;
             finish = p.finish.unwrap_or(finish);
         }
@@ -90,7 +91,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 Some(None) => break,
             };
             pending.extend(p.token.map(|t| (offset, t)));
-            offset += p.text.len();
+            offset += p.text.chars().count();
             if (!p.text.is_empty() || p.finish.is_some())
                 && !out
                     .send(&chunk(&p.text, completion_logprobs(&s, &c, &std::mem::take(&mut pending)), p.finish))
@@ -105,7 +106,9 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     Ok(sse(rx))
 }
 
-/// Completions' logprobs for some tokens, each with its offset in the text.
+/// Completions' logprobs for some tokens, each with its offset in the text in characters (as
+/// OpenAI and vLLM count them; a token whose text is held back, part of a character, gets the
+/// offset where its text will start).
 fn completion_logprobs(s: &Served, c: &Common, pieces: &[(usize, TokenOut)]) -> Value {
     if !c.sampling.logprobs {
         return Value::Null;

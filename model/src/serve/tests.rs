@@ -596,3 +596,43 @@ async fn stop_token_ids_reach_the_engine() {
     let r = chat::handle(s.clone(), Bytes::from(body.to_string())).await.expect_err("refused");
     assert_eq!((r.status, r.param.as_deref()), (StatusCode::BAD_REQUEST, Some("stop_token_ids")), "{r:?}");
 }
+
+/// Completions' `text_offset` counts characters, as OpenAI and vLLM do (it counted bytes): each
+/// token's offset is the characters of the text before it, streamed or not.
+#[tokio::test]
+async fn text_offsets_count_characters() {
+    let s = writing("Ça coûte 5 €, 漢字 ok.");
+    for stream in [false, true] {
+        let body = json!({"prompt": "Price?", "logprobs": 0, "max_tokens": 64, "stream": stream});
+        let r = super::completions::handle(s.clone(), Bytes::from(body.to_string())).await.expect("answered");
+        let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.expect("the body");
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let choices: Vec<Value> = if stream {
+            events(&text)
+                .iter()
+                .filter(|e| *e != "[DONE]")
+                .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0].clone())
+                .collect()
+        } else {
+            vec![serde_json::from_str::<Value>(&text).unwrap()["choices"][0].clone()]
+        };
+        let (mut all, mut offsets, mut checked) = (String::new(), Vec::<usize>::new(), 0);
+        for c in &choices {
+            let base = all.chars().count();
+            if let Some(o) = c["logprobs"]["text_offset"].as_array() {
+                offsets.extend(o.iter().map(|v| v.as_u64().unwrap() as usize));
+                assert!(o.first().is_none_or(|v| v.as_u64().unwrap() as usize >= base), "{c}");
+            }
+            all += c["text"].as_str().unwrap_or_default();
+        }
+        assert!(all.starts_with("Ça coûte 5 €, 漢字 ok."), "{all}");
+        // Characters, not bytes: the text has multi-byte ones, and the last offsets (the last
+        // character's token, then the eos with no text) are its length in characters.
+        let total = all.chars().count();
+        assert!(all.len() > total + 4, "{all}");
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+        assert_eq!(offsets.last(), Some(&total), "stream {stream}: {offsets:?}");
+        checked += offsets.len();
+        assert!(checked > 5, "stream {stream}: {checked} offsets");
+    }
+}

@@ -9,7 +9,8 @@
 //! To escape, the conversation is rendered with each piece of content that holds special-token
 //! text replaced by a marker; the template's text around the markers is tokenized as usual and
 //! each piece with special-token matching off. A template that changes such a piece (trims
-//! it, splits it) is rendered around the piece as it was given.
+//! it, splits it) is rendered around the piece as it was given. What is looked at is the
+//! messages' content (strings and text parts), not the arguments of tool calls.
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::{Map, Value};

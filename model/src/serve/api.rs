@@ -346,10 +346,12 @@ fn stop_token_ids(f: &Fields) -> Result<Vec<u32>, ApiError> {
     if list.len() > MAX_STOP_TOKEN_IDS {
         return bad(format!("`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} ids, not {}", list.len()));
     }
-    match list.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect::<Option<Vec<u32>>>() {
-        Some(ids) => Ok(ids),
-        None => bad("`stop_token_ids` must hold token ids (non-negative integers)".into()),
-    }
+    token_ids(list).map_or_else(|| bad("`stop_token_ids` must hold token ids (non-negative integers)".into()), Ok)
+}
+
+/// A JSON list as token ids, `None` unless every entry is an integer that fits a u32.
+pub fn token_ids(list: &[Value]) -> Option<Vec<u32>> {
+    list.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
 }
 
 /// Reads the fields both endpoints share. `logprobs` is chat's (a boolean with

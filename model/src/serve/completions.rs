@@ -14,18 +14,15 @@ use super::{Served, fresh, now};
 /// The completions prompt: a string, a list of token ids, or either alone in a list.
 fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
     let bad = |msg: &str| Err(ApiError::invalid(Some("prompt"), msg.to_string()));
-    let ids = |a: &[Value]| -> Option<Vec<u32>> {
-        a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
-    };
     match m.get("prompt") {
         None | Some(Value::Null) => bad("`prompt` is required"),
         Some(Value::String(t)) => s.encode(t),
         Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => {
-            ids(a).map_or_else(|| bad("`prompt` as a list must hold token ids (non-negative integers)"), Ok)
+            api::token_ids(a).map_or_else(|| bad("`prompt` as a list must hold token ids (non-negative integers)"), Ok)
         }
         Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
             Value::String(t) => s.encode(t),
-            Value::Array(t) => ids(t).map_or_else(|| bad("`prompt[0]` must hold token ids"), Ok),
+            Value::Array(t) => api::token_ids(t).map_or_else(|| bad("`prompt[0]` must hold token ids"), Ok),
             _ => bad("`prompt[0]` must be a string or a list of token ids"),
         },
         Some(Value::Array(a)) if a.is_empty() => bad("`prompt` is empty"),

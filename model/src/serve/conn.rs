@@ -87,7 +87,7 @@ pub async fn serve(
         }
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = changed(&mut drain), if !draining => continue,
+            _ = drained(&mut drain), if !draining => continue,
             _ = closed.notified(), if draining => continue,
         };
         let stream = match accepted {
@@ -129,13 +129,6 @@ pub async fn serve(
                 tracing::debug!("connection ended: {e}");
             }
         });
-    }
-}
-
-/// Waits for `drain` to change; for ever once its sender is gone (nothing can drain it then).
-async fn changed(drain: &mut watch::Receiver<bool>) {
-    if drain.changed().await.is_err() {
-        std::future::pending::<()>().await;
     }
 }
 

@@ -52,7 +52,7 @@ impl Histogram {
 /// The server's counters.
 pub struct Metrics {
     /// Answers by route (`other` for a path the server does not have) and status.
-    responses: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    responses: Mutex<BTreeMap<(String, u16), u64>>,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     ttft: Histogram,
@@ -73,14 +73,11 @@ impl Default for Metrics {
     }
 }
 
-/// The routes counted by name.
-const ROUTES: [&str; 7] =
-    ["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"];
-
 impl Metrics {
-    /// One answer of `status` to a request for `path`.
-    pub fn response(&self, path: &str, status: u16) {
-        let route = ROUTES.iter().find(|&&r| r == path).copied().unwrap_or("other");
+    /// One answer of `status` to a request for `route` (the route it matched, none for a path
+    /// the server does not have).
+    pub fn response(&self, route: Option<&str>, status: u16) {
+        let route = route.unwrap_or("other").to_string();
         let mut map = self.responses.lock().unwrap_or_else(|e| e.into_inner());
         *map.entry((route, status)).or_default() += 1;
     }

@@ -157,9 +157,9 @@ pub fn router(state: Arc<Served>) -> Router {
 
 /// Counts each answer by route and status.
 async fn counted(State(m): State<Arc<metrics::Metrics>>, req: Request, next: middleware::Next) -> Response {
-    let path = req.uri().path().to_string();
+    let route = req.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_string());
     let r = next.run(req).await;
-    m.response(&path, r.status().as_u16());
+    m.response(route.as_deref(), r.status().as_u16());
     r
 }
 

@@ -64,10 +64,8 @@ pub(super) async fn detokenize(s: Arc<Served>, body: Bytes) -> Result<Response, 
                 return Err(bad("`tokens` must be a list of token ids".into()));
             };
             let vocab = s.engine.info.vocab;
-            let ids = list
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).filter(|&t| (t as usize) < vocab))
-                .collect::<Option<Vec<u32>>>()
+            let ids = api::token_ids(list)
+                .filter(|ids| ids.iter().all(|&t| (t as usize) < vocab))
                 .ok_or_else(|| bad(format!("`tokens` must hold token ids below the vocabulary of {vocab}")))?;
             s.tokenizer.decode(&ids, false).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))
         })

@@ -10,8 +10,12 @@ use std::process::Command;
 /// The arches whose PTX the host embeds, by `-C target-cpu` name.
 pub const ARCHES: [&str; 4] = ["sm_90", "sm_90a", "sm_110", "sm_121a"];
 
-/// Environment a parent cargo (or clippy) sets that must not leak into the device build.
-const CLEARED_ENV: [&str; 8] = [
+/// Environment a parent cargo (or clippy, or rustup) sets that must not leak into the device
+/// build: a stable parent's `RUSTC` or `RUSTUP_TOOLCHAIN` would run the device build on stable.
+const CLEARED_ENV: [&str; 11] = [
+    "RUSTC",
+    "RUSTDOC",
+    "RUSTUP_TOOLCHAIN",
     "RUSTFLAGS",
     "CARGO_ENCODED_RUSTFLAGS",
     "CARGO_BUILD_RUSTFLAGS",
@@ -33,10 +37,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     let timeline = std::env::var_os("NEMO_TIMELINE").is_some();
     let dir = target_dir.join(if timeline { format!("{arch}-timeline") } else { arch.to_string() });
     let out = dir.join("kernels.ptx");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
+    let mut cmd = pinned_cargo(workspace)?;
     cmd.current_dir(workspace)
-        .args(["rustc", "-p", "kernels-gpu", "--lib", "--profile", "ptx"])
+        .args(["rustc", "-p", "kernels-gpu", "--lib"])
+        .args(PTX_PROFILE)
         .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
         .arg(&dir)
         .args(if timeline { &["--features", "timeline"][..] } else { &[] })
@@ -55,7 +59,8 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
         return Err(format!(
-            "building kernels-gpu for {arch} failed ({}):\n{}",
+            "building kernels-gpu for {arch} failed ({}; the device code builds with rust-toolchain.toml's nightly, \
+             run through rustup):\n{}",
             output.status,
             String::from_utf8_lossy(&output.stderr)
         ));
@@ -74,6 +79,52 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     std::fs::write(&bounded, with_launch_bounds(&ptx, arch)?)
         .map_err(|e| format!("cannot write {}: {e}", bounded.display()))?;
     Ok(bounded)
+}
+
+/// The `ptx` profile, as cargo arguments (the device build's and its lint's): given on the
+/// command line rather than in the workspace manifest, where `panic = "immediate-abort"` would
+/// need `cargo-features`, which a stable cargo refuses to read. One codegen unit, so
+/// `--emit=asm` yields one PTX module; immediate-abort keeps the panic machinery out of the PTX.
+pub const PTX_PROFILE: [&str; 11] = [
+    "--profile",
+    "ptx",
+    "-Zpanic-immediate-abort",
+    "--config",
+    "profile.ptx.inherits=\"release\"",
+    "--config",
+    "profile.ptx.panic=\"immediate-abort\"",
+    "--config",
+    "profile.ptx.codegen-units=1",
+    "--config",
+    "profile.ptx.debug=false",
+];
+
+/// A cargo of the toolchain `rust-toolchain.toml` pins, whatever toolchain runs the caller (a
+/// crate outside the workspace builds on stable): through rustup (`rustup run`, after `rustup
+/// toolchain install`, a no-op when it is there, which installs the file's toolchain with its
+/// components), or the caller's own cargo where there is no rustup.
+fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
+    let file = workspace.join("rust-toolchain.toml");
+    let text = std::fs::read_to_string(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let channel = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("channel = \"")?.strip_suffix('"'))
+        .ok_or(format!("{} names no channel", file.display()))?;
+    let rustup = |args: &[&str]| {
+        let mut cmd = Command::new("rustup");
+        cmd.current_dir(workspace).args(args).env_remove("RUSTUP_TOOLCHAIN");
+        cmd
+    };
+    match rustup(&["toolchain", "install"]).output() {
+        Ok(out) if out.status.success() => Ok(rustup(&["run", channel, "cargo"])),
+        Ok(out) => Err(format!(
+            "`rustup toolchain install` in {} failed ({}); the device code needs {channel}:\n{}",
+            workspace.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )),
+        Err(_) => Ok(Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))),
+    }
 }
 
 /// Kernels whose launches need a bound on their registers (64K registers an SM: a block of

@@ -11,9 +11,12 @@
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics))]
-// `core::f32::math::mul_add` (sample.rs's weights: one definition, the same FMAs on the host
-// and the device).
-#![feature(core_float_math)]
+// `core::f32::math` (the device's FMA and square root); the host has them from std, so the
+// host build of the ABI stays on stable Rust.
+#![cfg_attr(target_arch = "nvptx64", feature(core_float_math))]
+
+#[cfg(not(target_arch = "nvptx64"))]
+extern crate std;
 
 #[cfg(target_arch = "nvptx64")]
 mod device;

@@ -100,7 +100,7 @@ impl<B: Backend> Engine<B> {
     /// over several steps, and a request left without room waits a step.
     pub fn set_max_step_tokens(&mut self, n: usize) -> Result<()> {
         if n == 0 {
-            return Err(Error::Unsupported("max_step_tokens must be at least 1".into()));
+            return Err(Error::Invalid("max_step_tokens must be at least 1".into()));
         }
         self.max_step_tokens = n;
         Ok(())
@@ -109,10 +109,10 @@ impl<B: Backend> Engine<B> {
     /// Adds a request; it starts at a following step, once a slot is free.
     pub fn add(&mut self, prompt: &[u32], params: RequestParams) -> Result<RequestId> {
         if prompt.is_empty() {
-            return Err(Error::Unsupported("the prompt is empty".into()));
+            return Err(Error::Invalid("the prompt is empty".into()));
         }
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(Error::Unsupported(format!("token id {t} is outside the vocabulary of {}", self.vocab)));
+            return Err(Error::Invalid(format!("token id {t} is outside the vocabulary of {}", self.vocab)));
         }
         if prompt.len().saturating_add(params.max_new_tokens) > self.max_len {
             return Err(Error::Capacity(format!(
@@ -123,7 +123,7 @@ impl<B: Backend> Engine<B> {
             )));
         }
         if params.max_new_tokens == 0 {
-            return Err(Error::Unsupported("max_new_tokens must be at least 1".into()));
+            return Err(Error::Invalid("max_new_tokens must be at least 1".into()));
         }
         let sampler = Sampler::new(params.sampling)?;
         let id = self.next_id;
@@ -175,7 +175,7 @@ impl<B: Backend> Engine<B> {
 
     /// Ends a request early and frees its slot.
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
-        let r = self.requests.remove(&id).ok_or_else(|| Error::Unsupported(format!("no request {id}")))?;
+        let r = self.requests.remove(&id).ok_or_else(|| Error::Invalid(format!("no request {id}")))?;
         self.waiting.retain(|&w| w != id);
         if let Some(s) = r.slot {
             self.model.release(s);

@@ -16,6 +16,10 @@ pub enum Error {
     /// A limit of the engine was reached (state slots, sequence length).
     #[error("capacity: {0}")]
     Capacity(String),
+    /// A request's value out of its range (a sampling parameter, an empty prompt, a token id
+    /// outside the vocabulary), or an engine setting that cannot be.
+    #[error("invalid: {0}")]
+    Invalid(String),
     /// A request or a checkpoint feature this code does not handle (yet).
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -23,6 +27,20 @@ pub enum Error {
     /// `raise_exception` refusing the request among the causes).
     #[error("chat template: {0}")]
     Template(String),
+    /// What a model argument names is not there (no such directory, nor a repo id in the
+    /// Hugging Face cache).
+    #[error("{0}")]
+    Locate(String),
+    /// A checkpoint's tokenizer (or its generation settings) is missing or unreadable, or
+    /// failed to encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A request's logits gave no token (a NaN among them, or all `-inf`).
+    #[error("no token: {0}")]
+    NoToken(String),
+    /// Writing the output failed (a closed pipe, say).
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
     /// A model step failed (out of device memory, say); the engine ended the requests that
     /// were in it (their states may be half updated) and goes on with the others.
     #[error("a step failed, ending requests {requests:?}: {source}")]

@@ -1,10 +1,9 @@
-//! NemotronH: config, checkpoint loading, the hybrid stack, the state cache and the engine.
-//!
-//! In progress: so far the crate parses and checks a checkpoint's `config.json` ([`Config`])
-//! and maps its safetensors files ([`Checkpoint`]), finds and checks every tensor the config
-//! needs ([`layout::Layout`]), runs the whole model in f64 on the CPU one token at a time as
-//! the oracle for the backends ([`reference::Reference`]), and writes random checkpoints for
-//! tests ([`synthetic`]). It depends on `host` only, and never on the driver directly.
+//! NemotronH from a Hugging Face checkpoint: its config ([`Config`]) and safetensors
+//! ([`Checkpoint`]) found and checked ([`layout::Layout`]), the hybrid stack over a backend
+//! (the CPU reference or CUDA: [`model::Model`]), the engine that batches requests
+//! ([`engine::Engine`]), text in and text out on top of it ([`text::Llm`]), the chat template
+//! and output parsing ([`chat`]), the OpenAI-compatible server ([`serve`]), an f64 oracle
+//! ([`reference::Reference`]) and random checkpoints for tests and benches ([`synthetic`]).
 
 pub mod backend;
 pub mod built_in;
@@ -27,6 +26,7 @@ pub mod reference;
 pub mod sampling;
 pub mod serve;
 pub mod synthetic;
+pub mod text;
 pub mod weights;
 
 pub use config::{Config, LayerKind};

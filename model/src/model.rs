@@ -158,6 +158,32 @@ impl<B: Backend> Model<B> {
         Model::load_with_progress(backend, config, layout, slots, max_len, &mut |_, _| {})
     }
 
+    /// The checkpoint in `dir` (config.json and its safetensors) loaded as [`Model::load`]
+    /// loads it, `progress` called as [`Model::load_with_progress`] calls it; what the config
+    /// says this code does not honour (an FP8 KV cache, [`Config::kv_cache_note`]) is logged
+    /// as a warning.
+    pub fn from_dir(
+        backend: B,
+        dir: &std::path::Path,
+        slots: usize,
+        max_len: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>> {
+        let config = Config::from_dir(dir)?;
+        if let Some(note) = config.kv_cache_note() {
+            tracing::warn!("{note}");
+        }
+        let checkpoint = crate::Checkpoint::open(dir)?;
+        tracing::info!(
+            "{}: {} tensors, {:.1} MB mapped",
+            dir.display(),
+            checkpoint.names().count(),
+            checkpoint.total_bytes() as f64 / 1e6
+        );
+        let layout = Layout::new(&config, &checkpoint)?;
+        Model::load_with_progress(backend, &config, &layout, slots, max_len, progress)
+    }
+
     /// [`Model::load`], calling `progress(layers_done, layers)` after each layer's weights.
     pub fn load_with_progress(
         backend: B,

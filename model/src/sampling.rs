@@ -73,7 +73,7 @@ impl SamplingParams {
 
     /// Refuses what no sampler can do, naming the parameter.
     pub fn check(&self) -> Result<()> {
-        let bad = |what: String| Err(Error::Unsupported(format!("sampling: {what}")));
+        let bad = |what: String| Err(Error::Invalid(format!("sampling: {what}")));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return bad(format!("temperature {} must be finite and >= 0", self.temperature));
         }

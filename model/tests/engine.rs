@@ -73,10 +73,10 @@ fn bad_requests_are_refused_and_others_go_on() {
     let mut e = engine(2);
     let good = e.add(&[3, 4, 5], greedy(4, vec![])).unwrap();
     let err = |e: &mut Engine<Cpu>, p: &[u32], params| e.add(p, params).unwrap_err().to_string();
-    assert!(err(&mut e, &[], greedy(4, vec![])).contains("the prompt is empty"));
-    assert!(err(&mut e, &[1, 64], greedy(4, vec![])).contains("token id 64 is outside the vocabulary of 64"));
+    assert_eq!(err(&mut e, &[], greedy(4, vec![])), "invalid: the prompt is empty");
+    assert_eq!(err(&mut e, &[1, 64], greedy(4, vec![])), "invalid: token id 64 is outside the vocabulary of 64");
     assert!(err(&mut e, &[1; 60], greedy(5, vec![])).contains("exceeds the maximum of 64 tokens"));
-    assert!(err(&mut e, &[1], greedy(0, vec![])).contains("max_new_tokens must be at least 1"));
+    assert_eq!(err(&mut e, &[1], greedy(0, vec![])), "invalid: max_new_tokens must be at least 1");
     let g = SamplingParams::greedy();
     for (sampling, named) in [
         (SamplingParams { temperature: -1.0, ..g }, "temperature"),

@@ -366,6 +366,7 @@ fn bad_parameters_are_refused_naming_them() {
         let e = Sampler::new(p).map(|_| ()).expect_err(&format!("{p:?} accepted"));
         let msg = e.to_string();
         assert!(msg.contains(name), "{p:?}: `{msg}` does not name {name}");
+        assert!(msg.starts_with("invalid: "), "an out-of-range value is invalid, not unsupported: {msg}");
         assert_eq!(p.check().map_err(|e| e.to_string()), Err(msg), "check and Sampler::new agree");
     }
 }

@@ -103,7 +103,11 @@ def test_stop_strings():
     want = base[:base.find(stop)]
     r = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, temperature=0, stop=[stop, "\x00\x01zz"])
     check((r.choices[0].text, r.choices[0].finish_reason) == (want, "stop"), f"stop {stop!r}: {r.choices[0]}")
+    check(getattr(r.choices[0], "stop_reason", "absent") == stop, f"vLLM's stop_reason: {r.choices[0]}")
     check(r.usage.completion_tokens < 60, "a stop string ends the generation early")
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0)
+    check((r.choices[0].finish_reason, getattr(r.choices[0], "stop_reason", "absent")) == ("length", None),
+          f"no stop_reason at the length: {r.choices[0]}")
     stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, temperature=0, stop=stop, stream=True)
     text = "".join(x.text for ch in stream for x in ch.choices)
     check(text == want, f"streamed stop: {text!r} vs {want!r}")

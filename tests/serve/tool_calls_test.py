@@ -133,12 +133,25 @@ def test_the_call_and_its_result_go_back():
     check((r.choices[0].finish_reason, m.content, m.tool_calls) == ("stop", f"\n{answer}", None), f"{r.choices[0]}")
 
 
+def test_logprob_bytes_are_each_tokens_own():
+    """A token holding part of a character gives that part's bytes (the built-in tokenizer has
+    a token a byte): all of them together are the text's bytes, the eos token's after."""
+    text = "</think>\nça coûte 5 €"
+    r = client.chat.completions.create(model=MODEL, messages=ask(text), logprobs=True)
+    entries = r.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in entries)
+    check(joined == text.encode() + b"<|im_end|>", f"bytes {joined!r}")
+    check([e.bytes for e in entries[-4:-1]] == [[0xE2], [0x82], [0xAC]], f"the euro sign's {entries[-4:-1]}")
+    check(r.choices[0].message.content == "\nça coûte 5 €", f"{r.choices[0].message}")
+
+
 TESTS = [
     test_response,
     test_stream,
     test_a_call_is_content_without_tools_or_with_tool_choice_none,
     test_without_thinking_there_is_no_reasoning,
     test_the_call_and_its_result_go_back,
+    test_logprob_bytes_are_each_tokens_own,
 ]
 
 if __name__ == "__main__":

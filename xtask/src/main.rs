@@ -72,21 +72,28 @@ fn main() -> Result<()> {
                 &[],
             )?;
             let device = [
-                "clippy",
-                "-p",
-                "kernels-gpu",
-                "--profile",
-                "ptx",
-                "--target",
-                "nvptx64-nvidia-cuda",
-                "-Zbuild-std=core",
-                "--target-dir",
-                "target/clippy-ptx",
-                "--",
-                "-D",
-                "warnings",
-            ];
-            cargo(&workspace, &device, std::iter::empty(), &[])
+                &["clippy", "-p", "kernels-gpu"][..],
+                &ptx_build::PTX_PROFILE,
+                &[
+                    "--target",
+                    "nvptx64-nvidia-cuda",
+                    "-Zbuild-std=core",
+                    "--target-dir",
+                    "target/clippy-ptx",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+            ]
+            .concat();
+            cargo(&workspace, &device, std::iter::empty(), &[])?;
+            // The crate outside the workspace (outside/: it has a workspace of its own).
+            cargo(
+                &workspace,
+                &["fmt", "--manifest-path", "outside/Cargo.toml", "--", "--check"],
+                std::iter::empty(),
+                &[],
+            )
         }
         Some("bundle") => {
             let out = match (args.next().as_deref(), args.next()) {

@@ -25,7 +25,6 @@ use model::serve::prompt::Chat;
 use model::serve::special::{Special, SpecialInContent};
 use model::serve::worker::{EngineHandle, Starter};
 use model::serve::{Access, Served, loading, now, router};
-use model::weights::Checkpoint;
 use tokenizers::Tokenizer;
 
 /// How the log is written.
@@ -283,14 +282,7 @@ fn load_engine<B: model::backend::Backend>(
     max_step_tokens: Option<usize>,
 ) -> model::Result<Engine<B>> {
     let model = match weights {
-        Weights::Checkpoint(dir) => {
-            let config = Config::from_dir(dir)?;
-            if let Some(note) = config.kv_cache_note() {
-                tracing::warn!("{note}");
-            }
-            let checkpoint = Checkpoint::open(dir)?;
-            Model::load(backend, &config, &Layout::new(&config, &checkpoint)?, slots, max_len)?
-        }
+        Weights::Checkpoint(dir) => Model::from_dir(backend, dir, slots, max_len, &mut |_, _| {})?,
         Weights::Random(config) => {
             // One buffer per kind of tensor (benches/nano.rs's seed), finite as drawn: not scanned.
             let checkpoint = model::synthetic::in_memory(config, 7)?;

@@ -11,7 +11,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text received and not yet returned: a suffix that is a prefix of some stop string.
     held: String,
-    stopped: bool,
+    /// The stop string found, by index.
+    matched: Option<usize>,
 }
 
 impl StopMatcher {
@@ -20,7 +21,7 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             held: String::new(),
-            stopped: false,
+            matched: None,
         }
     }
 
@@ -28,16 +29,18 @@ impl StopMatcher {
     /// string has been found (then the text up to it is returned and the rest, stop string
     /// included, dropped; later pushes return nothing).
     pub fn push(&mut self, text: &str) -> (String, bool) {
-        if self.stopped {
+        if self.matched.is_some() {
             return (String::new(), true);
         }
         self.held.push_str(text);
         // The stop string that ends first (then the one that starts first): what the text
         // shows as it grows, so the result does not depend on how it was cut into pieces.
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|at| (at + s.len(), at))).min();
-        if let Some((_, at)) = first {
+        let first = (self.stops.iter().enumerate())
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at + s.len(), at, i)))
+            .min();
+        if let Some((_, at, i)) = first {
             self.held.truncate(at);
-            self.stopped = true;
+            self.matched = Some(i);
             return (std::mem::take(&mut self.held), true);
         }
         let keep = self.held_back_len();
@@ -62,12 +65,17 @@ impl StopMatcher {
 
     /// Whether a stop string was found.
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.matched.is_some()
+    }
+
+    /// The stop string found, if one was.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// The end of the text: what was held back (nothing after a stop).
     pub fn finish(self) -> String {
-        if self.stopped { String::new() } else { self.held }
+        if self.stopped() { String::new() } else { self.held }
     }
 }
 
@@ -91,7 +99,8 @@ mod tests {
         out
     }
 
-    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+    /// The text let through and the stop string found.
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<String>) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut m = StopMatcher::new(&stops);
         let mut out = String::new();
@@ -102,25 +111,29 @@ mod tests {
             out.push_str(&emit);
             stopped = s;
         }
+        let matched = m.matched().map(str::to_string);
+        assert_eq!(stopped, matched.is_some());
         out.push_str(&m.finish());
-        (out, stopped)
+        (out, matched)
     }
 
     #[test]
     fn any_split_gives_the_whole_text_result() {
-        let cases: [(&[&str], &str, &str, bool); 8] = [
-            (&["abcd", "bc"], "abcd", "a", true),
-            (&["STOP"], "abSTOPcd", "ab", true),
-            (&["STOP"], "abSTOcd", "abSTOcd", false),
-            (&["ab", "b"], "xaab", "xa", true),
-            (&["é!"], "caféé!x", "café", true),
-            (&["日本"], "日日本語", "日", true),
-            (&["<|im_end|>", "\n\n"], "a\nb<|im_", "a\nb<|im_", false),
-            (&[""], "abc", "abc", false),
+        let cases: [(&[&str], &str, &str, Option<&str>); 9] = [
+            (&["abcd", "bc"], "abcd", "a", Some("bc")),
+            (&["STOP"], "abSTOPcd", "ab", Some("STOP")),
+            (&["STOP"], "abSTOcd", "abSTOcd", None),
+            (&["ab", "b"], "xaab", "xa", Some("ab")),
+            (&["b", "ab"], "xaab", "xa", Some("ab")),
+            (&["é!"], "caféé!x", "café", Some("é!")),
+            (&["日本"], "日日本語", "日", Some("日本")),
+            (&["<|im_end|>", "\n\n"], "a\nb<|im_", "a\nb<|im_", None),
+            (&["", "c"], "abc", "ab", Some("c")),
         ];
         for (stops, text, want, stop) in cases {
             for pieces in splits(text) {
-                assert_eq!(run(stops, &pieces), (want.to_string(), stop), "stops {stops:?}, pieces {pieces:?}");
+                let expected = (want.to_string(), stop.map(str::to_string));
+                assert_eq!(run(stops, &pieces), expected, "stops {stops:?}, pieces {pieces:?}");
             }
         }
     }

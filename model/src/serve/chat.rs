@@ -70,13 +70,15 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     let mut g = s.start(&c, prompt, "messages", &id)?;
     if !c.stream {
         let mut parser = new_parser();
-        let (mut deltas, mut logprobs, mut finish) = (vec![], vec![], "stop");
+        let (mut deltas, mut logprobs, mut finish, mut stop_reason) = (vec![], vec![], "stop", Value::Null);
         while let Some(p) = g.next().await? {
             deltas.extend(parser.push(&p.text));
             if let (true, Some(t)) = (c.sampling.logprobs, &p.token) {
                 logprobs.push(s.chat_logprob(t, c.token_ids));
             }
-            finish = p.finish.unwrap_or(finish);
+            if let Some(f) = p.finish {
+                (finish, stop_reason) = (f, p.stop_reason);
+            }
         }
         deltas.extend(parser.finish());
         let m = crate::chat::Message::from_deltas(deltas);
@@ -95,7 +97,8 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         let logprobs = if c.sampling.logprobs { json!({"content": logprobs}) } else { Value::Null };
         let body = json!({
             "id": id, "object": "chat.completion", "created": created, "model": s.name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                         "stop_reason": stop_reason}],
             "usage": g.usage(),
         });
         return Ok(axum::Json(body).into_response());
@@ -104,17 +107,18 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     tokio::spawn(async move {
         let out = Out(tx);
         let usage_field = c.include_usage;
-        let chunk = |delta: Value, logprobs: Value, finish: Option<&str>| {
+        let chunk = |delta: Value, logprobs: Value, finish: Option<&str>, stop_reason: Value| {
             let mut v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": s.name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                             "stop_reason": stop_reason}],
             });
             if usage_field {
                 v["usage"] = Value::Null;
             }
             v
         };
-        if !out.send(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, None)).await {
+        if !out.send(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, None, Value::Null)).await {
             return;
         }
         let mut parser = Some(new_parser());
@@ -150,7 +154,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 };
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
-                if !out.send(&chunk(delta, lp, None)).await {
+                if !out.send(&chunk(delta, lp, None, Value::Null)).await {
                     return;
                 }
             }
@@ -158,7 +162,7 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
                 let finish = finish_reason(finish, called);
                 let lp =
                     if pending.is_empty() { Value::Null } else { json!({"content": std::mem::take(&mut pending)}) };
-                if !out.send(&chunk(json!({}), lp, Some(finish))).await {
+                if !out.send(&chunk(json!({}), lp, Some(finish), piece.stop_reason.clone())).await {
                     return;
                 }
             }
@@ -229,8 +233,8 @@ impl Served {
     /// Chat's logprobs entry for one token.
     fn chat_logprob(&self, t: &TokenOut, as_id: bool) -> Value {
         let entry = |id: u32, lp: f32| {
-            let name = self.token_name(id, as_id);
-            json!({"token": name, "logprob": lp, "bytes": name.as_bytes()})
+            let bytes = super::text::token_bytes(&self.tokenizer, id);
+            json!({"token": self.token_name(id, as_id), "logprob": lp, "bytes": bytes})
         };
         let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
         e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();

@@ -8,7 +8,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, Common, Fields};
-use super::generation::{Out, TokenOut, sse};
+use super::generation::{Out, Piece, TokenOut, sse};
 use super::{Served, fresh, now};
 
 /// The completions prompt: a string, a list of token ids, or either alone in a list.
@@ -54,15 +54,19 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     let mut g = s.start(&c, prompt, "prompt", &id)?;
     if !c.stream {
         let (mut text, mut tokens, mut finish, mut chars) = (String::new(), vec![], "stop", 0);
+        let mut stop_reason = Value::Null;
         while let Some(p) = g.next().await? {
             tokens.extend(p.token.map(|t| (chars, t)));
             chars += p.text.chars().count();
             text += &p.text;
-            finish = p.finish.unwrap_or(finish);
+            if let Some(f) = p.finish {
+                (finish, stop_reason) = (f, p.stop_reason);
+            }
         }
+        let lp = completion_logprobs(&s, &c, &tokens);
         let body = json!({
             "id": id, "object": "text_completion", "created": created, "model": s.name,
-            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(&s, &c, &tokens), "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}],
             "usage": g.usage(),
         });
         return Ok(axum::Json(body).into_response());
@@ -70,10 +74,11 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let out = Out(tx);
-        let chunk = |text: &str, lp: Value, finish: Option<&str>| {
+        let chunk = |text: &str, lp: Value, finish: Option<&str>, stop_reason: &Value| {
             let mut v = json!({
                 "id": id, "object": "text_completion", "created": created, "model": s.name,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish,
+                             "stop_reason": stop_reason}],
             });
             if c.include_usage {
                 v["usage"] = Value::Null;
@@ -82,18 +87,19 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         };
         let (mut offset, mut pending) = (0, vec![]);
         loop {
-            let p = match out.piece(&mut g).await {
+            let Piece { text, token, finish, stop_reason } = match out.piece(&mut g).await {
                 None => return,
                 Some(Some(p)) => p,
                 Some(None) => break,
             };
-            pending.extend(p.token.map(|t| (offset, t)));
-            offset += p.text.chars().count();
-            if (!p.text.is_empty() || p.finish.is_some())
-                && !out
-                    .send(&chunk(&p.text, completion_logprobs(&s, &c, &std::mem::take(&mut pending)), p.finish))
-                    .await
-            {
+            pending.extend(token.map(|t| (offset, t)));
+            offset += text.chars().count();
+            // A token whose text is held back has its logprobs sent with the next text.
+            if text.is_empty() && finish.is_none() {
+                continue;
+            }
+            let lp = completion_logprobs(&s, &c, &std::mem::take(&mut pending));
+            if !out.send(&chunk(&text, lp, finish, &stop_reason)).await {
                 return;
             }
         }

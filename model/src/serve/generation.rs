@@ -27,12 +27,15 @@ pub(super) struct TokenOut {
 }
 
 /// What one token adds to a response: its text (possibly empty: held back), and the finish
-/// reason on the last. The piece that ends a generation cut short by the server's shutdown has
-/// no token: its text is what was held back, its finish `abort`.
+/// reason on the last, with vLLM's `stop_reason`: the stop string found, or the token id of
+/// the request's `stop_token_ids` that ended it; null otherwise (the checkpoint's
+/// end-of-sequence ids among them). The piece that ends a generation cut short by the server's
+/// shutdown has no token: its text is what was held back, its finish `abort`.
 pub(super) struct Piece {
     pub(super) text: String,
     pub(super) token: Option<TokenOut>,
     pub(super) finish: Option<&'static str>,
+    pub(super) stop_reason: Value,
 }
 
 /// One request's generation, from the engine's tokens to text.
@@ -40,6 +43,8 @@ pub(super) struct Gen {
     pub(super) rx: mpsc::UnboundedReceiver<Update>,
     pub(super) detok: Detok,
     pub(super) stop: Option<StopMatcher>,
+    /// The request's `stop_token_ids` (a `stop_reason` when one ends it).
+    pub(super) stop_ids: Vec<u32>,
     pub(super) prompt_tokens: usize,
     /// Tokens generated so far.
     pub(super) tokens: usize,
@@ -129,6 +134,11 @@ impl Gen {
         }
         let stop = self.stop.as_mut().expect("taken only when done");
         let (mut text, hit) = stop.push(&text);
+        let stop_reason = match stop.matched() {
+            Some(s) => json!(s),
+            None if event.finished == Some(Finish::Stop) && self.stop_ids.contains(&event.token) => json!(event.token),
+            None => Value::Null,
+        };
         let finish = if hit { Some("stop") } else { finish };
         if finish.is_some() {
             self.done = true;
@@ -139,7 +149,7 @@ impl Gen {
             self.rx.close();
         }
         let token = TokenOut { id: event.token, logprob: event.logprob, top: event.top_logprobs };
-        Ok(Some(Piece { text, token: Some(token), finish }))
+        Ok(Some(Piece { text, token: Some(token), finish, stop_reason }))
     }
 
     /// The generation ended by the server's shutdown: what text was held back, finish `abort`;
@@ -153,7 +163,7 @@ impl Gen {
         if let Some(stop) = self.stop.take() {
             text += &stop.finish();
         }
-        Ok(Piece { text, token: None, finish: Some("abort") })
+        Ok(Piece { text, token: None, finish: Some("abort"), stop_reason: Value::Null })
     }
 
     pub(super) fn usage(&self) -> Value {

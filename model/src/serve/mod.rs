@@ -328,6 +328,7 @@ impl Served {
             rx,
             detok: Detok::new(self.tokenizer.clone(), &prompt),
             stop: Some(StopMatcher::new(&c.stop)),
+            stop_ids: c.stop_token_ids.clone(),
             prompt_tokens: prompt.len(),
             tokens: 0,
             done: false,

@@ -42,6 +42,11 @@ impl Turn {
         self.send(self.eos, Some(Finish::Stop));
     }
 
+    /// The built-in model's tokenizer (the server's).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     /// The text of the last user message in the prompt (the built-in template's
     /// `<|im_start|>user\nTEXT<|im_end|>`), empty if there is none.
     pub fn last_user_message(&self) -> String {

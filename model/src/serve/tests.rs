@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 use super::{BODY_LIMIT, Served, chat, scripted};
+use crate::engine::Finish;
 
 const CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
     <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
@@ -635,4 +636,77 @@ async fn text_offsets_count_characters() {
         checked += offsets.len();
         assert!(checked > 5, "stream {stream}: {checked} offsets");
     }
+}
+
+/// vLLM's `stop_reason`: the stop string found, the `stop_token_ids` id that ended the
+/// generation, null for the eos ids and for `length`; in the last choice of a response and of
+/// a stream, chat and completions alike. Chat's logprobs `bytes` are each token's own bytes,
+/// a part of a character included.
+#[tokio::test]
+async fn stop_reasons_and_token_bytes() {
+    const STOP_ID: u32 = 120; // `x` in the byte-level vocabulary
+    let s = scripted::built_in(move |turn| {
+        let ids = |text: &str| turn.tokenizer().encode(text, false).unwrap().get_ids().to_vec();
+        if turn.params.stop_tokens.contains(&STOP_ID) {
+            ids("a€b").into_iter().for_each(|id| turn.send(id, None));
+            turn.send(STOP_ID, Some(Finish::Stop));
+        } else if turn.params.max_new_tokens == 4 {
+            let (last, first) = ids("a€").split_last().map(|(l, f)| (*l, f.to_vec())).unwrap();
+            first.into_iter().for_each(|id| turn.send(id, None));
+            turn.send(last, Some(Finish::Length));
+        } else {
+            turn.write("a€b STOP here");
+        }
+    });
+    let cases = [
+        (json!({}), "stop", Value::Null),
+        (json!({"stop": ["STOP"]}), "stop", json!("STOP")),
+        (json!({"stop_token_ids": [STOP_ID]}), "stop", json!(STOP_ID)),
+        (json!({"max_tokens": 4}), "length", Value::Null),
+    ];
+    let mut checked = 0;
+    for (extra, finish, reason) in cases {
+        for (chat, stream) in [(true, false), (true, true), (false, false), (false, true)] {
+            let mut body = if chat {
+                json!({"messages": [{"role": "user", "content": "Hi"}], "logprobs": true})
+            } else {
+                json!({"prompt": "Hi"})
+            };
+            body["stream"] = json!(stream);
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let r = if chat {
+                chat::handle(s.clone(), Bytes::from(body.to_string())).await
+            } else {
+                super::completions::handle(s.clone(), Bytes::from(body.to_string())).await
+            };
+            let bytes = axum::body::to_bytes(r.expect("answered").into_body(), usize::MAX).await.unwrap();
+            let text = String::from_utf8(bytes.to_vec()).unwrap();
+            let choices: Vec<Value> = match stream {
+                true => events(&text)
+                    .iter()
+                    .filter(|e| *e != "[DONE]")
+                    .filter_map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"].get(0).cloned())
+                    .collect(),
+                false => vec![serde_json::from_str::<Value>(&text).unwrap()["choices"][0].clone()],
+            };
+            let last = choices.last().unwrap();
+            assert_eq!(
+                (last["finish_reason"].as_str(), &last["stop_reason"]),
+                (Some(finish), &reason),
+                "{body}: {text}"
+            );
+            assert!(choices.iter().all(|c| c.get("stop_reason").is_some()), "{text}");
+            if chat && !stream {
+                // "a€b...": a, then the euro sign's three bytes a token each, then b.
+                let lp = last["logprobs"]["content"].as_array().unwrap();
+                let b: Vec<Value> = lp.iter().take(4).map(|e| e["bytes"].clone()).collect();
+                assert_eq!(b, [json!([0x61]), json!([0xe2]), json!([0x82]), json!([0xac])], "{body}");
+                if reason == json!(STOP_ID) {
+                    assert_eq!(lp.last().unwrap()["bytes"], json!([STOP_ID]), "the stop token's byte");
+                }
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 16);
 }

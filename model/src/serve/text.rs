@@ -1,9 +1,10 @@
 //! From generated token ids to text, a token at a time: [`Detok`] decodes incrementally
-//! (holding back a character whose bytes are not all there yet).
+//! (holding back a character whose bytes are not all there yet); [`token_bytes`] is one
+//! token's own bytes (logprobs' `bytes`).
 
 use std::sync::Arc;
 
-use tokenizers::Tokenizer;
+use tokenizers::{DecoderWrapper, Tokenizer};
 
 /// Prompt tokens decoded before the first generated one, so that it decodes in context (a
 /// leading space kept, say).
@@ -55,5 +56,102 @@ impl Detok {
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}
+
+/// The bytes token `id` stands for, whole or part of a character (what OpenAI's logprobs
+/// `bytes` give): an added token's content; under a byte-level decoder (GPT-2's, which the
+/// Nemotron tokenizers use) each character of the vocabulary entry mapped back to its byte;
+/// under byte fallback a `<0xNN>` entry's byte; otherwise the token decoded alone.
+pub fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    let decoded = || tokenizer.decode(&[id], false).unwrap_or_default().into_bytes();
+    if let Some(added) = tokenizer.get_added_tokens_decoder().get(&id) {
+        return added.content.clone().into_bytes();
+    }
+    let Some(entry) = tokenizer.id_to_token(id) else { return decoded() };
+    let decoders = match tokenizer.get_decoder() {
+        Some(DecoderWrapper::Sequence(seq)) => seq.get_decoders().iter().collect(),
+        Some(d) => vec![d],
+        None => vec![],
+    };
+    let byte_level_entry = || entry.chars().map(byte_level).collect::<Option<Vec<u8>>>();
+    if decoders.iter().any(|d| matches!(d, DecoderWrapper::ByteLevel(_)))
+        && let Some(bytes) = byte_level_entry()
+    {
+        return bytes;
+    }
+    if decoders.iter().any(|d| matches!(d, DecoderWrapper::ByteFallback(_))) {
+        let hex = entry.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+        if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            return vec![b];
+        }
+    }
+    decoded()
+}
+
+/// The byte a byte-level vocabulary character stands for (GPT-2's table: the printable bytes
+/// `!`..=`~`, U+00A1..=U+00AC and U+00AE..=U+00FF as themselves, the other 68 bytes in order
+/// as U+0100 onwards).
+fn byte_level(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let c = c as u32;
+    if c < 0x100 {
+        return printable(c).then_some(c as u8);
+    }
+    (0u32..=0xff).filter(|&b| !printable(b)).nth((c - 0x100) as usize).map(|b| b as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2's `bytes_to_unicode`, written from its definition: each byte's character.
+    fn gpt2_table() -> Vec<char> {
+        let mut next = 0x100;
+        (0u32..=0xff)
+            .map(|b| match b {
+                0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff => char::from_u32(b).unwrap(),
+                _ => {
+                    next += 1;
+                    char::from_u32(next - 1).unwrap()
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn byte_level_characters_map_back_to_their_bytes() {
+        let table = gpt2_table();
+        assert_eq!(table.len(), 256);
+        for (b, &c) in table.iter().enumerate() {
+            assert_eq!(byte_level(c), Some(b as u8), "byte {b} as {c:?}");
+        }
+        assert_eq!(byte_level('\u{144}'), None, "past the 68 remapped bytes");
+        assert_eq!(byte_level(' '), None, "a space is never a byte-level character");
+    }
+
+    #[test]
+    fn a_token_of_part_of_a_character_gives_its_own_bytes() {
+        // The built-in tokenizer is byte-level: a token per byte, ChatML's markers added.
+        let dir = crate::built_in::dir().unwrap();
+        let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let euro = "€".as_bytes();
+        let ids = tok.encode("€", false).unwrap().get_ids().to_vec();
+        assert_eq!(ids.len(), 3, "one token a byte");
+        let bytes: Vec<Vec<u8>> = ids.iter().map(|&id| token_bytes(&tok, id)).collect();
+        assert_eq!(bytes, euro.iter().map(|&b| vec![b]).collect::<Vec<_>>());
+        // Decoded alone such a token is U+FFFD, whose bytes are not the token's.
+        assert_eq!(tok.decode(&ids[..1], false).unwrap(), "\u{fffd}");
+        let space = tok.encode(" ", false).unwrap().get_ids()[0];
+        assert_eq!(token_bytes(&tok, space), b" ");
+        let end = tok.token_to_id("<|im_end|>").unwrap();
+        assert_eq!(token_bytes(&tok, end), b"<|im_end|>");
+        let mut seen = [false; 256];
+        for id in 0..256u32 {
+            let b = token_bytes(&tok, id);
+            assert_eq!(b.len(), 1, "token {id}");
+            seen[b[0] as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s), "the 256 byte tokens cover every byte");
     }
 }

@@ -1,12 +1,16 @@
-//! What `--model` names, for `generate` and `serve` alike ([`resolve`]): a checkpoint
-//! directory, a Hugging Face repo id in the local cache (`--model ORG/NAME`), or without a
+//! What `--model` names, for `generate`, `serve` and [`crate::text::Llm`] alike ([`resolve`]):
+//! a checkpoint directory, a Hugging Face repo id (`--model ORG/NAME[@REVISION]`), or without a
 //! value the built-in model.
 //!
 //! The cache is laid out as huggingface_hub lays it out: `HUB/models--ORG--NAME/snapshots/COMMIT/`
 //! holds a revision's files (links into `blobs/`), and `refs/BRANCH` the commit of a branch or
 //! tag. `HUB` is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
-//! else `~/.cache/huggingface/hub`. Nothing is downloaded: a repo that is not in the cache is an
-//! error that says so.
+//! else `~/.cache/huggingface/hub`. A repo (or revision) that is not there is downloaded into it
+//! (the `hf-hub` crate: `$HF_ENDPOINT`, `https://huggingface.co` by default; `$HF_TOKEN` for
+//! gated repos; a progress bar a file on a terminal): the files a checkpoint is loaded from
+//! ([`wanted`]), not the rest of the repo. `HF_HUB_OFFLINE=1` turns downloads off. A value that
+//! looks like a path (it starts with `/`, `.` or `~`, or has more than one `/`) and names
+//! nothing is a missing directory, never a repo id.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -31,12 +35,15 @@ pub fn resolve(model: Option<&str>) -> Result<Located, String> {
 
 /// `--model`'s value: an existing path as it is; otherwise a repo id, `ORG/NAME` or
 /// `ORG/NAME@REVISION` (a branch, a tag or a commit; `main` by default), found in the cache
-/// the environment names.
+/// the environment names, or downloaded into it.
 pub fn locate(model: &str) -> Result<Located, String> {
     let path = Path::new(model);
     if path.exists() {
         let name = path.file_name().map_or_else(|| "default".into(), |n| n.to_string_lossy().into_owned());
         return Ok(Located { dir: path.to_path_buf(), name });
+    }
+    if looks_like_a_path(model) {
+        return Err(format!("`{model}`: no such directory"));
     }
     let (repo, revision) = model.split_once('@').unwrap_or((model, "main"));
     if !is_repo_id(repo) || revision.is_empty() {
@@ -45,8 +52,74 @@ pub fn locate(model: &str) -> Result<Located, String> {
     let hub = hub_dir(|name| std::env::var_os(name)).ok_or_else(|| {
         format!("`{model}`: no such directory, and no Hugging Face cache (HF_HUB_CACHE, HF_HOME and HOME are unset)")
     })?;
-    let dir = snapshot(&hub, repo, revision)?;
+    let dir = match snapshot(&hub, repo, revision) {
+        Ok(dir) => dir,
+        Err(e) if offline(|name| std::env::var_os(name)) => {
+            return Err(format!("{e}; HF_HUB_OFFLINE is set, so nothing is downloaded"));
+        }
+        Err(_) => download(&hub, repo, revision)?,
+    };
     Ok(Located { dir, name: repo.to_string() })
+}
+
+/// Whether the environment turns downloads off (`HF_HUB_OFFLINE` set to 1, true, yes or on).
+fn offline(var: impl Fn(&str) -> Option<OsString>) -> bool {
+    var("HF_HUB_OFFLINE")
+        .is_some_and(|v| ["1", "true", "yes", "on"].contains(&v.to_string_lossy().to_lowercase().as_str()))
+}
+
+/// Whether a repo's file is one a checkpoint is loaded from: the configs, the tokenizer and its
+/// chat template, the quantization settings, and the weights (safetensors and their index).
+pub fn wanted(file: &str) -> bool {
+    const FILES: [&str; 7] = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "hf_quant_config.json",
+    ];
+    !file.contains('/')
+        && (FILES.contains(&file) || file.ends_with(".safetensors") || file.ends_with(".safetensors.index.json"))
+}
+
+/// Downloads `repo` at `revision` into the cache `hub` (the files [`wanted`]) and returns its
+/// snapshot directory.
+fn download(hub: &Path, repo: &str, revision: &str) -> Result<PathBuf, String> {
+    use hf_hub::api::sync::ApiBuilder;
+    use hf_hub::{Repo, RepoType};
+    // `from_env`: $HF_ENDPOINT, and the token `hf auth login` saved; $HF_TOKEN before that.
+    let mut builder = ApiBuilder::from_env()
+        .with_cache_dir(hub.to_path_buf())
+        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if let Some(token) = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()) {
+        builder = builder.with_token(Some(token));
+    }
+    let api = builder.build().map_err(|e| format!("`{repo}`: starting the Hugging Face client: {e}"))?;
+    let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+    let api = api.repo(Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string()));
+    let failed = |what: &str, e: hf_hub::api::sync::ApiError| {
+        format!("`{repo}@{revision}`: {what} from {endpoint} failed ({e}); not in the cache {} either", hub.display())
+    };
+    let info = api.info().map_err(|e| failed("asking for its files", e))?;
+    let files: Vec<&str> = info.siblings.iter().map(|f| f.rfilename.as_str()).filter(|f| wanted(f)).collect();
+    if !files.contains(&"config.json") {
+        return Err(format!("`{repo}@{revision}` on {endpoint} has no config.json: not a checkpoint"));
+    }
+    tracing::info!("downloading {} files of `{repo}@{revision}` from {endpoint} into {}", files.len(), hub.display());
+    let mut dir = None;
+    for file in files {
+        let path = api.download(file).map_err(|e| failed(&format!("downloading {file}"), e))?;
+        dir = path.parent().map(Path::to_path_buf);
+    }
+    dir.ok_or_else(|| format!("`{repo}@{revision}`: nothing was downloaded"))
+}
+
+/// Whether a `--model` value is meant as a path: it starts with `/`, `.` or `~`, or has more
+/// than one `/` (a repo id has exactly one).
+fn looks_like_a_path(s: &str) -> bool {
+    s.starts_with(['/', '.', '~']) || s.matches('/').count() > 1
 }
 
 /// The hub cache folder that the environment (`var` reads a variable) names.
@@ -63,11 +136,7 @@ pub fn hub_dir(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 pub fn snapshot(hub: &Path, repo: &str, revision: &str) -> Result<PathBuf, String> {
     let folder = hub.join(format!("models--{}", repo.replace('/', "--")));
     if !folder.is_dir() {
-        return Err(format!(
-            "`{repo}` is not in the Hugging Face cache (no {}); nothing is downloaded here: fetch it first \
-             (e.g. `hf download {repo}`) or give the checkpoint's directory",
-            folder.display()
-        ));
+        return Err(format!("`{repo}` is not in the Hugging Face cache (no {})", folder.display()));
     }
     let commit = std::fs::read_to_string(folder.join("refs").join(revision))
         .map(|c| c.trim().to_string())
@@ -121,7 +190,6 @@ mod tests {
         assert!(e.contains("revision `v2`") && e.contains("its snapshots: beef, c0ffee"), "{e}");
         let e = snapshot(&hub, "org/missing", "main").unwrap_err();
         assert!(e.contains("not in the Hugging Face cache") && e.contains("models--org--missing"), "{e}");
-        assert!(e.contains("nothing is downloaded"), "{e}");
         std::fs::remove_dir_all(hub).unwrap();
     }
 
@@ -147,10 +215,27 @@ mod tests {
         assert_eq!(locate(dir.to_str().unwrap()), Ok(Located { dir: dir.clone(), name }));
         let built_in = resolve(None).unwrap();
         assert_eq!((built_in.dir, built_in.name.as_str()), (crate::built_in::dir().unwrap(), "default"));
-        for bad in ["no-such-dir-here", "a/b/c", "org/", "/org/name", "org/na me", "org/name@"] {
+        for bad in ["no-such-dir-here", "org/", "org/na me", "org/name@"] {
             let e = locate(bad).unwrap_err();
             assert!(e.contains("nor a Hugging Face repo id"), "{bad}: {e}");
         }
+        // Path-looking values are missing directories, never repo ids to download.
+        for path in ["./nope", "../org/name", "/org/name", "~/models/x", "a/b/c", ".hidden/x"] {
+            assert_eq!(locate(path), Err(format!("`{path}`: no such directory")), "{path}");
+        }
         assert!(is_repo_id("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16") && is_repo_id("a.b/c_d"));
+        assert!(!looks_like_a_path("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"));
+    }
+
+    #[test]
+    fn the_files_a_checkpoint_needs() {
+        for f in ["config.json", "model-00001-of-00013.safetensors", "model.safetensors.index.json", "tokenizer.json"] {
+            assert!(wanted(f), "{f}");
+        }
+        for f in ["README.md", ".gitattributes", "modeling_nemotron_h.py", "docs/config.json", "model.bin"] {
+            assert!(!wanted(f), "{f}");
+        }
+        let var = |v: &'static str| move |_: &str| Some(OsString::from(v));
+        assert!(offline(var("1")) && offline(var("TRUE")) && !offline(var("0")) && !offline(|_| None));
     }
 }

@@ -56,7 +56,7 @@ fn a_repo_id_is_found_in_the_hub_cache() {
         let mut command = Command::new(env!("CARGO_BIN_EXE_generate"));
         command.args(["--prompt", "Hello", "--max-new-tokens", "6", "--backend", "cpu"]);
         command.args(model.map(|m| ["--model", m]).into_iter().flatten());
-        command.env("HF_HOME", &home).env_remove("HF_HUB_CACHE").output().unwrap()
+        command.env("HF_HOME", &home).env_remove("HF_HUB_CACHE").env("HF_HUB_OFFLINE", "1").output().unwrap()
     };
     let (cached, built_in) = (run(Some("test-org/tiny")), run(None));
     let stderr = String::from_utf8_lossy(&cached.stderr);
@@ -67,6 +67,7 @@ fn a_repo_id_is_found_in_the_hub_cache() {
     let stderr = String::from_utf8_lossy(&absent.stderr);
     assert_eq!(absent.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("`test-org/absent` is not in the Hugging Face cache"), "{stderr}");
+    assert!(stderr.contains("HF_HUB_OFFLINE is set, so nothing is downloaded"), "{stderr}");
     assert!(stderr.contains(&home.join("hub/models--test-org--absent").display().to_string()), "{stderr}");
     assert!(!stderr.contains("loading"), "refused before anything loads: {stderr}");
     std::fs::remove_dir_all(home).unwrap();
@@ -255,4 +256,48 @@ fn chat_turns_go_through_the_template_and_keep_the_conversation() {
     // --no-thinking without --chat is a usage error.
     let out = generate(&["--prompt", "Hi", "--no-thinking"]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// A repo id that is not in the cache is downloaded from `$HF_ENDPOINT` (a local server that
+/// answers as the hub does) into it, in huggingface_hub's layout and only the checkpoint's
+/// files; the next run finds it there without the server; a repo the hub does not have, and a
+/// path-looking value, are errors that say so.
+#[test]
+fn a_repo_id_is_downloaded_into_the_hub_cache() {
+    let (url, asked) = common::hub_server();
+    let home = std::env::temp_dir().join(format!("nemotron-hf-download-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let run = |model: &str, endpoint: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_generate"));
+        command.args(["--prompt", "Hello", "--max-new-tokens", "6", "--backend", "cpu", "--model", model]);
+        command.env("HF_HOME", &home).env("HF_ENDPOINT", endpoint).env_remove("HF_HUB_CACHE");
+        command.env_remove("HF_HUB_OFFLINE").env_remove("HF_TOKEN").output().unwrap()
+    };
+    let built_in = generate(&["--prompt", "Hello", "--max-new-tokens", "6", "--backend", "cpu"]);
+    let fetched = run("test-org/tiny", &url);
+    let stderr = String::from_utf8_lossy(&fetched.stderr);
+    assert!(fetched.status.success(), "{stderr}");
+    assert!(stderr.contains("downloading 5 files of `test-org/tiny@main`"), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&fetched.stdout), String::from_utf8_lossy(&built_in.stdout));
+    let repo = home.join("hub/models--test-org--tiny");
+    assert_eq!(std::fs::read_to_string(repo.join("refs/main")).unwrap().trim(), common::HUB_COMMIT);
+    let snapshot = repo.join("snapshots").join(common::HUB_COMMIT);
+    for (name, bytes) in model::built_in::FILES {
+        assert_eq!(std::fs::read(snapshot.join(name)).unwrap(), bytes, "{name}");
+    }
+    assert!(!snapshot.join("README.md").exists(), "only the checkpoint's files");
+    assert!(!asked.lock().unwrap().iter().any(|p| p.contains("README")), "{:?}", asked.lock().unwrap());
+    // Cached: the next run needs no hub.
+    let again = run("test-org/tiny", "http://127.0.0.1:9");
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(again.stdout, fetched.stdout);
+    let absent = run("test-org/absent", &url);
+    let stderr = String::from_utf8_lossy(&absent.stderr);
+    assert_eq!(absent.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("`test-org/absent@main`: asking for its files from {url} failed")), "{stderr}");
+    assert!(stderr.contains("404"), "{stderr}");
+    let path = run("./test-org/tiny", &url);
+    let stderr = String::from_utf8_lossy(&path.stderr);
+    assert!(stderr.contains("`./test-org/tiny`: no such directory") && !stderr.contains("repo id"), "{stderr}");
+    std::fs::remove_dir_all(home).unwrap();
 }

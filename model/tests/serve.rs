@@ -189,6 +189,7 @@ fn a_repo_id_is_served_from_the_hub_cache() {
     let out = Command::new(env!("CARGO_BIN_EXE_serve"))
         .args(["--model", "test-org/absent", "--port", "0"])
         .env("HF_HOME", &home)
+        .env("HF_HUB_OFFLINE", "1")
         .env_remove("HF_HUB_CACHE")
         .output()
         .unwrap();

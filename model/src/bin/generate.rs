@@ -1,5 +1,5 @@
 //! `generate`: generates text with a NemotronH checkpoint (a directory with config.json,
-//! safetensors and tokenizer.json, or a Hugging Face repo id already in the local cache, found
+//! safetensors and tokenizer.json, or a Hugging Face repo id, downloaded when not cached, found
 //! by [`model::hub`] as `serve` finds it), streaming the text as it comes (the tokenizer's
 //! decode stream: each token decoded against the few before it, a character split over tokens
 //! printed once complete), then logs prefill and decode speed. Without `--model` it runs the small built-in model
@@ -56,9 +56,10 @@ enum Choice {
 #[command(name = "generate", version, allow_negative_numbers = true)]
 struct Args {
     /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face
-    /// repo id ORG/NAME[@REVISION] already in the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
-    /// ~/.cache/huggingface/hub; nothing is downloaded); without it, the built-in model (random
-    /// weights: the text means nothing).
+    /// repo id ORG/NAME[@REVISION] from the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
+    /// ~/.cache/huggingface/hub), downloaded into it when missing ($HF_ENDPOINT, $HF_TOKEN;
+    /// HF_HUB_OFFLINE=1: never); without it, the built-in model (random weights: the text
+    /// means nothing).
     #[arg(long)]
     model: Option<String>,
     /// The text to continue; with --chat, the one user message of a one-turn chat.

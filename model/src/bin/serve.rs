@@ -1,6 +1,6 @@
 //! `serve`: an OpenAI-compatible HTTP server for a NemotronH checkpoint (the library's
 //! `model::serve` has the routes and the engine thread). `--model` takes a checkpoint
-//! directory or a Hugging Face repo id already in the local cache ([`model::hub`]); without
+//! directory or a Hugging Face repo id, downloaded when not in the cache ([`model::hub`]); without
 //! it, the built-in model; `--synthetic CONFIG` random weights of any size made in memory, for
 //! benchmarks (`serve_bench`). Logs go to stderr through tracing (`RUST_LOG=debug` shows each request):
 //! `listening on http://ADDR` once the port is bound, before the model loads (every request
@@ -51,9 +51,10 @@ enum Backend {
 #[command(name = "serve", version)]
 struct Args {
     /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face
-    /// repo id ORG/NAME[@REVISION] already in the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
-    /// ~/.cache/huggingface/hub; nothing is downloaded); without it, the built-in model (random
-    /// weights: the text means nothing).
+    /// repo id ORG/NAME[@REVISION] from the local cache ($HF_HUB_CACHE, $HF_HOME/hub or
+    /// ~/.cache/huggingface/hub), downloaded into it when missing ($HF_ENDPOINT, $HF_TOKEN;
+    /// HF_HUB_OFFLINE=1: never); without it, the built-in model (random weights: the text
+    /// means nothing).
     #[arg(long)]
     model: Option<String>,
     /// Instead of a checkpoint, random bf16 weights made in memory for this config.json (as

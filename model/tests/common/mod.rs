@@ -162,3 +162,66 @@ pub fn synthetic_logits(config: &Config, ck: &Checkpoint) -> Vec<f64> {
 pub fn max_gap(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
+
+/// The commit the fake hub ([`hub_server`]) serves every revision at.
+pub const HUB_COMMIT: &str = "5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed";
+
+/// A local server that answers as the Hugging Face hub does for `test-org/tiny` (its files:
+/// the built-in model's and a README.md), the routes the `hf-hub` client uses: the repo's file
+/// list (`/api/models/ORG/NAME/revision/REV`) and each file (`/ORG/NAME/resolve/REV/FILE`, with
+/// its etag, commit and byte ranges); anything else is 404. Returns its URL and the paths it
+/// was asked for.
+pub fn hub_server() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = asked.clone();
+    let mut files: Vec<(&str, &[u8])> = model::built_in::FILES.to_vec();
+    files.push(("README.md", b"# tiny\n"));
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let (mut line, mut range) = (String::new(), None);
+            reader.read_line(&mut line).unwrap_or_default();
+            let path = line.split_whitespace().nth(1).unwrap_or_default().to_string();
+            loop {
+                let mut header = String::new();
+                if reader.read_line(&mut header).unwrap_or_default() == 0 || header.trim().is_empty() {
+                    break;
+                }
+                if let Some(r) = header.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                    let (a, b) = r.trim().split_once('-').unwrap();
+                    range = Some((a.parse::<usize>().unwrap(), b.parse::<usize>().ok()));
+                }
+            }
+            log.lock().unwrap().push(path.clone());
+            let file = path.strip_prefix("/test-org/tiny/resolve/").and_then(|p| p.split_once('/'));
+            let (status, headers, body): (&str, String, Vec<u8>) =
+                if path.starts_with("/api/models/test-org/tiny/revision/") {
+                    let siblings: Vec<_> = files.iter().map(|(n, _)| serde_json::json!({"rfilename": n})).collect();
+                    let info = serde_json::json!({"id": "test-org/tiny", "sha": HUB_COMMIT, "siblings": siblings});
+                    ("200 OK", "Content-Type: application/json\r\n".into(), info.to_string().into_bytes())
+                } else if let Some((_, bytes)) = file.and_then(|(_, f)| files.iter().find(|(n, _)| *n == f)) {
+                    let (a, b) = range.unwrap_or((0, None));
+                    let b = b.unwrap_or(bytes.len() - 1).min(bytes.len() - 1);
+                    let etag = format!(
+                        "{:016x}",
+                        bytes.iter().fold(0xcbf29ce484222325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x100000001b3))
+                    );
+                    let headers = format!(
+                        "ETag: \"{etag}\"\r\nX-Repo-Commit: {HUB_COMMIT}\r\nContent-Range: bytes {a}-{b}/{}\r\n",
+                        bytes.len()
+                    );
+                    ("206 Partial Content", headers, bytes[a..=b].to_vec())
+                } else {
+                    ("404 Not Found", String::new(), b"Repository not found".to_vec())
+                };
+            let head =
+                format!("HTTP/1.1 {status}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = stream.write_all(head.as_bytes()).and_then(|_| stream.write_all(&body));
+        }
+    });
+    (url, asked)
+}

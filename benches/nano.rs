@@ -393,7 +393,12 @@ fn engine_depth(model: Model<Cuda>, batch: usize, vocab: u32) -> (Model<Cuda>, f
     let mut ids = Vec::new();
     for r in 0..batch as u32 {
         let prompt: Vec<u32> = (0..DEPTH as u32).map(|i| (i.wrapping_mul(7919) + r * 104_729) % vocab).collect();
-        let params = RequestParams { max_new_tokens: 256, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() };
+        let params = RequestParams {
+            max_new_tokens: 256,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: Vec::new(),
+            min_new_tokens: 0,
+        };
         ids.push(engine.add(&prompt, params).expect("a request"));
     }
     let mut started = std::collections::HashSet::new();
@@ -428,8 +433,12 @@ fn engine_prefill(model: Model<Cuda>, prompt: &[u32]) -> (Model<Cuda>, f64) {
     let mut engine = Engine::new(model);
     let times = (0..3)
         .map(|_| {
-            let params =
-                RequestParams { max_new_tokens: 1, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() };
+            let params = RequestParams {
+                max_new_tokens: 1,
+                sampling: SamplingParams::greedy(),
+                stop_tokens: Vec::new(),
+                min_new_tokens: 0,
+            };
             engine.add(prompt, params).expect("a request");
             let t = Instant::now();
             let events = engine.step().expect("prefill");
@@ -449,7 +458,9 @@ fn engine_decode(model: Model<Cuda>, prompts: &[Vec<u32>], sampling: SamplingPar
     let mut engine = Engine::new(model);
     for (r, p) in prompts.iter().enumerate() {
         let sampling = SamplingParams { seed: r as u64, ..sampling };
-        engine.add(p, RequestParams { max_new_tokens: 24, sampling, stop_tokens: Vec::new() }).expect("a request");
+        engine
+            .add(p, RequestParams { max_new_tokens: 24, sampling, stop_tokens: Vec::new(), min_new_tokens: 0 })
+            .expect("a request");
     }
     let first = engine.step().expect("prompts");
     assert_eq!(first.len(), prompts.len(), "every prompt gave its first token");

@@ -27,20 +27,36 @@ fn normal(rng: &mut Rng, s: f64) -> f64 {
     s * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
-/// The five modes, each a row's sampling and whether it carries the penalties.
-fn modes() -> [(&'static str, SampleRow, bool); 5] {
+/// What a mode's rows carry besides their settings.
+#[derive(Clone, Copy, PartialEq)]
+enum Extra {
+    None,
+    /// The 256 penalized tokens of [`penalties`].
+    Penalties,
+    /// A mask allowing every other token (structured outputs' cost).
+    Mask,
+}
+
+/// The six modes, each a row's sampling and what it carries.
+fn modes() -> [(&'static str, SampleRow, Extra); 6] {
     let t = |temperature| SampleRow { temperature, seed: 7, ..SampleRow::GREEDY };
     [
-        ("greedy", SampleRow::GREEDY, false),
-        ("t1", t(1.0), false),
-        ("t0.8-top-p0.95", SampleRow { top_p: 0.95, ..t(0.8) }, false),
-        ("top-k50", SampleRow { top_k: 50, ..t(1.0) }, false),
+        ("greedy", SampleRow::GREEDY, Extra::None),
+        ("t1", t(1.0), Extra::None),
+        ("t0.8-top-p0.95", SampleRow { top_p: 0.95, ..t(0.8) }, Extra::None),
+        ("top-k50", SampleRow { top_k: 50, ..t(1.0) }, Extra::None),
         (
             "min-p0.05-penalties",
             SampleRow { min_p: 0.05, repetition: 1.1, presence: 0.5, frequency: 0.2, ..t(1.0) },
-            true,
+            Extra::Penalties,
         ),
+        ("t1-masked", t(1.0), Extra::Mask),
     ]
+}
+
+/// A mask over [`VOCAB`] allowing every other token.
+fn mask() -> Vec<u32> {
+    vec![0x5555_5555; host::sample::mask_words(VOCAB)]
 }
 
 /// 256 penalized tokens and their counts.
@@ -71,13 +87,14 @@ fn cpu(_: &mut Criterion) {
         std::hint::black_box(best);
     });
     println!("cpu/argmax/v{VOCAB}: {argmax:.1} us (a plain argmax, the unit below)");
-    let penalties = penalties();
-    for (mode, row, penalized) in modes() {
+    let (penalties, mask) = (penalties(), mask());
+    for (mode, row, extra) in modes() {
         let name = format!("cpu/{mode}/v{VOCAB}");
         if BenchGpu::selected(&name) {
-            let p: &[(u32, u32)] = if penalized { &penalties } else { &[] };
+            let p: &[(u32, u32)] = if extra == Extra::Penalties { &penalties } else { &[] };
+            let m = (extra == Extra::Mask).then_some(&mask[..]);
             let us = wall_us(|| {
-                std::hint::black_box(sample_row(&logits, &row, p));
+                std::hint::black_box(sample_row(&logits, &row, p, m));
             });
             println!("{name}: {us:.1} us = {:.1}x the argmax", us / argmax);
         }
@@ -100,7 +117,8 @@ fn benches(c: &mut Criterion) {
                 gpu.upload(&v).unwrap()
             })
             .collect();
-        for (mode, row, penalized) in modes() {
+        let mask = mask();
+        for (mode, row, extra) in modes() {
             let name = format!("{mode}/v{VOCAB}/r{rows}");
             if !BenchGpu::selected(&name) {
                 continue;
@@ -108,7 +126,8 @@ fn benches(c: &mut Criterion) {
             let spec: Vec<RowSampling> = (0..rows)
                 .map(|r| RowSampling {
                     row: SampleRow { counter: r as u64, ..row },
-                    penalties: if penalized { &penalties } else { &[] },
+                    penalties: if extra == Extra::Penalties { &penalties } else { &[] },
+                    mask: (extra == Extra::Mask).then_some(&mask[..]),
                 })
                 .collect();
             let rs = SampleRows::new(gpu, &spec, VOCAB, rows * penalties.len()).unwrap();

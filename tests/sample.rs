@@ -6,8 +6,9 @@
 //!   known-answer vectors, the fixed-point weights against f64 powers of two;
 //! - the distribution of draws against the exact (f64) softmax by chi-square, with planted
 //!   defects (a wrong temperature, a truncation one token off) shown to fail; truncation
-//!   boundaries on exactly representable weights; infinities and NaN; penalties;
-//!   reproducibility; the host's argument checks;
+//!   boundaries on exactly representable weights; infinities and NaN; penalties; masks (step
+//!   0: only allowed tokens drawn, NaN on a masked token ignored); reproducibility; the host's
+//!   argument checks;
 //! - on the GPU (`#[ignore]`d): the kernel against the CPU at Nano's vocabulary and at edge
 //!   sizes up to `SAMPLE_MAX_VOCAB` (rows padded with NaN past the vocabulary), the special
 //!   rows above, batch independence, the launcher's refusals and a chi-square smoke test.
@@ -34,23 +35,33 @@ const NANO_VOCAB: usize = 131072;
 /// Draws of each CPU chi-square test: enough that a temperature 10% off fails.
 const DRAWS: u64 = 100_000;
 
-/// One row to sample: its logits (bf16 values, except the CPU-only continuous kind), settings
-/// and penalized tokens (token, count).
+/// One row to sample: its logits (bf16 values, except the CPU-only continuous kind), settings,
+/// penalized tokens (token, count) and mask (a bit a token, 1: allowed).
 #[derive(Clone)]
 struct Case {
     label: String,
     logits: Rc<[f32]>,
     row: SampleRow,
     penalties: Vec<(u32, u32)>,
+    mask: Option<Vec<u32>>,
 }
 
 impl Case {
     fn new(label: impl Into<String>, logits: &[f32], row: SampleRow) -> Case {
-        Case { label: label.into(), logits: logits.into(), row, penalties: Vec::new() }
+        Case { label: label.into(), logits: logits.into(), row, penalties: Vec::new(), mask: None }
     }
 
     fn penalized(self, penalties: &[(u32, u32)]) -> Case {
         Case { penalties: penalties.to_vec(), ..self }
+    }
+
+    /// The case with only the tokens `allowed` says allowed.
+    fn masked(self, allowed: impl Fn(usize) -> bool) -> Case {
+        let mut mask = vec![0u32; self.logits.len().div_ceil(32)];
+        for i in (0..self.logits.len()).filter(|&i| allowed(i)) {
+            mask[i / 32] |= 1 << (i % 32);
+        }
+        Case { label: format!("{}, masked", self.label), mask: Some(mask), ..self }
     }
 
     /// The row at `counter`.
@@ -60,7 +71,7 @@ impl Case {
 
     /// The CPU implementation's output at `counter`.
     fn cpu(&self, counter: u64) -> SampleOut {
-        sample_row(&self.logits, &self.at(counter), &self.penalties)
+        sample_row(&self.logits, &self.at(counter), &self.penalties, self.mask.as_deref())
     }
 }
 
@@ -78,8 +89,16 @@ struct Reference {
 }
 
 impl Reference {
-    fn new(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)]) -> Reference {
+    fn new(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)], mask: Option<&[u32]>) -> Reference {
         let mut x = logits.to_vec();
+        // Step 0: a masked-out token is -inf.
+        if let Some(mask) = mask {
+            for (i, v) in x.iter_mut().enumerate() {
+                if mask[i / 32] & (1 << (i % 32)) == 0 {
+                    *v = NEG_INF;
+                }
+            }
+        }
         for &(t, count) in penalties {
             x[t as usize] = penalize(x[t as usize], count, row);
         }
@@ -168,7 +187,7 @@ fn truncate(x: &[f32], m: f32, row: &SampleRow) -> Vec<(u32, u64)> {
 /// Compares `sample_row` with the reference on `case` at each of `counters`: token, status and
 /// kept count exactly, the log-probability (when asked) within 1e-4. Returns the rows compared.
 fn check_against_reference(case: &Case, counters: &[u64]) -> usize {
-    let r = Reference::new(&case.logits, &case.row, &case.penalties);
+    let r = Reference::new(&case.logits, &case.row, &case.penalties, case.mask.as_deref());
     for &counter in counters {
         let got = case.cpu(counter);
         let want = (r.token(case.row.seed, counter), r.status, r.kept.len() as u32);
@@ -191,7 +210,9 @@ fn check_against_reference(case: &Case, counters: &[u64]) -> usize {
             assert_eq!(ids, r.top(n), "{} at counter {counter}: the top {n}", case.label);
             for &(t, lp) in got.top() {
                 let want = r.logprob(t);
-                assert!((f64::from(lp) - want).abs() <= 1e-4, "{}: top token {t} logprob {lp} want {want}", case.label);
+                // A masked token among them: -inf both.
+                let close = f64::from(lp) == want || (f64::from(lp) - want).abs() <= 1e-4;
+                assert!(close, "{}: top token {t} logprob {lp} want {want}", case.label);
             }
         } else {
             assert_eq!(got.logprob, 0.0, "{} at counter {counter}: a logprob not asked for", case.label);
@@ -302,21 +323,65 @@ fn settings(kind: &str, logits: &[f32], rng: &mut Rng) -> Vec<Case> {
             logits: logits.clone(),
             row: SampleRow { seed: rng.next_u64(), ..row },
             penalties: if penalized { penalties.clone() } else { Vec::new() },
+            mask: None,
         })
         .collect()
 }
 
 /// `n` rows of `vocab` logits: row r has logit kind r mod 5 and setting r mod 26 (coprime: up
-/// to 130 distinct pairs).
+/// to 130 distinct pairs); every third row is masked (a seeded half of the tokens allowed).
 fn mixed_cases(rng: &mut Rng, vocab: usize, n: usize) -> Vec<Case> {
     let per_kind: Vec<Vec<Case>> =
         logit_kinds(rng, vocab).iter().map(|(kind, logits)| settings(kind, logits, rng)).collect();
     (0..n)
         .map(|r| {
             let cases = &per_kind[r % per_kind.len()];
-            cases[r % cases.len()].clone()
+            let case = cases[r % cases.len()].clone();
+            let seed = rng.next_u64();
+            match r % 3 {
+                1 => case.masked(|i| (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 63 == 0),
+                _ => case,
+            }
         })
         .collect()
+}
+
+/// A mask leaves its tokens out whatever their logits: greedy takes the best allowed token,
+/// draws only allowed ones, a NaN or `+inf` on a masked token changes nothing, a mask that
+/// allows nothing gives no token; the log-probabilities are those of the masked row.
+#[test]
+fn masked_tokens_are_never_drawn() {
+    let mut rng = Rng::new(71);
+    let vocab = 1000;
+    let logits: Vec<f32> = (0..vocab).map(|_| bf16_round(rng.uniform(-4.0, 4.0))).collect();
+    let best = |allowed: &dyn Fn(usize) -> bool| {
+        (0..vocab).filter(|&i| allowed(i)).max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a))).unwrap()
+    };
+    let even = |i: usize| i.is_multiple_of(2);
+    let argmax = best(&|_| true);
+    let no_argmax = move |i: usize| i != argmax;
+    let greedy = Case::new("greedy", &logits, GREEDY);
+    assert_eq!(greedy.clone().masked(no_argmax).cpu(0).token as usize, best(&no_argmax));
+    assert_eq!(greedy.clone().masked(even).cpu(0).token as usize, best(&even));
+    let t1 = Case::new("T 1", &logits, SampleRow { temperature: 1.0, seed: 9, logprobs: 1, ..GREEDY }).masked(even);
+    let mut drawn = 0;
+    for c in 0..2000 {
+        let out = t1.cpu(c);
+        assert!(out.status == SAMPLE_OK && out.token.is_multiple_of(2), "counter {c}: {out:?}");
+        drawn += 1;
+    }
+    // The log-probability of a token under the masked row: over the allowed tokens only.
+    let out = t1.cpu(0);
+    let lse = (0..vocab).filter(|&i| even(i)).map(|i| f64::from(logits[i]).exp()).sum::<f64>().ln();
+    assert!((f64::from(out.logprob) - (f64::from(logits[out.token as usize]) - lse)).abs() < 1e-4, "{out:?}");
+    let mut poisoned = logits.clone();
+    poisoned[1] = f32::NAN;
+    poisoned[3] = INF;
+    let p = Case::new("NaN and inf on masked tokens", &poisoned, GREEDY).masked(even);
+    assert_eq!((p.cpu(0).status, p.cpu(0).token as usize), (SAMPLE_OK, best(&even)));
+    let none = greedy.masked(|_| false).cpu(0);
+    assert_eq!(none.status, SAMPLE_ALL_NEG_INF);
+    assert_eq!(drawn, 2000);
 }
 
 #[test]
@@ -334,7 +399,12 @@ fn cpu_matches_the_reference() {
         // Continuous f32 logits, almost no ties.
         kinds.push(("uniform f32", (0..vocab).map(|_| rng.uniform(-6.0, 6.0) as f32).collect()));
         for (kind, logits) in &kinds {
-            let cases = settings(kind, logits, &mut rng);
+            let mut cases = settings(kind, logits, &mut rng);
+            // Each setting again under a mask: a seeded half of the tokens, and the first token only.
+            let seed = rng.next_u64();
+            let half = |i: usize| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed) >> 63 == 0;
+            cases.extend(cases.clone().into_iter().map(|c| c.masked(half)));
+            cases.push(cases[0].clone().masked(|i| i == 0));
             expected += cases.len() * counters.len();
             compared += cases.iter().map(|c| check_against_reference(c, &counters)).sum::<usize>();
         }
@@ -616,7 +686,7 @@ fn truncations_cut_at_exact_boundaries() {
     let counters: Vec<u64> = (0..4000).collect();
     let mut compared = 0;
     for (case, kept) in boundary_cases() {
-        let r = Reference::new(&case.logits, &case.row, &case.penalties);
+        let r = Reference::new(&case.logits, &case.row, &case.penalties, case.mask.as_deref());
         assert_eq!(r.kept.iter().map(|e| e.0).collect::<Vec<_>>(), kept, "{}: the reference's kept tokens", case.label);
         compared += check_against_reference(&case, &counters);
         let drawable: Vec<u32> = kept.into_iter().filter(|t| !WEIGHTLESS.contains(t)).collect();
@@ -813,7 +883,7 @@ fn draws_depend_on_seed_and_counter_only() {
 #[test]
 fn check_row_refuses_bad_settings() {
     let t1 = SampleRow { temperature: 1.0, ..GREEDY };
-    let ok_row = |row| RowSampling { row, penalties: &[] };
+    let ok_row = |row| RowSampling { row, penalties: &[], mask: None };
     let nan = f32::NAN;
     let bad: Vec<(RowSampling, &str)> = vec![
         (ok_row(SampleRow { temperature: nan, ..t1 }), "temperature"),
@@ -834,9 +904,11 @@ fn check_row_refuses_bad_settings() {
         (ok_row(SampleRow { presence: NEG_INF, ..t1 }), "presence_penalty"),
         (ok_row(SampleRow { frequency: nan, ..t1 }), "frequency_penalty"),
         (ok_row(SampleRow { frequency: INF, ..t1 }), "frequency_penalty"),
-        (RowSampling { row: t1, penalties: &[(100, 1)] }, "penalties"),
-        (RowSampling { row: t1, penalties: &[(3, 0)] }, "penalties"),
-        (RowSampling { row: t1, penalties: &[(3, 1), (5, 1), (3, 2)] }, "penalties"),
+        (RowSampling { row: t1, penalties: &[(100, 1)], mask: None }, "penalties"),
+        (RowSampling { row: t1, penalties: &[(3, 0)], mask: None }, "penalties"),
+        (RowSampling { row: t1, penalties: &[(3, 1), (5, 1), (3, 2)], mask: None }, "penalties"),
+        (RowSampling { row: t1, penalties: &[], mask: Some(&[u32::MAX; 3]) }, "mask"),
+        (RowSampling { row: t1, penalties: &[], mask: Some(&[u32::MAX; 5]) }, "mask"),
     ];
     for (r, arg) in &bad {
         let e = check_row(r, 100).expect_err(&format!("{r:?} accepted")).to_string();
@@ -855,7 +927,8 @@ fn check_row_refuses_bad_settings() {
             frequency: -1.0,
             ..t1
         }),
-        RowSampling { row: t1, penalties: &[(0, 1), (99, u32::MAX)] },
+        RowSampling { row: t1, penalties: &[(0, 1), (99, u32::MAX)], mask: None },
+        RowSampling { row: t1, penalties: &[(0, 1)], mask: Some(&[1; 4]) },
     ];
     for r in &good {
         check_row(r, 100).unwrap_or_else(|e| panic!("{r:?} refused: {e}"));
@@ -884,7 +957,11 @@ fn gpu_run(gpu: &Gpu, cases: &[Case], stride: usize, launches: &[u64]) -> Vec<Ve
     let rows_at = |offset: u64| -> Vec<RowSampling> {
         cases
             .iter()
-            .map(|c| RowSampling { row: c.at(c.row.counter.wrapping_add(offset)), penalties: &c.penalties })
+            .map(|c| RowSampling {
+                row: c.at(c.row.counter.wrapping_add(offset)),
+                penalties: &c.penalties,
+                mask: c.mask.as_deref(),
+            })
             .collect()
     };
     let capacity = cases.iter().map(|c| c.penalties.len()).sum();
@@ -1061,13 +1138,17 @@ fn gpu_launcher_refuses_bad_arguments() {
         println!("refused: {e}");
     };
     let t1 = SampleRow { temperature: 1.0, seed: 71, ..GREEDY };
-    let two = [RowSampling { row: t1, penalties: &[(1, 1)] }, RowSampling { row: t1, penalties: &[(2, 1)] }];
+    let two = [
+        RowSampling { row: t1, penalties: &[(1, 1)], mask: None },
+        RowSampling { row: t1, penalties: &[(2, 1)], mask: None },
+    ];
     let max = SAMPLE_MAX_VOCAB as usize;
     names(SampleRows::new(&gpu, &two, 0, 2).map(drop), "`vocab`");
     names(SampleRows::new(&gpu, &two, max + 1, 2).map(drop), "`vocab`");
     names(SampleRows::new(&gpu, &[], 8, 2).map(drop), "`rows`");
     names(
-        SampleRows::new(&gpu, &[RowSampling { row: SampleRow { top_p: 0.0, ..t1 }, penalties: &[] }], 8, 0).map(drop),
+        SampleRows::new(&gpu, &[RowSampling { row: SampleRow { top_p: 0.0, ..t1 }, penalties: &[], mask: None }], 8, 0)
+            .map(drop),
         "`top_p`",
     );
     names(SampleRows::new(&gpu, &two, 8, 1).map(drop), "`penalties`");
@@ -1082,10 +1163,16 @@ fn gpu_launcher_refuses_bad_arguments() {
     let before = read_out(&gpu.download(&out).unwrap());
     // Refused rewrites leave the rows as they were.
     names(rows.set(&gpu, &two[..1]), "1 sampling rows given for 2");
-    let three = [RowSampling { row: t1, penalties: &[(1, 1), (3, 2)] }, two[1]];
+    let three = [RowSampling { row: t1, penalties: &[(1, 1), (3, 2)], mask: None }, two[1]];
     names(rows.set(&gpu, &three), "`penalties`");
-    names(rows.set(&gpu, &[two[0], RowSampling { row: t1, penalties: &[(vocab as u32, 1)] }]), "`penalties`");
-    names(rows.set(&gpu, &[two[0], RowSampling { row: SampleRow { min_p: 2.0, ..t1 }, penalties: &[] }]), "`min_p`");
+    names(
+        rows.set(&gpu, &[two[0], RowSampling { row: t1, penalties: &[(vocab as u32, 1)], mask: None }]),
+        "`penalties`",
+    );
+    names(
+        rows.set(&gpu, &[two[0], RowSampling { row: SampleRow { min_p: 2.0, ..t1 }, penalties: &[], mask: None }]),
+        "`min_p`",
+    );
     sample(&gpu, two_rows, &rows, &mut out).unwrap();
     assert_eq!(read_out(&gpu.download(&out).unwrap()), before, "the rows after refused rewrites");
     // The launch itself.

@@ -13,21 +13,28 @@ use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 
 /// Words of a [`SampleRow`] on the device.
-const ROW_WORDS: usize = 14;
+const ROW_WORDS: usize = 16;
 /// Words of a [`SampleOut`].
 const OUT_WORDS: usize = SAMPLE_OUT_WORDS as usize;
 
-/// One row's sampling: its settings (`penalties_at` and `penalties_len` are set from
-/// `penalties`) and its penalized tokens, pairs (token, times generated).
+/// One row's sampling: its settings (`penalties_at`, `penalties_len`, `masked` and `mask_at`
+/// are set from the rest), its penalized tokens, pairs (token, times generated), and the
+/// tokens it may pick, when not all: a bit a token (1: allowed), `vocab.div_ceil(32)` words.
 #[derive(Clone, Copy, Debug)]
 pub struct RowSampling<'a> {
     pub row: SampleRow,
     pub penalties: &'a [(u32, u32)],
+    pub mask: Option<&'a [u32]>,
+}
+
+/// Words of a mask over a vocabulary of `vocab` tokens.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
 }
 
 /// Checks one row's settings for a vocabulary of `vocab`: temperature finite and >= 0, top-p
 /// in (0, 1], min-p in [0, 1], repetition finite and > 0, presence and frequency finite;
-/// penalized tokens distinct, below `vocab`, counts >= 1.
+/// penalized tokens distinct, below `vocab`, counts >= 1; a mask of [`mask_words`] words.
 pub fn check_row(r: &RowSampling, vocab: usize) -> Result<()> {
     check_row_in(r, vocab, &mut Vec::new())
 }
@@ -43,6 +50,9 @@ fn check_row_in(r: &RowSampling, vocab: usize, seen: &mut Vec<u64>) -> Result<()
     c.positive("repetition_penalty", s.repetition)?;
     c.that("presence_penalty", s.presence.is_finite(), "a finite value", s.presence)?;
     c.that("frequency_penalty", s.frequency.is_finite(), "a finite value", s.frequency)?;
+    if let Some(mask) = r.mask {
+        c.that("mask", mask.len() == mask_words(vocab), format!("{} words", mask_words(vocab)), mask.len())?;
+    }
     if r.penalties.is_empty() {
         return Ok(());
     }
@@ -67,12 +77,14 @@ fn check_row_in(r: &RowSampling, vocab: usize, seen: &mut Vec<u64>) -> Result<()
     checked
 }
 
-/// A step's sampling rows on the device, checked: the rows' settings and their penalty pairs
-/// (room for `capacity` pairs), rewritable in place ([`SampleRows::set`]) so a recorded step
-/// (a CUDA graph) samples with new settings.
+/// A step's sampling rows on the device, checked: the rows' settings, their penalty pairs
+/// (room for `capacity` pairs) and their masks (room for one a row when a row had one at
+/// [`SampleRows::new`]), rewritable in place ([`SampleRows::set`]) so a recorded step (a CUDA
+/// graph) samples with new settings.
 pub struct SampleRows {
     rows: CudaSlice<u32>,
     penalties: CudaSlice<u32>,
+    masks: CudaSlice<u32>,
     len: usize,
     vocab: usize,
     /// The vocabulary bitmap of [`check_row_in`].
@@ -94,9 +106,11 @@ impl SampleRows {
             format!("{vocab}, needing {need}"),
         )?;
         c.count("rows", 65535, rows.len())?;
+        let masked = rows.iter().any(|r| r.mask.is_some());
         let mut s = SampleRows {
             rows: gpu.zeros(rows.len() * ROW_WORDS)?,
             penalties: gpu.zeros(2 * capacity.max(1))?,
+            masks: gpu.zeros(if masked { rows.len() * mask_words(vocab) } else { 1 })?,
             len: rows.len(),
             vocab,
             seen: Vec::new(),
@@ -105,20 +119,32 @@ impl SampleRows {
         Ok(s)
     }
 
-    /// Checks `rows` (as many as before, their penalty pairs within the capacity) and writes
-    /// them over these in place.
+    /// Checks `rows` (as many as before, their penalty pairs within the capacity, masks only
+    /// where [`SampleRows::has_masks`]) and writes them over these in place.
     pub fn set(&mut self, gpu: &Gpu, rows: &[RowSampling]) -> Result<()> {
         if rows.len() != self.len {
             return Err(Error::Batch(format!("{} sampling rows given for {} in place", rows.len(), self.len)));
         }
         let mut words = Vec::with_capacity(rows.len() * ROW_WORDS);
-        let mut pairs = Vec::new();
-        for r in rows {
+        let (mut pairs, mut masks) = (Vec::new(), Vec::new());
+        let c = Check(Kernel::Sample.name());
+        for (i, r) in rows.iter().enumerate() {
             check_row_in(r, self.vocab, &mut self.seen)?;
-            let row =
-                SampleRow { penalties_at: (pairs.len() / 2) as u32, penalties_len: r.penalties.len() as u32, ..r.row };
+            let mask_at = (i * mask_words(self.vocab)) as u32;
+            let row = SampleRow {
+                penalties_at: (pairs.len() / 2) as u32,
+                penalties_len: r.penalties.len() as u32,
+                masked: u32::from(r.mask.is_some()),
+                mask_at,
+                ..r.row
+            };
             words.extend(row.words());
             pairs.extend(r.penalties.iter().flat_map(|&(t, n)| [t, n]));
+            if let Some(mask) = r.mask {
+                c.that("mask", self.has_masks(), "rows without masks (made without room for them)", "a mask")?;
+                masks.resize(mask_at as usize, u32::MAX);
+                masks.extend_from_slice(mask);
+            }
         }
         Check(Kernel::Sample.name()).that(
             "penalties",
@@ -130,7 +156,15 @@ impl SampleRows {
         if !pairs.is_empty() {
             gpu.upload_into(&pairs, &mut self.penalties)?;
         }
+        if !masks.is_empty() {
+            gpu.upload_into(&masks, &mut self.masks)?;
+        }
         Ok(())
+    }
+
+    /// Whether these rows have room for masks (one a row).
+    pub fn has_masks(&self) -> bool {
+        self.masks.len() >= self.len * mask_words(self.vocab) && self.len > 0
     }
 
     /// Penalty pairs these rows have room for, in all.
@@ -172,6 +206,7 @@ pub fn sample(gpu: &Gpu, logits: Rows, rows: &SampleRows, out: &mut CudaSlice<u3
         logits,
         rows: a.input("rows", &rows.rows, Len::Any)?.cast(),
         penalties: a.input("penalties", &rows.penalties, Len::Any)?,
+        masks: a.input("masks", &rows.masks, Len::Any)?,
         out: a.output("out", out, Len::AtLeast(n * OUT_WORDS))?,
         vocab: vocab as u32,
         stride,
@@ -181,7 +216,9 @@ pub fn sample(gpu: &Gpu, logits: Rows, rows: &SampleRows, out: &mut CudaSlice<u3
     }
     // SAFETY: the logits hold n rows of stride elements (the last at least vocab), vocab within
     // the kernel's shared memory limit; rows holds n checked rows whose penalty pairs lie
-    // inside the penalty buffer (distinct tokens below vocab); out holds n rows and is `&mut`.
+    // inside the penalty buffer (distinct tokens below vocab) and whose masks, where they have
+    // one, inside the masks buffer (`set` refuses them without room); out holds n rows and is
+    // `&mut`.
     unsafe {
         gpu.launch_clusters(
             k,
@@ -204,7 +241,7 @@ mod tests {
     /// refused or not: the same tokens in the next row are no repeats.
     #[test]
     fn the_distinct_token_bitmap_is_left_clear() {
-        let row = |penalties| RowSampling { row: SampleRow::GREEDY, penalties };
+        let row = |penalties| RowSampling { row: SampleRow::GREEDY, penalties, mask: None };
         let mut seen = Vec::new();
         let ok: &[(u32, u32)] = &[(0, 1), (63, 2), (64, 1), (999, 4)];
         for _ in 0..3 {

@@ -2,6 +2,8 @@
 //! token ids come back to the host.
 //!
 //! The math, for one row of logits `x` (a request's), in this order:
+//! 0. A row with a mask (a bit a token, 1: allowed; structured outputs, `min_tokens`): every
+//!    token it leaves out is `-inf`, whatever its logit (NaN included).
 //! 1. Penalties over the tokens the request generated (token `i`, `c_i` times): `x_i / r` if
 //!    `x_i > 0` else `x_i * r` (repetition `r`), then `- presence - frequency * c_i` (f32, one
 //!    rounding each, [`penalize`]).
@@ -80,6 +82,10 @@ pub struct SampleRow {
     /// 0: no log-probabilities; otherwise the chosen token's, and those of the `logprobs - 1`
     /// most likely tokens (at most [`SAMPLE_MAX_TOP`]).
     pub logprobs: u32,
+    /// 0: every token allowed; 1: only those whose bit is set in the row's mask, the
+    /// `vocab.div_ceil(32)` words at `masks[mask_at..]` (token `i`: bit `i % 32` of word `i / 32`).
+    pub masked: u32,
+    pub mask_at: u32,
     pub seed: u64,
     /// The token's index among the request's generated tokens.
     pub counter: u64,
@@ -98,12 +104,14 @@ impl SampleRow {
         penalties_at: 0,
         penalties_len: 0,
         logprobs: 0,
+        masked: 0,
+        mask_at: 0,
         seed: 0,
         counter: 0,
     };
 
     /// The row as the words of its `#[repr(C)]` layout (for an upload).
-    pub fn words(&self) -> [u32; 14] {
+    pub fn words(&self) -> [u32; 16] {
         let f = f32::to_bits;
         [
             f(self.temperature),
@@ -116,6 +124,8 @@ impl SampleRow {
             self.penalties_at,
             self.penalties_len,
             self.logprobs,
+            self.masked,
+            self.mask_at,
             self.seed as u32,
             (self.seed >> 32) as u32,
             self.counter as u32,
@@ -172,6 +182,8 @@ pub struct SampleParams {
     pub rows: *const SampleRow,
     /// Pairs (token, count), see [`SampleRow::penalties_at`].
     pub penalties: *const u32,
+    /// The masked rows' masks, see [`SampleRow::masked`].
+    pub masks: *const u32,
     /// `[rows * SAMPLE_OUT_WORDS]`.
     pub out: *mut u32,
     pub vocab: u32,
@@ -604,10 +616,15 @@ mod kernels {
             };
         }
         let logits = p.logits.wrapping_add(row * p.stride as usize + base);
+        let mask = if r!(masked) != 0 { p.masks.wrapping_add(r!(mask_at) as usize) } else { core::ptr::null() };
         let mut j = t;
         while j < n {
-            // SAFETY: see above.
-            unsafe { st(s.x, j, bf16_to_f32(ld(logits, j))) };
+            let id = base + j;
+            // SAFETY: see above; a masked row's mask holds vocab.div_ceil(32) words (launcher).
+            unsafe {
+                let allowed = mask.is_null() || (ld(mask, id / 32) >> (id % 32)) & 1 != 0;
+                st(s.x, j, if allowed { bf16_to_f32(ld(logits, j)) } else { f32::NEG_INFINITY });
+            }
             j += BLOCK;
         }
         sync_threads();

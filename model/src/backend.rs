@@ -310,7 +310,7 @@ pub trait Backend: Sized {
     fn sampling(&self, rows: &[RowSampling], vocab: usize, capacity: usize) -> Result<Self::Sampling>;
     /// Writes `rows` over `into` in place (as many as before), for a recorded step.
     fn set_sampling(&self, into: &mut Self::Sampling, rows: &[RowSampling]) -> Result<()>;
-    /// Whether `rows`' penalty pairs fit the room `s` was readied with.
+    /// Whether `rows`' penalty pairs (and masks) fit the room `s` was readied with.
     fn sampling_fits(&self, s: &Self::Sampling, rows: &[RowSampling]) -> bool;
     /// Picks each row's token from its row of `logits` (rows of `vocab`), where the logits
     /// are (kernels-gpu's sample.rs has the math).

@@ -215,9 +215,12 @@ fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// A row's sampling settings, penalty pairs and mask, owned.
+type CpuRow = (SampleRow, Vec<(u32, u32)>, Option<Vec<u32>>);
+
 /// A step's sampling rows on the CPU, and what the last sampling picked.
 pub struct CpuSampling {
-    rows: Vec<(SampleRow, Vec<(u32, u32)>)>,
+    rows: Vec<CpuRow>,
     vocab: usize,
     out: Vec<SampleOut>,
 }
@@ -326,7 +329,7 @@ impl Backend for Cpu {
         for r in rows {
             check_row(r, into.vocab)?;
         }
-        into.rows = rows.iter().map(|r| (r.row, r.penalties.to_vec())).collect();
+        into.rows = rows.iter().map(|r| (r.row, r.penalties.to_vec(), r.mask.map(<[u32]>::to_vec))).collect();
         Ok(())
     }
 
@@ -336,7 +339,9 @@ impl Backend for Cpu {
 
     fn sample(&self, logits: &Vec<bf16>, vocab: usize, s: &mut CpuSampling) -> Result<()> {
         let rows = rows_f32(&logits[..s.rows.len() * vocab], vocab);
-        s.out = rows.iter().zip(&s.rows).map(|(x, (r, p))| host::cpu::sample::sample_row(x, r, p)).collect();
+        s.out = (rows.iter().zip(&s.rows))
+            .map(|(x, (r, p, m))| host::cpu::sample::sample_row(x, r, p, m.as_deref()))
+            .collect();
         Ok(())
     }
 

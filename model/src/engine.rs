@@ -31,6 +31,9 @@ pub struct RequestParams {
     pub sampling: SamplingParams,
     /// Generation stops after any of these (the checkpoint's end-of-sequence ids, say).
     pub stop_tokens: Vec<u32>,
+    /// The first this many generated tokens are never `stop_tokens`: the sampler's mask holds
+    /// them back (at most `max_new_tokens`).
+    pub min_new_tokens: usize,
 }
 
 /// Why a request ended.
@@ -125,6 +128,15 @@ impl<B: Backend> Engine<B> {
         if params.max_new_tokens == 0 {
             return Err(Error::Invalid("max_new_tokens must be at least 1".into()));
         }
+        if params.min_new_tokens > params.max_new_tokens {
+            return Err(Error::Invalid(format!(
+                "min_new_tokens ({}) must be at most max_new_tokens ({})",
+                params.min_new_tokens, params.max_new_tokens
+            )));
+        }
+        if let Some(&t) = params.stop_tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(Error::Invalid(format!("stop token {t} is outside the vocabulary of {}", self.vocab)));
+        }
         let sampler = Sampler::new(params.sampling)?;
         let id = self.next_id;
         self.next_id += 1;
@@ -217,15 +229,21 @@ impl<B: Backend> Engine<B> {
             })
             .collect();
         // A row for every part; those with prompt tokens left take none of theirs (greedy:
-        // the least work).
-        let sampling: Vec<_> = fed
-            .iter()
+        // the least work). A request short of its `min_new_tokens` masks its stop tokens out.
+        let masks: Vec<Option<Vec<u32>>> = (fed.iter())
             .map(|&(id, n)| {
                 let r = &self.requests[&id];
+                let held = n == r.pending.len() && r.generated < r.params.min_new_tokens;
+                held.then(|| without(self.vocab, &r.params.stop_tokens))
+            })
+            .collect();
+        let sampling: Vec<_> = (fed.iter().zip(&masks))
+            .map(|(&(id, n), mask)| {
+                let r = &self.requests[&id];
                 if n == r.pending.len() {
-                    r.sampler.row()
+                    RowSampling { mask: mask.as_deref(), ..r.sampler.row() }
                 } else {
-                    RowSampling { row: SampleRow::GREEDY, penalties: &[] }
+                    RowSampling { row: SampleRow::GREEDY, penalties: &[], mask: None }
                 }
             })
             .collect();
@@ -275,4 +293,13 @@ impl<B: Backend> Engine<B> {
         }
         Ok(events)
     }
+}
+
+/// A sampling mask over `vocab` tokens that allows all but `tokens`.
+fn without(vocab: usize, tokens: &[u32]) -> Vec<u32> {
+    let mut mask = vec![u32::MAX; host::sample::mask_words(vocab)];
+    for &t in tokens {
+        mask[t as usize / 32] &= !(1 << (t % 32));
+    }
+    mask
 }

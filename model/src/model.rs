@@ -349,7 +349,7 @@ impl<B: Backend> Model<B> {
         let b = &*b;
         let seqs = &plan.prefill_lens;
         let key = (nd, ordered.is_some());
-        // A recording whose penalty pairs would not fit is recorded again, with more room.
+        // A recording whose penalty pairs or masks would not fit is recorded again, with room.
         let pairs: usize = ordered.iter().flatten().map(|r| r.penalties.len()).sum();
         if let (Some(r), Some(o)) = (recorded.get(&key), &ordered)
             && r.sampling.as_ref().is_some_and(|s| !b.sampling_fits(s, o))

@@ -173,7 +173,7 @@ impl Sampler {
             counter: self.generated,
             ..SampleRow::GREEDY
         };
-        RowSampling { row, penalties: if p.penalized() { &self.pairs } else { &[] } }
+        RowSampling { row, penalties: if p.penalized() { &self.pairs } else { &[] }, mask: None }
     }
 
     /// What a backend chose for [`Sampler::row`]: the token, counted for later penalties, or
@@ -198,7 +198,7 @@ impl Sampler {
     /// The next token for `logits` (one per vocabulary entry) on the CPU.
     pub fn sample(&mut self, logits: &[f32]) -> std::result::Result<Sampled, SampleError> {
         let r = self.row();
-        let out = host::cpu::sample::sample_row(logits, &r.row, r.penalties);
+        let out = host::cpu::sample::sample_row(logits, &r.row, r.penalties, r.mask);
         self.accept(out)
     }
 }

@@ -18,12 +18,13 @@
 //! prefills its whole prompt (a chat renders the whole conversation again).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
-use crate::chat::{ChatTemplate, Delta, Message, OutputParser, ParserOptions};
+use crate::chat::{ChatTemplate, Delta, Detok, Message, OutputParser, ParserOptions};
 use crate::cpu::Cpu;
 use crate::cuda::Cuda;
 use crate::engine::{Engine, Event, Finish, RequestParams};
@@ -149,7 +150,7 @@ impl Engines {
 /// A model with its tokenizer and chat template, one request at a time.
 pub struct Llm {
     engine: Engines,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
     /// The ids that end a request.
     eos: Vec<u32>,
@@ -200,6 +201,7 @@ impl Llm {
                 (Engines::Cpu(Box::new(Engine::new(model))), "CPU reference".to_string())
             }
         };
+        let tokenizer = Arc::new(tokenizer);
         let mut llm = Llm { engine, tokenizer, template, eos, dir, backend };
         if let Some(n) = opts.max_step_tokens {
             match &mut llm.engine {
@@ -282,9 +284,9 @@ impl Llm {
         Ok(output)
     }
 
-    /// Runs one request from `prompt`'s ids to its end, giving `out` the generated text as the
-    /// tokenizer's decode stream lets it through (a character split over tokens once whole; the
-    /// prompt's text not included). A request left without a token (its logits NaN, or all
+    /// Runs one request from `prompt`'s ids to its end, giving `out` the generated text as a
+    /// [`Detok`] lets it through (a character split over tokens once whole, special tokens but
+    /// the parser's tags skipped; the prompt's text not included). A request left without a token (its logits NaN, or all
     /// `-inf`) is an error.
     pub fn generate(
         &mut self,
@@ -292,8 +294,12 @@ impl Llm {
         how: &Generation,
         out: &mut dyn FnMut(&str) -> std::io::Result<()>,
     ) -> Result<Output> {
-        let params =
-            RequestParams { max_new_tokens: how.max_new_tokens, sampling: how.sampling, stop_tokens: self.eos.clone() };
+        let params = RequestParams {
+            max_new_tokens: how.max_new_tokens,
+            sampling: how.sampling,
+            stop_tokens: self.eos.clone(),
+            min_new_tokens: 0,
+        };
         let id = self.engine.add(prompt, params)?;
         let result = self.run(prompt, out);
         if result.is_err() && self.engine.has_work() {
@@ -305,20 +311,7 @@ impl Llm {
 
     /// [`Llm::generate`]'s request, once added.
     fn run(&mut self, prompt: &[u32], out: &mut dyn FnMut(&str) -> std::io::Result<()>) -> Result<Output> {
-        let tokenizer = &self.tokenizer;
-        let detok = |e| Error::Tokenizer(format!("decoding: {e}"));
-        // The prompt goes through the decode stream first, unshown, so the first generated
-        // token is decoded in its context (a leading space kept, say).
-        let mut stream = tokenizer.decode_stream(true);
-        // All the stream gave (the prompt's text, then the generated text), for the final flush.
-        let mut emitted = String::new();
-        for &t in prompt {
-            if let Some(chunk) = stream.step(t).map_err(detok)? {
-                emitted.push_str(&chunk);
-            }
-        }
-        // Generated tokens the stream holds back (an incomplete character, a skipped special token).
-        let mut held = 0;
+        let mut detok = Detok::new(self.tokenizer.clone(), prompt);
         let mut output = Output { prompt_tokens: prompt.len(), ..Output::default() };
         while self.engine.has_work() {
             let t = Instant::now();
@@ -337,23 +330,16 @@ impl Llm {
                 }
                 output.tokens.push(e.token);
                 output.logprobs.extend(e.logprob.map(|l| (e.token, l, e.top_logprobs)));
-                match stream.step(e.token).map_err(detok)? {
-                    Some(chunk) => {
-                        out(&chunk)?;
-                        emitted.push_str(&chunk);
-                        held = 0;
-                    }
-                    None => held += 1,
+                let piece = detok.push(e.token).map_err(Error::Tokenizer)?;
+                if !piece.is_empty() {
+                    out(&piece)?;
                 }
             }
         }
-        if held > 0 {
-            // What the stream still holds (bytes of a character never completed), decoded once, lossily.
-            let all: Vec<u32> = prompt.iter().chain(&output.tokens).copied().collect();
-            let text = tokenizer.decode(&all, true).map_err(detok)?;
-            if let Some(rest) = text.strip_prefix(emitted.as_str()) {
-                out(rest)?;
-            }
+        // What the detokenizer still holds (bytes of a character never completed), lossily.
+        let rest = detok.finish().map_err(Error::Tokenizer)?;
+        if !rest.is_empty() {
+            out(&rest)?;
         }
         Ok(output)
     }

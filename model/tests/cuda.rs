@@ -297,7 +297,12 @@ fn cuda_engine_with_chunked_prompts_gives_transformers_tokens() {
     let mut e = Engine::new(Model::load(Cuda::new(0).unwrap(), &config, &layout, 2, 64).unwrap());
     e.set_max_step_tokens(7).unwrap();
     let cases = common::cases();
-    let params = |n| RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![] };
+    let params = |n| RequestParams {
+        max_new_tokens: n,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        min_new_tokens: 0,
+    };
     let ids: Vec<_> = cases.iter().map(|c| e.add(&c.prompt, params(c.greedy.len())).unwrap()).collect();
     let mut out: std::collections::BTreeMap<_, Vec<u32>> = Default::default();
     while e.has_work() {
@@ -346,7 +351,11 @@ fn cuda_recorded_sampling_with_growing_penalties_matches_direct_launches() {
                 seed,
                 ..SamplingParams::greedy()
             };
-            e.add(&[first, 7, 9], RequestParams { max_new_tokens: 200, sampling, stop_tokens: vec![] }).unwrap();
+            e.add(
+                &[first, 7, 9],
+                RequestParams { max_new_tokens: 200, sampling, stop_tokens: vec![], min_new_tokens: 0 },
+            )
+            .unwrap();
         }
         let mut out: std::collections::BTreeMap<_, Vec<u32>> = Default::default();
         while e.has_work() {

@@ -22,7 +22,7 @@ fn engine(slots: usize) -> Engine<Cpu> {
 }
 
 fn greedy(n: usize, stop: Vec<u32>) -> RequestParams {
-    RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: stop }
+    RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: stop, min_new_tokens: 0 }
 }
 
 /// Runs until every request ends; returns each request's tokens and how it finished.
@@ -148,4 +148,35 @@ fn a_step_token_bound_feeds_prompts_in_chunks() {
 fn nan_logits_end_only_their_request() {
     let n = common::nan_logits_end_only_their_request(Cpu::default());
     println!("CPU: {n} greedy tokens beside a request with NaN logits, as transformers");
+}
+
+/// `min_new_tokens`: the first tokens are never stop tokens (the sampler's mask holds them
+/// back): with transformers' greedy first token as the stop token, the request takes
+/// transformers' next best instead, and none of its first `min_new_tokens` is a stop token;
+/// without it the request stops at once. More than `max_new_tokens`, or a stop token past the
+/// vocabulary, is refused.
+#[test]
+fn min_new_tokens_hold_the_stop_tokens_back() {
+    let mut checked = 0;
+    for c in &cases() {
+        let stop = c.greedy[0];
+        let last = c.logits.last().unwrap();
+        let next_best = (0..last.len()).filter(|&t| t as u32 != stop).max_by(|&a, &b| last[a].total_cmp(&last[b]));
+        let mut e = engine(1);
+        let free = e.add(&c.prompt, greedy(6, vec![stop])).unwrap();
+        assert_eq!(run(&mut e)[&free], (vec![stop], Some(Finish::Stop)));
+        let held = e.add(&c.prompt, RequestParams { min_new_tokens: 4, ..greedy(6, vec![stop]) }).unwrap();
+        let (tokens, finish) = run(&mut e).remove(&held).unwrap();
+        assert_eq!(Some(tokens[0] as usize), next_best, "prompt {:?}", c.prompt);
+        assert!(tokens.len() >= 4 && !tokens[..4].contains(&stop), "{tokens:?}");
+        assert!(finish == Some(Finish::Length) || tokens.last() == Some(&stop), "{tokens:?} {finish:?}");
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+    let mut e = engine(1);
+    let err = |e: &mut Engine<Cpu>, p| e.add(&[1], p).unwrap_err().to_string();
+    let over = err(&mut e, RequestParams { min_new_tokens: 5, ..greedy(4, vec![]) });
+    assert_eq!(over, "invalid: min_new_tokens (5) must be at most max_new_tokens (4)");
+    let outside = err(&mut e, greedy(4, vec![3, 64]));
+    assert_eq!(outside, "invalid: stop token 64 is outside the vocabulary of 64");
 }

@@ -45,7 +45,12 @@ fn cache_sizes_that_overflow_or_do_not_fit_are_errors() {
 fn request_lengths_that_overflow_are_refused() {
     let mut e = Engine::new(load(1, 64).unwrap());
     for n in [usize::MAX, usize::MAX - 1, 1 << 60] {
-        let params = RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![] };
+        let params = RequestParams {
+            max_new_tokens: n,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            min_new_tokens: 0,
+        };
         let err = e.add(&[1, 2, 3], params).unwrap_err().to_string();
         assert!(err.contains("exceeds the maximum of 64 tokens"), "max_new_tokens {n}: {err}");
     }

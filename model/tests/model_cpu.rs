@@ -196,7 +196,7 @@ fn profiled_steps_time_every_stage_and_change_nothing() {
     // A decode step, sampled: the decode mixer's part, then the sampling.
     let n = prompt.len();
     let decode = [Part { slot: 0, computed: n, tokens: &[3] }];
-    let greedy = [RowSampling { row: SampleRow::GREEDY, penalties: &[] }];
+    let greedy = [RowSampling { row: SampleRow::GREEDY, penalties: &[], mask: None }];
     assert_eq!(profiled.step_sampled(&decode, &greedy).unwrap(), plain.step_sampled(&decode, &greedy).unwrap());
     let d = profiled.profile().unwrap().clone();
     assert_eq!(d.spans.iter().map(|s| s.stage).collect::<Vec<_>>(), stages(&config, true, true));

@@ -24,7 +24,8 @@ fn engine_ids(prompt: &[u32], n: usize) -> Vec<u32> {
     let dir = model::built_in::dir().unwrap();
     let eos = model::chat::generation_eos_ids(&dir).unwrap();
     let mut engine = Engine::new(Model::from_dir(Cpu::default(), &dir, 1, 256, &mut |_, _| {}).unwrap());
-    let params = RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: eos };
+    let params =
+        RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: eos, min_new_tokens: 0 };
     engine.add(prompt, params).unwrap();
     let mut ids = Vec::new();
     while engine.has_work() {

@@ -113,6 +113,23 @@ def test_stop_strings():
     check(text == want, f"streamed stop: {text!r} vs {want!r}")
 
 
+def test_stop_token_ids_and_min_tokens():
+    """The greedy first token as a stop token ends the completion at once (its id the
+    stop_reason); with min_tokens 3 the engine holds it back for three tokens."""
+    kw = dict(model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=0)
+    ids_of = lambda choice: [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+    base = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    first = ids_of(base)[0]
+    free = client.completions.create(
+        **kw, extra_body={"return_tokens_as_token_ids": True, "stop_token_ids": [first]}).choices[0]
+    check((ids_of(free), free.finish_reason, getattr(free, "stop_reason", None)) == ([first], "stop", first),
+          f"stopped at once: {free}")
+    held = client.completions.create(
+        **kw, extra_body={"return_tokens_as_token_ids": True, "stop_token_ids": [first], "min_tokens": 3}).choices[0]
+    ids = ids_of(held)
+    check(len(ids) >= 3 and first not in ids[:3], f"min_tokens 3 holds {first} back: {ids}")
+
+
 def raw(path, body):
     """(status, error object) of a POST with a raw body (bytes or JSON-able)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -289,6 +306,7 @@ TESTS = [
     test_chat,
     test_completions,
     test_stop_strings,
+    test_stop_token_ids_and_min_tokens,
     test_bad_requests_leave_a_stream_unharmed,
     test_queue_bound_gives_429,
     test_dropped_client_frees_its_slot,

@@ -11,12 +11,20 @@ use kernels_gpu::sample::{
 };
 
 /// The token `row` picks from `logits` (f32 values of the bf16 logits), its penalized tokens
-/// `penalties` (pairs (token, count), checked as `sample::check_row` does).
-pub fn sample_row(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)]) -> SampleOut {
-    let x: Cow<[f32]> = if penalties.is_empty() {
+/// `penalties` (pairs (token, count)) and its `mask` (a bit a token, 1: allowed; checked as
+/// `sample::check_row` checks them).
+pub fn sample_row(logits: &[f32], row: &SampleRow, penalties: &[(u32, u32)], mask: Option<&[u32]>) -> SampleOut {
+    let x: Cow<[f32]> = if penalties.is_empty() && mask.is_none() {
         Cow::Borrowed(logits)
     } else {
         let mut x = logits.to_vec();
+        if let Some(mask) = mask {
+            for (i, v) in x.iter_mut().enumerate() {
+                if (mask[i / 32] >> (i % 32)) & 1 == 0 {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
         for &(t, n) in penalties {
             x[t as usize] = penalize(x[t as usize], n, row);
         }

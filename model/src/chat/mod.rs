@@ -8,14 +8,16 @@
 //! - [`OutputParser`]: streamed output split into reasoning (`<think>`), content and tool
 //!   calls (the qwen3_coder XML format Nemotron-3 Nano writes).
 //!
-//! A server's order: tokens through the tokenizer's decode stream (`Tokenizer::decode_stream`,
-//! UTF-8 safe: a character split over tokens comes out once whole; the project has no other
-//! streaming detokenizer), keeping the tags the parser reads (`<think>`, `<tool_call>`: the
-//! built-in tokenizer does not mark them special, so `decode_stream(true)` keeps them; for a
-//! tokenizer that marks them special, decode with `false` and leave the eos token out); that
-//! text through a [`StopMatcher`]; what it lets through into an [`OutputParser`]. The eos ids
+//! - [`Detok`]: generated ids to text a token at a time (UTF-8 safe: a character split over
+//!   tokens comes out once whole), special tokens skipped but the tags the parser reads
+//!   (`<think>`, `<tool_call>` and their ends), special or not; [`token_bytes`]: one token's
+//!   own bytes.
+//!
+//! A server's order (and [`crate::text::Llm`]'s): tokens through a [`Detok`]; that text
+//! through a [`StopMatcher`]; what it lets through into an [`OutputParser`]. The eos ids
 //! ([`generation_eos_ids`]) go to the engine as stop tokens.
 
+mod detok;
 mod parse;
 mod python;
 mod stop;
@@ -24,6 +26,7 @@ mod tool_call;
 
 use std::path::Path;
 
+pub use detok::{Detok, token_bytes};
 pub use parse::{Delta, Message, OutputParser, ParserOptions, ToolCall};
 pub use stop::StopMatcher;
 pub use template::ChatTemplate;

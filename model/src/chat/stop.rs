@@ -1,5 +1,7 @@
 //! Stop strings over streamed text, with OpenAI's semantics: the text ends just before the
-//! first stop string, which itself is not returned.
+//! first stop string, which itself is not returned. Text given with
+//! [`StopMatcher::push_unmatched`] (before vLLM's `min_tokens`) ends nothing: only a stop
+//! string that ends in later text counts (it may start in the earlier).
 
 /// Finds a request's stop strings in text that arrives in pieces: the text stops at the
 /// first place where a stop string ends (of two ending there, the longer is dropped). It holds back only the end
@@ -13,6 +15,8 @@ pub struct StopMatcher {
     held: String,
     /// The stop string found, by index.
     matched: Option<usize>,
+    /// Bytes of `held` that no stop string may end in (given with `push_unmatched`).
+    floor: usize,
 }
 
 impl StopMatcher {
@@ -22,6 +26,7 @@ impl StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             held: String::new(),
             matched: None,
+            floor: 0,
         }
     }
 
@@ -35,18 +40,34 @@ impl StopMatcher {
         self.held.push_str(text);
         // The stop string that ends first (then the one that starts first): what the text
         // shows as it grows, so the result does not depend on how it was cut into pieces.
+        let (held, floor) = (&self.held, self.floor);
         let first = (self.stops.iter().enumerate())
-            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at + s.len(), at, i)))
+            .filter_map(|(i, s)| first_ending_after(held, s, floor).map(|at| (at + s.len(), at, i)))
             .min();
         if let Some((_, at, i)) = first {
             self.held.truncate(at);
             self.matched = Some(i);
             return (std::mem::take(&mut self.held), true);
         }
-        let keep = self.held_back_len();
-        let emit = self.held[..self.held.len() - keep].to_string();
-        self.held.drain(..self.held.len() - keep);
-        (emit, false)
+        (self.emit(), false)
+    }
+
+    /// Takes the next piece of text, which no stop string may end in (a stop string that starts
+    /// in it and ends in later text still counts); returns what is safe to emit now.
+    pub fn push_unmatched(&mut self, text: &str) -> String {
+        if self.matched.is_some() {
+            return String::new();
+        }
+        self.held.push_str(text);
+        self.floor = self.held.len();
+        self.emit()
+    }
+
+    /// Returns the held text but the end that could start a stop string.
+    fn emit(&mut self) -> String {
+        let cut = self.held.len() - self.held_back_len();
+        self.floor = self.floor.saturating_sub(cut);
+        self.held.drain(..cut).collect()
     }
 
     /// The length of the longest end of the held text that is the start of a stop string
@@ -77,6 +98,12 @@ impl StopMatcher {
     pub fn finish(self) -> String {
         if self.stopped() { String::new() } else { self.held }
     }
+}
+
+/// Where the first occurrence of `s` in `held` that ends past byte `floor` starts.
+fn first_ending_after(held: &str, s: &str, floor: usize) -> Option<usize> {
+    let from = (floor + 1).saturating_sub(s.len());
+    (from..=held.len().saturating_sub(s.len())).find(|&at| held.is_char_boundary(at) && held[at..].starts_with(s))
 }
 
 #[cfg(test)]
@@ -136,6 +163,29 @@ mod tests {
                 assert_eq!(run(stops, &pieces), expected, "stops {stops:?}, pieces {pieces:?}");
             }
         }
+    }
+
+    /// Text pushed unmatched ends nothing, whatever stop strings it holds; a stop string that
+    /// starts in it and ends after it does.
+    #[test]
+    fn unmatched_text_ends_nothing() {
+        let stops = ["STOP".to_string(), "ab".to_string()];
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push_unmatched("xSTOPyab"), "xSTOPyab");
+        assert_eq!(m.push_unmatched("STO"), "", "held: it may start a stop string");
+        assert_eq!(m.push("P!"), (String::new(), true), "`STOP` began in unmatched text, ends after it");
+        assert_eq!(m.matched(), Some("STOP"));
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push_unmatched("a"), "", "held");
+        assert_eq!(m.push_unmatched("b"), "ab", "`ab` ended in unmatched text: nothing");
+        assert_eq!(m.push("c ab"), ("c ".to_string(), true));
+        let mut m = StopMatcher::new(&["aa".to_string()]);
+        assert_eq!(m.push_unmatched("aa"), "a");
+        assert_eq!(m.push("a"), (String::new(), true), "the overlapping `aa` ending after");
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push_unmatched("日本"), "日本");
+        assert_eq!(m.push("xy"), ("xy".to_string(), false));
+        assert_eq!(m.finish(), "");
     }
 
     #[test]

@@ -209,7 +209,8 @@ impl Backend for Cuda {
     }
 
     fn sampling_fits(&self, s: &CudaSampling, rows: &[RowSampling]) -> bool {
-        rows.iter().map(|r| r.penalties.len()).sum::<usize>() <= s.rows.capacity()
+        let masks_fit = s.rows.has_masks() || rows.iter().all(|r| r.mask.is_none());
+        masks_fit && rows.iter().map(|r| r.penalties.len()).sum::<usize>() <= s.rows.capacity()
     }
 
     fn sample(&self, logits: &Buffer<bf16>, vocab: usize, s: &mut CudaSampling) -> Result<()> {

@@ -298,6 +298,9 @@ pub struct Common {
     pub ignore_eos: bool,
     /// vLLM's extension: token ids that end the generation (included in it), `ignore_eos` or not.
     pub stop_token_ids: Vec<u32>,
+    /// vLLM's extension: the first this many tokens are never the eos ids or `stop_token_ids`,
+    /// and their text ends nothing (stop strings count from the next token on).
+    pub min_tokens: usize,
 }
 
 /// Most `stop_token_ids` a request may give.
@@ -323,12 +326,6 @@ fn unsupported(f: &Fields) -> Result<(), ApiError> {
             }
             None => return Err(ApiError::invalid(Some("response_format"), "`response_format` needs a `type`")),
         }
-    }
-    if let Some(n) = f.i64("min_tokens")?.filter(|&n| n != 0) {
-        return Err(ApiError::invalid(
-            Some("min_tokens"),
-            format!("`min_tokens` ({n}) is not supported: the sampler cannot hold the end of sequence back yet"),
-        ));
     }
     let guided = ["guided_json", "guided_regex", "guided_choice", "guided_grammar"];
     f.refuse(&guided, "this server has no constrained decoding")
@@ -464,6 +461,7 @@ pub fn common(f: &Fields, chat: bool, seed: u64, limits: &Limits) -> Result<Comm
         token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         stop_token_ids: stop_token_ids(f)?,
+        min_tokens: f.count("min_tokens")?.unwrap_or(0),
     })
 }
 
@@ -499,9 +497,17 @@ pub fn request_params(
         Some(n) => n,
         None => room,
     };
+    if c.min_tokens > max_new_tokens {
+        let (n, max) = (c.min_tokens, max_new_tokens);
+        let message = match c.max_tokens {
+            Some(_) => format!("`min_tokens` ({n}) must be at most `max_tokens` ({max})"),
+            None => format!("`min_tokens` ({n}) must be at most the {max} tokens the context leaves"),
+        };
+        return Err(ApiError::invalid(Some("min_tokens"), message));
+    }
     let mut stop_tokens = if c.ignore_eos { vec![] } else { stop_tokens };
     stop_tokens.extend(c.stop_token_ids.iter().filter(|t| !stop_tokens.contains(t)).collect::<Vec<_>>());
-    Ok(RequestParams { max_new_tokens, sampling: c.sampling, stop_tokens })
+    Ok(RequestParams { max_new_tokens, sampling: c.sampling, stop_tokens, min_new_tokens: c.min_tokens })
 }
 
 #[cfg(test)]
@@ -581,7 +587,25 @@ mod tests {
         {
             assert_eq!(read(body, true).unwrap_err().param.as_deref(), Some("stop_token_ids"), "{body}");
         }
-        assert_eq!(read(r#"{"min_tokens": 4}"#, true).unwrap_err().param.as_deref(), Some("min_tokens"));
+        // min_tokens reaches the engine, within max_tokens (or the context's room).
+        let c = read(r#"{"min_tokens": 4, "max_tokens": 5}"#, true).unwrap();
+        assert_eq!(request_params(&c, 4, 10, vec![2], "prompt").unwrap().min_new_tokens, 4);
+        let c = read(r#"{"min_tokens": 6, "max_tokens": 5}"#, true).unwrap();
+        let e = request_params(&c, 4, 10, vec![2], "prompt").unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (Some("min_tokens"), "`min_tokens` (6) must be at most `max_tokens` (5)")
+        );
+        let c = read(r#"{"min_tokens": 7}"#, true).unwrap();
+        assert!(
+            request_params(&c, 4, 10, vec![2], "prompt")
+                .unwrap_err()
+                .message
+                .contains("the 6 tokens the context leaves")
+        );
+        for body in [r#"{"min_tokens": -1}"#, r#"{"min_tokens": 1.5}"#, r#"{"min_tokens": "2"}"#] {
+            assert_eq!(read(body, true).unwrap_err().param.as_deref(), Some("min_tokens"), "{body}");
+        }
     }
 
     /// Integers as clients send them: `4.0` is 4, a fraction is not an integer; seeds over the

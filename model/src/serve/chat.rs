@@ -233,7 +233,7 @@ impl Served {
     /// Chat's logprobs entry for one token.
     fn chat_logprob(&self, t: &TokenOut, as_id: bool) -> Value {
         let entry = |id: u32, lp: f32| {
-            let bytes = super::text::token_bytes(&self.tokenizer, id);
+            let bytes = crate::chat::token_bytes(&self.tokenizer, id);
             json!({"token": self.token_name(id, as_id), "logprob": lp, "bytes": bytes})
         };
         let mut e = entry(t.id, t.logprob.unwrap_or(0.0));

@@ -14,8 +14,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::ApiError;
 use super::metrics::Metrics;
-use super::text::Detok;
 use super::worker::Update;
+use crate::chat::Detok;
 use crate::chat::StopMatcher;
 use crate::engine::Finish;
 
@@ -45,6 +45,8 @@ pub(super) struct Gen {
     pub(super) stop: Option<StopMatcher>,
     /// The request's `stop_token_ids` (a `stop_reason` when one ends it).
     pub(super) stop_ids: Vec<u32>,
+    /// The request's `min_tokens`: the text of its first this many tokens ends nothing.
+    pub(super) min_tokens: usize,
     pub(super) prompt_tokens: usize,
     /// Tokens generated so far.
     pub(super) tokens: usize,
@@ -133,7 +135,8 @@ impl Gen {
             text += &self.detok.finish().map_err(ApiError::internal)?;
         }
         let stop = self.stop.as_mut().expect("taken only when done");
-        let (mut text, hit) = stop.push(&text);
+        let (mut text, hit) =
+            if self.tokens <= self.min_tokens { (stop.push_unmatched(&text), false) } else { stop.push(&text) };
         let stop_reason = match stop.matched() {
             Some(s) => json!(s),
             None if event.finished == Some(Finish::Stop) && self.stop_ids.contains(&event.token) => json!(event.token),

@@ -28,7 +28,6 @@ pub mod scripted;
 pub mod special;
 #[cfg(test)]
 mod tests;
-pub mod text;
 mod tokenize;
 pub mod worker;
 
@@ -48,11 +47,11 @@ use serde_json::json;
 use tokenizers::Tokenizer;
 use tower::ServiceExt;
 
+use crate::chat::Detok;
 use crate::chat::StopMatcher;
 use api::{ApiError, Common, Limits};
 use generation::{Gen, RequestLog};
 use prompt::Chat;
-use text::Detok;
 use worker::EngineHandle;
 
 /// What the handlers share.
@@ -329,6 +328,7 @@ impl Served {
             detok: Detok::new(self.tokenizer.clone(), &prompt),
             stop: Some(StopMatcher::new(&c.stop)),
             stop_ids: c.stop_token_ids.clone(),
+            min_tokens: c.min_tokens,
             prompt_tokens: prompt.len(),
             tokens: 0,
             done: false,

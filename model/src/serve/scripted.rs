@@ -63,17 +63,26 @@ pub fn built_in(script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
 }
 
 /// [`built_in`] with special-token text in chat content as `special` says.
-pub fn built_in_with(special: SpecialInContent, mut script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
-    let dir = crate::built_in::dir().expect("writing the built-in model");
+pub fn built_in_with(special: SpecialInContent, script: impl FnMut(Turn) + Send + 'static) -> Arc<Served> {
+    from_dir(&crate::built_in::dir().expect("writing the built-in model"), special, script)
+}
+
+/// [`built_in_with`] on the tokenizer, chat template and eos ids of the checkpoint files in
+/// `dir` (a tokenizer fixture, say).
+pub fn from_dir(
+    dir: &std::path::Path,
+    special: SpecialInContent,
+    mut script: impl FnMut(Turn) + Send + 'static,
+) -> Arc<Served> {
     let tokenizer = Arc::new(Tokenizer::from_file(dir.join("tokenizer.json")).expect("its tokenizer"));
-    let chat = Chat::from_dir(&dir).expect("its chat template");
+    let chat = Chat::from_dir(dir).expect("its chat template");
     let eos = chat.stop_ids()[0];
     let info = ModelInfo { slots: 2, max_len: 4096, vocab: tokenizer.get_vocab_size(true) };
     let tok = tokenizer.clone();
     let engine = worker::scripted(info, 0, move |prompt, params, out| {
         script(Turn { prompt, params, out, tokenizer: tok.clone(), eos })
     });
-    let special = Special::new(&tokenizer, special).expect("the built-in tokenizer's special tokens");
+    let special = Special::new(&tokenizer, special).expect("the tokenizer's special tokens");
     let (limits, ending, access, metrics) =
         (Limits::default(), Default::default(), Default::default(), Default::default());
     let name = "default".into();

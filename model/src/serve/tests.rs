@@ -710,3 +710,95 @@ async fn stop_reasons_and_token_bytes() {
     }
     assert_eq!(checked, 16);
 }
+
+/// vLLM's `min_tokens` reaches the engine (which holds the eos ids and `stop_token_ids` back),
+/// and the text of the first `min_tokens` tokens ends nothing: a stop string that ends there
+/// is passed over, the next one ends the output (one token a byte in the built-in tokenizer).
+#[tokio::test]
+async fn min_tokens_hold_stops_back() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let s = scripted::built_in(move |turn| {
+        record.lock().unwrap().push(turn.params.min_new_tokens);
+        turn.write("STOP then STOP end");
+    });
+    for (min, want) in [(0, ""), (3, ""), (4, "STOP then "), (14, "STOP then STOP end")] {
+        let body = json!({"prompt": "Hi", "stop": ["STOP"], "min_tokens": min, "max_tokens": 40});
+        let r = super::completions::handle(s.clone(), Bytes::from(body.to_string())).await.expect("answered");
+        let v: Value = serde_json::from_slice(&axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap()).unwrap();
+        assert_eq!(v["choices"][0]["text"], want, "min_tokens {min}: {v}");
+        let reason = if want.ends_with("end") { Value::Null } else { json!("STOP") };
+        assert_eq!(v["choices"][0]["stop_reason"], reason, "min_tokens {min}: {v}");
+        assert_eq!(seen.lock().unwrap().pop(), Some(min));
+    }
+    let body = json!({"prompt": "Hi", "min_tokens": 9, "max_tokens": 8});
+    let e = super::completions::handle(s.clone(), Bytes::from(body.to_string())).await.expect_err("refused");
+    assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("min_tokens")));
+}
+
+/// Nemotron-3 Nano's tokenizer shape (tests/fixtures/nano_tokenizer: its first 18 ids, `<think>`
+/// 12 to `</tool_response>` 17, eos ids 2 and 11) with the parser's tags marked special or not
+/// (the public checkpoint's flags for them are not confirmed): reasoning, content and a tool call
+/// are parsed from the generated ids either way, streamed and not, and no special token's text
+/// (the eos) reaches the content. Seen red with special tags skipped by the detokenizer.
+#[tokio::test]
+async fn reasoning_and_calls_with_nano_token_ids_special_or_not() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/nano_tokenizer");
+    let mut checked = 0;
+    for special in [false, true] {
+        let dir = std::env::temp_dir().join(format!("nemotron-nano-tok-{special}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["tokenizer_config.json", "generation_config.json"] {
+            std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+        }
+        let mut tok: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture.join("tokenizer.json")).unwrap()).unwrap();
+        for t in tok["added_tokens"].as_array_mut().unwrap() {
+            if (12..=15).contains(&t["id"].as_u64().unwrap()) {
+                t["special"] = json!(special);
+            }
+        }
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let ids = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = ids.clone();
+        let s = scripted::from_dir(&dir, super::special::SpecialInContent::Allow, move |turn| {
+            let out: Vec<u32> = turn.tokenizer().encode(format!("{OUTPUT}{CALL}"), false).unwrap().get_ids().to_vec();
+            *seen.lock().unwrap() = out;
+            turn.write(&format!("{OUTPUT}{CALL}"));
+        });
+        assert_eq!(s.chat.stop_ids(), [2, 11], "generation_config.json's eos ids");
+        for stream in [false, true] {
+            let (status, body) = post(&s, request(stream)).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let generated = ids.lock().unwrap().clone();
+            // `</think>` and `<tool_call>` came as their single ids.
+            assert!(generated.contains(&13) && generated.contains(&14) && generated.contains(&15), "{generated:?}");
+            let (mut reasoning, mut content, mut args) = (String::new(), String::new(), String::new());
+            let chunks: Vec<Value> = if stream {
+                let e = events(&body);
+                e[..e.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect()
+            } else {
+                vec![serde_json::from_str(&body).unwrap()]
+            };
+            for c in &chunks {
+                let d = if stream { &c["choices"][0]["delta"] } else { &c["choices"][0]["message"] };
+                reasoning += d["reasoning"].as_str().unwrap_or("");
+                content += d["content"].as_str().unwrap_or("");
+                for call in d["tool_calls"].as_array().into_iter().flatten() {
+                    args += call["function"]["arguments"].as_str().unwrap_or("");
+                }
+            }
+            let label = format!("special {special}, stream {stream}");
+            assert_eq!(
+                (reasoning.as_str(), content.as_str()),
+                ("Paris, then.\n", "\nLet me look.\n"),
+                "{label}: {body}"
+            );
+            assert_eq!(serde_json::from_str::<Value>(&args).unwrap(), json!({"city": "Paris", "days": 3}), "{label}");
+            assert!(!body.contains("</s>") && !body.contains("<|im_end|>"), "{label}: {body}");
+            checked += 1;
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    assert_eq!(checked, 4);
+}

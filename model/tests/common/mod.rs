@@ -90,7 +90,7 @@ pub fn nan_logits_end_only_their_request<B: model::backend::Backend>(backend: B)
     assert!(model::layout::Layout::new(&config, &ck).unwrap_err().to_string().contains("NaN"), "the scan finds it");
     let layout = model::layout::Layout::trusting_values(&config, &ck).unwrap();
     let mut e = Engine::new(model::model::Model::load(backend, &config, &layout, 2, 64).unwrap());
-    let params = |n, sampling| RequestParams { max_new_tokens: n, sampling, stop_tokens: vec![] };
+    let params = |n, sampling| RequestParams { max_new_tokens: n, sampling, stop_tokens: vec![], min_new_tokens: 0 };
     let good = e.add(&c.prompt, params(c.greedy.len(), SamplingParams::greedy())).unwrap();
     let bad = e.add(&[t, t, 5], params(4, SamplingParams::nucleus(1.0, 0.9, 3))).unwrap();
     let mut after = None;

@@ -1,6 +1,6 @@
 //! From generated token ids to text, a token at a time: [`Detok`] decodes incrementally
-//! (holding back a character whose bytes are not all there yet); [`token_bytes`] is one
-//! token's own bytes (logprobs' `bytes`).
+//! (holding back a character whose bytes are not all there yet), skipping special tokens but
+//! the output parser's tags; [`token_bytes`] is one token's own bytes (logprobs' `bytes`).
 
 use std::sync::Arc;
 
@@ -10,11 +10,19 @@ use tokenizers::{DecoderWrapper, Tokenizer};
 /// leading space kept, say).
 const CONTEXT: usize = 4;
 
+/// The tags [`super::OutputParser`] reads, kept in the text even where the tokenizer marks
+/// them special (vLLM's parsers for this model read them as text too).
+const PARSER_TAGS: [&str; 4] = ["<think>", "</think>", "<tool_call>", "</tool_call>"];
+
 /// Incremental detokenizer: the text of the tokens pushed so far, as deltas. It decodes the
 /// tokens since the last emitted delta together with the ones before it, and emits what the
-/// newer decoding adds, unless it ends in U+FFFD (a character not complete yet).
+/// newer decoding adds, unless it ends in U+FFFD (a character not complete yet). Special
+/// tokens are skipped (the eos token, say), except the [`PARSER_TAGS`]: a run of tokens is
+/// decoded between them and each is its own text.
 pub struct Detok {
     tokenizer: Arc<Tokenizer>,
+    /// The parser tags the tokenizer marks special: (id, text).
+    tags: Vec<(u32, &'static str)>,
     ids: Vec<u32>,
     /// `ids[prefix..read]` were decoded for the last delta; `ids[read..]` are not emitted yet.
     prefix: usize,
@@ -26,11 +34,32 @@ impl Detok {
     pub fn new(tokenizer: Arc<Tokenizer>, prompt: &[u32]) -> Detok {
         let ids = prompt[prompt.len().saturating_sub(CONTEXT)..].to_vec();
         let read = ids.len();
-        Detok { tokenizer, ids, prefix: 0, read }
+        let added = tokenizer.get_added_tokens_decoder();
+        let tags = (PARSER_TAGS.iter())
+            .filter_map(|&tag| {
+                let id = tokenizer.token_to_id(tag)?;
+                added.get(&id).is_some_and(|t| t.special).then_some((id, tag))
+            })
+            .collect();
+        Detok { tokenizer, tags, ids, prefix: 0, read }
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.tokenizer.decode(ids, true).map_err(|e| format!("detokenizing: {e}"))
+        let decode = |ids: &[u32]| self.tokenizer.decode(ids, true).map_err(|e| format!("detokenizing: {e}"));
+        if self.tags.is_empty() {
+            return decode(ids);
+        }
+        let mut text = String::new();
+        for run in ids.split_inclusive(|id| self.tags.iter().any(|t| t.0 == *id)) {
+            match run.split_last().and_then(|(last, rest)| Some((self.tags.iter().find(|t| t.0 == *last)?.1, rest))) {
+                Some((tag, rest)) => {
+                    text += &decode(rest)?;
+                    text += tag;
+                }
+                None => text += &decode(run)?,
+            }
+        }
+        Ok(text)
     }
 
     /// The text `id` adds (empty while a character is incomplete).

@@ -58,7 +58,11 @@ fuzz_target!(|ops: Vec<Op>| {
                     logprobs: top_logprobs % 2 == 1,
                     top_logprobs: usize::from(top_logprobs % 24),
                 };
-                let params = RequestParams { max_new_tokens: usize::from(max_new), sampling, stop_tokens: vec![] };
+                // Half the tokens held to a mask (of no stop tokens: it allows all, so every
+                // request still runs to its max_new).
+                let max_new_tokens = usize::from(max_new);
+                let params =
+                    RequestParams { max_new_tokens, sampling, stop_tokens: vec![], min_new_tokens: max_new_tokens / 2 };
                 let prompt = &prompt[..prompt.len().min(64)];
                 if let Ok(id) = e.add(prompt, params) {
                     asked.insert(id, usize::from(max_new));

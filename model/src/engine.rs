@@ -60,9 +60,22 @@ pub struct Event {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// What a request's output must stay within (structured outputs, [`crate::structured`]):
+/// asked, before each of its tokens is drawn, which tokens may come; told which came.
+pub trait Constraint: Send {
+    /// Clears in `mask` (a bit a token, 1: allowed; [`host::sample::mask_words`] words) the
+    /// tokens that may not come next.
+    fn restrict(&mut self, mask: &mut [u32]) -> std::result::Result<(), String>;
+    /// The token drawn.
+    fn accept(&mut self, token: u32) -> std::result::Result<(), String>;
+    /// Whether the output is complete (no token may follow): the request ends there.
+    fn complete(&self) -> bool;
+}
+
 struct Request {
     params: RequestParams,
     sampler: Sampler,
+    constraint: Option<Box<dyn Constraint>>,
     /// Tokens not yet fed to the model (the prompt, then each sampled token).
     pending: Vec<u32>,
     computed: usize,
@@ -111,6 +124,17 @@ impl<B: Backend> Engine<B> {
 
     /// Adds a request; it starts at a following step, once a slot is free.
     pub fn add(&mut self, prompt: &[u32], params: RequestParams) -> Result<RequestId> {
+        self.add_constrained(prompt, params, None)
+    }
+
+    /// [`Engine::add`], the output held to `constraint` (its tokens masked by it; the request
+    /// ends once it is complete, or fails with [`SampleError::Constrained`] if it errs).
+    pub fn add_constrained(
+        &mut self,
+        prompt: &[u32],
+        params: RequestParams,
+        constraint: Option<Box<dyn Constraint>>,
+    ) -> Result<RequestId> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
@@ -140,8 +164,10 @@ impl<B: Backend> Engine<B> {
         let sampler = Sampler::new(params.sampling)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.requests
-            .insert(id, Request { params, sampler, pending: prompt.to_vec(), computed: 0, generated: 0, slot: None });
+        self.requests.insert(
+            id,
+            Request { params, sampler, constraint, pending: prompt.to_vec(), computed: 0, generated: 0, slot: None },
+        );
         self.waiting.push_back(id);
         Ok(id)
     }
@@ -220,6 +246,24 @@ impl<B: Backend> Engine<B> {
         if fed.is_empty() {
             return Ok(Vec::new());
         }
+        // A request short of its `min_new_tokens` masks its stop tokens out, a constrained one
+        // what its constraint rules out.
+        let mut masks: Vec<Option<Vec<u32>>> = Vec::with_capacity(fed.len());
+        let mut failed = Vec::new();
+        for &(id, n) in &fed {
+            let r = self.requests.get_mut(&id).expect("ids come from the map");
+            if n < r.pending.len() || (r.generated >= r.params.min_new_tokens && r.constraint.is_none()) {
+                masks.push(None);
+                continue;
+            }
+            let held = if r.generated < r.params.min_new_tokens { &r.params.stop_tokens[..] } else { &[] };
+            let mut mask = without(self.vocab, held);
+            if let Some(Err(e)) = r.constraint.as_mut().map(|c| c.restrict(&mut mask)) {
+                tracing::warn!("request {id}: its output constraint failed: {e}");
+                failed.push(id);
+            }
+            masks.push(Some(mask));
+        }
         let ids: Vec<RequestId> = fed.iter().map(|&(id, _)| id).collect();
         let parts: Vec<Part> = fed
             .iter()
@@ -229,14 +273,7 @@ impl<B: Backend> Engine<B> {
             })
             .collect();
         // A row for every part; those with prompt tokens left take none of theirs (greedy:
-        // the least work). A request short of its `min_new_tokens` masks its stop tokens out.
-        let masks: Vec<Option<Vec<u32>>> = (fed.iter())
-            .map(|&(id, n)| {
-                let r = &self.requests[&id];
-                let held = n == r.pending.len() && r.generated < r.params.min_new_tokens;
-                held.then(|| without(self.vocab, &r.params.stop_tokens))
-            })
-            .collect();
+        // the least work).
         let sampling: Vec<_> = (fed.iter().zip(&masks))
             .map(|(&(id, n), mask)| {
                 let r = &self.requests[&id];
@@ -265,7 +302,18 @@ impl<B: Backend> Engine<B> {
             if !r.pending.is_empty() {
                 continue;
             }
-            let event = match r.sampler.accept(pick) {
+            let accepted = match r.sampler.accept(pick) {
+                Ok(_) if failed.contains(&id) => Err(SampleError::Constrained),
+                Ok(s) => match r.constraint.as_mut().map(|c| c.accept(s.token)) {
+                    Some(Err(e)) => {
+                        tracing::warn!("request {id}: its output constraint refused token {}: {e}", s.token);
+                        Err(SampleError::Constrained)
+                    }
+                    _ => Ok(s),
+                },
+                Err(e) => Err(e),
+            };
+            let event = match accepted {
                 Ok(s) => {
                     r.generated += 1;
                     r.pending = vec![s.token];
@@ -273,6 +321,8 @@ impl<B: Backend> Engine<B> {
                         Some(Finish::Stop)
                     } else if r.generated >= r.params.max_new_tokens {
                         Some(Finish::Length)
+                    } else if r.constraint.as_ref().is_some_and(|c| c.complete()) {
+                        Some(Finish::Stop)
                     } else {
                         None
                     };

@@ -25,6 +25,7 @@ pub mod quantization;
 pub mod reference;
 pub mod sampling;
 pub mod serve;
+pub mod structured;
 pub mod synthetic;
 pub mod text;
 pub mod weights;

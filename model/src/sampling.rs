@@ -110,8 +110,10 @@ impl SamplingParams {
 pub enum SampleError {
     /// Its logits held a NaN.
     NanLogits,
-    /// Every logit was `-inf`.
+    /// Every logit was `-inf` (or the row's mask allowed no token).
     AllNegInf,
+    /// The request's output constraint failed (the engine logs why).
+    Constrained,
 }
 
 impl std::fmt::Display for SampleError {
@@ -119,6 +121,7 @@ impl std::fmt::Display for SampleError {
         f.write_str(match self {
             SampleError::NanLogits => "its logits contain NaN",
             SampleError::AllNegInf => "every logit is -inf",
+            SampleError::Constrained => "its output constraint failed",
         })
     }
 }

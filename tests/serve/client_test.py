@@ -130,6 +130,33 @@ def test_stop_token_ids_and_min_tokens():
     check(len(ids) >= 3 and first not in ids[:3], f"min_tokens 3 holds {first} back: {ids}")
 
 
+def test_structured_outputs():
+    """JSON schema, choice and regex outputs from the random built-in model: they parse and hold
+    to what was asked (thinking off: the constraint starts with the answer)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b"]}}}}
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    for seed, temperature in [(0, 0.0), (1, 1.0), (2, 1.0)]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=200, temperature=temperature, seed=seed, extra_body=no_think,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        v = json.loads(r.choices[0].message.content)
+        check(set(v) == {"name", "age", "tags"} and isinstance(v["age"], int) and 0 <= v["age"] <= 120
+              and len(v["name"]) <= 8 and all(t in ("a", "b") for t in v["tags"]) and r.choices[0].finish_reason == "stop",
+              f"seed {seed}: {r.choices[0]}")
+    r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, temperature=1.0, seed=4,
+                                  extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    check(r.choices[0].text in ("left", "right"), f"choice: {r.choices[0]}")
+    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, seed=5,
+                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"})
+    t = r.choices[0].text
+    check(len(t) == 5 and t[:2].isupper() and t[2:].isdigit(), f"regex: {t!r}")
+    status, err = raw("/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "("}})
+    check(status == 400 and err["param"] == "structured_outputs.regex", f"{status} {err}")
+
+
 def raw(path, body):
     """(status, error object) of a POST with a raw body (bytes or JSON-able)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -163,7 +190,7 @@ def test_bad_requests_leave_a_stream_unharmed():
         ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", None),
         ("/v1/chat/completions", {"messages": msgs, "stream": "yes"}, 400, "stream", None),
         ("/v1/chat/completions", {"messages": msgs, "stop": 5}, 400, "stop", None),
-        ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object"}}, 400,
+        ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "xml"}}, 400,
          "response_format", None),
         ("/v1/chat/completions", {"messages": msgs, "tool_choice": "required"}, 400, "tool_choice", None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", None),
@@ -307,6 +334,7 @@ TESTS = [
     test_completions,
     test_stop_strings,
     test_stop_token_ids_and_min_tokens,
+    test_structured_outputs,
     test_bad_requests_leave_a_stream_unharmed,
     test_queue_bound_gives_429,
     test_dropped_client_frees_its_slot,

@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
@@ -25,6 +25,7 @@ use model::serve::prompt::Chat;
 use model::serve::special::{Special, SpecialInContent};
 use model::serve::worker::{EngineHandle, Starter};
 use model::serve::{Access, Served, loading, now, router};
+use model::structured::Structured;
 use tokenizers::Tokenizer;
 
 /// How the log is written.
@@ -215,10 +216,32 @@ fn main() -> Result<()> {
         let info = engine.info;
         tracing::info!(slots = info.slots, max_len = info.max_len, max_queue, "model `{name}` loaded");
         let limits = Limits { max_stop: args.max_stop, max_stop_bytes: args.max_stop_bytes };
+        // Structured outputs: the vocabulary as llguidance sees it, made once (the tokenizer as
+        // served: with --synthetic, stretched to the config's vocabulary).
+        let t = Instant::now();
+        let structured = tokenizer
+            .to_string(false)
+            .map_err(|e| e.to_string())
+            .and_then(|json| Structured::new(&tokenizer, json.as_bytes(), info.vocab, &chat.stop_ids()));
+        match &structured {
+            Ok(_) => tracing::info!("structured outputs ready in {:.2} s", t.elapsed().as_secs_f64()),
+            Err(e) => tracing::warn!("no structured outputs: {e}"),
+        }
         let tokenizer = Arc::new(tokenizer);
         let (ending, created, metrics) = (Default::default(), now(), Default::default());
-        let state =
-            Arc::new(Served { name, tokenizer, chat, engine, created, limits, special, ending, access, metrics });
+        let state = Arc::new(Served {
+            name,
+            tokenizer,
+            chat,
+            engine,
+            created,
+            limits,
+            special,
+            ending,
+            access,
+            metrics,
+            structured,
+        });
         if ready.set(router(state.clone())).is_err() {
             bail!("the router was set twice");
         }

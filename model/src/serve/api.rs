@@ -11,6 +11,7 @@ use serde_json::{Map, Value, json};
 
 use crate::engine::RequestParams;
 use crate::sampling::SamplingParams;
+use crate::structured::Format;
 
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -301,34 +302,19 @@ pub struct Common {
     /// vLLM's extension: the first this many tokens are never the eos ids or `stop_token_ids`,
     /// and their text ends nothing (stop strings count from the next token on).
     pub min_tokens: usize,
+    /// The structured output asked for, and the field it came in ([`super::format`]).
+    pub format: Option<(Format, String)>,
 }
 
 /// Most `stop_token_ids` a request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
-/// Refuses the fields both endpoints know but cannot honour: a non-empty `logit_bias`, a
-/// `response_format` other than `{"type": "text"}`, and vLLM's `guided_*` fields (the server
-/// has no constrained decoding: the sampler draws from the whole vocabulary).
+/// Refuses the fields both endpoints know but cannot honour: a non-empty `logit_bias`.
 fn unsupported(f: &Fields) -> Result<(), ApiError> {
     if f.object("logit_bias")?.is_some_and(|b| !b.is_empty()) {
         return Err(ApiError::invalid(Some("logit_bias"), "`logit_bias` is not supported by this server"));
     }
-    if let Some(r) = f.object("response_format")? {
-        match Fields(r).str("type")? {
-            Some("text") => {}
-            Some(t) => {
-                return Err(ApiError::invalid(
-                    Some("response_format"),
-                    format!(
-                        "`response_format` of type `{t}` is not supported: this server has no constrained decoding"
-                    ),
-                ));
-            }
-            None => return Err(ApiError::invalid(Some("response_format"), "`response_format` needs a `type`")),
-        }
-    }
-    let guided = ["guided_json", "guided_regex", "guided_choice", "guided_grammar"];
-    f.refuse(&guided, "this server has no constrained decoding")
+    Ok(())
 }
 
 /// `stop_token_ids`: a list of at most [`MAX_STOP_TOKEN_IDS`] token ids (checked against the
@@ -462,6 +448,7 @@ pub fn common(f: &Fields, chat: bool, seed: u64, limits: &Limits) -> Result<Comm
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         stop_token_ids: stop_token_ids(f)?,
         min_tokens: f.count("min_tokens")?.unwrap_or(0),
+        format: super::format::read(f)?,
     })
 }
 
@@ -555,11 +542,9 @@ mod tests {
             (r#"{"ignore_eos": 1}"#, "ignore_eos"),
             (r#"{"logit_bias": {"17": 100}}"#, "logit_bias"),
             (r#"{"logit_bias": [1]}"#, "logit_bias"),
-            (r#"{"response_format": {"type": "json_object"}}"#, "response_format"),
             (r#"{"response_format": {"type": "json_schema", "json_schema": {}}}"#, "response_format"),
             (r#"{"response_format": {}}"#, "response_format"),
-            (r#"{"guided_json": {"type": "object"}}"#, "guided_json"),
-            (r#"{"guided_choice": ["a", "b"]}"#, "guided_choice"),
+            (r#"{"guided_choice": []}"#, "guided_choice"),
             (r#"{"stream_options": {"include_usage": true}}"#, "stream_options"),
             (r#"{"stream": false, "stream_options": {}}"#, "stream_options"),
         ] {

@@ -11,6 +11,7 @@ use super::api::{self, ApiError, Common, Fields};
 use super::generation::{Out, TokenOut, sse};
 use super::prompt::Delta;
 use super::{Served, fresh, now};
+use crate::engine::Constraint;
 
 /// A chat request checked, its messages rendered with the chat template and tokenized.
 pub(super) struct Prepared {
@@ -20,6 +21,8 @@ pub(super) struct Prepared {
     text: String,
     /// The tools whose calls the output is parsed for.
     parse_tools: Option<Value>,
+    /// The structured output's constraint.
+    constraint: Option<Box<dyn Constraint>>,
 }
 
 /// The blocking part of a chat request (parsing, checks, the template, the tokenizer): run on
@@ -57,17 +60,18 @@ pub(super) fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
     };
     f.refuse(&["functions", "function_call"], "pass `tools`")?;
     let p = s.special.prompt((&s.chat, &s.tokenizer), messages, tools, &kwargs)?;
-    Ok(Prepared { c, prompt: p.ids, text: p.text, parse_tools: parse_tools.cloned() })
+    let constraint = s.constraint(&c, crate::chat::prompt_opens_reasoning(&p.text))?;
+    Ok(Prepared { c, prompt: p.ids, text: p.text, parse_tools: parse_tools.cloned(), constraint })
 }
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
-    let Prepared { c, prompt, text, parse_tools } = s.blocking(move |s| prepare(s, &body)).await?;
+    let Prepared { c, prompt, text, parse_tools, constraint } = s.blocking(move |s| prepare(s, &body)).await?;
     let new_parser = {
         let chat = s.clone();
         move || chat.chat.parser(&text, parse_tools.as_ref())
     };
     let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
-    let mut g = s.start(&c, prompt, "messages", &id)?;
+    let mut g = s.start(&c, (prompt, constraint), "messages", &id)?;
     if !c.stream {
         let mut parser = new_parser();
         let (mut deltas, mut logprobs, mut finish, mut stop_reason) = (vec![], vec![], "stop", Value::Null);

@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, Common, Fields};
 use super::generation::{Out, Piece, TokenOut, sse};
-use super::{Served, fresh, now};
+use super::{Served, Submission, fresh, now};
 
 /// The completions prompt: a string, a list of token ids, or either alone in a list.
 fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
@@ -33,7 +33,7 @@ fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, Api
 
 /// The blocking part of a completions request (parsing, checks, the tokenizer): run on the
 /// blocking pool ([`Served::blocking`]), never on the async threads.
-fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Vec<u32>), ApiError> {
+fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Submission), ApiError> {
     let m = api::parse_body(body)?;
     let f = Fields(&m);
     let c = api::common(&f, false, fresh(), &s.limits)?;
@@ -44,7 +44,9 @@ fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Vec<u32>), ApiError> {
     if f.str("suffix")?.is_some() {
         return Err(ApiError::invalid(Some("suffix"), "`suffix` is not supported"));
     }
-    Ok((c, completion_prompt(s, &m)?))
+    let prompt = completion_prompt(s, &m)?;
+    let constraint = s.constraint(&c, false)?;
+    Ok((c, (prompt, constraint)))
 }
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {

@@ -20,6 +20,7 @@ pub mod api;
 mod chat;
 mod completions;
 pub mod conn;
+mod format;
 mod generation;
 pub mod metrics;
 pub mod prompt;
@@ -49,6 +50,8 @@ use tower::ServiceExt;
 
 use crate::chat::Detok;
 use crate::chat::StopMatcher;
+use crate::engine::Constraint;
+use crate::structured::Structured;
 use api::{ApiError, Common, Limits};
 use generation::{Gen, RequestLog};
 use prompt::Chat;
@@ -73,7 +76,12 @@ pub struct Served {
     pub access: Access,
     /// The counters `/metrics` shows.
     pub metrics: Arc<metrics::Metrics>,
+    /// Structured outputs for this tokenizer, or why there are none.
+    pub structured: Result<Structured, String>,
 }
+
+/// What a request hands the engine: its prompt's ids and its structured output's constraint.
+type Submission = (Vec<u32>, Option<Box<dyn Constraint>>);
 
 /// Who may call the API: with an `api_key`, every route but `/health` (open for probes) wants
 /// `Authorization: Bearer KEY` (compared in constant time; else 401 in OpenAI's error JSON); with `allowed_origins`, browsers on those origins (`*`: any) may call it (CORS,
@@ -311,8 +319,21 @@ impl Served {
         special::encode(&self.tokenizer, text)
     }
 
+    /// The request's structured output compiled to its constraint (an error names the field it
+    /// came in); `after_reasoning`: it starts once the reasoning block the prompt opened ends.
+    fn constraint(&self, c: &Common, after_reasoning: bool) -> Result<Option<Box<dyn Constraint>>, ApiError> {
+        let Some((format, field)) = &c.format else { return Ok(None) };
+        let structured = self.structured.as_ref().map_err(|why| {
+            ApiError::invalid(Some(field), format!("`{field}`: structured outputs are not available here ({why})"))
+        })?;
+        let constraint = structured
+            .constraint(format, after_reasoning)
+            .map_err(|e| ApiError::invalid(Some(field), format!("`{field}` does not compile: {e}")))?;
+        Ok(Some(constraint))
+    }
+
     /// Checks the prompt and hands it to the engine (`id`: the response's, for the log).
-    fn start(&self, c: &Common, prompt: Vec<u32>, param: &str, id: &str) -> Result<Gen, ApiError> {
+    fn start(&self, c: &Common, (prompt, constraint): Submission, param: &str, id: &str) -> Result<Gen, ApiError> {
         let vocab = self.engine.info.vocab;
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::invalid(Some(param), format!("Token id {t} is outside the vocabulary of {vocab}")));
@@ -322,7 +343,7 @@ impl Served {
             return Err(ApiError::invalid(Some("stop_token_ids"), message));
         }
         let params = api::request_params(c, prompt.len(), self.engine.info.max_len, self.chat.stop_ids(), param)?;
-        let rx = self.engine.submit(prompt.clone(), params).map_err(|b| ApiError::busy(b.limit))?;
+        let rx = self.engine.submit(prompt.clone(), params, constraint).map_err(|b| ApiError::busy(b.limit))?;
         Ok(Gen {
             rx,
             detok: Detok::new(self.tokenizer.clone(), &prompt),

@@ -16,6 +16,7 @@ use super::special::{Special, SpecialInContent};
 use super::worker::{self, ModelInfo, Update};
 use super::{Served, router};
 use crate::engine::{Event, Finish, RequestParams};
+use crate::structured::Structured;
 
 /// One request as the script gets it.
 pub struct Turn {
@@ -86,7 +87,9 @@ pub fn from_dir(
     let (limits, ending, access, metrics) =
         (Limits::default(), Default::default(), Default::default(), Default::default());
     let name = "default".into();
-    Arc::new(Served { name, tokenizer, chat, engine, created: 0, limits, special, ending, access, metrics })
+    let json = std::fs::read(dir.join("tokenizer.json")).expect("its tokenizer");
+    let structured = Structured::new(&tokenizer, &json, info.vocab, &chat.stop_ids());
+    Arc::new(Served { name, tokenizer, chat, engine, created: 0, limits, special, ending, access, metrics, structured })
 }
 
 /// The routes of a [`built_in`] server whose engine writes back each request's last user

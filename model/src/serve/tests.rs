@@ -135,8 +135,8 @@ async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
     }
 }
 
-/// What the server cannot honour without constrained decoding (forcing a call, JSON output,
-/// the legacy functions) is a 400 naming the field; `tool_choice: "auto"` is the default.
+/// What the server cannot honour (forcing a call, the legacy functions, a structured output
+/// that does not compile) is a 400 naming the field; `tool_choice: "auto"` is the default.
 #[tokio::test]
 async fn a_call_or_format_that_cannot_be_forced_is_refused() {
     let s = writing(format!("{OUTPUT}{CALL}"));
@@ -145,7 +145,11 @@ async fn a_call_or_format_that_cannot_be_forced_is_refused() {
         (json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), "tool_choice"),
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
         (json!({"functions": [{"name": "get_weather"}]}), "functions"),
-        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs.regex"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}),
+            "response_format",
+        ),
     ] {
         let mut body = request(false);
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::backend::Backend;
-use crate::engine::{Engine, Event, RequestId, RequestParams};
+use crate::engine::{Constraint, Engine, Event, RequestId, RequestParams};
 use crate::error::{Error, Result};
 
 /// What the engine thread sends a request: its tokens, or why it ended without one.
@@ -49,6 +49,8 @@ impl Drop for Permit {
 struct Job {
     prompt: Vec<u32>,
     params: RequestParams,
+    /// Its structured output's constraint (taken when the engine adds it).
+    constraint: Option<Box<dyn Constraint>>,
     out: UnboundedSender<Update>,
     _permit: Permit,
 }
@@ -127,14 +129,19 @@ impl EngineHandle {
 
     /// Hands a request to the engine thread; its tokens come on the returned channel, which
     /// the request's client holds: dropping it cancels the request.
-    pub fn submit(&self, prompt: Vec<u32>, params: RequestParams) -> Result<UnboundedReceiver<Update>, Busy> {
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: RequestParams,
+        constraint: Option<Box<dyn Constraint>>,
+    ) -> Result<UnboundedReceiver<Update>, Busy> {
         let limit = self.limit;
         self.admitted
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1))
             .map_err(|_| Busy { limit })?;
         let permit = Permit(self.admitted.clone());
         let (out, rx) = unbounded_channel();
-        let job = Job { prompt, params, out, _permit: permit };
+        let job = Job { prompt, params, constraint, out, _permit: permit };
         if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
             let _ = job.out.send(Update::Error { message: "the engine thread has stopped".into(), client: false });
         }
@@ -150,9 +157,11 @@ impl EngineHandle {
 /// The engine thread's loop; returns when every handle is gone and no request is left.
 fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
     let mut live: HashMap<RequestId, Job> = HashMap::new();
-    let admit = |engine: &mut Engine<B>, live: &mut HashMap<RequestId, Job>, job: Job| match engine
-        .add(&job.prompt, job.params.clone())
-    {
+    let admit = |engine: &mut Engine<B>, live: &mut HashMap<RequestId, Job>, mut job: Job| match engine.add_constrained(
+        &job.prompt,
+        job.params.clone(),
+        job.constraint.take(),
+    ) {
         Ok(id) => {
             tracing::debug!(id, prompt = job.prompt.len(), "request added");
             live.insert(id, job);
@@ -229,7 +238,7 @@ pub(super) fn scripted(
 ) -> EngineHandle {
     let (jobs, rx) = mpsc::channel::<Job>();
     std::thread::spawn(move || {
-        for Job { prompt, params, out, _permit } in rx {
+        for Job { prompt, params, out, _permit, .. } in rx {
             reply(prompt, params, out);
         }
     });

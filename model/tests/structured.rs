@@ -174,6 +174,38 @@ fn regexes_choices_and_grammars_hold() {
     }
 }
 
+/// `tool_choice` `required`'s schema over two tools (serve::prompt::Forced, vLLM's form): a
+/// non-empty list of `{"name", "parameters"}`, each one of the tools with its parameters.
+#[test]
+fn a_required_call_lists_the_tools_calls() {
+    use model::serve::prompt::Forced;
+    let mut s = setup(3);
+    let tools = [
+        json!({"type": "function", "function": {"name": "set_level", "parameters": {"type": "object", "additionalProperties": false,
+            "required": ["level"], "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 5}}}}}),
+        json!({"type": "function", "function": {"name": "stop"}}),
+    ];
+    let schema = Forced::Required.schema(&tools);
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let ids: Vec<RequestId> = (0..3)
+        .map(|seed| {
+            let c = s.structured.constraint(&Format::JsonSchema(schema.clone()), false).unwrap();
+            s.engine.add_constrained(&s.prompt, params(&s, SamplingParams::nucleus(1.0, 1.0, seed)), Some(c)).unwrap()
+        })
+        .collect();
+    let out = run(&mut s.engine);
+    for id in ids {
+        let t = text(&s, &out[&id].0);
+        let v: Json = serde_json::from_str(&t).unwrap_or_else(|e| panic!("{t:?}: {e}"));
+        assert!(validator.is_valid(&v) && !v.as_array().unwrap().is_empty(), "{v}");
+        for call in v.as_array().unwrap() {
+            assert!(call["name"] == "set_level" || call["name"] == "stop", "{call}");
+        }
+    }
+    let named = Forced::Named("set_level".into()).schema(&tools);
+    assert_eq!(named, tools[0]["function"]["parameters"]);
+}
+
 /// A free row's tokens do not depend on constrained rows in its batch.
 #[test]
 fn a_free_row_batched_with_constrained_ones_is_unchanged() {

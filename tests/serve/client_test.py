@@ -153,6 +153,20 @@ def test_structured_outputs():
                                   extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"})
     t = r.choices[0].text
     check(len(t) == 5 and t[:2].isupper() and t[2:].isdigit(), f"regex: {t!r}")
+    # A forced call: the arguments hold to the function's parameters (the random model writes them).
+    tools = [{"type": "function", "function": {"name": "set_level", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["level"],
+        "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 5}}}}}]
+    # (`required`'s list is unbounded: the random model may not close it within the context
+    # left here; model/tests/structured.rs checks it.)
+    for choice in [{"type": "function", "function": {"name": "set_level"}}]:
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice=choice, max_tokens=60,
+                                           temperature=1.0, seed=9, extra_body=no_think)
+        calls = r.choices[0].message.tool_calls or []
+        check(len(calls) >= 1 and r.choices[0].finish_reason == "tool_calls", f"{choice}: {r.choices[0]}")
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            check(call.function.name == "set_level" and set(args) == {"level"} and 1 <= args["level"] <= 5, f"{call}")
     status, err = raw("/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "("}})
     check(status == 400 and err["param"] == "structured_outputs.regex", f"{status} {err}")
 

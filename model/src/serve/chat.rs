@@ -9,9 +9,10 @@ use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, Common, Fields};
 use super::generation::{Out, TokenOut, sse};
-use super::prompt::Delta;
+use super::prompt::{Delta, Forced};
 use super::{Served, fresh, now};
 use crate::engine::Constraint;
+use crate::structured::Format;
 
 /// A chat request checked, its messages rendered with the chat template and tokenized.
 pub(super) struct Prepared {
@@ -21,6 +22,8 @@ pub(super) struct Prepared {
     text: String,
     /// The tools whose calls the output is parsed for.
     parse_tools: Option<Value>,
+    /// The call `tool_choice` forces.
+    forced: Option<Forced>,
     /// The structured output's constraint.
     constraint: Option<Box<dyn Constraint>>,
 }
@@ -43,32 +46,53 @@ pub(super) fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
         Some(_) => return Err(ApiError::invalid(Some("tools"), "`tools` must be a list")),
     };
     let kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
-    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed. A call
-    // cannot be forced (`required`, a named function) without constrained decoding: refused.
-    let parse_tools = match f.get_raw("tool_choice") {
-        None => tools,
-        Some(Value::String(c)) if c == "auto" => tools,
-        Some(Value::String(c)) if c == "none" => None,
+    // `tool_choice: "none"`: the tools stay in the prompt, their calls are not parsed;
+    // `required` or a named function: the output is held to a schema over the tools, and its
+    // JSON made the calls (as vLLM does).
+    let listed = tools.and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    let bad_choice = |why: String| Err(ApiError::invalid(Some("tool_choice"), why));
+    let (parse_tools, forced) = match f.get_raw("tool_choice") {
+        None => (tools, None),
+        Some(Value::String(c)) if c == "auto" => (tools, None),
+        Some(Value::String(c)) if c == "none" => (None, None),
+        Some(Value::String(c)) if c == "required" && !listed.is_empty() => (tools, Some(Forced::Required)),
+        Some(Value::String(c)) if c == "required" => {
+            return bad_choice("`tool_choice` `required` needs `tools`".into());
+        }
+        Some(c @ Value::Object(_)) if c["type"] == "function" && c["function"]["name"].is_string() => {
+            let name = c["function"]["name"].as_str().unwrap_or_default();
+            if !listed.iter().any(|t| t["function"]["name"] == name) {
+                return bad_choice(format!("`tool_choice` names `{name}`, which is not among `tools`"));
+            }
+            (tools, Some(Forced::Named(name.to_string())))
+        }
         Some(c) => {
-            return Err(ApiError::invalid(
-                Some("tool_choice"),
-                format!(
-                    "`tool_choice` {c} is not supported: the model chooses (`auto`) or is not parsed for calls (`none`)"
-                ),
+            return bad_choice(format!(
+                "`tool_choice` must be `auto`, `none`, `required` or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, not {c}"
             ));
         }
     };
     f.refuse(&["functions", "function_call"], "pass `tools`")?;
+    let mut c = c;
+    if let Some(forced) = &forced {
+        if let Some((_, field)) = &c.format {
+            return Err(ApiError::invalid(
+                Some(field),
+                format!("`{field}` and a forced `tool_choice`: one or the other"),
+            ));
+        }
+        c.format = Some((Format::JsonSchema(forced.schema(listed)), "tool_choice".into()));
+    }
     let p = s.special.prompt((&s.chat, &s.tokenizer), messages, tools, &kwargs)?;
     let constraint = s.constraint(&c, crate::chat::prompt_opens_reasoning(&p.text))?;
-    Ok(Prepared { c, prompt: p.ids, text: p.text, parse_tools: parse_tools.cloned(), constraint })
+    Ok(Prepared { c, prompt: p.ids, text: p.text, parse_tools: parse_tools.cloned(), forced, constraint })
 }
 
 pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiError> {
-    let Prepared { c, prompt, text, parse_tools, constraint } = s.blocking(move |s| prepare(s, &body)).await?;
+    let Prepared { c, prompt, text, parse_tools, forced, constraint } = s.blocking(move |s| prepare(s, &body)).await?;
     let new_parser = {
         let chat = s.clone();
-        move || chat.chat.parser(&text, parse_tools.as_ref())
+        move || chat.chat.parser(&text, parse_tools.as_ref(), forced.as_ref(), fresh())
     };
     let (id, created) = (format!("chatcmpl-{:016x}", fresh()), now());
     let mut g = s.start(&c, (prompt, constraint), "messages", &id)?;

@@ -55,6 +55,16 @@ fn events(body: &str) -> Vec<String> {
     body.split("\n\n").filter(|e| !e.is_empty()).map(|e| e.strip_prefix("data: ").expect(e).to_string()).collect()
 }
 
+/// A chat answer's choices with their message (streamed: each chunk's, with its delta).
+fn replies(body: &str, stream: bool) -> Vec<(Value, Value)> {
+    let chunks: Vec<Value> = match stream {
+        true => events(body).iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect(),
+        false => vec![serde_json::from_str(body).unwrap()],
+    };
+    let part = if stream { "delta" } else { "message" };
+    chunks.iter().map(|c| (c["choices"][0].clone(), c["choices"][0][part].clone())).collect()
+}
+
 fn request(stream: bool) -> Value {
     json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools(), "stream": stream})
 }
@@ -135,14 +145,17 @@ async fn without_tools_or_with_tool_choice_none_a_call_is_content() {
     }
 }
 
-/// What the server cannot honour (forcing a call, the legacy functions, a structured output
-/// that does not compile) is a 400 naming the field; `tool_choice: "auto"` is the default.
+/// What the server cannot honour (an unknown `tool_choice`, a call to a function not offered,
+/// `required` without tools, a forced call beside a structured output, the legacy functions, a
+/// structured output that does not compile) is a 400 naming the field; `tool_choice: "auto"`
+/// is the default.
 #[tokio::test]
 async fn a_call_or_format_that_cannot_be_forced_is_refused() {
     let s = writing(format!("{OUTPUT}{CALL}"));
     for (extra, param) in [
-        (json!({"tool_choice": "required"}), "tool_choice"),
-        (json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), "tool_choice"),
+        (json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}), "tool_choice"),
+        (json!({"tool_choice": "required", "tools": []}), "tool_choice"),
+        (json!({"tool_choice": "required", "guided_regex": "x"}), "guided_regex"),
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
         (json!({"functions": [{"name": "get_weather"}]}), "functions"),
         (json!({"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs.regex"),
@@ -778,14 +791,7 @@ async fn reasoning_and_calls_with_nano_token_ids_special_or_not() {
             // `</think>` and `<tool_call>` came as their single ids.
             assert!(generated.contains(&13) && generated.contains(&14) && generated.contains(&15), "{generated:?}");
             let (mut reasoning, mut content, mut args) = (String::new(), String::new(), String::new());
-            let chunks: Vec<Value> = if stream {
-                let e = events(&body);
-                e[..e.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect()
-            } else {
-                vec![serde_json::from_str(&body).unwrap()]
-            };
-            for c in &chunks {
-                let d = if stream { &c["choices"][0]["delta"] } else { &c["choices"][0]["message"] };
+            for (_, d) in &replies(&body, stream) {
                 reasoning += d["reasoning"].as_str().unwrap_or("");
                 content += d["content"].as_str().unwrap_or("");
                 for call in d["tool_calls"].as_array().into_iter().flatten() {
@@ -803,6 +809,60 @@ async fn reasoning_and_calls_with_nano_token_ids_special_or_not() {
             checked += 1;
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+    assert_eq!(checked, 4);
+}
+
+/// A forced call (`tool_choice` a named function, or `required`) is the output's JSON (which
+/// the structured output holds to the tools' schema; here the script writes it) made into tool
+/// calls, as vLLM makes them: no content, finish reason `tool_calls`, streamed and not.
+#[tokio::test]
+async fn forced_calls_are_made_of_the_json() {
+    let named = r#"{"city": "Paris", "days": 3}"#;
+    let listed = r#"[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", "parameters": {"days": 2}}]"#;
+    let cases = [
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            named,
+            vec![json!({"city": "Paris", "days": 3})],
+        ),
+        (json!("required"), listed, vec![json!({"city": "Rome"}), json!({"days": 2})]),
+    ];
+    let mut checked = 0;
+    for (choice, output, want) in cases {
+        let s = writing(format!("Thinking.\n</think>\n{output}"));
+        for stream in [false, true] {
+            let mut body = request(stream);
+            body["tool_choice"] = choice.clone();
+            let (status, text) = post(&s, body).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            let (mut calls, mut content, mut finish): (Vec<(String, String)>, String, Vec<String>) =
+                (vec![], String::new(), vec![]);
+            for (choice, d) in &replies(&text, stream) {
+                content += d["content"].as_str().unwrap_or("");
+                for call in d["tool_calls"].as_array().into_iter().flatten() {
+                    let f = &call["function"];
+                    match f["name"].as_str() {
+                        Some(name) => calls.push((name.to_string(), f["arguments"].as_str().unwrap_or("").to_string())),
+                        None => calls.last_mut().unwrap().1 += f["arguments"].as_str().unwrap_or(""),
+                    }
+                }
+                finish.extend(choice["finish_reason"].as_str().map(str::to_string));
+            }
+            let args: Vec<Value> = calls
+                .iter()
+                .map(|(n, a)| {
+                    assert_eq!(n, "get_weather");
+                    serde_json::from_str(a).unwrap()
+                })
+                .collect();
+            assert_eq!(
+                (args, content.as_str(), finish),
+                (want.clone(), "", vec!["tool_calls".to_string()]),
+                "{choice} stream {stream}: {text}"
+            );
+            checked += 1;
+        }
     }
     assert_eq!(checked, 4);
 }

@@ -245,33 +245,37 @@ fn synthetic_weights_for_a_config() {
     }
 }
 
-/// `serve_bench` against `serve` on the built-in model: a row per concurrency, every request
-/// exactly its tokens (`ignore_eos`), positive speed, ordered quantiles; without a server, an
-/// error.
+/// `serve_bench` against `serve` on the built-in model, plain and with `--json-schema`: a row
+/// per concurrency, every request exactly its tokens (`ignore_eos`), positive speed, ordered
+/// quantiles; without a server, an error.
 #[test]
 fn serve_bench_reports_each_concurrency() {
     let (server, url, log) = serve(&["--slots", "4", "--max-len", "256"], &[]);
-    let bench = || {
+    // Plain, then every request held to an unbounded schema (it runs to --max-tokens too).
+    let bench = |schema: Option<&str>| {
         let mut bench = Command::new(env!("CARGO_BIN_EXE_serve_bench"));
         bench.args(["--url", &url, "--clients", "1,3", "--max-tokens", "8", "--rounds", "2", "--warmup", "1"]);
+        bench.args(schema.map(|s| ["--json-schema", s]).into_iter().flatten());
         run_for(bench, Duration::from_secs(120))
     };
-    let out = bench();
+    let outs = [bench(None), bench(Some(r#"{"type": "array", "items": {"type": "string"}}"#))];
     drop(server);
     let log = log.join().unwrap_or_default();
-    let out = out.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
-    let rows: Vec<Vec<f64>> = out
-        .lines()
-        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap_or_else(|_| panic!("{x} in {l}"))).collect())
-        .collect();
-    assert_eq!(rows.len(), 2, "{out}");
-    for (row, clients) in rows.iter().zip([1.0, 3.0]) {
-        assert_eq!(row.len(), 10, "{out}");
-        assert_eq!(&row[..3], [clients, 2.0 * clients, 16.0 * clients], "clients, requests, tokens: {out}");
-        assert!(row[4] > 0.0 && row[5] > 0.0 && row[5] <= row[6] && row[7] <= row[8] && row[9] >= 1.0, "{out}");
+    for out in outs {
+        let out = out.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
+        let rows: Vec<Vec<f64>> = out
+            .lines()
+            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+            .map(|l| l.split_whitespace().map(|x| x.parse().unwrap_or_else(|_| panic!("{x} in {l}"))).collect())
+            .collect();
+        assert_eq!(rows.len(), 2, "{out}");
+        for (row, clients) in rows.iter().zip([1.0, 3.0]) {
+            assert_eq!(row.len(), 10, "{out}");
+            assert_eq!(&row[..3], [clients, 2.0 * clients, 16.0 * clients], "clients, requests, tokens: {out}");
+            assert!(row[4] > 0.0 && row[5] > 0.0 && row[5] <= row[6] && row[7] <= row[8] && row[9] >= 1.0, "{out}");
+        }
     }
-    assert!(bench().is_err(), "no server: an error");
+    assert!(bench(None).is_err(), "no server: an error");
 }
 
 /// The port is bound before the model loads: a port in use ends `serve` with the address in

@@ -8,7 +8,8 @@
 //! first chunk with text) and the inter-token latency (the gaps between a stream's chunks with
 //! text), each as median and p90, and the tokens a chunk (1.00 when every token came in a chunk
 //! of its own, so the gaps are per token; a token whose text is held back, an incomplete
-//! character, arrives with the next).
+//! character, arrives with the next). `--json-schema SCHEMA` asks every request for it as
+//! `response_format` (thinking off): the cost of structured outputs beside a run without.
 //!
 //! `--mixed` measures instead what long prompts do to decoding streams (chunked prefill:
 //! `serve --max-step-tokens`): a long prompt alone (`--long-tokens` tokens, its length found by
@@ -70,6 +71,29 @@ struct Args {
     /// With --mixed: seconds of each phase (streams alone, streams with long prompts).
     #[arg(long, default_value_t = 15)]
     seconds: u64,
+    /// A JSON schema (its text) every request asks for as `response_format`, with thinking off
+    /// so the constraint holds from the first token: what structured outputs cost. An
+    /// unbounded schema (a list of strings, say) keeps each request running to --max-tokens.
+    #[arg(long)]
+    json_schema: Option<String>,
+}
+
+impl Args {
+    /// A streamed greedy chat request of one user message, `max_tokens` tokens with
+    /// ignore_eos, held to `--json-schema` when given.
+    fn body(&self, content: &str, max_tokens: usize) -> String {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": content}],
+            "stream": true, "stream_options": {"include_usage": true},
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+        });
+        if let Some(schema) = self.json_schema.as_deref().and_then(|s| serde_json::from_str::<Value>(s).ok()) {
+            body["response_format"] =
+                json!({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}});
+            body["chat_template_kwargs"] = json!({"enable_thinking": false});
+        }
+        body.to_string()
+    }
 }
 
 /// What one request measured.
@@ -92,12 +116,22 @@ fn main() -> Result<()> {
     if args.clients.contains(&0) || args.rounds == 0 || args.max_tokens == 0 {
         bail!("--clients, --rounds and --max-tokens must be at least 1");
     }
+    if let Some(schema) = &args.json_schema {
+        let parsed: Value = serde_json::from_str(schema).context("--json-schema must be a JSON schema")?;
+        if !parsed.is_object() {
+            bail!("--json-schema must be a JSON schema (an object)");
+        }
+    }
     if args.mixed {
         return mixed(addr, &args);
     }
     println!(
-        "serve_bench: {} with {} tokens a request (greedy, ignore_eos), {} measured rounds after {} warm-up",
-        args.url, args.max_tokens, args.rounds, args.warmup
+        "serve_bench: {} with {} tokens a request (greedy, ignore_eos{}), {} measured rounds after {} warm-up",
+        args.url,
+        args.max_tokens,
+        if args.json_schema.is_some() { ", held to --json-schema" } else { "" },
+        args.rounds,
+        args.warmup
     );
     println!("clients requests   tokens   wall s   tokens/s  TTFT p50  TTFT p90   ITL p50   ITL p90 tokens/chunk");
     for &n in &args.clients {
@@ -141,7 +175,7 @@ fn run(addr: &str, args: &Args, n: usize) -> Result<(Vec<Sample>, Duration)> {
     let start = Arc::new(Barrier::new(n + 1));
     let clients: Vec<_> = (0..n)
         .map(|i| {
-            let body = chat_body(&format!("{i}: {}", args.prompt), args.max_tokens);
+            let body = args.body(&format!("{i}: {}", args.prompt), args.max_tokens);
             let (addr, start, warmup, rounds) = (addr.to_string(), start.clone(), args.warmup, args.rounds);
             std::thread::spawn(move || -> Result<Vec<Sample>> {
                 let warm = (0..warmup).try_for_each(|_| request(&addr, &body).map(drop));
@@ -161,16 +195,6 @@ fn run(addr: &str, args: &Args, n: usize) -> Result<(Vec<Sample>, Duration)> {
     Ok((samples, t0.elapsed()))
 }
 
-/// A streamed greedy chat request of one user message, `max_tokens` tokens with ignore_eos.
-fn chat_body(content: &str, max_tokens: usize) -> String {
-    json!({
-        "messages": [{"role": "user", "content": content}],
-        "stream": true, "stream_options": {"include_usage": true},
-        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
-    })
-    .to_string()
-}
-
 /// `--mixed` (module doc).
 fn mixed(addr: &str, args: &Args) -> Result<()> {
     if args.streams == 0 || args.seconds == 0 || args.long_tokens < 64 {
@@ -178,12 +202,12 @@ fn mixed(addr: &str, args: &Args) -> Result<()> {
     }
     // The long prompt's length: a sentence repeated, its tokens a repeat found from two sizes.
     let unit = "The keeper climbed the winding stairs at dusk and lit the great lamp above the sea. ";
-    let tokens = |reps: usize| request(addr, &chat_body(&unit.repeat(reps), 1)).map(|s| s.prompt_tokens);
+    let tokens = |reps: usize| request(addr, &args.body(&unit.repeat(reps), 1)).map(|s| s.prompt_tokens);
     let (t8, t16) = (tokens(8)?, tokens(16)?);
     let per = (t16.saturating_sub(t8) as f64 / 8.0).max(1.0);
     let fixed = t8 as f64 - 8.0 * per;
     let reps = ((args.long_tokens as f64 - fixed) / per).round().max(1.0) as usize;
-    let long = |i: usize| chat_body(&format!("{i}: {}", unit.repeat(reps)), 1);
+    let long = |i: usize| args.body(&format!("{i}: {}", unit.repeat(reps)), 1);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let alone: Vec<Sample> = (0..3).map(|i| request(addr, &long(i))).collect::<Result<_>>()?;
     let prompt = alone[0].prompt_tokens;
@@ -197,7 +221,7 @@ fn mixed(addr: &str, args: &Args) -> Result<()> {
         prompt as f64 / p50.as_secs_f64()
     );
     // Each stream's warm-up request first (a first step of each batch size records its graph).
-    let warm: Vec<String> = (0..args.streams).map(|i| chat_body(&format!("{i}: {}", args.prompt), 8)).collect();
+    let warm: Vec<String> = (0..args.streams).map(|i| args.body(&format!("{i}: {}", args.prompt), 8)).collect();
     std::thread::scope(|s| {
         let all: Vec<_> = warm.iter().map(|b| s.spawn(|| request(addr, b))).collect();
         all.into_iter().try_for_each(|h| joined(h).map(drop))
@@ -212,7 +236,7 @@ fn mixed(addr: &str, args: &Args) -> Result<()> {
             let t0 = Instant::now();
             let streams: Vec<_> = (0..args.streams)
                 .map(|i| {
-                    let body = chat_body(&format!("{i}: {}", args.prompt), args.max_tokens);
+                    let body = args.body(&format!("{i}: {}", args.prompt), args.max_tokens);
                     s.spawn(move || {
                         let mut out = Vec::new();
                         while Instant::now() < until {

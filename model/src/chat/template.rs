@@ -294,7 +294,7 @@ fn environment() -> Environment<'static> {
         let text: Vec<String> = msg.iter().map(python_str).collect();
         Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{}", text.join(" "))))
     });
-    env.add_function("strftime_now", |fmt: String| strftime(&fmt, now_utc()));
+    env.add_function("strftime_now", |fmt: String| strftime(&fmt, chrono::Utc::now()));
     env
 }
 
@@ -348,109 +348,15 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     Ok(Value::from_safe_string(json_dumps(&json, &style)))
 }
 
-/// A UTC time: (year, month 1-12, day 1-31, hour, minute, second, weekday 0 = Monday, day of
-/// the year 1-366).
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Utc {
-    year: i64,
-    month: u32,
-    day: u32,
-    hour: u32,
-    minute: u32,
-    second: u32,
-    weekday: u32,
-    yday: u32,
-}
-
-fn now_utc() -> Utc {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    utc_from_unix(secs as i64)
-}
-
-/// The calendar date of a Unix time (the proleptic Gregorian calendar, by 400-year eras).
-fn utc_from_unix(secs: i64) -> Utc {
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400) as u32;
-    // Days since 0000-03-01, so that a leap day ends each year.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097); // 0..146096
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // 0..399
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // from March 1st
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    const BEFORE: [u32; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = BEFORE[month as usize - 1] + day + u32::from(leap && month > 2);
-    Utc {
-        year,
-        month,
-        day,
-        hour: rem / 3600,
-        minute: rem / 60 % 60,
-        second: rem % 60,
-        // 1970-01-01 was a Thursday (3 with Monday 0).
-        weekday: (days + 3).rem_euclid(7) as u32,
-        yday,
-    }
-}
-
-/// Python's `strftime` for the directives templates use (`%Y %y %m %d %e %B %b %A %a %H %I %M %S
-/// %p %j %F %T %%`); any other directive is kept as written.
-fn strftime(fmt: &str, t: Utc) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
-    let month = MONTHS[(t.month as usize - 1) % 12];
-    let weekday = DAYS[t.weekday as usize % 7];
+/// Python's `strftime` of `t` (chrono's directives are Python's); a format chrono cannot read
+/// (an unknown directive) is returned as written.
+fn strftime(fmt: &str, t: chrono::DateTime<chrono::Utc>) -> String {
+    use std::fmt::Write;
     let mut out = String::new();
-    let mut chars = fmt.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('Y') => out.push_str(&t.year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", t.year.rem_euclid(100))),
-            Some('m') => out.push_str(&format!("{:02}", t.month)),
-            Some('d') => out.push_str(&format!("{:02}", t.day)),
-            Some('e') => out.push_str(&format!("{:>2}", t.day)),
-            Some('B') => out.push_str(month),
-            Some('b') => out.push_str(&month[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('H') => out.push_str(&format!("{:02}", t.hour)),
-            Some('I') => out.push_str(&format!("{:02}", (t.hour + 11) % 12 + 1)),
-            Some('M') => out.push_str(&format!("{:02}", t.minute)),
-            Some('S') => out.push_str(&format!("{:02}", t.second)),
-            Some('p') => out.push_str(if t.hour < 12 { "AM" } else { "PM" }),
-            Some('j') => out.push_str(&format!("{:03}", t.yday)),
-            Some('F') => out.push_str(&format!("{}-{:02}-{:02}", t.year, t.month, t.day)),
-            Some('T') => out.push_str(&format!("{:02}:{:02}:{:02}", t.hour, t.minute, t.second)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
+    match write!(out, "{}", t.format(fmt)) {
+        Ok(()) => out,
+        Err(_) => fmt.to_string(),
     }
-    out
 }
 
 #[cfg(test)]
@@ -470,17 +376,15 @@ mod tests {
 
     #[test]
     fn dates() {
-        let t = utc_from_unix(0);
-        assert_eq!((t.year, t.month, t.day, t.weekday, t.yday), (1970, 1, 1, 3, 1));
+        let at = |secs| chrono::DateTime::from_timestamp(secs, 0).unwrap();
         // 2024-02-29 12:34:56 UTC, a Thursday, day 60.
-        let t = utc_from_unix(1_709_210_096);
-        assert_eq!(
-            (t.year, t.month, t.day, t.hour, t.minute, t.second, t.weekday, t.yday),
-            (2024, 2, 29, 12, 34, 56, 3, 60)
-        );
+        let t = at(1_709_210_096);
         assert_eq!(strftime("%d %B %Y, %a %b %j %I%p %%", t), "29 February 2024, Thu Feb 060 12PM %");
+        assert_eq!(strftime("%A %F %T %e %y", at(0)), "Thursday 1970-01-01 00:00:00  1 70");
         // 2000-12-31 is day 366 of a leap year.
-        assert_eq!(utc_from_unix(978_220_800).yday, 366);
+        assert_eq!(strftime("%j", at(978_220_800)), "366");
+        // What chrono cannot read comes back as written.
+        assert_eq!(strftime("%Q %d", t), "%Q %d");
     }
 
     #[test]

@@ -91,6 +91,15 @@ pub struct SampleRow {
     pub counter: u64,
 }
 
+// The host uploads `SampleRow::words` as the device's struct: 16 words, the u64s last.
+const _: () = {
+    assert!(core::mem::size_of::<SampleRow>() == 64);
+    assert!(core::mem::offset_of!(SampleRow, masked) == 40);
+    assert!(core::mem::offset_of!(SampleRow, mask_at) == 44);
+    assert!(core::mem::offset_of!(SampleRow, seed) == 48);
+    assert!(core::mem::offset_of!(SampleRow, counter) == 56);
+};
+
 impl SampleRow {
     /// Greedy, no penalties.
     pub const GREEDY: SampleRow = SampleRow {

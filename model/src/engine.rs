@@ -303,7 +303,8 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let accepted = match r.sampler.accept(pick) {
-                Ok(_) if failed.contains(&id) => Err(SampleError::Constrained),
+                // A constraint that failed ends its request whatever the sampler made of its mask.
+                _ if failed.contains(&id) => Err(SampleError::Constrained),
                 Ok(s) => match r.constraint.as_mut().map(|c| c.accept(s.token)) {
                     Some(Err(e)) => {
                         tracing::warn!("request {id}: its output constraint refused token {}: {e}", s.token);

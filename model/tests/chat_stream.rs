@@ -1,27 +1,29 @@
-//! The serving pipeline on the built-in tokenizer: tokens one at a time through the
-//! tokenizer's decode stream (characters split over byte tokens come out whole), a
-//! `StopMatcher`, then an `OutputParser`: reasoning, content and a typed tool call come out as
-//! from the whole text, and the text stops before the stop string.
+//! The serving pipeline on the built-in tokenizer: tokens one at a time through a `Detok`
+//! (characters split over byte tokens come out whole), a `StopMatcher`, then an
+//! `OutputParser`: reasoning, content and a typed tool call come out as from the whole text,
+//! and the text stops before the stop string.
 
-use model::chat::{Delta, Message, OutputParser, ParserOptions, StopMatcher};
+use std::sync::Arc;
+
+use model::chat::{Delta, Detok, Message, OutputParser, ParserOptions, StopMatcher};
 
 #[test]
 fn tokens_to_reasoning_content_and_tool_calls() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/default/tokenizer.json");
-    let tokenizer = tokenizers::Tokenizer::from_file(dir).unwrap();
+    let tokenizer = Arc::new(tokenizers::Tokenizer::from_file(dir).unwrap());
     let text = "<think>\nplan é😀\n</think>\nHi 日本 <tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\nEND ignored<tool_call>";
     let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
     assert!(ids.len() < text.len(), "the tags are single tokens");
     let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}}}}]);
     let opts = ParserOptions { reasoning: true, starts_in_reasoning: false, tools: Some(tools) };
-    let mut stream = tokenizer.decode_stream(true);
+    let mut detok = Detok::new(tokenizer.clone(), &[]);
     let mut stop = StopMatcher::new(&["END".to_string()]);
     let mut parser = OutputParser::new(opts.clone());
     let mut deltas = Vec::new();
     let mut stopped = false;
     for &id in &ids {
-        let Some(piece) = stream.step(id).unwrap() else { continue };
+        let piece = detok.push(id).unwrap();
         let (safe, s) = stop.push(&piece);
         deltas.extend(parser.push(&safe));
         if s {

@@ -7,7 +7,7 @@
 /// first place where a stop string ends (of two ending there, the longer is dropped). It holds back only the end
 /// of the text that could still be the start of a stop string, so everything it returns is
 /// final; it works on `str`, so it never splits a character (give it text decoded with a
-/// UTF-8-safe stream, such as the tokenizer's `decode_stream`).
+/// UTF-8-safe stream, such as a [`super::Detok`]).
 #[derive(Clone, Debug)]
 pub struct StopMatcher {
     stops: Vec<String>,

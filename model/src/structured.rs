@@ -41,10 +41,11 @@ pub struct Structured {
 }
 
 impl Structured {
-    /// For `tokenizer` (its tokenizer.json's bytes too: llguidance reads its own copy) over a
-    /// vocabulary of `vocab` ids, `eos` the ids that end an output.
-    pub fn new(tokenizer: &Tokenizer, json: &[u8], vocab: usize, eos: &[u32]) -> Result<Structured, String> {
-        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_json_bytes(json)
+    /// For `tokenizer` (llguidance reads its own copy, from its JSON) over a vocabulary of
+    /// `vocab` ids, `eos` the ids that end an output.
+    pub fn new(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<Structured, String> {
+        let json = tokenizer.to_string(false).map_err(|e| format!("the tokenizer for structured outputs: {e}"))?;
+        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_json_bytes(json.as_bytes())
             .map_err(|e| format!("the tokenizer for structured outputs: {e}"))?;
         if !eos.is_empty() {
             bytes.set_eos_tokens(eos);

@@ -389,15 +389,14 @@ fn cuda_masked_rows_hold_and_replay_as_launched() {
     use model::sampling::SamplingParams;
     use model::structured::{Format, Structured};
     let dir = model::built_in::dir().unwrap();
-    let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
-    let tokenizer = tokenizers::Tokenizer::from_bytes(&json).unwrap();
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     let eos = model::chat::generation_eos_ids(&dir).unwrap();
     let schema = serde_json::json!({"type": "object", "additionalProperties": false, "required": ["n", "tag"],
         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 500}, "tag": {"type": "string", "maxLength": 5}}});
     let prompt = tokenizer.encode("JSON, please:", false).unwrap().get_ids().to_vec();
     let run = |graphs: bool| {
         let model = Model::from_dir(Cuda::new(0).unwrap().with_graphs(graphs), &dir, 3, 512, &mut |_, _| {}).unwrap();
-        let structured = Structured::new(&tokenizer, &json, model.vocab(), &eos).unwrap();
+        let structured = Structured::new(&tokenizer, model.vocab(), &eos).unwrap();
         let mut e = Engine::new(model);
         let params = |sampling, stop_tokens: Vec<u32>, min_new_tokens| RequestParams {
             max_new_tokens: 120,

@@ -25,10 +25,9 @@ fn setup(slots: usize) -> Setup {
     let dir = model::built_in::dir().unwrap();
     let model = Model::from_dir(Cpu::default(), &dir, slots, 1024, &mut |_, _| {}).unwrap();
     let vocab = model.vocab();
-    let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
-    let tokenizer = Tokenizer::from_bytes(&json).unwrap();
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     let eos = model::chat::generation_eos_ids(&dir).unwrap();
-    let structured = Structured::new(&tokenizer, &json, vocab, &eos).unwrap();
+    let structured = Structured::new(&tokenizer, vocab, &eos).unwrap();
     let prompt = tokenizer.encode("Answer in JSON:", false).unwrap().get_ids().to_vec();
     Setup { engine: Engine::new(model), tokenizer, structured, eos, prompt }
 }

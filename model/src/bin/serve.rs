@@ -219,10 +219,7 @@ fn main() -> Result<()> {
         // Structured outputs: the vocabulary as llguidance sees it, made once (the tokenizer as
         // served: with --synthetic, stretched to the config's vocabulary).
         let t = Instant::now();
-        let structured = tokenizer
-            .to_string(false)
-            .map_err(|e| e.to_string())
-            .and_then(|json| Structured::new(&tokenizer, json.as_bytes(), info.vocab, &chat.stop_ids()));
+        let structured = Structured::new(&tokenizer, info.vocab, &chat.stop_ids());
         match &structured {
             Ok(_) => tracing::info!("structured outputs ready in {:.2} s", t.elapsed().as_secs_f64()),
             Err(e) => tracing::warn!("no structured outputs: {e}"),

@@ -87,8 +87,7 @@ pub fn from_dir(
     let (limits, ending, access, metrics) =
         (Limits::default(), Default::default(), Default::default(), Default::default());
     let name = "default".into();
-    let json = std::fs::read(dir.join("tokenizer.json")).expect("its tokenizer");
-    let structured = Structured::new(&tokenizer, &json, info.vocab, &chat.stop_ids());
+    let structured = Structured::new(&tokenizer, info.vocab, &chat.stop_ids());
     Arc::new(Served { name, tokenizer, chat, engine, created: 0, limits, special, ending, access, metrics, structured })
 }
 

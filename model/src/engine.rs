@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleRow;
+use rayon::prelude::*;
 
 use crate::backend::Backend;
 use crate::cache::{Part, SlotPool};
@@ -247,23 +248,31 @@ impl<B: Backend> Engine<B> {
             return Ok(Vec::new());
         }
         // A request short of its `min_new_tokens` masks its stop tokens out, a constrained one
-        // what its constraint rules out.
-        let mut masks: Vec<Option<Vec<u32>>> = Vec::with_capacity(fed.len());
+        // what its constraint rules out. The masks are made while the device runs the step's
+        // forward pass (each constraint walks the vocabulary's trie, tens of microseconds a
+        // row), the constraints in parallel; they are lent to the step for that.
+        let vocab = self.vocab;
+        let mut late: Vec<Option<Masking>> = fed
+            .iter()
+            .map(|&(id, n)| {
+                let r = self.requests.get_mut(&id).expect("ids come from the map");
+                let whole = n == r.pending.len();
+                let short = r.generated < r.params.min_new_tokens;
+                let held = if short { r.params.stop_tokens.clone() } else { Vec::new() };
+                (whole && (short || r.constraint.is_some())).then(|| Masking {
+                    id,
+                    held,
+                    constraint: r.constraint.take(),
+                })
+            })
+            .collect();
+        let masked = late.iter().any(Option::is_some);
         let mut failed = Vec::new();
-        for &(id, n) in &fed {
-            let r = self.requests.get_mut(&id).expect("ids come from the map");
-            if n < r.pending.len() || (r.generated >= r.params.min_new_tokens && r.constraint.is_none()) {
-                masks.push(None);
-                continue;
-            }
-            let held = if r.generated < r.params.min_new_tokens { &r.params.stop_tokens[..] } else { &[] };
-            let mut mask = without(self.vocab, held);
-            if let Some(Err(e)) = r.constraint.as_mut().map(|c| c.restrict(&mut mask)) {
-                tracing::warn!("request {id}: its output constraint failed: {e}");
-                failed.push(id);
-            }
-            masks.push(Some(mask));
-        }
+        let mut masks = || {
+            let made: Vec<(Option<Vec<u32>>, bool)> = late.par_iter_mut().map(|m| Masking::make(m, vocab)).collect();
+            failed.extend(late.iter().zip(&made).filter(|(_, m)| m.1).filter_map(|(l, _)| Some(l.as_ref()?.id)));
+            made.into_iter().map(|m| m.0).collect()
+        };
         let ids: Vec<RequestId> = fed.iter().map(|&(id, _)| id).collect();
         let parts: Vec<Part> = fed
             .iter()
@@ -274,17 +283,24 @@ impl<B: Backend> Engine<B> {
             .collect();
         // A row for every part; those with prompt tokens left take none of theirs (greedy:
         // the least work).
-        let sampling: Vec<_> = (fed.iter().zip(&masks))
-            .map(|(&(id, n), mask)| {
+        let sampling: Vec<_> = fed
+            .iter()
+            .map(|&(id, n)| {
                 let r = &self.requests[&id];
                 if n == r.pending.len() {
-                    RowSampling { mask: mask.as_deref(), ..r.sampler.row() }
+                    r.sampler.row()
                 } else {
                     RowSampling { row: SampleRow::GREEDY, penalties: &[], mask: None }
                 }
             })
             .collect();
-        let picks = match self.model.step_sampled(&parts, &sampling) {
+        let stepped = self.model.step_masked(&parts, &sampling, masked.then_some(&mut masks));
+        for m in late.into_iter().flatten() {
+            if let Some(r) = self.requests.get_mut(&m.id) {
+                r.constraint = m.constraint;
+            }
+        }
+        let picks = match stepped {
             Ok(picks) => picks,
             Err(source) => {
                 // The step may have updated some of these requests' states before it failed.
@@ -343,6 +359,29 @@ impl<B: Backend> Engine<B> {
             self.cancel(e.id)?;
         }
         Ok(events)
+    }
+}
+
+/// A row's mask in the making: its request, the stop tokens it holds back, its constraint
+/// (lent by the request for the step).
+struct Masking {
+    id: RequestId,
+    held: Vec<u32>,
+    constraint: Option<Box<dyn Constraint>>,
+}
+
+impl Masking {
+    /// The row's mask (none for a row without [`Masking`]), and whether its constraint failed.
+    fn make(m: &mut Option<Masking>, vocab: usize) -> (Option<Vec<u32>>, bool) {
+        let Some(m) = m else { return (None, false) };
+        let mut mask = without(vocab, &m.held);
+        match m.constraint.as_mut().map(|c| c.restrict(&mut mask)) {
+            Some(Err(e)) => {
+                tracing::warn!("request {}: its output constraint failed: {e}", m.id);
+                (Some(mask), true)
+            }
+            _ => (Some(mask), false),
+        }
     }
 }
 

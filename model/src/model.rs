@@ -53,6 +53,9 @@ struct Weights<B: Backend> {
     lm_head: B::Weight,
 }
 
+/// Makes a step's late masks ([`Model::step_masked`]): one entry a part.
+pub type LateMasks<'a> = &'a mut dyn FnMut() -> Vec<Option<Vec<u32>>>;
+
 /// A recorded decode step: its rows (written over for each replay), the logits buffer it
 /// writes, and what it ran.
 struct Recorded<B: Backend> {
@@ -81,6 +84,8 @@ pub struct Model<B: Backend> {
     counters: StepCounters,
     /// Recorded decode steps by their number of rows and whether they sample.
     recorded: HashMap<(usize, bool), Recorded<B>>,
+    /// The sampling rows of steps whose masks came late, by their number of rows.
+    late_sampling: HashMap<usize, B::Sampling>,
     /// Whether steps are profiled (see [`Model::set_profiling`]), and the last one's profile.
     profiling: bool,
     profile: Option<Profile>,
@@ -246,6 +251,7 @@ impl<B: Backend> Model<B> {
             config: config.clone(),
             counters: StepCounters::default(),
             recorded: HashMap::new(),
+            late_sampling: HashMap::new(),
             profiling: false,
             profile: None,
             tallying: false,
@@ -310,7 +316,7 @@ impl<B: Backend> Model<B> {
     /// them): release those slots ([`Model::release`]) before using them again, as the
     /// engine does by ending the step's requests.
     pub fn step(&mut self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
-        match self.run(parts, None)? {
+        match self.run(parts, None, None)? {
             StepOut::Logits(l) => Ok(l),
             StepOut::Sampled(_) => unreachable!("a step without sampling rows returns logits"),
         }
@@ -321,6 +327,20 @@ impl<B: Backend> Model<B> {
     /// only the picks come back (a recorded step records the sampling too, with room for
     /// twice its penalty pairs, and is recorded again when a later step's outgrow it).
     pub fn step_sampled(&mut self, parts: &[Part], sampling: &[RowSampling]) -> Result<Vec<SampleOut>> {
+        self.step_masked(parts, sampling, None)
+    }
+
+    /// [`Model::step_sampled`], some rows' masks made by `masks` (one entry a part, in the
+    /// order of `parts`; `Some` replaces that row's mask) while the device runs the step's
+    /// forward pass: the masks of structured outputs, a trie walk a row on the host, cost the
+    /// step nothing then. The sampling is launched once they are in (a recorded step records
+    /// the forward pass alone).
+    pub fn step_masked(
+        &mut self,
+        parts: &[Part],
+        sampling: &[RowSampling],
+        masks: Option<LateMasks<'_>>,
+    ) -> Result<Vec<SampleOut>> {
         if sampling.len() != parts.len() {
             return Err(Error::Unsupported(format!(
                 "{} sampling rows for a step of {} parts",
@@ -328,13 +348,18 @@ impl<B: Backend> Model<B> {
                 parts.len()
             )));
         }
-        match self.run(parts, Some(sampling))? {
+        match self.run(parts, Some(sampling), masks)? {
             StepOut::Sampled(s) => Ok(s),
             StepOut::Logits(_) => unreachable!("a step with sampling rows returns their picks"),
         }
     }
 
-    fn run(&mut self, parts: &[Part], sampling: Option<&[RowSampling]>) -> Result<StepOut> {
+    fn run(
+        &mut self,
+        parts: &[Part],
+        sampling: Option<&[RowSampling]>,
+        late: Option<LateMasks<'_>>,
+    ) -> Result<StepOut> {
         let plan = StepPlan::new(parts)?;
         let rows = self.step_rows(parts, &plan)?;
         let vocab = self.config.vocab_size;
@@ -342,35 +367,68 @@ impl<B: Backend> Model<B> {
         let (slots, max_len) = (self.past.len(), self.max_len);
         // The sampling rows in the order of the logits rows.
         let ordered: Option<Vec<RowSampling>> = sampling.map(|s| plan.order.iter().map(|&p| s[p]).collect());
-        let Model { backend: b, config, weights, recorded, counters, profiling, profile, tallying, loads, .. } = self;
+        let Model {
+            backend: b,
+            config,
+            weights,
+            recorded,
+            counters,
+            profiling,
+            profile,
+            tallying,
+            loads,
+            late_sampling,
+            ..
+        } = self;
         // A step that notes more than its outputs runs its operations one by one.
         let (profiling, tallying) = (*profiling, *tallying);
         let plain = !profiling && !tallying;
         let b = &*b;
         let seqs = &plan.prefill_lens;
-        let key = (nd, ordered.is_some());
+        // Sampling in the step itself (recorded with it), unless some masks come late.
+        let in_step = if late.is_some() { None } else { ordered.as_ref() };
+        let key = (nd, in_step.is_some());
         // A recording whose penalty pairs or masks would not fit is recorded again, with room.
         let pairs: usize = ordered.iter().flatten().map(|r| r.penalties.len()).sum();
-        if let (Some(r), Some(o)) = (recorded.get(&key), &ordered)
+        if let (Some(r), Some(o)) = (recorded.get(&key), in_step)
             && r.sampling.as_ref().is_some_and(|s| !b.sampling_fits(s, o))
         {
             recorded.remove(&key);
         }
+        // The step's outputs once its forward pass (and the sampling in it) is queued: with
+        // late masks, they are made now, then the rows sampled.
+        let outputs = |logits: &B::Buf, sampled: Option<&B::Sampling>| -> Result<StepOut> {
+            let (Some(masks), Some(o)) = (late, &ordered) else { return fetch(b, logits, sampled, vocab) };
+            let masks = masks();
+            let rows: Vec<RowSampling> = (o.iter().zip(&plan.order))
+                .map(|(r, &p)| RowSampling { mask: masks.get(p).and_then(Option::as_deref).or(r.mask), ..*r })
+                .collect();
+            let s = match late_sampling.remove(&rows.len()) {
+                Some(mut s) if b.sampling_fits(&s, &rows) => {
+                    b.set_sampling(&mut s, &rows)?;
+                    s
+                }
+                _ => b.sampling(&rows, vocab, pairs.max(rows.len() * PAIRS_PER_ROW))?,
+            };
+            let s = late_sampling.entry(rows.len()).or_insert(s);
+            b.sample(logits, vocab, s)?;
+            fetch(b, logits, Some(s), vocab)
+        };
         let out = if let Some(r) = recorded.get_mut(&key).filter(|_| seqs.is_empty() && plain) {
             b.set_rows(&mut r.rows, &rows)?;
-            if let (Some(s), Some(o)) = (r.sampling.as_mut(), &ordered) {
+            if let (Some(s), Some(o)) = (r.sampling.as_mut(), in_step) {
                 b.set_sampling(s, o)?;
             }
             b.replay(&r.graph)?;
             *counters = r.counters;
-            fetch(b, &r.logits, r.sampling.as_ref(), vocab)?
+            outputs(&r.logits, r.sampling.as_ref())?
         } else {
             let step_rows = b.rows(&rows, slots, max_len)?;
             let mut logits = b.scratch(rows.last.len() * vocab)?;
             // Room for a recorded step's later rows to carry more pairs: twice today's, at
             // least PAIRS_PER_ROW a row (grown by recording again when they outgrow it).
             let capacity = if seqs.is_empty() { (2 * pairs).max(nd * PAIRS_PER_ROW) } else { pairs };
-            let mut sampling = ordered.as_ref().map(|o| b.sampling(o, vocab, capacity)).transpose()?;
+            let mut sampling = in_step.map(|o| b.sampling(o, vocab, capacity)).transpose()?;
             let mut marks = Marks::new(b, profiling, tallying)?;
             let mut run = || {
                 let (rows, marks) = (&step_rows, &mut marks);
@@ -393,12 +451,12 @@ impl<B: Backend> Model<B> {
             match graph {
                 Some(graph) => {
                     b.replay(&graph)?;
-                    let out = fetch(b, &logits, sampling.as_ref(), vocab)?;
+                    let out = outputs(&logits, sampling.as_ref())?;
                     recorded.insert(key, Recorded { graph, rows: step_rows, logits, sampling, counters: ran });
                     out
                 }
                 None => {
-                    let out = fetch(b, &logits, sampling.as_ref(), vocab)?;
+                    let out = outputs(&logits, sampling.as_ref())?;
                     if let Some(p) = marks.profile(b)? {
                         *profile = Some(p);
                     }

@@ -10,11 +10,15 @@
 //! block (a thinking chat template), the constraint starts after the token that ends it
 //! (`</think>`), as vLLM does: the reasoning itself is free.
 
+use std::sync::Arc;
+
 use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value as Json, json};
 use tokenizers::Tokenizer;
 
+use crate::chat::TokenBytes;
 use crate::engine::Constraint;
 
 /// What a request's output must be.
@@ -41,16 +45,10 @@ pub struct Structured {
 }
 
 impl Structured {
-    /// For `tokenizer` (llguidance reads its own copy, from its JSON) over a vocabulary of
-    /// `vocab` ids, `eos` the ids that end an output.
+    /// For `tokenizer` over a vocabulary of `vocab` ids (ids past the tokenizer's never
+    /// allowed), `eos` the ids that end an output (at least one).
     pub fn new(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<Structured, String> {
-        let json = tokenizer.to_string(false).map_err(|e| format!("the tokenizer for structured outputs: {e}"))?;
-        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_json_bytes(json.as_bytes())
-            .map_err(|e| format!("the tokenizer for structured outputs: {e}"))?;
-        if !eos.is_empty() {
-            bytes.set_eos_tokens(eos);
-        }
-        let env = bytes.into_tok_env(Some(vocab)).map_err(|e| format!("the tokenizer for structured outputs: {e}"))?;
+        let env: TokEnv = Arc::new(Vocabulary::new(tokenizer, vocab, eos)?);
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| format!("the structured-output parser factory: {e}"))?;
         factory.quiet();
@@ -99,6 +97,86 @@ fn escape(s: &str) -> String {
         out.push(c);
     }
     out
+}
+
+/// The vocabulary as llguidance reads it: each token's bytes in a trie (a special token's
+/// name behind [`TokTrie::SPECIAL_TOKEN_MARKER`], so that no text spells it), text tokenized by
+/// the tokenizer itself. (What toktrie_hf_tokenizers builds, without its copy of the tokenizer
+/// through an older tokenizers, whose added tokens take time quadratic in their number: 50 s for
+/// the 131072 ids of `serve --synthetic`.)
+struct Vocabulary {
+    trie: TokTrie,
+    tokenizer: Tokenizer,
+}
+
+impl Vocabulary {
+    fn new(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<Vocabulary, String> {
+        let err = |what: String| format!("the tokenizer for structured outputs: {what}");
+        let have = tokenizer.get_vocab_size(true);
+        if have > vocab {
+            return Err(err(format!("{have} tokens, more than the model's {vocab}")));
+        }
+        let Some(&first) = eos.first() else { return Err(err("no end-of-sequence token".into())) };
+        if let Some(bad) = eos.iter().find(|&&id| id as usize >= vocab) {
+            return Err(err(format!("end-of-sequence token {bad} past the vocabulary of {vocab}")));
+        }
+        // A tokenizer that prepends a space to what it encodes would tokenize the pieces of
+        // an output unlike the output.
+        let prepends = |part: Option<Json>| part.is_some_and(|v| prepends_space(&v));
+        if prepends(tokenizer.get_normalizer().and_then(|n| serde_json::to_value(n).ok()))
+            || prepends(tokenizer.get_pre_tokenizer().and_then(|p| serde_json::to_value(p).ok()))
+        {
+            return Err(err("it prepends a space to every text it encodes (Prepend or Metaspace)".into()));
+        }
+        let bytes = TokenBytes::new(tokenizer);
+        let special = |name: &str| [&[TokTrie::SPECIAL_TOKEN_MARKER], name.as_bytes()].concat();
+        let words: Vec<Vec<u8>> = (0..vocab as u32)
+            .map(|id| match bytes.added(id) {
+                // As llguidance's own loader: added tokens of the form <...> are special too.
+                Some(t) if t.special || (t.content.starts_with('<') && t.content.ends_with('>')) => special(&t.content),
+                _ if (id as usize) < have => bytes.of(id),
+                _ => special(&format!("<[{id}]>")),
+            })
+            .collect();
+        let mut trie = TokTrie::from(&TokRxInfo::new(vocab as u32, first), &words);
+        if eos.len() > 1 {
+            trie = trie.with_eos_tokens(eos);
+        }
+        Ok(Vocabulary { trie, tokenizer: tokenizer.clone() })
+    }
+
+    fn encode(&self, text: &str) -> Vec<TokenId> {
+        self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()).unwrap_or_default()
+    }
+}
+
+/// Whether a tokenizer part (as JSON) prepends a space: a `Prepend` normalizer, or a
+/// `Metaspace` pre-tokenizer whose prepend scheme is not `never`, anywhere in a sequence.
+fn prepends_space(part: &Json) -> bool {
+    match part {
+        Json::Object(o) => {
+            let kind = o.get("type").and_then(Json::as_str);
+            kind == Some("Prepend")
+                || (kind == Some("Metaspace") && o.get("prepend_scheme").and_then(Json::as_str) != Some("never"))
+                || o.values().any(prepends_space)
+        }
+        Json::Array(a) => a.iter().any(prepends_space),
+        _ => false,
+    }
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| self.encode(s))
+    }
+
+    fn tokenize_bytes_special(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| self.trie.tokenize_with_special(s, |s| self.encode(s)))
+    }
 }
 
 /// One request's llguidance matcher.
@@ -150,5 +228,59 @@ mod tests {
         assert_eq!(escape("a.b|c"), r"a\.b\|c");
         assert_eq!(escape("(x)*[y]{2}^$"), r"\(x\)\*\[y\]\{2\}\^\$");
         assert_eq!(escape("plain words"), "plain words");
+    }
+
+    /// The tokens `format` allows first, over `vocab` ids.
+    fn first_allowed(s: &Structured, format: &Format, vocab: usize) -> Vec<u32> {
+        let mut c = s.constraint(format, false).unwrap();
+        let mut mask = vec![u32::MAX; host::sample::mask_words(vocab)];
+        c.restrict(&mut mask).unwrap();
+        (0..vocab as u32).filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).collect()
+    }
+
+    /// The vocabulary as llguidance reads it: the built-in (byte-level) tokenizer stretched
+    /// with added words as `serve --synthetic` stretches it, then ids past the tokenizer's. A
+    /// regex of any text allows each byte that may start a UTF-8 character but NUL, each added
+    /// word (its own bytes) and the eos; never another special token (ChatML's markers, and as
+    /// llguidance's own loader, added tokens of the form <...>) nor an id past the tokenizer's.
+    #[test]
+    fn every_token_is_its_own_bytes_and_specials_are_never_text() {
+        let dir = crate::built_in::dir().unwrap();
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        crate::synthetic::fill_vocabulary(&mut tokenizer, 300);
+        let (vocab, eos) = (320, tokenizer.token_to_id("<|im_end|>").unwrap());
+        let s = Structured::new(&tokenizer, vocab, &[eos]).unwrap();
+        let allowed = first_allowed(&s, &Format::Regex("[^\\x00]*".into()), vocab);
+        let added = tokenizer.get_added_tokens_decoder();
+        let special = |id: u32| added.get(&id).is_some_and(|t| t.special || t.content.starts_with('<'));
+        let starts_a_character = |b: u32| (1..0x80).contains(&b) || (0xc2..=0xf4).contains(&b);
+        let expected: Vec<u32> =
+            (0..300).filter(|&id| id == eos || if id < 256 { starts_a_character(id) } else { !special(id) }).collect();
+        assert_eq!(
+            allowed, expected,
+            "UTF-8 leads but NUL, every added word, the eos; no other special, nothing past 300"
+        );
+        assert_eq!((256..300).filter(|&id| special(id)).count(), 10, "the built-in tokenizer's markers and tags");
+        let w = tokenizer.token_to_id("w299 ").unwrap();
+        let word = first_allowed(&s, &Format::Choice(vec!["w299 ".into()]), vocab);
+        assert_eq!(word, [w], "a fixed text forced as the tokenizer encodes it: the word's own token");
+    }
+
+    /// A tokenizer that prepends a space to what it encodes is refused by name, as are eos ids
+    /// past the vocabulary, none at all, and a vocabulary smaller than the tokenizer's.
+    #[test]
+    fn unusable_tokenizers_are_refused() {
+        let dir = crate::built_in::dir().unwrap();
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let have = tokenizer.get_vocab_size(true);
+        let err = |t: &Tokenizer, vocab: usize, eos: &[u32]| Structured::new(t, vocab, eos).err().unwrap_or_default();
+        assert!(err(&tokenizer, have, &[have as u32]).contains("past the vocabulary"));
+        assert!(err(&tokenizer, have, &[]).contains("no end-of-sequence token"));
+        assert!(err(&tokenizer, have - 1, &[0]).contains("more than the model's"));
+        let mut json: Json = serde_json::from_str(&tokenizer.to_string(false).unwrap()).unwrap();
+        json["normalizer"] = json!({"type": "Prepend", "prepend": "\u{2581}"});
+        let prepending = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
+        assert!(err(&prepending, have, &[0]).contains("prepends a space"));
+        assert!(Structured::new(&tokenizer, have, &[0]).is_ok());
     }
 }

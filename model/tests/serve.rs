@@ -258,7 +258,7 @@ fn serve_bench_reports_each_concurrency() {
         bench.args(schema.map(|s| ["--json-schema", s]).into_iter().flatten());
         run_for(bench, Duration::from_secs(120))
     };
-    let outs = [bench(None), bench(Some(r#"{"type": "array", "items": {"type": "string"}}"#))];
+    let outs = [bench(None), bench(Some(r#"{"type": "array", "items": {"type": "string"}, "minItems": 200}"#))];
     drop(server);
     let log = log.join().unwrap_or_default();
     for out in outs {

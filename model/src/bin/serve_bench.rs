@@ -72,8 +72,9 @@ struct Args {
     #[arg(long, default_value_t = 15)]
     seconds: u64,
     /// A JSON schema (its text) every request asks for as `response_format`, with thinking off
-    /// so the constraint holds from the first token: what structured outputs cost. An
-    /// unbounded schema (a list of strings, say) keeps each request running to --max-tokens.
+    /// so the constraint holds from the first token: what structured outputs cost. The output
+    /// must not be able to end before --max-tokens (a request ends where its JSON is complete):
+    /// `{"type": "array", "items": {"type": "string"}, "minItems": 200}` at 256 tokens, say.
     #[arg(long)]
     json_schema: Option<String>,
 }
@@ -139,11 +140,11 @@ fn main() -> Result<()> {
         let tokens: usize = samples.iter().map(|s| s.tokens).sum();
         let chunks: usize = samples.iter().map(|s| s.chunks).sum();
         if let Some(s) = samples.iter().find(|s| s.tokens != args.max_tokens) {
-            bail!(
-                "a request generated {} tokens, not --max-tokens {}: does the server honour ignore_eos?",
-                s.tokens,
-                args.max_tokens
-            );
+            let why = match args.json_schema {
+                Some(_) => "a schema whose output can end sooner (raise its minItems, say)?",
+                None => "does the server honour ignore_eos?",
+            };
+            bail!("a request generated {} tokens, not --max-tokens {}: {why}", s.tokens, args.max_tokens);
         }
         let ttft = samples.iter().map(|s| s.ttft.context("a stream ended without text")).collect::<Result<Vec<_>>>()?;
         let gaps: Vec<Duration> = samples.iter().flat_map(|s| s.gaps.iter().copied()).collect();

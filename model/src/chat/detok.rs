@@ -2,9 +2,10 @@
 //! (holding back a character whose bytes are not all there yet), skipping special tokens but
 //! the output parser's tags; [`token_bytes`] is one token's own bytes (logprobs' `bytes`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokenizers::{DecoderWrapper, Tokenizer};
+use tokenizers::{AddedToken, DecoderWrapper, Tokenizer};
 
 /// Prompt tokens decoded before the first generated one, so that it decodes in context (a
 /// leading space kept, say).
@@ -89,33 +90,64 @@ impl Detok {
 }
 
 /// The bytes token `id` stands for, whole or part of a character (what OpenAI's logprobs
-/// `bytes` give): an added token's content; under a byte-level decoder (GPT-2's, which the
-/// Nemotron tokenizers use) each character of the vocabulary entry mapped back to its byte;
-/// under byte fallback a `<0xNN>` entry's byte; otherwise the token decoded alone.
+/// `bytes` give): as [`TokenBytes::of`] says.
 pub fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
-    let decoded = || tokenizer.decode(&[id], false).unwrap_or_default().into_bytes();
-    if let Some(added) = tokenizer.get_added_tokens_decoder().get(&id) {
-        return added.content.clone().into_bytes();
-    }
-    let Some(entry) = tokenizer.id_to_token(id) else { return decoded() };
-    let decoders = match tokenizer.get_decoder() {
-        Some(DecoderWrapper::Sequence(seq)) => seq.get_decoders().iter().collect(),
-        Some(d) => vec![d],
-        None => vec![],
-    };
-    let byte_level_entry = || entry.chars().map(byte_level).collect::<Option<Vec<u8>>>();
-    if decoders.iter().any(|d| matches!(d, DecoderWrapper::ByteLevel(_)))
-        && let Some(bytes) = byte_level_entry()
-    {
-        return bytes;
-    }
-    if decoders.iter().any(|d| matches!(d, DecoderWrapper::ByteFallback(_))) {
-        let hex = entry.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
-        if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
-            return vec![b];
+    TokenBytes::new(tokenizer).of(id)
+}
+
+/// Each token's own bytes, for one tokenizer (its added tokens and decoder read once).
+pub struct TokenBytes<'a> {
+    tokenizer: &'a Tokenizer,
+    added: HashMap<u32, AddedToken>,
+    byte_level: bool,
+    byte_fallback: bool,
+}
+
+impl<'a> TokenBytes<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> TokenBytes<'a> {
+        let decoders = match tokenizer.get_decoder() {
+            Some(DecoderWrapper::Sequence(seq)) => seq.get_decoders().iter().collect(),
+            Some(d) => vec![d],
+            None => vec![],
+        };
+        let has = |f: fn(&DecoderWrapper) -> bool| decoders.iter().any(|d| f(d));
+        TokenBytes {
+            tokenizer,
+            added: tokenizer.get_added_tokens_decoder().into_iter().collect(),
+            byte_level: has(|d| matches!(d, DecoderWrapper::ByteLevel(_))),
+            byte_fallback: has(|d| matches!(d, DecoderWrapper::ByteFallback(_))),
         }
     }
-    decoded()
+
+    /// Token `id`'s bytes: an added token's content; under a byte-level decoder (GPT-2's,
+    /// which the Nemotron tokenizers use) each character of the vocabulary entry mapped back to
+    /// its byte; under byte fallback a `<0xNN>` entry's byte, another entry with `▁` as a
+    /// space; otherwise the token decoded alone.
+    pub fn of(&self, id: u32) -> Vec<u8> {
+        if let Some(added) = self.added.get(&id) {
+            return added.content.clone().into_bytes();
+        }
+        let decoded = || self.tokenizer.decode(&[id], false).unwrap_or_default().into_bytes();
+        let Some(entry) = self.tokenizer.id_to_token(id) else { return decoded() };
+        if self.byte_level
+            && let Some(bytes) = entry.chars().map(byte_level).collect::<Option<Vec<u8>>>()
+        {
+            return bytes;
+        }
+        if self.byte_fallback {
+            let hex = entry.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+            if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                return vec![b];
+            }
+            return entry.replace('\u{2581}', " ").into_bytes();
+        }
+        decoded()
+    }
+
+    /// The added token `id`, if it is one.
+    pub fn added(&self, id: u32) -> Option<&AddedToken> {
+        self.added.get(&id)
+    }
 }
 
 /// The byte a byte-level vocabulary character stands for (GPT-2's table: the printable bytes

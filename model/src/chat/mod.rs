@@ -26,7 +26,7 @@ mod tool_call;
 
 use std::path::Path;
 
-pub use detok::{Detok, token_bytes};
+pub use detok::{Detok, TokenBytes, token_bytes};
 pub use parse::{Delta, Message, OutputParser, ParserOptions, ToolCall};
 pub use stop::StopMatcher;
 pub use template::ChatTemplate;

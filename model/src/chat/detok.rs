@@ -215,4 +215,24 @@ mod tests {
         }
         assert!(seen.iter().all(|&s| s), "the 256 byte tokens cover every byte");
     }
+
+    /// Under byte fallback (SentencePiece's vocabularies), a `<0xNN>` entry is its byte and
+    /// another entry its text with `▁` as a space, a leading one kept (decoded alone, the
+    /// decoder's Strip would drop it).
+    #[test]
+    fn byte_fallback_entries_give_their_bytes() {
+        let json = r#"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": null,
+            "post_processor": null, "truncation": null, "padding": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                "vocab": {"<unk>": 0, "<0x41>": 1, "\u2581Hello": 2, "wor\u2581ld": 3}, "merges": []}}"#;
+        let tok: Tokenizer = json.parse().unwrap();
+        assert_eq!(tok.decode(&[2], false).unwrap(), "Hello", "decoded alone, the space is stripped");
+        let bytes = TokenBytes::new(&tok);
+        assert_eq!([bytes.of(1), bytes.of(2), bytes.of(3)], [b"A".to_vec(), b" Hello".to_vec(), b"wor ld".to_vec()]);
+    }
 }

@@ -279,6 +279,11 @@ pub trait Backend: Sized {
     fn scratch(&self, n: usize) -> Result<Self::Buf>;
     /// The buffer's rows of `width` values (its length a multiple of it), as f32.
     fn download_rows(&self, b: &Self::Buf, width: usize) -> Result<Vec<Vec<f32>>>;
+    /// Copies `n` elements of `src` from element `from` into `dst` from element `to`, in queue
+    /// order (a range past either buffer is an error).
+    fn copy(&self, src: &Self::Buf, from: usize, dst: &mut Self::Buf, to: usize, n: usize) -> Result<()>;
+    /// [`Backend::copy`] of f32 buffers.
+    fn copy32(&self, src: &Self::Buf32, from: usize, dst: &mut Self::Buf32, to: usize, n: usize) -> Result<()>;
     fn weight(&self, l: &Linear) -> Result<Self::Weight>;
     /// Uploads the routed experts of a MoE layer (all of one shape) and its shared expert.
     fn experts(&self, list: &[Mlp], shared: Option<&Mlp>) -> Result<Self::Experts>;
@@ -287,6 +292,11 @@ pub trait Backend: Sized {
     fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<Self::Mamba>;
     /// Uploads an attention layer of `c` with zero key and value caches of `sizes`.
     fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<Self::Attention>;
+    /// A Mamba mixer's slots' states, as [`MambaWeights`] holds them: the conv state
+    /// `[slots, conv_dim, k - 1]` and the SSM state `[slots, heads, head_dim, state_size]`.
+    fn mamba_state(m: &mut Self::Mamba) -> (&mut Self::Buf, &mut Self::Buf32);
+    /// An attention layer's key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
+    fn kv_cache(a: &mut Self::Attention) -> (&mut Self::Buf, &mut Self::Buf);
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
     /// tokens. The model has checked them (slots in range and distinct, positions below
@@ -411,6 +421,14 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// An attention layer's o_proj over `rows` contiguous rows of `x`.
     fn attention_out(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
+}
+
+/// Checks that `n` elements from `at` lie within a buffer of `len` ([`Backend::copy`]).
+pub(crate) fn check_range(len: usize, at: usize, n: usize, what: &str) -> Result<()> {
+    match at.checked_add(n) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::Unsupported(format!("a copy of {n} elements from {at} {what} a buffer of {len}"))),
+    }
 }
 
 /// `v`'s rows of `width` values as f32 ([`Backend::download_rows`]): each bf16's bits as the

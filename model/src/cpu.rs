@@ -11,7 +11,8 @@ use host::sample::{RowSampling, check_row};
 use kernels_gpu::sample::{SampleOut, SampleRow};
 
 use crate::backend::{
-    Backend, CacheSizes, In, MambaWeights, MoeWeights, Norm, Out, QkvBufs, QkvRows, StepRows, project, rows_f32,
+    Backend, CacheSizes, In, MambaWeights, MoeWeights, Norm, Out, QkvBufs, QkvRows, StepRows, check_range, project,
+    rows_f32,
 };
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
@@ -215,6 +216,14 @@ fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// [`Backend::copy`] on the host.
+fn copy_range<T: Copy>(src: &[T], from: usize, dst: &mut [T], to: usize, n: usize) -> Result<()> {
+    check_range(src.len(), from, n, "reads past")?;
+    check_range(dst.len(), to, n, "writes past")?;
+    dst[to..to + n].copy_from_slice(&src[from..from + n]);
+    Ok(())
+}
+
 /// A row's sampling settings, penalty pairs and mask, owned.
 type CpuRow = (SampleRow, Vec<(u32, u32)>, Option<Vec<u32>>);
 
@@ -255,6 +264,12 @@ impl Backend for Cpu {
     fn download_rows(&self, b: &Vec<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
         Ok(rows_f32(b, width))
     }
+    fn copy(&self, src: &Vec<bf16>, from: usize, dst: &mut Vec<bf16>, to: usize, n: usize) -> Result<()> {
+        copy_range(src, from, dst, to, n)
+    }
+    fn copy32(&self, src: &Vec<f32>, from: usize, dst: &mut Vec<f32>, to: usize, n: usize) -> Result<()> {
+        copy_range(src, from, dst, to, n)
+    }
 
     fn weight(&self, l: &Linear) -> Result<CpuWeight> {
         if l.bias.is_some() {
@@ -293,6 +308,14 @@ impl Backend for Cpu {
             v_cache: self.zeros(sizes.kv)?,
             max_len: sizes.max_len,
         })
+    }
+
+    fn mamba_state(m: &mut CpuMamba) -> (&mut Vec<bf16>, &mut Vec<f32>) {
+        (&mut m.conv_state, &mut m.ssm_state)
+    }
+
+    fn kv_cache(a: &mut CpuAttention) -> (&mut Vec<bf16>, &mut Vec<bf16>) {
+        (&mut a.k_cache, &mut a.v_cache)
     }
 
     fn rows(&self, rows: &StepRows, _slots: usize, _max_len: usize) -> Result<StepRows> {

@@ -9,6 +9,9 @@
 //! [`Finish::Failed`], the others in its step going on.
 //! [`Engine::set_max_step_tokens`] bounds the tokens of one step (and so its activation
 //! memory): prompts are then fed in chunks over several steps, oldest request first.
+//! [`Engine::set_prefix_cache`] keeps slots' states after prompts, requests and shared
+//! prefixes ([`crate::prefix`]): a request whose prompt starts with a saved sequence restores
+//! it and prefills only the rest.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -20,6 +23,7 @@ use crate::backend::Backend;
 use crate::cache::{Part, SlotPool};
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::prefix::{PrefixCache, PrefixSettings, PrefixStats};
 use crate::sampling::{SampleError, Sampler, SamplingParams};
 
 /// A request's handle.
@@ -59,6 +63,8 @@ pub struct Event {
     pub logprob: Option<f32>,
     /// The most likely tokens and their log-probabilities, when its request asked for them.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// The request's prompt tokens restored from the prefix cache, not computed.
+    pub cached: usize,
 }
 
 /// What a request's output must stay within (structured outputs, [`crate::structured`]):
@@ -79,9 +85,17 @@ struct Request {
     constraint: Option<Box<dyn Constraint>>,
     /// Tokens not yet fed to the model (the prompt, then each sampled token).
     pending: Vec<u32>,
+    /// Tokens fed to the model (or restored): the sequence its slot's state has seen.
+    seen: Vec<u32>,
     computed: usize,
     generated: usize,
     slot: Option<i32>,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
+    /// Where its prefill stops for snapshots, in order ([`PrefixCache::stops`]).
+    stops: Vec<usize>,
+    /// The length of its last snapshot, saved or restored.
+    snapped: usize,
 }
 
 /// Serves requests on a [`Model`].
@@ -94,6 +108,7 @@ pub struct Engine<B: Backend> {
     waiting: VecDeque<RequestId>,
     next_id: RequestId,
     max_step_tokens: usize,
+    prefix: Option<PrefixCache<B>>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -109,7 +124,20 @@ impl<B: Backend> Engine<B> {
             waiting: VecDeque::new(),
             next_id: 0,
             max_step_tokens: usize::MAX,
+            prefix: None,
         }
+    }
+
+    /// Keeps snapshots of slots' states within `settings.budget` bytes of the backend's memory
+    /// ([`crate::prefix`]; a budget of 0 turns the cache off, as it starts), dropping those
+    /// held.
+    pub fn set_prefix_cache(&mut self, settings: PrefixSettings) {
+        self.prefix = (settings.budget > 0).then(|| PrefixCache::new(settings));
+    }
+
+    /// What the prefix cache did, where it is on.
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(PrefixCache::stats)
     }
 
     /// Feeds at most `n` tokens to the model per step (unbounded by default): running
@@ -167,7 +195,19 @@ impl<B: Backend> Engine<B> {
         self.next_id += 1;
         self.requests.insert(
             id,
-            Request { params, sampler, constraint, pending: prompt.to_vec(), computed: 0, generated: 0, slot: None },
+            Request {
+                params,
+                sampler,
+                constraint,
+                pending: prompt.to_vec(),
+                seen: Vec::new(),
+                computed: 0,
+                generated: 0,
+                slot: None,
+                cached: 0,
+                stops: Vec::new(),
+                snapped: 0,
+            },
         );
         self.waiting.push_back(id);
         Ok(id)
@@ -230,16 +270,14 @@ impl<B: Backend> Engine<B> {
         while let Some(&id) = self.waiting.front() {
             let Ok(slot) = self.pool.alloc() else { break };
             self.waiting.pop_front();
-            if let Some(r) = self.requests.get_mut(&id) {
-                r.slot = Some(slot);
-            }
+            self.start(id, slot);
         }
         // Oldest first, each running request takes what is left of the step's token bound.
         let mut room = self.max_step_tokens;
         let mut fed: Vec<(RequestId, usize)> = Vec::new();
         for (&id, r) in &self.requests {
             if r.slot.is_some() && room > 0 {
-                let n = r.pending.len().min(room);
+                let n = r.pending.len().min(room).min(r.stops.first().map_or(usize::MAX, |s| s - r.computed));
                 room -= n;
                 fed.push((id, n));
             }
@@ -311,12 +349,22 @@ impl<B: Backend> Engine<B> {
             }
         };
         let mut events = Vec::new();
+        // Requests whose slot's state the prefix cache may keep: at a branch point, at the end
+        // of a prompt and at the end of a request.
+        let mut keep = Vec::new();
         for (&(id, n), pick) in fed.iter().zip(picks) {
             let r = self.requests.get_mut(&id).expect("ids come from the map");
             r.computed += n;
-            r.pending.drain(..n);
+            r.seen.extend(r.pending.drain(..n));
+            if r.stops.first() == Some(&r.computed) {
+                r.stops.remove(0);
+                keep.push(id);
+            }
             if !r.pending.is_empty() {
                 continue;
+            }
+            if r.generated == 0 {
+                keep.push(id);
             }
             let accepted = match r.sampler.accept(pick) {
                 // A constraint that failed ends its request whatever the sampler made of its mask.
@@ -343,7 +391,11 @@ impl<B: Backend> Engine<B> {
                     } else {
                         None
                     };
-                    Event { id, token: s.token, finished, logprob: s.logprob, top_logprobs: s.top_logprobs }
+                    if finished.is_some() {
+                        keep.push(id);
+                    }
+                    let (logprob, top_logprobs, cached) = (s.logprob, s.top_logprobs, r.cached);
+                    Event { id, token: s.token, finished, logprob, top_logprobs, cached }
                 }
                 Err(e) => Event {
                     id,
@@ -351,14 +403,58 @@ impl<B: Backend> Engine<B> {
                     finished: Some(Finish::Failed(e)),
                     logprob: None,
                     top_logprobs: vec![],
+                    cached: r.cached,
                 },
             };
             events.push(event);
+        }
+        keep.dedup();
+        for id in keep {
+            self.keep(id);
         }
         for e in events.iter().filter(|e| e.finished.is_some()) {
             self.cancel(e.id)?;
         }
         Ok(events)
+    }
+
+    /// Gives request `id` its slot, restoring the longest prefix of its prompt the prefix cache
+    /// holds, and marks where its prefill stops for snapshots.
+    fn start(&mut self, id: RequestId, slot: i32) {
+        let Some(r) = self.requests.get_mut(&id) else { return };
+        r.slot = Some(slot);
+        let Some(cache) = self.prefix.as_mut() else { return };
+        let restored = match cache.lookup(&r.pending) {
+            Some(snap) => match self.model.restore(slot, snap) {
+                Ok(()) => snap.len(),
+                Err(e) => {
+                    tracing::warn!("request {id}: restoring a snapshot of {} tokens failed: {e}", snap.len());
+                    self.model.release(slot);
+                    0
+                }
+            },
+            None => 0,
+        };
+        tracing::debug!(id, prompt = r.pending.len(), restored, "prefix cache");
+        r.stops = cache.stops(&r.pending, restored);
+        r.seen.extend(r.pending.drain(..restored));
+        (r.computed, r.cached, r.snapped) = (restored, restored, restored);
+    }
+
+    /// Saves request `id`'s slot's state into the prefix cache, where the cache wants it.
+    fn keep(&mut self, id: RequestId) {
+        let (Some(cache), Some(r)) = (self.prefix.as_mut(), self.requests.get_mut(&id)) else { return };
+        let Some(slot) = r.slot else { return };
+        if !cache.wants(&r.seen, r.snapped, self.model.snapshot_shape().bytes(r.seen.len())) {
+            return;
+        }
+        match self.model.save(slot) {
+            Ok(snap) => {
+                cache.insert(&r.seen, snap);
+                r.snapped = r.seen.len();
+            }
+            Err(e) => tracing::warn!("request {id}: saving its state of {} tokens failed: {e}", r.seen.len()),
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! ([`Checkpoint`]) found and checked ([`layout::Layout`]), the hybrid stack over a backend
 //! (the CPU reference or CUDA: [`model::Model`]), the engine that batches requests
 //! ([`engine::Engine`]), text in and text out on top of it ([`text::Llm`]), the chat template
-//! and output parsing ([`chat`]), the OpenAI-compatible server ([`serve`]), an f64 oracle
+//! and output parsing ([`chat`]), the prefix cache ([`prefix`]), the OpenAI-compatible server ([`serve`]), an f64 oracle
 //! ([`reference::Reference`]) and random checkpoints for tests and benches ([`synthetic`]).
 
 pub mod backend;
@@ -20,6 +20,7 @@ pub mod layout;
 pub mod logs;
 pub mod model;
 pub mod nvfp4;
+pub mod prefix;
 pub mod profile;
 pub mod quantization;
 pub mod reference;

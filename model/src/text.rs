@@ -29,6 +29,7 @@ use crate::cpu::Cpu;
 use crate::cuda::Cuda;
 use crate::engine::{Engine, Event, Finish, RequestParams};
 use crate::model::Model;
+use crate::prefix::{DEFAULT_BUDGET, PrefixSettings};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
@@ -52,11 +53,20 @@ pub struct LoadOptions {
     pub max_len: usize,
     /// Feed at most this many prompt tokens a step (long prompts in chunks); `None`: unbounded.
     pub max_step_tokens: Option<usize>,
+    /// The prefix cache ([`crate::prefix`]): a chat's turns restore the state after the last
+    /// turn instead of prefilling the whole conversation again (a budget of 0: off; without a
+    /// `turn_start`, the tokenizer's `<|im_start|>` where it has one).
+    pub prefix_cache: PrefixSettings,
 }
 
 impl Default for LoadOptions {
     fn default() -> LoadOptions {
-        LoadOptions { device: Device::Auto, max_len: 4096, max_step_tokens: None }
+        LoadOptions {
+            device: Device::Auto,
+            max_len: 4096,
+            max_step_tokens: None,
+            prefix_cache: PrefixSettings::bytes(DEFAULT_BUDGET),
+        }
     }
 }
 
@@ -83,6 +93,8 @@ pub type TokenLogprobs = (u32, f32, Vec<(u32, f32)>);
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Output {
     pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prefix cache (not computed).
+    pub cached_tokens: usize,
     pub tokens: Vec<u32>,
     /// Each generated token's log-probability and the most likely tokens', when asked for.
     pub logprobs: Vec<TokenLogprobs>,
@@ -101,8 +113,9 @@ impl Output {
         let decoded = self.tokens.len().saturating_sub(1);
         let timed = decoded.saturating_sub(1);
         format!(
-            "prefill: {} tokens in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
+            "prefill: {} tokens ({} restored from the prefix cache) in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
             self.prompt_tokens,
+            self.cached_tokens,
             self.prefill_s * 1e3,
             self.prompt_tokens as f64 / self.prefill_s.max(1e-9),
             if timed > 0 { self.decode_s * 1e3 / timed as f64 } else { 0.0 },
@@ -208,6 +221,14 @@ impl Llm {
                 Engines::Cpu(e) => e.set_max_step_tokens(n)?,
                 Engines::Cuda(e) => e.set_max_step_tokens(n)?,
             }
+        }
+        let prefix = PrefixSettings {
+            turn_start: opts.prefix_cache.turn_start.or_else(|| crate::chat::turn_start(&llm.tokenizer)),
+            ..opts.prefix_cache
+        };
+        match &mut llm.engine {
+            Engines::Cpu(e) => e.set_prefix_cache(prefix),
+            Engines::Cuda(e) => e.set_prefix_cache(prefix),
         }
         tracing::info!("loaded in {:.2} s, backend: {}", t0.elapsed().as_secs_f64(), llm.backend);
         Ok(llm)
@@ -329,6 +350,7 @@ impl Llm {
                     return Err(Error::NoToken(format!("after {} tokens: {why}", output.tokens.len())));
                 }
                 output.tokens.push(e.token);
+                output.cached_tokens = e.cached;
                 output.logprobs.extend(e.logprob.map(|l| (e.token, l, e.top_logprobs)));
                 let piece = detok.push(e.token).map_err(Error::Tokenizer)?;
                 if !piece.is_empty() {

@@ -229,6 +229,11 @@ fn turn_prompts(stderr: &str) -> Vec<usize> {
     stderr.lines().filter_map(|l| l.split("prefill: ").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
 }
 
+/// The prompt tokens each turn restored from the prefix cache (`... tokens (R restored ...`).
+fn turn_restored(stderr: &str) -> Vec<usize> {
+    stderr.lines().filter_map(|l| l.split(" tokens (").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
+}
+
 #[test]
 fn chat_turns_go_through_the_template_and_keep_the_conversation() {
     // --prompt with --chat: one turn, stdin unread. The built-in template opens a <think>
@@ -250,6 +255,17 @@ fn chat_turns_go_through_the_template_and_keep_the_conversation() {
     let prompts = turn_prompts(&stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(prompts.len() == 2 && prompts[1] > prompts[0] + 4, "{stderr}");
+    // The prefix cache: each turn restores the conversation before the last turn's generation
+    // prompt (at least 64 tokens past what that turn restored), unless --prefix-cache-gb 0.
+    let long = "Tell me about the sea, the salt in it, and why it is blue in the sun and grey in the rain.\n";
+    let turns = format!("{long}{long}{long}");
+    let out = chat(&["--max-new-tokens", "4"], &turns);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (prompts, restored) = (turn_prompts(&stderr), turn_restored(&stderr));
+    assert!(restored.len() == 3 && restored[0] == 0, "{stderr}");
+    assert!(restored[1] > prompts[0] - 16 && restored[2] > prompts[1] - 16, "{stderr}");
+    let out = chat(&["--max-new-tokens", "4", "--prefix-cache-gb", "0"], &turns);
+    assert_eq!(turn_restored(&String::from_utf8_lossy(&out.stderr)), [0, 0, 0]);
     // EOF ends it too.
     let out = chat(&["--max-new-tokens", "2"], "Hi\n");
     assert!(out.status.success() && turn_prompts(&String::from_utf8_lossy(&out.stderr)).len() == 1);

@@ -436,3 +436,35 @@ fn cuda_masked_rows_hold_and_replay_as_launched() {
         recorded.values().map(Vec::len).sum::<usize>()
     );
 }
+
+/// The prefix cache's checks (tests/common/prefix.rs) on the GPU: a restored slot continues
+/// bit for bit as the saved one (the whole prompt within the CUDA backend's band against the
+/// CPU, 0.05), and the engine with the cache gives the greedy tokens it gives without it.
+mod prefix_cache {
+    use super::common::prefix::*;
+    use model::cuda::Cuda;
+
+    fn cuda() -> Cuda {
+        Cuda::new(0).unwrap()
+    }
+    const CUDA: NewBackend<Cuda> = &cuda;
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_restored_state_continues_as_the_saved_slot_would() {
+        let n = restored_state_continues_as_the_saved_slot_would(CUDA, 0.05);
+        println!("CUDA: {n} logits of restored slots as the saved ones");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_prefix_cache_serves_as_without() {
+        let n = conversations_restore_each_turn(CUDA)
+            + shared_system_prompt_is_restored_whatever_follows(CUDA)
+            + hits_that_end_where_a_snapshot_does(CUDA)
+            + evicted_snapshot_falls_back_to_prefill(CUDA)
+            + two_requests_share_a_snapshot_at_once(CUDA)
+            + request_cancelled_mid_prefill_leaves_no_snapshot(CUDA);
+        println!("CUDA engine with the prefix cache: {n} greedy tokens as without it");
+    }
+}

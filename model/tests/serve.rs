@@ -263,11 +263,7 @@ fn serve_bench_reports_each_concurrency() {
     let log = log.join().unwrap_or_default();
     for out in outs {
         let out = out.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
-        let rows: Vec<Vec<f64>> = out
-            .lines()
-            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-            .map(|l| l.split_whitespace().map(|x| x.parse().unwrap_or_else(|_| panic!("{x} in {l}"))).collect())
-            .collect();
+        let rows = table(&out);
         assert_eq!(rows.len(), 2, "{out}");
         for (row, clients) in rows.iter().zip([1.0, 3.0]) {
             assert_eq!(row.len(), 10, "{out}");
@@ -276,6 +272,46 @@ fn serve_bench_reports_each_concurrency() {
         }
     }
     assert!(bench(None).is_err(), "no server: an error");
+}
+
+/// The rows of a `serve_bench` table (lines that start with a number), as numbers (a `%`
+/// dropped).
+fn table(out: &str) -> Vec<Vec<f64>> {
+    out.lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().map(|x| x.trim_end_matches('%').parse().unwrap_or(f64::NAN)).collect())
+        .collect()
+}
+
+/// `serve_bench --turns` and `--shared-prefix` against `serve` (its prefix cache on by
+/// default): each turn after the first restores the last turn's conversation (up to its
+/// generation prompt), and every request after the first two restores all of the shared system
+/// prompt, whatever follows it.
+#[test]
+fn serve_bench_measures_the_prefix_cache() {
+    let (server, url, log) = serve(&["--slots", "4", "--max-len", "2048"], &[]);
+    let bench = |args: &[&str]| {
+        let mut bench = Command::new(env!("CARGO_BIN_EXE_serve_bench"));
+        bench.args(["--url", &url, "--max-tokens", "4"]).args(args);
+        run_for(bench, Duration::from_secs(120))
+    };
+    let turns = bench(&["--turns", "3", "--conversations", "2", "--turn-tokens", "150"]);
+    let shared = bench(&["--shared-prefix", "300", "--suffixes", "1,40", "--requests", "2"]);
+    drop(server);
+    let log = log.join().unwrap_or_default();
+    let turns = turns.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
+    let rows = table(&turns);
+    assert_eq!(rows.len(), 3, "{turns}");
+    assert_eq!(rows[0][2], 0.0, "nothing to restore at the first turn: {turns}");
+    for (t, row) in rows.iter().enumerate().skip(1) {
+        let (prompt, last) = (row[1], rows[t - 1][1]);
+        assert!(row[2] > last - 20.0 && row[2] < prompt, "turn {}: {turns}", t + 1);
+    }
+    assert!(turns.contains("turn 4 of all 2 at once"), "{turns}");
+    let shared = shared.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
+    let rows = table(&shared);
+    assert_eq!(rows.len(), 2, "{shared}");
+    assert!(rows.iter().all(|r| r[2] == 100.0 && r[3] == 100.0), "all of the system prompt restored: {shared}");
 }
 
 /// The port is bound before the model loads: a port in use ends `serve` with the address in

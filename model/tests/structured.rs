@@ -5,8 +5,10 @@
 //! Lark grammars hold too; a free row batched with constrained ones gives the tokens it gives
 //! alone; a constraint that waits for the end of the reasoning lets the reasoning run free.
 
+mod common;
+
 use model::cpu::Cpu;
-use model::engine::{Constraint, Engine, Finish, RequestId, RequestParams};
+use model::engine::{Constraint, Engine, Event, Finish, RequestId, RequestParams};
 use model::model::Model;
 use model::sampling::SamplingParams;
 use model::structured::{Format, Structured};
@@ -38,15 +40,8 @@ fn params(s: &Setup, sampling: SamplingParams) -> RequestParams {
 
 /// Runs the engine until every request ends: each request's tokens and finish.
 fn run(e: &mut Engine<Cpu>) -> std::collections::BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> {
-    let mut out: std::collections::BTreeMap<RequestId, (Vec<u32>, Option<Finish>)> = Default::default();
-    while e.has_work() {
-        for ev in e.step().unwrap() {
-            let o = out.entry(ev.id).or_default();
-            o.0.push(ev.token);
-            o.1 = ev.finished;
-        }
-    }
-    out
+    let tokens = |evs: Vec<Event>| (evs.iter().map(|e| e.token).collect(), evs.last().and_then(|e| e.finished));
+    common::events(e).into_iter().map(|(id, evs)| (id, tokens(evs))).collect()
 }
 
 /// The text of `tokens` without the eos ids.

@@ -12,7 +12,7 @@ use model::text::{Device, Generation, Llm, LoadOptions};
 use serde_json::{Map, json};
 
 fn cpu() -> LoadOptions {
-    LoadOptions { device: Device::Cpu, max_len: 256, max_step_tokens: None }
+    LoadOptions { device: Device::Cpu, max_len: 256, ..LoadOptions::default() }
 }
 
 fn greedy(n: usize) -> Generation {

@@ -5,7 +5,7 @@ Usage: python client_test.py BASE_URL   (e.g. http://127.0.0.1:8000)
 The server must run the built-in model with --slots 8 --max-queue 24 --max-len 512 (what
 model/tests/serve.rs starts it with). The built-in model has random weights and a byte
 tokenizer: the text means nothing, so the checks compare runs with each other (stream and
-not, alone and beside others) and check the protocol. Exits non-zero on the first failure.
+not, alone and beside others, restored from the prefix cache and not) and check the protocol. Exits non-zero on the first failure.
 """
 
 import json
@@ -342,9 +342,28 @@ def test_concurrent_seeded_clients_get_their_own_tokens():
     check(all(ids for _, ids in alone), "every client got tokens")
 
 
+def test_prefix_cache_restores_a_shared_prefix():
+    system = {"role": "system", "content": "You answer questions about the sea, briefly. " * 8}
+    first = [system, {"role": "user", "content": "Why is it salty?"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+    check(r1.usage.prompt_tokens_details.cached_tokens == 0, f"a new system prompt is not cached: {r1.usage}")
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content or "Salt."},
+                      {"role": "user", "content": "And blue?"}]
+    # The second turn stops its prefill where it parts from the first for a snapshot (a branch
+    # point); the same turn again restores that much, and gets the same greedy tokens.
+    again = [client.chat.completions.create(model=MODEL, messages=second, max_tokens=8, temperature=0,
+                                            logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+             for _ in range(2)]
+    (a, b), (ua, ub) = [r.choices[0].logprobs.content for r in again], [r.usage for r in again]
+    check([t.token for t in a] == [t.token for t in b], f"restored, the same tokens: {a} vs {b}")
+    cached = ub.prompt_tokens_details.cached_tokens
+    check(len(system["content"]) <= cached < ub.prompt_tokens, f"the shared prefix restored: {ub} after {ua}")
+
+
 TESTS = [
     test_models_and_health,
     test_chat,
+    test_prefix_cache_restores_a_shared_prefix,
     test_completions,
     test_stop_strings,
     test_stop_token_ids_and_min_tokens,

@@ -34,6 +34,7 @@ use anyhow::{Context, Result, bail};
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
 use model::chat::Delta;
+use model::prefix::{DEFAULT_BUDGET, PrefixSettings, gib_bytes};
 use model::sampling::SamplingParams;
 use model::text::{Device, Generation, Llm, LoadOptions, TokenLogprobs};
 use serde_json::{Value as Json, json};
@@ -115,6 +116,10 @@ struct Args {
     /// Feed at most this many tokens per engine step (long prompts in chunks); unbounded by default.
     #[arg(long)]
     max_step_tokens: Option<usize>,
+    /// GiB of the backend's memory for the prefix cache: with --chat, each turn restores the
+    /// state after the last instead of computing the whole conversation again (0: off).
+    #[arg(long, default_value_t = (DEFAULT_BUDGET >> 30) as f64)]
+    prefix_cache_gb: f64,
 }
 
 impl Args {
@@ -154,7 +159,13 @@ fn main() -> Result<()> {
         Choice::Cpu => Device::Cpu,
         Choice::Cuda => Device::Cuda,
     };
-    let opts = LoadOptions { device, max_len: args.max_len, max_step_tokens: args.max_step_tokens };
+    let prefix_budget = gib_bytes(args.prefix_cache_gb).context("--prefix-cache-gb")?;
+    let opts = LoadOptions {
+        device,
+        max_len: args.max_len,
+        max_step_tokens: args.max_step_tokens,
+        prefix_cache: PrefixSettings::bytes(prefix_budget),
+    };
     let llm = Llm::load_with_progress(args.model.as_deref(), &opts, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);

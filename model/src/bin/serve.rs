@@ -19,6 +19,7 @@ use model::cuda::Cuda;
 use model::engine::Engine;
 use model::layout::Layout;
 use model::model::Model;
+use model::prefix::{DEFAULT_BUDGET, PrefixSettings, gib_bytes};
 use model::serve::api::Limits;
 use model::serve::conn::{self, ConnLimits};
 use model::serve::prompt::Chat;
@@ -91,6 +92,13 @@ struct Args {
     /// streams keep their pace while long prompts arrive (0: no bound, each prompt whole).
     #[arg(long, default_value_t = STEP_TOKENS)]
     max_step_tokens: usize,
+    /// GiB of the backend's memory for the prefix cache: the states after prompts, requests
+    /// and shared prefixes, restored for the requests that start with them (0: off).
+    #[arg(long, default_value_t = (DEFAULT_BUDGET >> 30) as f64)]
+    prefix_cache_gb: f64,
+    /// The fewest tokens a prefix cache snapshot adds to what its request restored or saved.
+    #[arg(long, default_value_t = PrefixSettings::bytes(0).min_tokens)]
+    prefix_cache_min_tokens: usize,
     /// Most `stop` strings a request may give (each is matched against all the text generated).
     #[arg(long, default_value_t = Limits::default().max_stop)]
     max_stop: usize,
@@ -137,6 +145,7 @@ fn main() -> Result<()> {
     if args.slots == 0 || args.max_len < 2 {
         bail!("--slots must be at least 1 and --max-len at least 2");
     }
+    let prefix_budget = gib_bytes(args.prefix_cache_gb).context("--prefix-cache-gb")?;
     if args.max_connections == 0 || args.header_timeout == 0 || args.body_timeout == 0 {
         bail!("--max-connections, --header-timeout and --body-timeout must be at least 1");
     }
@@ -172,15 +181,24 @@ fn main() -> Result<()> {
     }
     let chat = Chat::from_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     let special = Special::new(&tokenizer, args.special_tokens_in_content).map_err(anyhow::Error::msg)?;
-    let step_tokens = (args.max_step_tokens > 0).then_some(args.max_step_tokens);
-    let (backend, slots, max_len) = (args.backend, args.slots, args.max_len);
+    let sizes = EngineSizes {
+        slots: args.slots,
+        max_len: args.max_len,
+        max_step_tokens: (args.max_step_tokens > 0).then_some(args.max_step_tokens),
+        prefix: PrefixSettings {
+            budget: prefix_budget,
+            min_tokens: args.prefix_cache_min_tokens,
+            turn_start: model::chat::turn_start(&tokenizer),
+        },
+    };
+    let backend = args.backend;
     let start = move |start: Starter| {
         let load = |start: Starter, b| match b {
             None => {
                 tracing::info!("backend: CPU reference");
-                start.run(load_engine(Cpu::default(), &weights, slots, max_len, step_tokens))
+                start.run(load_engine(Cpu::default(), &weights, &sizes))
             }
-            Some(cuda) => start.run(load_engine(cuda, &weights, slots, max_len, step_tokens)),
+            Some(cuda) => start.run(load_engine(cuda, &weights, &sizes)),
         };
         match backend {
             Backend::Cpu => load(start, None),
@@ -294,14 +312,22 @@ enum Weights {
     Random(Box<Config>),
 }
 
+/// What the engine holds and how much it takes at once.
+#[derive(Clone, Copy)]
+struct EngineSizes {
+    slots: usize,
+    max_len: usize,
+    max_step_tokens: Option<usize>,
+    prefix: PrefixSettings,
+}
+
 /// The engine over `backend` with `weights` loaded.
 fn load_engine<B: model::backend::Backend>(
     backend: B,
     weights: &Weights,
-    slots: usize,
-    max_len: usize,
-    max_step_tokens: Option<usize>,
+    sizes: &EngineSizes,
 ) -> model::Result<Engine<B>> {
+    let EngineSizes { slots, max_len, max_step_tokens, prefix } = *sizes;
     let model = match weights {
         Weights::Checkpoint(dir) => Model::from_dir(backend, dir, slots, max_len, &mut |_, _| {})?,
         Weights::Random(config) => {
@@ -318,9 +344,23 @@ fn load_engine<B: model::backend::Backend>(
             model
         }
     };
+    let shape = model.snapshot_shape();
     let mut engine = Engine::new(model);
     if let Some(n) = max_step_tokens {
         engine.set_max_step_tokens(n)?;
     }
+    if prefix.budget > 0 {
+        let mib = |b: usize| b as f64 / f64::from(1 << 20);
+        tracing::info!(
+            "prefix cache: {:.2} GiB; a snapshot takes {:.2} MiB and {:.1} KiB a token, at least {} tokens apart",
+            mib(prefix.budget) / 1024.0,
+            mib(shape.bytes(0)),
+            mib(shape.bytes(1) - shape.bytes(0)) * 1024.0,
+            prefix.min_tokens
+        );
+    } else {
+        tracing::info!("prefix cache: off");
+    }
+    engine.set_prefix_cache(prefix);
     Ok(engine)
 }

@@ -11,7 +11,7 @@
 //! - [`Detok`]: generated ids to text a token at a time (UTF-8 safe: a character split over
 //!   tokens comes out once whole), special tokens skipped but the tags the parser reads
 //!   (`<think>`, `<tool_call>` and their ends), special or not; [`token_bytes`]: one token's
-//!   own bytes.
+//!   own bytes; [`turn_start`]: the token that starts a turn.
 //!
 //! A server's order (and [`crate::text::Llm`]'s): tokens through a [`Detok`]; that text
 //! through a [`StopMatcher`]; what it lets through into an [`OutputParser`]. The eos ids
@@ -66,6 +66,13 @@ pub fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>, String> {
         }
     }
     Ok(ids)
+}
+
+/// The id of the token that starts a chat turn, `<|im_start|>` (ChatML's, Nemotron's
+/// templates'), where the tokenizer has it: the prefix cache's
+/// [`crate::prefix::PrefixSettings::turn_start`].
+pub fn turn_start(tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
+    tokenizer.token_to_id("<|im_start|>")
 }
 
 /// Whether a rendered prompt leaves the model inside a `<think>` block (its last `<think>`

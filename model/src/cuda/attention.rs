@@ -48,6 +48,11 @@ impl QkvWeights {
 }
 
 impl CudaAttention {
+    /// The slots' key and value caches.
+    pub(super) fn cache(&mut self) -> (&mut Buffer<bf16>, &mut Buffer<bf16>) {
+        (&mut self.k_cache, &mut self.v_cache)
+    }
+
     /// Uploads the layer `a` of `c` with zero key and value caches of `sizes`.
     pub(super) fn upload(
         cuda: &Cuda,

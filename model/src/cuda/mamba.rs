@@ -9,7 +9,7 @@ use host::mamba::{MambaLayer, mamba_decode, mamba_decode_fits};
 use host::norm::{NormShape, gated_norm};
 use host::ssd::{SsdPlan, ssd_scan};
 use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
-use host::{Buffer, Gpu};
+use host::{Buffer, CudaSlice, Gpu};
 
 use super::{Cuda, CudaRows, rows_of, view_mut};
 use crate::backend::{Backend, CacheSizes, In, MambaWeights, Out};
@@ -63,6 +63,11 @@ impl CudaMamba {
         sizes: &CacheSizes,
     ) -> Result<CudaMamba> {
         Ok(CudaMamba { w: MambaWeights::upload(cuda, c, eps, m, sizes)? })
+    }
+
+    /// The slots' conv and SSM states.
+    pub(super) fn state(&mut self) -> (&mut Buffer<bf16>, &mut CudaSlice<f32>) {
+        (&mut self.w.conv_state, &mut self.w.ssm_state)
     }
 
     /// The mixer as the host crate's launchers take it: the fused decode whole, the others

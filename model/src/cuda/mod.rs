@@ -46,11 +46,11 @@ use half::bf16;
 use host::moe::Router;
 use host::norm::{NormShape, add_rms_norm, rms_norm};
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
-use host::{Buffer, CudaSlice, CudaViewMut, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
+use host::{Buffer, CudaSlice, CudaViewMut, DeviceRepr, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, QkvBufs, StepRows, rows_f32};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, QkvBufs, StepRows, check_range, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{self, Linear, Mlp};
@@ -96,6 +96,23 @@ impl Cuda {
     /// The device.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// [`Backend::copy`] on the device's stream.
+    fn copy_range<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        from: usize,
+        dst: &mut CudaSlice<T>,
+        to: usize,
+        n: usize,
+    ) -> Result<()> {
+        check_range(src.len(), from, n, "reads past")?;
+        check_range(dst.len(), to, n, "writes past")?;
+        if n > 0 {
+            self.gpu.copy(&src.slice(from..from + n), &mut dst.slice_mut(to..to + n))?;
+        }
+        Ok(())
     }
 }
 
@@ -163,6 +180,12 @@ impl Backend for Cuda {
     fn download_rows(&self, b: &Buffer<bf16>, width: usize) -> Result<Vec<Vec<f32>>> {
         Ok(self.gpu.download_with(b, |v| rows_f32(v, width))?)
     }
+    fn copy(&self, src: &Buffer<bf16>, from: usize, dst: &mut Buffer<bf16>, to: usize, n: usize) -> Result<()> {
+        self.copy_range(src, from, dst, to, n)
+    }
+    fn copy32(&self, src: &CudaSlice<f32>, from: usize, dst: &mut CudaSlice<f32>, to: usize, n: usize) -> Result<()> {
+        self.copy_range(src, from, dst, to, n)
+    }
 
     fn weight(&self, l: &Linear) -> Result<CudaWeight> {
         CudaWeight::upload(&self.gpu, l)
@@ -178,6 +201,14 @@ impl Backend for Cuda {
 
     fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<CudaAttention> {
         CudaAttention::upload(self, c, a, sizes)
+    }
+
+    fn mamba_state(m: &mut CudaMamba) -> (&mut Buffer<bf16>, &mut CudaSlice<f32>) {
+        m.state()
+    }
+
+    fn kv_cache(a: &mut CudaAttention) -> (&mut Buffer<bf16>, &mut Buffer<bf16>) {
+        a.cache()
     }
 
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {

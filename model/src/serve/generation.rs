@@ -48,6 +48,8 @@ pub(super) struct Gen {
     /// The request's `min_tokens`: the text of its first this many tokens ends nothing.
     pub(super) min_tokens: usize,
     pub(super) prompt_tokens: usize,
+    /// Prompt tokens the engine restored from its prefix cache (known from the first token).
+    pub(super) cached_tokens: usize,
     /// Tokens generated so far.
     pub(super) tokens: usize,
     pub(super) done: bool,
@@ -72,12 +74,17 @@ pub(super) struct RequestLog {
 impl Drop for Gen {
     /// One info line a request: id, tokens in and out, time to first token, duration, finish.
     fn drop(&mut self) {
-        self.metrics.request((self.prompt_tokens, self.tokens), self.log.first, self.log.t0.elapsed());
+        self.metrics.request(
+            (self.prompt_tokens, self.cached_tokens, self.tokens),
+            self.log.first,
+            self.log.t0.elapsed(),
+        );
         // Milliseconds to a tenth; no time to first token where none came.
         let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
         tracing::info!(
             id = %self.log.id,
             prompt_tokens = self.prompt_tokens,
+            cached_tokens = self.cached_tokens,
             completion_tokens = self.tokens,
             ttft_ms = self.log.first.map(ms),
             duration_ms = ms(self.log.t0.elapsed()),
@@ -130,6 +137,7 @@ impl Gen {
             None => None,
         };
         self.tokens += 1;
+        self.cached_tokens = event.cached;
         let mut text = self.detok.push(event.token).map_err(ApiError::internal)?;
         if finish.is_some() {
             text += &self.detok.finish().map_err(ApiError::internal)?;
@@ -171,7 +179,8 @@ impl Gen {
 
     pub(super) fn usage(&self) -> Value {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-               "total_tokens": self.prompt_tokens + self.tokens})
+               "total_tokens": self.prompt_tokens + self.tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 }
 

@@ -54,6 +54,7 @@ pub struct Metrics {
     /// Answers by route (`other` for a path the server does not have) and status.
     responses: Mutex<BTreeMap<(String, u16), u64>>,
     prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     ttft: Histogram,
     gaps: Histogram,
@@ -65,6 +66,7 @@ impl Default for Metrics {
         Metrics {
             responses: Mutex::new(BTreeMap::new()),
             prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             gaps: Histogram::new(GAP_BOUNDS),
@@ -82,10 +84,16 @@ impl Metrics {
         *map.entry((route, status)).or_default() += 1;
     }
 
-    /// A generation's end: its tokens in and out, its first token's time (none if no token
-    /// came) and its whole time.
-    pub fn request(&self, (prompt, generated): (usize, usize), first: Option<Duration>, whole: Duration) {
+    /// A generation's end: its tokens in (and of them restored from the prefix cache) and out,
+    /// its first token's time (none if no token came) and its whole time.
+    pub fn request(
+        &self,
+        (prompt, cached, generated): (usize, usize, usize),
+        first: Option<Duration>,
+        whole: Duration,
+    ) {
         self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
         self.generation_tokens.fetch_add(generated as u64, Ordering::Relaxed);
         if let Some(first) = first {
             self.ttft.observe(first);
@@ -108,6 +116,11 @@ impl Metrics {
         }
         let counters = [
             ("nemotron_prompt_tokens_total", "Prompt tokens of the generations.", &self.prompt_tokens),
+            (
+                "nemotron_prompt_tokens_cached_total",
+                "Prompt tokens restored from the prefix cache.",
+                &self.cached_tokens,
+            ),
             ("nemotron_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
         ];
         for (name, help, v) in counters {

@@ -351,6 +351,7 @@ impl Served {
             stop_ids: c.stop_token_ids.clone(),
             min_tokens: c.min_tokens,
             prompt_tokens: prompt.len(),
+            cached_tokens: 0,
             tokens: 0,
             done: false,
             cut: self.ending.0.subscribe(),

@@ -31,7 +31,7 @@ pub struct Turn {
 impl Turn {
     /// Sends token `id` as the engine sends one (`finished` on the last).
     pub fn send(&self, id: u32, finished: Option<Finish>) {
-        let event = Event { id: 0, token: id, finished, logprob: None, top_logprobs: vec![] };
+        let event = Event { id: 0, token: id, finished, logprob: None, top_logprobs: vec![], cached: 0 };
         let _ = self.out.send(Update::Token(event));
     }
 

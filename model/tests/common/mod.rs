@@ -2,6 +2,8 @@
 //! and a fake Hugging Face cache holding the built-in model ([`fake_hub`]).
 #![allow(dead_code)] // each suite that includes this module uses a part of it
 
+pub mod prefix;
+
 use std::path::{Path, PathBuf};
 
 use model::config::Config;
@@ -35,6 +37,19 @@ pub fn cases() -> Vec<Case> {
 /// The fixture's config and mapped checkpoint.
 pub fn open() -> (Config, Checkpoint) {
     (Config::from_dir(&dir()).unwrap(), Checkpoint::open(&dir()).unwrap())
+}
+
+/// Steps `e` until every request ends: each request's events, in order.
+pub fn events<B: model::backend::Backend>(
+    e: &mut model::engine::Engine<B>,
+) -> std::collections::BTreeMap<model::engine::RequestId, Vec<model::engine::Event>> {
+    let mut out: std::collections::BTreeMap<_, Vec<_>> = Default::default();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            out.entry(ev.id).or_default().push(ev);
+        }
+    }
+    out
 }
 
 /// The index of the largest logit (the lowest on ties).

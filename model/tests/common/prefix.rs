@@ -1,0 +1,222 @@
+//! The prefix cache's checks, on any backend (tests/prefix.rs runs them on the CPU,
+//! tests/cuda.rs on the GPU): a slot's state saved and restored into another slot continues
+//! exactly as the saved slot does, and the engine with the cache gives the greedy tokens it
+//! gives without it, restoring what it should, for two conversations of 8 turns, a shared
+//! 2000-token system prompt with unique suffixes of 1 to 700 tokens, a hit that ends where a
+//! snapshot does, an evicted snapshot, two requests sharing a prefix at once, and a request
+//! cancelled mid-prefill. Each check returns the count of tokens (or logits) it compared.
+
+use std::collections::BTreeMap;
+
+use model::backend::Backend;
+use model::cache::Part;
+use model::engine::{Engine, Event, RequestId, RequestParams};
+use model::layout::Layout;
+use model::model::Model;
+use model::prefix::PrefixSettings;
+use model::sampling::SamplingParams;
+use nemotron_rs::{Rng, assert_close};
+
+use super::open;
+
+/// Makes a fresh backend.
+pub type NewBackend<'a, B> = &'a dyn Fn() -> B;
+
+/// The fixture with `slots` slots of `max_len` tokens.
+pub fn model<B: Backend>(backend: B, slots: usize, max_len: usize) -> Model<B> {
+    let (config, ck) = open();
+    let layout = Layout::new(&config, &ck).unwrap();
+    Model::load(backend, &config, &layout, slots, max_len).unwrap()
+}
+
+/// `n` seeded tokens of the fixture's vocabulary (64), none 0.
+fn tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| 1 + (rng.next_u64() % 63) as u32).collect()
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// A prompt of 600 tokens saved after `split` of them (each side of the scan's 128-token
+/// chunks, one token, all but one) and restored into a slot that held another prompt: its
+/// rest gives bit for bit the logits the saved slot gives (and so do 8 decode steps after it),
+/// and the whole prompt's logits within `band` (atol and rtol) of it. A snapshot does not go
+/// into a slot out of range or a model whose slots hold fewer tokens.
+pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: NewBackend<B>, band: f64) -> usize {
+    let mut m = model(backend(), 3, 1024);
+    let mut rng = Rng::new(37);
+    let prompt = tokens(&mut rng, 600);
+    let other = tokens(&mut rng, 50);
+    let whole = m.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).unwrap().remove(0);
+    let mut compared = 0;
+    for split in [1, 127, 128, 129, 300, 599] {
+        m.release(1);
+        m.step(&[Part { slot: 1, computed: 0, tokens: &prompt[..split] }]).unwrap();
+        let snap = m.save(1).unwrap();
+        assert_eq!(snap.len(), split);
+        assert_eq!(snap.bytes(), m.snapshot_shape().bytes(split));
+        m.release(2);
+        m.step(&[Part { slot: 2, computed: 0, tokens: &other }]).unwrap();
+        m.restore(2, &snap).unwrap();
+        let rest = &prompt[split..];
+        let saved = m.step(&[Part { slot: 1, computed: split, tokens: rest }]).unwrap().remove(0);
+        let restored = m.step(&[Part { slot: 2, computed: split, tokens: rest }]).unwrap().remove(0);
+        assert_eq!(restored, saved, "split at {split}");
+        compared += assert_close(&format!("split at {split}"), &f64s(&restored), &f64s(&whole), band, band);
+        for step in 0..8 {
+            let t = [1 + (step * 7 + split) as u32 % 63];
+            let at = 600 + step;
+            let parts = [Part { slot: 1, computed: at, tokens: &t }, Part { slot: 2, computed: at, tokens: &t }];
+            let out = m.step(&parts).unwrap();
+            assert_eq!(out[0], out[1], "split at {split}, decode step {step}");
+            compared += out[0].len();
+        }
+    }
+    assert_eq!(compared, 6 * 9 * 64);
+    let snap = m.save(1).unwrap();
+    assert!(m.restore(3, &snap).unwrap_err().to_string().contains("slot 3 is out of range (0..3)"));
+    let err = model(backend(), 1, 64).restore(0, &snap).unwrap_err().to_string();
+    assert!(err.contains("a snapshot of 608 tokens") && err.contains("64 tokens"), "{err}");
+    compared
+}
+
+fn greedy(n: usize) -> RequestParams {
+    RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![], min_new_tokens: 0 }
+}
+
+const BUDGET: usize = 1 << 30;
+
+/// An engine on 2 slots of 4096 tokens, its snapshots at least 16 tokens apart in `budget`
+/// bytes (none at 0).
+fn engine<B: Backend>(backend: NewBackend<B>, budget: usize) -> Engine<B> {
+    let mut e = Engine::new(model(backend(), 2, 4096));
+    e.set_prefix_cache(PrefixSettings { budget, min_tokens: 16, turn_start: None });
+    e
+}
+
+/// Runs until every request ends; each request's tokens and prompt tokens restored.
+fn run<B: Backend>(e: &mut Engine<B>) -> BTreeMap<RequestId, (Vec<u32>, usize)> {
+    let tokens = |evs: Vec<Event>| (evs.iter().map(|e| e.token).collect(), evs.last().map_or(0, |e| e.cached));
+    super::events(e).into_iter().map(|(id, evs)| (id, tokens(evs))).collect()
+}
+
+/// Serves `prompt` alone: its tokens and prompt tokens restored.
+fn serve<B: Backend>(e: &mut Engine<B>, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
+    let id = e.add(prompt, greedy(n)).unwrap();
+    run(e).remove(&id).unwrap()
+}
+
+/// Serves `prompt` on the engine with the cache and on the one without: the same tokens; those
+/// and the prompt tokens restored.
+fn both<B: Backend>(cached: &mut Engine<B>, cold: &mut Engine<B>, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
+    let (answer, restored) = serve(cached, prompt, n);
+    assert_eq!(answer, serve(cold, prompt, n).0, "a prompt of {} tokens, {restored} restored", prompt.len());
+    (answer, restored)
+}
+
+/// Two conversations of eight turns, taken in turn on two slots (so each turn's slot last held
+/// the other conversation), each prompt the last one, its answer and a new message: every turn
+/// after the first restores the last turn's prompt and answer (but the answer's last token,
+/// never fed), and the answers are those without the cache.
+pub fn conversations_restore_each_turn<B: Backend>(backend: NewBackend<B>) -> usize {
+    let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
+    assert_eq!(cold.prefix_stats(), None);
+    let mut rng = Rng::new(8);
+    let mut prompts = [tokens(&mut rng, 200), tokens(&mut rng, 150)];
+    let mut want_cached = [0, 0];
+    let mut compared = 0;
+    for turn in 0..8 {
+        for (c, prompt) in prompts.iter_mut().enumerate() {
+            let (answer, restored) = both(&mut cached, &mut cold, prompt, 24);
+            assert_eq!(restored, want_cached[c], "conversation {c}, turn {turn}");
+            compared += answer.len();
+            want_cached[c] = prompt.len() + answer.len() - 1;
+            prompt.extend(&answer);
+            let n = 20 + (rng.next_u64() % 60) as usize;
+            prompt.extend(tokens(&mut rng, n));
+        }
+    }
+    let s = cached.prefix_stats().unwrap();
+    assert_eq!((s.hits, s.misses), (14, 2), "{s:?}");
+    compared
+}
+
+/// A 2000-token system prompt, then unique suffixes of 1 to 700 tokens: the second request
+/// stops its prefill where it parts from the first (a branch point) for a snapshot, and every
+/// later one restores all 2000 shared tokens; the answers are those without the cache.
+pub fn shared_system_prompt_is_restored_whatever_follows<B: Backend>(backend: NewBackend<B>) -> usize {
+    let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
+    let mut rng = Rng::new(2000);
+    let system = tokens(&mut rng, 2000);
+    let mut restored = Vec::new();
+    for (i, n) in [700, 1, 64, 7, 300, 129, 2].into_iter().enumerate() {
+        let mut prompt = system.clone();
+        // Each suffix starts with a token of its own: the prompts part at 2000.
+        prompt.push(1 + i as u32);
+        prompt.extend(tokens(&mut rng, n - 1));
+        restored.push(both(&mut cached, &mut cold, &prompt, 4).1);
+    }
+    assert_eq!(restored, [0, 0, 2000, 2000, 2000, 2000, 2000]);
+    7 * 4
+}
+
+/// A prompt saved at its end: the same prompt and one more token restores all of it (the rest
+/// is a single token, a decode row); the prompt itself cannot (its last token must be fed), so
+/// it stops one short for a snapshot there, which the next copy of it restores.
+pub fn hits_that_end_where_a_snapshot_does<B: Backend>(backend: NewBackend<B>) -> usize {
+    let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
+    let p = tokens(&mut Rng::new(300), 300);
+    let longer: Vec<u32> = p.iter().copied().chain([9]).collect();
+    let restored: Vec<usize> = [&p, &longer, &p, &p].iter().map(|q| both(&mut cached, &mut cold, q, 4).1).collect();
+    assert_eq!(restored, [0, 300, 0, 299]);
+    4 * 4
+}
+
+/// A budget of one snapshot: the second prompt's evicts the first's, whose continuation then
+/// prefills from scratch (and still gives the tokens without the cache), stopping where it
+/// parts from the first prompt (a branch point) for a snapshot that evicts the second's; the
+/// next continuation restores it.
+pub fn evicted_snapshot_falls_back_to_prefill<B: Backend>(backend: NewBackend<B>) -> usize {
+    let budget = model(backend(), 1, 64).snapshot_shape().bytes(400);
+    let (mut cached, mut cold) = (engine(backend, budget), engine(backend, 0));
+    let mut rng = Rng::new(400);
+    let (a, b) = (tokens(&mut rng, 300), tokens(&mut rng, 300));
+    let more = |p: &[u32]| p.iter().copied().chain([5, 6, 7]).collect::<Vec<u32>>();
+    let prompts = [a.clone(), b, more(&a), more(&more(&a))];
+    let restored: Vec<usize> = prompts.iter().map(|q| both(&mut cached, &mut cold, q, 4).1).collect();
+    assert_eq!(restored, [0, 0, 0, 300]);
+    let s = cached.prefix_stats().unwrap();
+    assert_eq!((s.evictions, s.entries), (2, 1), "{s:?}");
+    assert!(s.bytes <= budget, "{s:?}");
+    4 * 4
+}
+
+/// Two requests added together after a shared prefix was saved both restore it, each into its
+/// own slot, and go on as without the cache.
+pub fn two_requests_share_a_snapshot_at_once<B: Backend>(backend: NewBackend<B>) -> usize {
+    let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
+    let mut rng = Rng::new(2);
+    let p = tokens(&mut rng, 256);
+    serve(&mut cached, &p, 2);
+    let prompts: Vec<Vec<u32>> = (0..2).map(|_| p.iter().copied().chain(tokens(&mut rng, 40)).collect()).collect();
+    let ids: Vec<RequestId> = prompts.iter().map(|q| cached.add(q, greedy(12)).unwrap()).collect();
+    let out = run(&mut cached);
+    for (q, id) in prompts.iter().zip(&ids) {
+        assert_eq!(out[id], (serve(&mut cold, q, 12).0, 256));
+    }
+    2 * 12
+}
+
+/// A request cancelled after the first of its prompt's chunks leaves nothing behind: the same
+/// prompt again gives the tokens without the cache.
+pub fn request_cancelled_mid_prefill_leaves_no_snapshot<B: Backend>(backend: NewBackend<B>) -> usize {
+    let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
+    cached.set_max_step_tokens(100).unwrap();
+    let p = tokens(&mut Rng::new(600), 600);
+    let id = cached.add(&p, greedy(4)).unwrap();
+    assert!(cached.step().unwrap().is_empty());
+    cached.cancel(id).unwrap();
+    assert_eq!(cached.prefix_stats().unwrap().saved, 0);
+    both(&mut cached, &mut cold, &p, 4).0.len()
+}

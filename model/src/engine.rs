@@ -349,8 +349,8 @@ impl<B: Backend> Engine<B> {
             }
         };
         let mut events = Vec::new();
-        // Requests whose slot's state the prefix cache may keep: at a branch point, at the end
-        // of a prompt and at the end of a request.
+        // Requests whose slot's state the prefix cache may keep: where their prefill stops for
+        // it, at the end of their prompt and at their own end.
         let mut keep = Vec::new();
         for (&(id, n), pick) in fed.iter().zip(picks) {
             let r = self.requests.get_mut(&id).expect("ids come from the map");
@@ -362,9 +362,6 @@ impl<B: Backend> Engine<B> {
             }
             if !r.pending.is_empty() {
                 continue;
-            }
-            if r.generated == 0 {
-                keep.push(id);
             }
             let accepted = match r.sampler.accept(pick) {
                 // A constraint that failed ends its request whatever the sampler made of its mask.
@@ -380,6 +377,10 @@ impl<B: Backend> Engine<B> {
             };
             let event = match accepted {
                 Ok(s) => {
+                    // A request whose logits gave no token leaves no snapshot of its state.
+                    if r.generated == 0 {
+                        keep.push(id);
+                    }
                     r.generated += 1;
                     r.pending = vec![s.token];
                     let finished = if r.params.stop_tokens.contains(&s.token) {

@@ -113,11 +113,11 @@ impl Output {
         let decoded = self.tokens.len().saturating_sub(1);
         let timed = decoded.saturating_sub(1);
         format!(
-            "prefill: {} tokens ({} restored from the prefix cache) in {:.1} ms ({:.0} tokens/s); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
+            "prefill: {} tokens in {:.1} ms ({:.0} tokens/s; {} restored from the prefix cache); decode: {decoded} tokens, {:.2} ms/token after the first step ({:.1} ms: on a GPU it records the step's graph)",
             self.prompt_tokens,
-            self.cached_tokens,
             self.prefill_s * 1e3,
             self.prompt_tokens as f64 / self.prefill_s.max(1e-9),
+            self.cached_tokens,
             if timed > 0 { self.decode_s * 1e3 / timed as f64 } else { 0.0 },
             self.first_s * 1e3
         )

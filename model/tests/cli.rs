@@ -229,9 +229,9 @@ fn turn_prompts(stderr: &str) -> Vec<usize> {
     stderr.lines().filter_map(|l| l.split("prefill: ").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
 }
 
-/// The prompt tokens each turn restored from the prefix cache (`... tokens (R restored ...`).
+/// The prompt tokens each turn restored from the prefix cache (`... tokens/s; R restored ...`).
 fn turn_restored(stderr: &str) -> Vec<usize> {
-    stderr.lines().filter_map(|l| l.split(" tokens (").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
+    stderr.lines().filter_map(|l| l.split(" tokens/s; ").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
 }
 
 #[test]

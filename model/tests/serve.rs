@@ -286,7 +286,8 @@ fn table(out: &str) -> Vec<Vec<f64>> {
 /// `serve_bench --turns` and `--shared-prefix` against `serve` (its prefix cache on by
 /// default): each turn after the first restores the last turn's conversation (up to its
 /// generation prompt), and every request after the first two restores all of the shared system
-/// prompt, whatever follows it.
+/// prompt, whatever follows it; `/metrics` counts the hits and the tokens they restored as the
+/// requests' usage does, and the request log lines carry their cached tokens.
 #[test]
 fn serve_bench_measures_the_prefix_cache() {
     let (server, url, log) = serve(&["--slots", "4", "--max-len", "2048"], &[]);
@@ -297,8 +298,20 @@ fn serve_bench_measures_the_prefix_cache() {
     };
     let turns = bench(&["--turns", "3", "--conversations", "2", "--turn-tokens", "150"]);
     let shared = bench(&["--shared-prefix", "300", "--suffixes", "1,40", "--requests", "2"]);
+    let metrics = http(&url, "GET /metrics", "");
     drop(server);
     let log = log.join().unwrap_or_default();
+    let metric = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{metrics}"));
+        line[name.len()..].trim().parse().unwrap()
+    };
+    let hits = metric("nemotron_prefix_cache_hits_total");
+    assert!(hits > 0.0 && metric("nemotron_prefix_cache_bytes") > 0.0, "{metrics}");
+    assert_eq!(metric("nemotron_prompt_tokens_cached_total"), metric("nemotron_prefix_cache_hit_tokens_total"));
+    assert!(
+        log.contains("cached_tokens=0")
+            && log.lines().any(|l| l.contains("cached_tokens=") && !l.contains("cached_tokens=0"))
+    );
     let turns = turns.unwrap_or_else(|e| panic!("{e}\nserver log:\n{log}"));
     let rows = table(&turns);
     assert_eq!(rows.len(), 3, "{turns}");

@@ -89,12 +89,6 @@ impl Detok {
     }
 }
 
-/// The bytes token `id` stands for, whole or part of a character (what OpenAI's logprobs
-/// `bytes` give): as [`TokenBytes::of`] says.
-pub fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
-    TokenBytes::new(tokenizer).of(id)
-}
-
 /// Each token's own bytes, for one tokenizer (its added tokens and decoder read once).
 pub struct TokenBytes<'a> {
     tokenizer: &'a Tokenizer,
@@ -199,17 +193,18 @@ mod tests {
         let euro = "€".as_bytes();
         let ids = tok.encode("€", false).unwrap().get_ids().to_vec();
         assert_eq!(ids.len(), 3, "one token a byte");
-        let bytes: Vec<Vec<u8>> = ids.iter().map(|&id| token_bytes(&tok, id)).collect();
+        let of = TokenBytes::new(&tok);
+        let bytes: Vec<Vec<u8>> = ids.iter().map(|&id| of.of(id)).collect();
         assert_eq!(bytes, euro.iter().map(|&b| vec![b]).collect::<Vec<_>>());
         // Decoded alone such a token is U+FFFD, whose bytes are not the token's.
         assert_eq!(tok.decode(&ids[..1], false).unwrap(), "\u{fffd}");
         let space = tok.encode(" ", false).unwrap().get_ids()[0];
-        assert_eq!(token_bytes(&tok, space), b" ");
+        assert_eq!(of.of(space), b" ");
         let end = tok.token_to_id("<|im_end|>").unwrap();
-        assert_eq!(token_bytes(&tok, end), b"<|im_end|>");
+        assert_eq!(of.of(end), b"<|im_end|>");
         let mut seen = [false; 256];
         for id in 0..256u32 {
-            let b = token_bytes(&tok, id);
+            let b = of.of(id);
             assert_eq!(b.len(), 1, "token {id}");
             seen[b[0] as usize] = true;
         }

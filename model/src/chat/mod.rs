@@ -10,7 +10,7 @@
 //!
 //! - [`Detok`]: generated ids to text a token at a time (UTF-8 safe: a character split over
 //!   tokens comes out once whole), special tokens skipped but the tags the parser reads
-//!   (`<think>`, `<tool_call>` and their ends), special or not; [`token_bytes`]: one token's
+//!   (`<think>`, `<tool_call>` and their ends), special or not; [`TokenBytes`]: each token's
 //!   own bytes; [`turn_start`]: the token that starts a turn.
 //!
 //! A server's order (and [`crate::text::Llm`]'s): tokens through a [`Detok`]; that text
@@ -26,7 +26,7 @@ mod tool_call;
 
 use std::path::Path;
 
-pub use detok::{Detok, TokenBytes, token_bytes};
+pub use detok::{Detok, TokenBytes};
 pub use parse::{Delta, Message, OutputParser, ParserOptions, ToolCall};
 pub use stop::StopMatcher;
 pub use template::ChatTemplate;

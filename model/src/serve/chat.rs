@@ -11,6 +11,7 @@ use super::api::{self, ApiError, Common, Fields};
 use super::generation::{Out, TokenOut, sse};
 use super::prompt::{Delta, Forced};
 use super::{Served, fresh, now};
+use crate::chat::TokenBytes;
 use crate::engine::Constraint;
 use crate::structured::Format;
 
@@ -99,10 +100,11 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
     if !c.stream {
         let mut parser = new_parser();
         let (mut deltas, mut logprobs, mut finish, mut stop_reason) = (vec![], vec![], "stop", Value::Null);
+        let bytes = c.sampling.logprobs.then(|| TokenBytes::new(&s.tokenizer));
         while let Some(p) = g.next().await? {
             deltas.extend(parser.push(&p.text));
-            if let (true, Some(t)) = (c.sampling.logprobs, &p.token) {
-                logprobs.push(s.chat_logprob(t, c.token_ids));
+            if let (Some(bytes), Some(t)) = (&bytes, &p.token) {
+                logprobs.push(s.chat_logprob(bytes, t, c.token_ids));
             }
             if let Some(f) = p.finish {
                 (finish, stop_reason) = (f, p.stop_reason);
@@ -151,14 +153,15 @@ pub(super) async fn handle(s: Arc<Served>, body: Bytes) -> Result<Response, ApiE
         }
         let mut parser = Some(new_parser());
         let (mut pending, mut called) = (vec![], false);
+        let bytes = c.sampling.logprobs.then(|| TokenBytes::new(&s.tokenizer));
         loop {
             let piece = match out.piece(&mut g).await {
                 None => return,
                 Some(Some(p)) => p,
                 Some(None) => break,
             };
-            if let (true, Some(t)) = (c.sampling.logprobs, &piece.token) {
-                pending.push(s.chat_logprob(t, c.token_ids));
+            if let (Some(bytes), Some(t)) = (&bytes, &piece.token) {
+                pending.push(s.chat_logprob(bytes, t, c.token_ids));
             }
             let Some(p) = parser.as_mut() else { break };
             let mut deltas = p.push(&piece.text);
@@ -258,12 +261,11 @@ fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
 }
 
 impl Served {
-    /// Chat's logprobs entry for one token.
-    fn chat_logprob(&self, t: &TokenOut, as_id: bool) -> Value {
-        let entry = |id: u32, lp: f32| {
-            let bytes = crate::chat::token_bytes(&self.tokenizer, id);
-            json!({"token": self.token_name(id, as_id), "logprob": lp, "bytes": bytes})
-        };
+    /// Chat's logprobs entry for one token, its bytes (and its top tokens') from `bytes` (made
+    /// once a request: it reads the tokenizer's added tokens).
+    fn chat_logprob(&self, bytes: &TokenBytes, t: &TokenOut, as_id: bool) -> Value {
+        let entry =
+            |id: u32, lp: f32| json!({"token": self.token_name(id, as_id), "logprob": lp, "bytes": bytes.of(id)});
         let mut e = entry(t.id, t.logprob.unwrap_or(0.0));
         e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
         e

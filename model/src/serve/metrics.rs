@@ -147,6 +147,21 @@ impl Metrics {
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
+        if let Some(s) = engine.prefix_stats() {
+            let prefix = [
+                ("hits_total", "counter", "Requests that restored a prefix.", s.hits),
+                ("hit_tokens_total", "counter", "Prompt tokens restored.", s.hit_tokens),
+                ("misses_total", "counter", "Requests that found no prefix.", s.misses),
+                ("saved_total", "counter", "Snapshots taken.", s.saved),
+                ("evictions_total", "counter", "Snapshots evicted past the budget.", s.evictions),
+                ("snapshots", "gauge", "Snapshots held.", s.entries as u64),
+                ("bytes", "gauge", "Bytes the snapshots take.", s.bytes as u64),
+            ];
+            for (name, kind, help, v) in prefix {
+                let name = format!("nemotron_prefix_cache_{name}");
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+            }
+        }
         out
     }
 }

@@ -10,15 +10,16 @@
 //! it refuses ([`Busy`]), and the HTTP layer answers 429.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::backend::Backend;
 use crate::engine::{Constraint, Engine, Event, RequestId, RequestParams};
 use crate::error::{Error, Result};
+use crate::prefix::PrefixStats;
 
 /// What the engine thread sends a request: its tokens, or why it ended without one.
 #[derive(Debug)]
@@ -68,6 +69,7 @@ pub struct ModelInfo {
 pub struct Starter {
     jobs: mpsc::Receiver<Job>,
     ready: mpsc::Sender<Result<ModelInfo>>,
+    prefix: Arc<Mutex<Option<PrefixStats>>>,
 }
 
 impl Starter {
@@ -78,7 +80,7 @@ impl Starter {
             Ok(engine) => {
                 let info = ModelInfo { slots: engine.slots(), max_len: engine.max_len(), vocab: engine.vocab() };
                 if self.ready.send(Ok(info)).is_ok() {
-                    run(engine, self.jobs);
+                    run(engine, self.jobs, &self.prefix);
                 }
             }
             Err(e) => {
@@ -94,6 +96,8 @@ pub struct EngineHandle {
     jobs: mpsc::Sender<Job>,
     admitted: Arc<AtomicUsize>,
     limit: usize,
+    /// The engine's prefix cache counts after its last step (`None`: no cache).
+    prefix: Arc<Mutex<Option<PrefixStats>>>,
     pub info: ModelInfo,
 }
 
@@ -112,9 +116,11 @@ impl EngineHandle {
     pub fn spawn(max_queue: usize, start: impl FnOnce(Starter) + Send + 'static) -> Result<EngineHandle> {
         let (jobs, rx) = mpsc::channel::<Job>();
         let (ready, ready_rx) = mpsc::channel::<Result<ModelInfo>>();
+        let prefix = Arc::new(Mutex::new(None));
+        let starter = Starter { jobs: rx, ready, prefix: prefix.clone() };
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || start(Starter { jobs: rx, ready }))
+            .spawn(move || start(starter))
             .map_err(|e| Error::Unsupported(format!("starting the engine thread: {e}")))?;
         let info = ready_rx
             .recv()
@@ -123,6 +129,7 @@ impl EngineHandle {
             jobs,
             admitted: Arc::new(AtomicUsize::new(0)),
             limit: admission_limit(info.slots, max_queue),
+            prefix,
             info,
         })
     }
@@ -152,10 +159,16 @@ impl EngineHandle {
     pub fn admitted(&self) -> usize {
         self.admitted.load(Ordering::Acquire)
     }
+
+    /// What the engine's prefix cache has done (`None` without one).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        *self.prefix.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-/// The engine thread's loop; returns when every handle is gone and no request is left.
-fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
+/// The engine thread's loop; returns when every handle is gone and no request is left. After
+/// each step it publishes the prefix cache's counts to `prefix` (and logs its evictions).
+fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>, prefix: &Mutex<Option<PrefixStats>>) {
     let mut live: HashMap<RequestId, Job> = HashMap::new();
     let admit = |engine: &mut Engine<B>, live: &mut HashMap<RequestId, Job>, mut job: Job| match engine.add_constrained(
         &job.prompt,
@@ -193,7 +206,22 @@ fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>) {
         if live.is_empty() {
             continue;
         }
-        match engine.step() {
+        let stepped = engine.step();
+        let stats = engine.prefix_stats();
+        let mut published = prefix.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(s), Some(was)) = (stats, *published)
+            && s.evictions > was.evictions
+        {
+            tracing::info!(
+                evictions = s.evictions - was.evictions,
+                snapshots = s.entries,
+                mib = s.bytes >> 20,
+                "prefix cache full: least recently used snapshots evicted"
+            );
+        }
+        *published = stats;
+        drop(published);
+        match stepped {
             Ok(events) => {
                 for e in events {
                     let (id, done) = (e.id, e.finished.is_some());
@@ -242,7 +270,13 @@ pub(super) fn scripted(
             reply(prompt, params, out);
         }
     });
-    EngineHandle { jobs, admitted: Arc::new(AtomicUsize::new(0)), limit: admission_limit(info.slots, max_queue), info }
+    EngineHandle {
+        jobs,
+        admitted: Arc::new(AtomicUsize::new(0)),
+        limit: admission_limit(info.slots, max_queue),
+        prefix: Arc::new(Mutex::new(None)),
+        info,
+    }
 }
 
 #[cfg(test)]

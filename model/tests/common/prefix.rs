@@ -41,8 +41,9 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 /// A prompt of 600 tokens saved after `split` of them (each side of the scan's 128-token
 /// chunks, one token, all but one) and restored into a slot that held another prompt: its
 /// rest gives bit for bit the logits the saved slot gives (and so do 8 decode steps after it),
-/// and the whole prompt's logits within `band` (atol and rtol) of it. A snapshot does not go
-/// into a slot out of range or a model whose slots hold fewer tokens.
+/// and the whole prompt's logits within `band` (atol and rtol) of it, while the state of a
+/// prompt one token apart, restored instead, moves them past it. A snapshot does not go into a
+/// slot out of range or a model whose slots hold fewer tokens.
 pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: NewBackend<B>, band: f64) -> usize {
     let mut m = model(backend(), 3, 1024);
     let mut rng = Rng::new(37);
@@ -74,6 +75,18 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
         }
     }
     assert_eq!(compared, 6 * 9 * 64);
+    // The comparison sees the state: a snapshot of another prompt of as many tokens (one token
+    // changed) restored in its place gives other logits.
+    let mut changed = prompt[..300].to_vec();
+    changed[150] = changed[150] % 63 + 1;
+    m.release(2);
+    m.step(&[Part { slot: 2, computed: 0, tokens: &changed }]).unwrap();
+    let wrong = m.save(2).unwrap();
+    m.restore(2, &wrong).unwrap();
+    let rest = &prompt[300..];
+    let got = m.step(&[Part { slot: 2, computed: 300, tokens: rest }]).unwrap().remove(0);
+    let gap = got.iter().zip(&whole).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(f64::from(gap) > band, "a state one token apart moves the logits by {gap} only");
     let snap = m.save(1).unwrap();
     assert!(m.restore(3, &snap).unwrap_err().to_string().contains("slot 3 is out of range (0..3)"));
     let err = model(backend(), 1, 64).restore(0, &snap).unwrap_err().to_string();

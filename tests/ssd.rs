@@ -188,6 +188,43 @@ fn gpu_ssd_bf16_state_matches_recurrence() {
     println!("ssd_scan bf16 state: {n} values compared");
 }
 
+/// One plan for every layer of a step (the model's Mamba layers share theirs): a scan on a plan
+/// another scan used (other inputs and states, its workspaces left written) gives bit for bit
+/// what it gives on a fresh plan, and the plan says which batches and shapes it fits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ssd_plan_serves_every_layer_of_a_step() {
+    let gpu = gpu();
+    let mut rng = Rng::new(47);
+    let shape = nemotron();
+    let lens = &[129, 3, 300];
+    let tokens: usize = lens.iter().sum();
+    let (slots, has_initial) = (vec![0, 1, 2], vec![false, true, true]);
+    let seqs = Prefill::new(&gpu, lens, &slots, &has_initial, 3).unwrap();
+    let layers: Vec<Problem> = (0..2).map(|_| Problem::new(&mut rng, shape, tokens)).collect();
+    let init: Vec<f32> = random_states(&mut rng, &shape, 3).into_iter().map(|v| v as f32).collect();
+    // Layer 1's scan on a fresh plan, or on the plan layer 0's scan used.
+    let scan = |plan: &mut SsdPlan, p: &Problem| {
+        let dev = p.upload(&gpu);
+        let mut state = gpu.upload(&init).unwrap();
+        let mut y = gpu.upload(&vec![POISON_BF16; tokens * shape.width()]).unwrap();
+        ssd_scan(&gpu, shape, (dev.inputs_at(0, tokens), dev.heads(true)), (&mut state, &seqs), plan, &mut y).unwrap();
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        (gpu.download(&y).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), bits(gpu.download(&state).unwrap()))
+    };
+    let mut shared = SsdPlan::new(&gpu, &seqs, shape).unwrap();
+    scan(&mut shared, &layers[0]);
+    let (reused, fresh) =
+        (scan(&mut shared, &layers[1]), scan(&mut SsdPlan::new(&gpu, &seqs, shape).unwrap(), &layers[1]));
+    let n = assert_same("y on a used plan", &reused.0, &fresh.0)
+        + assert_same("states on a used plan", &reused.1, &fresh.1);
+    assert!(shared.fits(&seqs, shape));
+    assert!(!shared.fits(&seqs, SsmShape::new(4, 16, 2, 32)));
+    let other = Prefill::new(&gpu, &[129, 3, 301], &slots, &has_initial, 3).unwrap();
+    assert!(!shared.fits(&other, shape));
+    println!("ssd_scan on a used plan: {n} values as on a fresh one");
+}
+
 /// The scan against the decode kernel stepped token by token over the same sequences (every
 /// step a batch of the sequences still running): outputs and final states.
 #[test]

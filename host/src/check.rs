@@ -38,6 +38,15 @@ impl Check {
     pub fn positive(self, arg: &'static str, got: f32) -> Result<()> {
         self.that(arg, got.is_finite() && got > 0.0, "a finite value > 0", got)
     }
+
+    /// An FP8 quantization's amax upper bound as the kernels take it (`INFINITY`: none); a
+    /// finite value > 0 when given.
+    pub fn amax_ub(self, amax_ub: Option<f32>) -> Result<f32> {
+        match amax_ub {
+            None => Ok(f32::INFINITY),
+            Some(ub) => self.positive("amax_ub", ub).map(|()| ub),
+        }
+    }
 }
 
 /// Most rows (blocks) of a row-wise launch, and most elements of an element-wise one: the
@@ -51,5 +60,20 @@ pub(crate) fn arg_of<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
     match r {
         Err(Error::Shape { arg, .. }) => arg,
         other => panic!("expected a shape error, got {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Check, arg_of};
+
+    #[test]
+    fn amax_ub_must_be_positive_and_finite() {
+        let c = Check("quant_token_fp8_bf16");
+        assert_eq!(c.amax_ub(None).unwrap(), f32::INFINITY);
+        assert_eq!(c.amax_ub(Some(2.0)).unwrap(), 2.0);
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert_eq!(arg_of(c.amax_ub(Some(bad))), "amax_ub");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Host side of the NemotronH kernels: the PTX of every supported arch embedded at build time,
-//! the module picked by the device's compute capability, safe typed launchers, and the CPU
-//! reference backend.
+//! the module picked by the device's compute capability, safe typed launchers, and each
+//! family's CPU reference (`cpu/`, what the tests hold the kernels to; the model crate's CPU
+//! backend is built on them).
 //!
 //! ```no_run
 //! use half::bf16;

@@ -212,7 +212,7 @@ pub fn gated_norm_fp8(
         x_stride,
         z_stride,
         eps: shape.eps,
-        amax_ub: crate::quant::check_amax_ub(k, amax_ub)?,
+        amax_ub: Check(k.name()).amax_ub(amax_ub)?,
     };
     // SAFETY: as in `gated_norm`, plus q = rows * width and scales = rows elements, both
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.

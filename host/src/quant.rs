@@ -16,14 +16,6 @@ use crate::gpu::Gpu;
 use crate::moe::Dispatch;
 use crate::norm::RowPath;
 
-/// The amax upper bound as the kernels take it (`INFINITY`: none); must be > 0 when given.
-pub(crate) fn check_amax_ub(kernel: Kernel, amax_ub: Option<f32>) -> Result<f32> {
-    match amax_ub {
-        None => Ok(f32::INFINITY),
-        Some(ub) => Check(kernel.name()).positive("amax_ub", ub).map(|()| ub),
-    }
-}
-
 /// Rows of a `[rows, width]` buffer of `len` elements, checked.
 fn rows_of(kernel: Kernel, len: usize, width: usize) -> Result<usize> {
     let c = Check(kernel.name());
@@ -73,7 +65,7 @@ pub fn quant_token_on(
         scales: a.output("scales", scales, Len::Exactly(rows))?,
         rows: rows as u32,
         width: width as u32,
-        amax_ub: check_amax_ub(k, amax_ub)?,
+        amax_ub: Check(k.name()).amax_ub(amax_ub)?,
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
@@ -199,16 +191,6 @@ mod tests {
         assert_eq!(arg_of(rows_of(k, 0, 2688)), "x");
         assert_eq!(arg_of(rows_of(k, 10, 0)), "width");
         assert_eq!(arg_of(rows_of(k, 40000, 40000)), "width");
-    }
-
-    #[test]
-    fn amax_ub_must_be_positive_and_finite() {
-        let k = Kernel::QuantToken;
-        assert_eq!(check_amax_ub(k, None).unwrap(), f32::INFINITY);
-        assert_eq!(check_amax_ub(k, Some(2.0)).unwrap(), 2.0);
-        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
-            assert_eq!(arg_of(check_amax_ub(k, Some(bad))), "amax_ub");
-        }
     }
 
     #[test]

@@ -87,6 +87,13 @@ impl SsdPlan {
     pub fn nchunks(&self) -> usize {
         self.nchunks
     }
+
+    /// Whether the plan serves a scan over `seqs` for `shape` (built for them): every layer of
+    /// a step's prefill can then run on one plan, its workspaces written before they are read by
+    /// each scan.
+    pub fn fits(&self, seqs: &Prefill, shape: SsmShape) -> bool {
+        self.lens == seqs.lens && self.shape == (shape.heads, shape.head_dim, shape.state_size, shape.groups)
+    }
 }
 
 /// Chunked scan (kernels-gpu/src/ssd.rs has the math) over the sequences of `seqs`: writes

@@ -437,7 +437,7 @@ impl<B: Backend> Engine<B> {
             None => 0,
         };
         tracing::debug!(id, prompt = r.pending.len(), restored, "prefix cache");
-        r.stops = cache.stops(&r.pending, restored);
+        r.stops = cache.start(&r.pending, restored);
         r.seen.extend(r.pending.drain(..restored));
         (r.computed, r.cached, r.snapped) = (restored, restored, restored);
     }

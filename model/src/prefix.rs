@@ -31,8 +31,14 @@ use crate::error::{Error, Result};
 /// another: 4 GiB, about 80 snapshots of Nemotron-3 Nano's 46 MiB of Mamba states.
 pub const DEFAULT_BUDGET: usize = 4 << 30;
 
-/// Prompts remembered for branch points (see the module's doc).
+/// Prompts remembered for branch points (see the module's doc), and their tokens at most (the
+/// newest prompt kept whatever its length): each new prompt is compared with them on the
+/// engine's thread.
 const HISTORY: usize = 256;
+const HISTORY_TOKENS: usize = 1 << 20;
+
+/// Snapshots held at most (each lookup compares a prompt's prefix hashes with every one).
+const MAX_ENTRIES: usize = 4096;
 
 /// What one slot's state takes, per layer kind: a snapshot's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,19 +162,30 @@ struct Entry<B: Backend> {
 pub struct PrefixCache<B: Backend> {
     settings: PrefixSettings,
     entries: Vec<Entry<B>>,
-    /// Recent prompts, newest last.
+    /// Recent prompts, newest last, and their tokens.
     history: VecDeque<Vec<u32>>,
+    history_tokens: usize,
     clock: u64,
     stats: PrefixStats,
+}
+
+/// The hash of no tokens, and of a sequence one token longer (FNV-1a over token ids).
+const HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+fn hash_step(h: u64, t: u32) -> u64 {
+    (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3)
+}
+
+/// The hash of `tokens`.
+fn hash(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(HASH_SEED, |h, &t| hash_step(h, t))
 }
 
 /// The hash of each prefix of `tokens`: element i is the hash of `tokens[..i]`.
 fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
     let mut h = Vec::with_capacity(tokens.len() + 1);
-    h.push(0xcbf2_9ce4_8422_2325u64);
+    h.push(HASH_SEED);
     for &t in tokens {
-        let last = *h.last().expect("seeded");
-        h.push((last ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3));
+        h.push(hash_step(*h.last().expect("seeded"), t));
     }
     h
 }
@@ -176,7 +193,14 @@ fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
 impl<B: Backend> PrefixCache<B> {
     /// An empty cache.
     pub fn new(settings: PrefixSettings) -> PrefixCache<B> {
-        PrefixCache { settings, entries: Vec::new(), history: VecDeque::new(), clock: 0, stats: PrefixStats::default() }
+        PrefixCache {
+            settings,
+            entries: Vec::new(),
+            history: VecDeque::new(),
+            history_tokens: 0,
+            clock: 0,
+            stats: PrefixStats::default(),
+        }
     }
 
     pub fn settings(&self) -> PrefixSettings {
@@ -196,8 +220,7 @@ impl<B: Backend> PrefixCache<B> {
         self.clock
     }
 
-    /// The snapshot of the longest proper prefix of `prompt` held (a hit, marked used), or
-    /// `None` (a miss).
+    /// The snapshot of the longest proper prefix of `prompt` held (marked used), if any.
     pub fn lookup(&mut self, prompt: &[u32]) -> Option<&Snapshot<B>> {
         let hashes = prefix_hashes(prompt);
         let best = (self.entries.iter().enumerate())
@@ -207,30 +230,33 @@ impl<B: Backend> PrefixCache<B> {
             })
             .max_by_key(|(_, e)| e.tokens.len())
             .map(|(i, _)| i);
-        let Some(i) = best else {
-            self.stats.misses += 1;
-            return None;
-        };
         let now = self.tick();
-        let e = &mut self.entries[i];
+        let e = &mut self.entries[best?];
         e.used = now;
-        self.stats.hits += 1;
-        self.stats.hit_tokens += e.tokens.len() as u64;
         Some(&e.snapshot)
     }
 
-    /// Where the prefill of `prompt`, `restored` tokens of it restored, stops for snapshots, in
-    /// order: at the end of the longest prefix it shares with a recent prompt (a branch point),
-    /// and before its last [`PrefixSettings::turn_start`] token; each short of the prompt's last
-    /// token and at least `min_tokens` past the one before. Remembers the prompt.
-    pub fn stops(&mut self, prompt: &[u32], restored: usize) -> Vec<usize> {
+    /// A request starts, `restored` tokens of its `prompt` restored (a hit, else a miss):
+    /// where its prefill stops for snapshots, in order: at the end of the longest prefix it
+    /// shares with a recent prompt (a branch point), and before its last
+    /// [`PrefixSettings::turn_start`] token; each short of the prompt's last token and at least
+    /// `min_tokens` past the one before. Remembers the prompt.
+    pub fn start(&mut self, prompt: &[u32], restored: usize) -> Vec<usize> {
+        if restored > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_tokens += restored as u64;
+        } else {
+            self.stats.misses += 1;
+        }
         let shared = (self.history.iter()).map(|h| h.iter().zip(prompt).take_while(|(a, b)| a == b).count()).max();
         let turn = self.settings.turn_start.and_then(|t| prompt.iter().rposition(|&p| p == t));
         if prompt.len() >= self.settings.min_tokens {
-            if self.history.len() == HISTORY {
-                self.history.pop_front();
-            }
+            self.history_tokens += prompt.len();
             self.history.push_back(prompt.to_vec());
+            while self.history.len() > 1 && (self.history.len() > HISTORY || self.history_tokens > HISTORY_TOKENS) {
+                let old = self.history.pop_front().expect("not empty past the bounds");
+                self.history_tokens -= old.len();
+            }
         }
         let mut at: Vec<usize> = [shared, turn].into_iter().flatten().map(|p| p.min(prompt.len() - 1)).collect();
         at.sort_unstable();
@@ -243,21 +269,23 @@ impl<B: Backend> PrefixCache<B> {
         stops
     }
 
-    /// Whether a snapshot after `tokens` (of `bytes`) is wanted from a request that restored
-    /// or saved `base` tokens before: it adds at least `min_tokens`, none of these tokens is
-    /// held (one that is counts as used), and it fits the budget, which the least recently used
-    /// snapshots are evicted to make room for.
+    /// Whether a snapshot after `tokens` (of `bytes`, more than 0: a model with no state has
+    /// nothing to restore) is wanted from a request that restored or saved `base` tokens before:
+    /// it adds at least `min_tokens`, none of these tokens is held (one that is counts as used),
+    /// and it fits the budget, which the least recently used snapshots are evicted to make room
+    /// for (before the snapshot's own memory is taken: should that fail, they are gone).
     pub fn wants(&mut self, tokens: &[u32], base: usize, bytes: usize) -> bool {
-        if tokens.len() < base + self.settings.min_tokens.max(1) || bytes > self.settings.budget {
+        if tokens.len() < base + self.settings.min_tokens.max(1) || bytes == 0 || bytes > self.settings.budget {
             return false;
         }
-        let hash = prefix_hashes(tokens)[tokens.len()];
+        let hash = hash(tokens);
         let now = self.tick();
         if let Some(e) = self.entries.iter_mut().find(|e| e.hash == hash && e.tokens == tokens) {
             e.used = now;
             return false;
         }
-        while self.entries.iter().map(|e| e.snapshot.bytes()).sum::<usize>() + bytes > self.settings.budget {
+        let held = |c: &Self| c.entries.iter().map(|e| e.snapshot.bytes()).sum::<usize>();
+        while held(self) + bytes > self.settings.budget || self.entries.len() >= MAX_ENTRIES {
             let Some(old) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else { break };
             let e = self.entries.swap_remove(old);
             self.stats.evictions += 1;
@@ -268,7 +296,7 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Holds `snapshot`, taken after `tokens` (after [`PrefixCache::wants`] made room).
     pub fn insert(&mut self, tokens: &[u32], snapshot: Snapshot<B>) {
-        let hash = prefix_hashes(tokens)[tokens.len()];
+        let hash = hash(tokens);
         let used = self.tick();
         self.stats.saved += 1;
         self.entries.push(Entry { tokens: tokens.to_vec(), hash, snapshot, used });
@@ -277,7 +305,7 @@ impl<B: Backend> PrefixCache<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::{PrefixCache, PrefixSettings, Snapshot, SnapshotShape};
+    use super::{HISTORY_TOKENS, PrefixCache, PrefixSettings, Snapshot, SnapshotShape};
     use crate::cpu::Cpu;
 
     const SHAPE: SnapshotShape = SnapshotShape { mamba_layers: 1, conv: 2, ssm: 3, attention_layers: 1, kv: 1 };
@@ -306,7 +334,7 @@ mod tests {
         c.entries[0].tokens[1] = 9;
         assert!(c.lookup(&[1, 2, 3, 9]).is_none(), "tokens are compared, not only hashes");
         let s = c.stats();
-        assert_eq!((s.hits, s.hit_tokens, s.misses, s.saved, s.entries), (3, 11, 3, 3, 3));
+        assert_eq!((s.hits, s.misses, s.saved, s.entries), (0, 0, 3, 3), "a lookup counts nothing");
         assert_eq!(s.bytes, SHAPE.bytes(3) + SHAPE.bytes(5) + SHAPE.bytes(2));
     }
 
@@ -338,16 +366,23 @@ mod tests {
     fn prompts_stop_where_they_part_and_before_their_last_turn() {
         let settings = PrefixSettings { budget: 1 << 20, min_tokens: 3, turn_start: None };
         let mut c = PrefixCache::<Cpu>::new(settings);
-        assert_eq!(c.stops(&[1, 2, 3, 4, 5, 6], 0), [0usize; 0]);
-        assert_eq!(c.stops(&[1, 2, 3, 4, 9, 9], 0), [4]);
-        assert_eq!(c.stops(&[1, 2, 3, 4, 9, 9, 1], 4), [0usize; 0], "adds 2 to what it restored");
-        assert_eq!(c.stops(&[1, 2, 3, 4, 5, 6], 0), [5], "all but its last token");
-        assert_eq!(c.stops(&[1, 2], 0), [0usize; 0]);
+        assert_eq!(c.start(&[1, 2, 3, 4, 5, 6], 0), [0usize; 0]);
+        assert_eq!(c.start(&[1, 2, 3, 4, 5, 6, 7], 6), [0usize; 0]);
+        let s = c.stats();
+        assert_eq!((s.hits, s.hit_tokens, s.misses), (1, 6, 1), "a start counts its hit or miss");
+        assert_eq!(c.start(&[1, 2, 3, 4, 9, 9], 0), [4]);
+        assert_eq!(c.start(&[1, 2, 3, 4, 9, 9, 1], 4), [0usize; 0], "adds 2 to what it restored");
+        assert_eq!(c.start(&[1, 2, 3, 4, 5, 6], 0), [5], "all but its last token");
+        // The history keeps its newest prompts within HISTORY_TOKENS, the newest whatever it is.
+        let long = vec![7; HISTORY_TOKENS + 1];
+        c.start(&long, 0);
+        assert_eq!((c.history.len(), c.history_tokens), (1, long.len()));
+        assert_eq!(c.start(&[1, 2], 0), [0usize; 0]);
         let mut c = PrefixCache::<Cpu>::new(PrefixSettings { turn_start: Some(0), ..settings });
-        assert_eq!(c.stops(&[0, 1, 2, 3, 4, 0, 8, 0, 9, 9], 0), [7], "before the last turn start");
-        assert_eq!(c.stops(&[0, 1, 2, 3, 4, 0, 8, 0, 5, 6, 7, 0, 9], 0), [8, 11], "where it parts, then its turn");
+        assert_eq!(c.start(&[0, 1, 2, 3, 4, 0, 8, 0, 9, 9], 0), [7], "before the last turn start");
+        assert_eq!(c.start(&[0, 1, 2, 3, 4, 0, 8, 0, 5, 6, 7, 0, 9], 0), [8, 11], "where it parts, then its turn");
         let again = [0, 1, 2, 3, 4, 0, 8, 0, 5, 6, 7, 0, 9, 9];
-        assert_eq!(c.stops(&again, 10), [13], "its last turn 1 past what it restored, then all but its last");
-        assert_eq!(c.stops(&[3, 3, 3, 3, 0], 0), [4]);
+        assert_eq!(c.start(&again, 10), [13], "its last turn 1 past what it restored, then all but its last");
+        assert_eq!(c.start(&[3, 3, 3, 3, 0], 0), [4]);
     }
 }

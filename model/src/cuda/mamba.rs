@@ -7,7 +7,7 @@ use half::bf16;
 use host::conv1d::{Conv, ConvShape, conv_fwd, conv_update};
 use host::mamba::{MambaLayer, mamba_decode, mamba_decode_fits};
 use host::norm::{NormShape, gated_norm};
-use host::ssd::{SsdPlan, ssd_scan};
+use host::ssd::ssd_scan;
 use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{Buffer, CudaSlice, Gpu};
 
@@ -175,7 +175,7 @@ impl CudaMamba {
     ) -> Result<()> {
         let (c, p) = (&self.w.c, rows.prefill()?);
         let shape = ssm_shape(c);
-        let mut plan = SsdPlan::new(g, p, shape)?;
+        let mut plan = rows.ssd_plan(g, shape)?;
         let inputs = ssm_inputs(c, &xbc, &dt, p.tokens());
         let mut y = view_mut(y, p.tokens() * c.inner())?;
         let layer = self.host();

@@ -21,7 +21,8 @@
 //! operation synchronizes at so few rows), are recorded into a CUDA graph once per row count
 //! and replayed after that, with the new rows copied over the recorded ones; the graph's
 //! temporaries are ranges of the Gpu's capture arena (`Gpu::scratch`; allocations inside the
-//! capture past it). The prefill scan's plan is still built per layer.
+//! capture past it). The prefill scan's plan (its chunk table and workspaces) is built once a
+//! step, by its first Mamba layer, and kept with the step's rows for the others.
 //!
 //! The backend composes one object a layer kind, each built at load from the layout and owning
 //! its device weights, its slots' states and its choice of kernels, each in its module:
@@ -61,7 +62,7 @@ pub use linear::{CudaWeight, FP8_GEMV_MAX_ROWS, SPLIT_MIN_K};
 pub use mamba::{CudaMamba, FUSED_MAMBA_ROWS};
 pub use moe::{
     CHOICES_MAX_ROWS, CudaExperts, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
-    SHARED_PIECES_MAX_ROWS,
+    NVFP4_EXPERT_KERNEL_MAX_ROWS, SHARED_PIECES_MAX_ROWS,
 };
 pub use rows::CudaRows;
 

@@ -2,8 +2,12 @@
 //! attention rows and the rows whose logits are wanted, checked and uploaded once a step and
 //! written over in place for a replayed graph.
 
+use std::cell::{RefCell, RefMut};
+
 use host::attn::AttnRows;
 use host::batch::{Prefill, Slots};
+use host::ssd::SsdPlan;
+use host::ssm::SsmShape;
 use host::{CudaSlice, Gpu};
 
 use crate::backend::StepRows;
@@ -16,6 +20,9 @@ pub struct CudaRows {
     pub(super) prefill: Option<Prefill>,
     pub(super) attn: AttnRows,
     pub(super) last: CudaSlice<u32>,
+    /// The chunked scan's plan of the prefill sequences (its chunk table and workspaces), built
+    /// by the step's first Mamba layer and reused by the others (each of the same shape).
+    ssd: RefCell<Option<SsdPlan>>,
 }
 
 impl CudaRows {
@@ -29,6 +36,17 @@ impl CudaRows {
         self.prefill.as_ref().ok_or_else(|| Error::Unsupported("a prefill operation in a step without prefill".into()))
     }
 
+    /// The chunked scan's plan of the prefill sequences for `shape`: the step's, or one built
+    /// now (the first Mamba layer of the step, or one of another shape).
+    pub(super) fn ssd_plan(&self, g: &Gpu, shape: SsmShape) -> Result<RefMut<'_, SsdPlan>> {
+        let seqs = self.prefill()?;
+        let mut plan = self.ssd.borrow_mut();
+        if !plan.as_ref().is_some_and(|p| p.fits(seqs, shape)) {
+            *plan = Some(SsdPlan::new(g, seqs, shape)?);
+        }
+        Ok(RefMut::map(plan, |p| p.as_mut().expect("built above")))
+    }
+
     /// Checks and uploads `r` for a cache of `slots` slots of `max_len` tokens.
     pub(super) fn new(g: &Gpu, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
         let p = &r.prefill;
@@ -38,6 +56,7 @@ impl CudaRows {
             prefill: (!p.lens.is_empty()).then(|| Prefill::new(g, &p.lens, &p.slots, &p.initial, slots)).transpose()?,
             attn: AttnRows::new(g, &r.slots, &r.positions, slots, max_len)?,
             last: g.upload(&r.last)?,
+            ssd: RefCell::new(None),
         })
     }
 

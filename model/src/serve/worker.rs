@@ -167,7 +167,8 @@ impl EngineHandle {
 }
 
 /// The engine thread's loop; returns when every handle is gone and no request is left. After
-/// each step it publishes the prefix cache's counts to `prefix` (and logs its evictions).
+/// each step it publishes the prefix cache's counts to `prefix` (its evictions logged at debug
+/// level: under a full cache they come every few steps).
 fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>, prefix: &Mutex<Option<PrefixStats>>) {
     let mut live: HashMap<RequestId, Job> = HashMap::new();
     let admit = |engine: &mut Engine<B>, live: &mut HashMap<RequestId, Job>, mut job: Job| match engine.add_constrained(
@@ -212,7 +213,7 @@ fn run<B: Backend>(mut engine: Engine<B>, jobs: mpsc::Receiver<Job>, prefix: &Mu
         if let (Some(s), Some(was)) = (stats, *published)
             && s.evictions > was.evictions
         {
-            tracing::info!(
+            tracing::debug!(
                 evictions = s.evictions - was.evictions,
                 snapshots = s.entries,
                 mib = s.bytes >> 20,

@@ -1,18 +1,27 @@
 //! MoE layers on the CUDA backend: the experts on the device ([`CudaExperts`], the shared
-//! expert as pieces of the routed experts' shape or its own MLP) and how a step's rows run
-//! through them ([`CudaExperts::forward`]): routing, then by rows per routing choice
-//! ([`CHOICES_MAX_ROWS`]), through the expert kernel ([`EXPERT_KERNEL_MAX_ROWS`]), the grouped
-//! GEMM ([`GROUPED_MAX_ROWS`]) or per-expert cuBLASLt GEMMs (see the backend's doc); FP8
-//! experts per routing choice as bf16's, then through the expert kernel up to
-//! [`FP8_EXPERT_KERNEL_MAX_ROWS`] rows, the FP8 grouped GEMM past them.
+//! expert as pieces of the routed experts' shape or its own MLP) and the execution of a step's
+//! plan ([`CudaExperts::forward`]: route, shared expert, dispatch, experts, combine). Which
+//! path a step takes is `plan.rs`'s ([`MoePlan`], with the row counts where the paths
+//! switch: per routing choice up to [`CHOICES_MAX_ROWS`], the expert kernel up to
+//! [`EXPERT_KERNEL_MAX_ROWS`] (FP8 [`FP8_EXPERT_KERNEL_MAX_ROWS`], NVFP4
+//! [`NVFP4_EXPERT_KERNEL_MAX_ROWS`]), then the grouped GEMM or, without `wgmma` past
+//! [`GROUPED_MAX_ROWS`], per-expert cuBLASLt GEMMs).
 
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped};
 use host::moe::{
-    Choices, Dispatch, ExpertMlp, ExpertWeights, MAX_EXPERTS, MAX_TOP_K, Router, combine, dispatch, experts_mlp,
-    experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
+    Choices, Dispatch, ExpertMlp, ExpertWeights, Router, combine, dispatch, experts_mlp, experts_mlp_choices,
+    experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
 };
 use host::{Buffer, CudaSlice, CudaView, Gpu};
+
+mod plan;
+
+pub use plan::{
+    CHOICES_MAX_ROWS, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
+    NVFP4_EXPERT_KERNEL_MAX_ROWS, SHARED_PIECES_MAX_ROWS,
+};
+use plan::{ExpertPath, Format, MoeKind, MoePlan, SharedForm, SharedPath, shared_pieces};
 
 use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
 use super::{unsupported, view_mut};
@@ -43,62 +52,8 @@ enum Shared {
     /// they run in the routed experts' launches and the combine sums them; otherwise the two
     /// matrices go through cuBLASLt.
     Pieces(usize),
-    /// Its own MLP (FP8 layers).
+    /// Its own MLP (FP8 and NVFP4 layers).
     Mlp(Box<(CudaWeight, CudaWeight)>),
-}
-
-/// Most rows of a bf16 MoE layer that go through the expert kernel rather than a GEMM: the
-/// routed experts alone (`cargo bench --bench moe -- experts/b`, H200, Nano sizes) took 370.0
-/// us by the expert kernel at 16 rows against 419.4 by the grouped GEMM on `wgmma` and 467.5
-/// on the 128-row `mma.sync` tiles, 969.7 at 64 rows against 706.3 and 809.7; the lines cross
-/// near 23 rows (`wgmma`) and 34 (`mma.sync`).
-pub const EXPERT_KERNEL_MAX_ROWS: usize = 32;
-
-/// Most rows of an FP8 MoE layer that go through the expert kernel rather than the FP8
-/// grouped GEMM (where its sizes allow it: multiples of 16): none past the one row that runs
-/// per routing choice. The routed experts alone (`cargo bench --bench moe -- experts/b`, H200,
-/// Nano sizes) took 216.5 us by the expert kernel on tensor cores at 8 rows against 187.0 by
-/// the FP8 grouped GEMM on `wgmma`, 657.3 against 461.2 at 64; FP8 `Engine::step` (one lease,
-/// 2026-12-04) went from 7.264 to 6.467 ms at decode batch 8 and from 22.524 to 17.958 at 64
-/// when this went from 64 to 1.
-pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
-
-/// Most rows of an NVFP4 MoE layer that go through the expert kernels (weight-only, from the
-/// codes: the warp mode, or the tensor cores where the experts average two rows or more,
-/// `host::gemv::NVFP4_TC_MIN_ROWS`); more dequantize every expert to bf16 and take bf16's path
-/// past its expert kernel.
-pub const NVFP4_EXPERT_KERNEL_MAX_ROWS: usize = 64;
-
-/// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
-/// GPU has no `wgmma` kernels; more go through per-expert cuBLASLt GEMMs. Where it has them
-/// (sm_90a) the grouped GEMM on `wgmma` takes every row count past the expert kernel's. The
-/// routed experts on the H200 (`cargo bench --bench moe -- experts/b`, Nano sizes): the
-/// 128-row `mma.sync` tiles took 2098.5 us at 4096 rows against cuBLASLt's 3338.8, 6725.4 at
-/// 16384 against 4886.0 (the lines cross between); `wgmma` 1532.4 and 4673.3.
-pub const GROUPED_MAX_ROWS: usize = 8192;
-
-/// Most rows of a MoE layer (bf16 or FP8) whose experts run per routing choice, without a
-/// dispatch, the down projections and the combining in one launch ([`experts_mlp_choices`]).
-pub const CHOICES_MAX_ROWS: usize = 1;
-
-/// Most rows of a MoE layer whose shared expert runs as pieces inside the routed experts'
-/// launches (see [`Shared::Pieces`]) rather than as two cuBLASLt GEMMs: the expert kernel
-/// streams the weights once per row, so only a single row gains.
-pub const SHARED_PIECES_MAX_ROWS: usize = 1;
-
-/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
-/// wide is cut into beside `routed` experts; 0 (its own MLP) where a dispatch could not count
-/// them among the experts.
-fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {
-    let pieces = shared.div_ceil(inter);
-    if routed + pieces <= MAX_EXPERTS as usize { pieces } else { 0 }
-}
-
-/// The pieces the routing appends to each token's top-k in a step of `rows` rows: all of them
-/// at one row (they then run in the routed experts' launches; the expert kernel streams weights
-/// once per row, so more rows take cuBLASLt) when the choices fit the routing, else none.
-fn appended_pieces(rows: usize, top_k: usize, pieces: usize) -> usize {
-    if rows <= SHARED_PIECES_MAX_ROWS && top_k + pieces <= MAX_TOP_K as usize { pieces } else { 0 }
 }
 
 /// Writes the shared expert `s` as pieces of the routed experts' shape after the `routed`
@@ -153,7 +108,25 @@ impl CudaExperts {
         Ok(CudaExperts { up, down, inter, shared })
     }
 
-    /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`.
+    /// What the layer is, for its plans.
+    fn kind(&self, g: &Gpu, c: &MoeConfig, hidden: usize) -> MoeKind {
+        let format = match (&self.up, &self.down) {
+            (Weights::Bf16(_), Weights::Bf16(_)) => Format::Bf16,
+            (Weights::Fp8 { .. }, Weights::Fp8 { .. }) => Format::Fp8,
+            (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) => Format::Nvfp4,
+            _ => Format::Mixed,
+        };
+        let shared = match self.shared {
+            Shared::None => SharedForm::None,
+            Shared::Mlp(_) => SharedForm::Mlp,
+            Shared::Pieces(n) => SharedForm::Pieces(n),
+        };
+        let wgmma = Tiles::for_grouped(g) == Tiles::Wgmma;
+        MoeKind { format, shared, top_k: c.top_k, inter: self.inter, hidden, wgmma }
+    }
+
+    /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`: the step's
+    /// [`MoePlan`] run as route, shared expert, dispatch, experts and combine.
     pub(super) fn forward(
         &self,
         g: &Gpu,
@@ -163,21 +136,22 @@ impl CudaExperts {
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
         let (xv, hidden) = moe_input(c, (x, rows), &router)?;
+        let plan = MoePlan::new(&self.kind(g, c, hidden), rows);
         let pieces = match self.shared {
             Shared::Pieces(n) => n,
             _ => 0,
         };
         let mut shape = c.route_shape();
-        shape.shared = appended_pieces(rows, c.top_k, pieces);
+        shape.shared = plan.appended();
         let choices = shape.choices();
         // SAFETY (the uninitialized buffers below): routing writes every idx and weight, the
         // experts every grouped row, the shared expert every row of its output, each before
         // the next operation reads it.
         let (mut idx, mut wts) = unsafe { (g.scratch::<i32>(rows * choices)?, g.scratch::<f32>(rows * choices)?) };
-        // One token whose routing appends the shared expert's pieces: their up projections in
-        // the routing's launch (`h`, the choices' hidden rows, its last rows written there).
+        // Pieces appended to the choices of a step run per choice: their up projections in the
+        // routing's launch (`h`, the choices' hidden rows, its last rows written there).
         let mut h = match &self.up {
-            Weights::Bf16(up) if shape.shared > 0 && rows <= CHOICES_MAX_ROWS => {
+            Weights::Bf16(up) if shape.shared > 0 && plan.experts == ExpertPath::Choices => {
                 // SAFETY: the routing writes the pieces' rows, the choices launch the others,
                 // before the down projections read them.
                 let mut h = unsafe { g.scratch::<bf16>(choices * self.inter) }?;
@@ -189,14 +163,14 @@ impl CudaExperts {
                 None
             }
         };
-        let shared = match (&self.shared, &self.up, &self.down) {
-            (Shared::Mlp(mlp), ..) => {
+        let shared = match (plan.shared, &self.shared, &self.up, &self.down) {
+            (SharedPath::Mlp, Shared::Mlp(mlp), ..) => {
                 // SAFETY: the down projection writes all rows * hidden values before combine.
                 let mut out = unsafe { g.scratch::<bf16>(rows * hidden) }?;
                 mlp_rows(g, &xv, rows, (&mlp.0, &mlp.1), &mut out.as_view_mut())?;
                 Some(out)
             }
-            (Shared::Pieces(n), Weights::Bf16(up), Weights::Bf16(down)) if shape.shared == 0 => {
+            (SharedPath::PiecesGemm, Shared::Pieces(n), Weights::Bf16(up), Weights::Bf16(down)) => {
                 // The pieces together are the shared expert's up and down projections, padded
                 // with zeros to n * inter.
                 let (si, at) = (n * self.inter, c.experts * self.inter * hidden);
@@ -209,11 +183,14 @@ impl CudaExperts {
                 gemm_rows(g, &h.as_view(), rows, &down, (hidden, si), false, &mut out.as_view_mut())?;
                 Some(out)
             }
-            _ => None,
+            (SharedPath::None | SharedPath::Appended(_), ..) => None,
+            (path, ..) => {
+                return Err(Error::Unsupported(format!("a shared expert held otherwise than {path:?} takes")));
+            }
         };
         let mut y = view_mut(y, rows * hidden)?;
         let experts = c.experts + pieces;
-        if rows <= CHOICES_MAX_ROWS {
+        if plan.experts == ExpertPath::Choices {
             let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
             let pieces = (pieces, shared.as_deref());
             match (&mut h, &self.up, &self.down) {
@@ -232,52 +209,29 @@ impl CudaExperts {
         dispatch(g, &idx, &mut d)?;
         // SAFETY: each expert path below writes every dispatched row before combine reads it.
         let mut grouped = unsafe { g.scratch::<bf16>(d.entries() * hidden) }?;
-        match (&self.up, &self.down) {
-            (Weights::Bf16(up), Weights::Bf16(down)) if rows > EXPERT_KERNEL_MAX_ROWS => {
-                let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
-                bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
-            }
-            (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => {
-                let up = self.up.dequantized(g, c.experts, (self.inter, hidden))?;
-                let down = self.down.dequantized(g, c.experts, (hidden, self.inter))?;
-                let mlp = ExpertMlp { up: &*up, down: &*down, inter: self.inter, hidden };
-                bf16_experts(g, (&d, rows), &xv, mlp, &mut grouped)?
-            }
-            (Weights::Fp8 { .. }, Weights::Fp8 { .. })
-                if rows > FP8_EXPERT_KERNEL_MAX_ROWS
-                    && pieces == 0
-                    && self.inter.is_multiple_of(16)
-                    && hidden.is_multiple_of(16) =>
-            {
-                let mlp = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
-                experts_mlp_grouped(g, &d, &xv, mlp, &mut grouped)?
-            }
-            (up, down) => {
-                let mlp = ExpertMlp { up: up.view(), down: down.view(), inter: self.inter, hidden };
-                experts_mlp(g, &d, &xv, mlp, pieces, &mut grouped)?
-            }
+        // NVFP4 weights dequantized to bf16 for bf16's GEMMs, where the plan says so.
+        let dequantized = match plan.experts {
+            ExpertPath::Grouped { dequantize: true } | ExpertPath::PerExpertGemm { dequantize: true } => Some((
+                self.up.dequantized(g, c.experts, (self.inter, hidden))?,
+                self.down.dequantized(g, c.experts, (hidden, self.inter))?,
+            )),
+            _ => None,
+        };
+        let (up, down) = match &dequantized {
+            Some((up, down)) => (ExpertWeights::Bf16(up), ExpertWeights::Bf16(down)),
+            None => (self.up.view(), self.down.view()),
+        };
+        let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
+        match (plan.experts, mlp) {
+            (ExpertPath::Grouped { .. }, mlp) => experts_mlp_grouped(g, &d, &xv, mlp, &mut grouped)?,
+            (ExpertPath::ExpertKernel, mlp) => experts_mlp(g, &d, &xv, mlp, pieces, &mut grouped)?,
+            (
+                ExpertPath::PerExpertGemm { .. },
+                ExpertMlp { up: ExpertWeights::Bf16(up), down: ExpertWeights::Bf16(down), .. },
+            ) => experts_mlp_gemm(g, &d, &xv, ExpertMlp { up, down, inter: self.inter, hidden }, &mut grouped)?,
+            (path, _) => return Err(Error::Unsupported(format!("MoE experts of these weights by {path:?}"))),
         }
         Ok(combine(g, (&grouped, hidden), shared.as_deref(), (d.slot(), &wts, choices), &mut y)?)
-    }
-}
-
-/// The dispatched rows of bf16 experts `mlp` (`rows` tokens) past the expert kernel's rows:
-/// the grouped GEMM (on `wgmma` where the GPU has it, else on `mma.sync` up to
-/// [`GROUPED_MAX_ROWS`]), otherwise per-expert cuBLASLt GEMMs.
-fn bf16_experts(
-    g: &Gpu,
-    (d, rows): (&Dispatch, usize),
-    xv: &CudaView<bf16>,
-    mlp: ExpertMlp<&CudaSlice<bf16>>,
-    grouped: &mut Buffer<bf16>,
-) -> Result<()> {
-    let wgmma = Tiles::for_grouped(g) == Tiles::Wgmma;
-    if (rows <= GROUPED_MAX_ROWS || wgmma) && mlp.inter.is_multiple_of(8) && mlp.hidden.is_multiple_of(8) {
-        let (up, down) = (ExpertWeights::Bf16(mlp.up), ExpertWeights::Bf16(mlp.down));
-        let w = ExpertMlp { up, down, inter: mlp.inter, hidden: mlp.hidden };
-        Ok(experts_mlp_grouped(g, d, xv, w, grouped)?)
-    } else {
-        Ok(experts_mlp_gemm(g, d, xv, mlp, grouped)?)
     }
 }
 
@@ -303,25 +257,4 @@ pub(super) fn choices(g: &Gpu, c: &MoeConfig, x: (In<Buffer<bf16>>, usize), rout
     let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
     route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
     Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{appended_pieces, shared_pieces};
-
-    #[test]
-    fn shared_expert_pieces_only_where_the_kernels_take_them() {
-        // Nano: 128 experts of 1856, a shared expert of 3712; one wider; at the dispatch's
-        // limit of 256 experts and past it.
-        assert_eq!(shared_pieces(128, 1856, 3712), 2);
-        assert_eq!(shared_pieces(128, 1856, 3713), 3);
-        assert_eq!(shared_pieces(254, 32, 64), 2);
-        assert_eq!(shared_pieces(255, 32, 64), 0);
-        // Appended at one row only, and only when top-k and pieces fit the routing's 16.
-        assert_eq!(appended_pieces(1, 6, 2), 2);
-        assert_eq!(appended_pieces(2, 6, 2), 0);
-        assert_eq!(appended_pieces(1, 14, 2), 2);
-        assert_eq!(appended_pieces(1, 15, 3), 0);
-        assert_eq!(appended_pieces(1, 6, 0), 0);
-    }
 }

@@ -86,7 +86,7 @@ fn fp8_checkpoint_runs_as_w8a8() {
 /// the 40-token prompt's 17 steps differs by up to 0.92 and agrees on 14/17 greedy tokens. So
 /// the logits are checked at the prompt within the CPU backend's band and decode steps by
 /// their greedy tokens, with that same margin; the kernels themselves are checked value by
-/// value in tests/moe.rs and tests/gemv.rs.
+/// value in tests/moe.rs, tests/grouped.rs and tests/gemv.rs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_fp8_matches_cpu_fp8() {

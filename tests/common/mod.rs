@@ -1,6 +1,8 @@
 //! Random Mamba2 inputs laid out as the mixer holds them, shared by tests/ssm.rs and tests/ssd.rs.
 #![allow(dead_code)] // each suite that includes this module uses a part of it
 
+pub mod experts;
+
 use half::bf16;
 use host::cpu::ssm::{SsmRef, Token};
 use host::ssm::{SsmHeads, SsmInputs, SsmShape};

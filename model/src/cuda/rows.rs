@@ -75,7 +75,7 @@ impl CudaRows {
             d.set(g, &r.decode_slots)?;
         }
         // Not `last`: a step of decode rows only reads no gather of last rows (each row is its
-        // part's last; see model.rs `forward`).
+        // part's last; see model/mod.rs `forward`).
         Ok(self.attn.set(g, &r.slots, &r.positions)?)
     }
 }

@@ -1,0 +1,286 @@
+//! The tensor-core GEMM family (kernels-gpu/src/grouped.rs: grouped and dense layouts) against
+//! f64 references (`#[ignore]`d: needs a GPU): the grouped GEMM of routed experts at Nano's
+//! sizes with a skewed routing, in bf16 and FP8; the one-matrix GEMM of many rows in bf16 and
+//! FP8 (beside cuBLASLt's FP8 GEMM).
+
+mod common;
+
+use common::experts::{Fp8Experts, expert_reference, grouped_tiles};
+use half::bf16;
+use host::cpu::gemm::linear;
+use host::gemv::{Proj, Weights};
+use host::grouped::{Fp8Rows, Tiles, experts_mlp_grouped_as, gemm, grouped_fp8, linear_fp8_as};
+use host::moe::{Dispatch, ExpertMlp, ExpertWeights, dispatch};
+use host::quant::{Source, quant_rows};
+use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
+
+/// Routing choices that leave expert 0 without rows, give expert 1 one (token 0's) and
+/// expert 2 every token (many tiles); the other choices distinct, from experts 3 on.
+fn skewed_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
+    let mut idx = Vec::with_capacity(rows * k);
+    for t in 0..rows {
+        let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
+        while picks.len() < k {
+            let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
+            if !picks.contains(&c) {
+                picks.push(c);
+            }
+        }
+        idx.extend(picks);
+    }
+    idx
+}
+
+/// The grouped GEMM at Nemotron-3 Nano's sizes (128 experts of 2688 x 1856, top-6) with a
+/// skewed routing: expert 0 chosen by no token, expert 1 by one, expert 2 by every token
+/// (many tiles), the others at random; a sample of the grouped rows (expert 1's, the first
+/// and last 64 of expert 2's, and every 31st) against the reference, expert by expert.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_grouped_experts_at_nano_size() {
+    let gpu = gpu();
+    let mut rng = Rng::new(95);
+    let (hidden, inter, e, k, rows) = (2688, 1856, 128usize, 6, 600);
+    let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
+    let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
+    let x = rng.bf16s(rows * hidden, -1.0, 1.0);
+    let idx = skewed_choices(&mut rng, rows, k, e);
+    let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
+    let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+    dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+    let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+    assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+    let tiles = grouped_tiles(&gpu, false);
+    let w = ExpertMlp { up: ExpertWeights::Bf16(&dup), down: ExpertWeights::Bf16(&ddown), inter, hidden };
+    let outs: Vec<Vec<f64>> = tiles
+        .iter()
+        .map(|&t| {
+            let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
+            experts_mlp_grouped_as(&gpu, &d, &dx, w, t, &mut out).unwrap();
+            to_f64(&gpu.download(&out).unwrap())
+        })
+        .collect();
+    let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
+    let (mut got, mut want, mut sampled) = (vec![Vec::new(); tiles.len()], Vec::new(), 0);
+    for ex in 0..e {
+        let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+        let sample: Vec<usize> =
+            (lo..hi).filter(|&j| j % 31 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 64 || j + 64 >= hi2))).collect();
+        if sample.is_empty() {
+            continue;
+        }
+        let u = to_f64(&up[ex * inter * hidden..][..inter * hidden]);
+        let dn = to_f64(&down[ex * hidden * inter..][..hidden * inter]);
+        for &j in &sample {
+            want.extend(expert_reference(&to_f64(&x[token[j] as usize * hidden..][..hidden]), &u, &dn, inter));
+            for (g, out) in got.iter_mut().zip(&outs) {
+                g.extend_from_slice(&out[j * hidden..][..hidden]);
+            }
+        }
+        sampled += sample.len();
+    }
+    for (g, t) in got.iter().zip(&tiles) {
+        let n = assert_close(&format!("grouped experts at Nano size, {t:?} tiles"), g, &want, 2e-3, 1.0 / 128.0);
+        assert_eq!(n, sampled * hidden);
+        println!("grouped experts, {t:?} tiles: {n} values compared ({sampled} grouped rows)");
+    }
+}
+
+/// The FP8 grouped GEMM path (each projection's rows quantized, then multiplied on tensor
+/// cores) at Nemotron-3 Nano's expert sizes with 16 experts and the skewed routing (an
+/// expert without rows, one with one, one with every token), static input scales for up
+/// and per-row for down and the other way round, and an odd shape (k not a multiple of
+/// the 64-byte stage, n not of the 128-column tile), on a sample of the grouped rows
+/// (expert 1's, the first and last 16 of expert 2's, every 7th), in two checks:
+/// - the hidden rows (the up projection alone, `quant_rows` + `grouped_fp8`, as the MLP
+///   runs it) against the f64 up projection: within three bf16 steps (f32 sums against f64
+///   move the pre-activation by one step at most, the square doubles it, the square's
+///   rounding adds one);
+/// - the MLP's output against the f64 down projection of those same hidden rows.
+///
+/// The output is not compared with the f64 MLP of x: a hidden value one bf16 step from an
+/// e4m3 rounding boundary takes either code, and a code step of a large hidden value moves
+/// a whole output row by up to ~0.015 (seen on the H200: 693 of 768768 values outside the
+/// band, the worst 0.0147 off, all in one row).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fp8_grouped_experts_match_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(98);
+    let mut compared = 0;
+    for (hidden, inter, e, k, rows, up_static) in
+        [(2688, 1856, 16, 6, 300, true), (2688, 1856, 16, 6, 300, false), (144, 48, 5, 2, 70, true)]
+    {
+        let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), up_static);
+        let x = rng.bf16_rows(rows, hidden);
+        let idx = skewed_choices(&mut rng, rows, k, e);
+        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+        dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+        assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        let (up, down) = ex8.weights();
+        let (dx, entries) = (gpu.upload(&x).unwrap(), rows * k);
+        let up_in = ex8.dev[0].2.as_ref();
+        for t in grouped_tiles(&gpu, true) {
+            let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
+            experts_mlp_grouped_as(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
+            let out = to_f64(&gpu.download(&out).unwrap());
+            let (mut q, mut s) = (gpu.zeros::<u8>(entries * hidden).unwrap(), gpu.zeros::<f32>(entries).unwrap());
+            quant_rows(&gpu, hidden, &dx, Source::Grouped { d: &d, by_token: true }, up_in, &mut q, &mut s).unwrap();
+            let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
+            let up_proj = Proj { w: up, n: inter, k: hidden, relu2: true };
+            grouped_fp8(&gpu, &d, Fp8Rows { codes: &q, scales: &s }, up_proj, t, &mut h).unwrap();
+            let h = to_f64(&gpu.download(&h).unwrap());
+            let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
+            let (mut got, mut want, mut got_h, mut want_h, mut sampled) = (vec![], vec![], vec![], vec![], 0);
+            for ex in 0..e {
+                let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+                for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
+                    let hj = &h[j * inter..][..inter];
+                    want_h.extend(ex8.up(ex, &to_f64(&x[token[j] as usize * hidden..][..hidden])));
+                    got_h.extend_from_slice(hj);
+                    want.extend(ex8.down(ex, hj));
+                    got.extend_from_slice(&out[j * hidden..][..hidden]);
+                    sampled += 1;
+                }
+            }
+            let label = format!(
+                "FP8 grouped experts ({t:?}) hidden {hidden} inter {inter} rows {rows} static {}",
+                if up_static { "up" } else { "down" }
+            );
+            let n_h = assert_close(&format!("{label}, hidden rows"), &got_h, &want_h, 1e-3, 1.0 / 32.0);
+            // The same codes on both sides: f32 sums against f64, one bf16 rounding.
+            let n = assert_close(&label, &got, &want, 2e-3, 1.0 / 64.0);
+            assert_eq!((n_h, n), (sampled * inter, sampled * hidden));
+            compared += n + n_h;
+        }
+    }
+    println!("FP8 grouped experts: {compared} values compared");
+}
+
+/// The FP8 linear layer of many rows on tensor cores against W8A8 in f64: ours
+/// (`linear_fp8_as`: the rows quantized, then `gemm_fp8`, with each FP8 tile kind this GPU has)
+/// and, with a static input scale, cuBLASLt's FP8 GEMM (`host::gemm::linear_fp8`); a Nano
+/// expert's up shape and in_proj's (n past the 128- and 256-column tiles' multiples) with a
+/// static input scale and with per-row scales, at one row, at 65 (a partial 64-row tile) and at
+/// 129 or 300 (partial 128-row tiles); an odd shape (k not a multiple of the 64- or 128-byte
+/// stage); with relu^2 once. Then cuBLASLt's refusals: dynamic scales, k not a multiple of 16,
+/// n not of 8.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_linear_fp8_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(98);
+    let (mut compared, mut expected) = (0, 0);
+    let cases = [
+        (1856, 2688, true, false, [1, 65, 300]),
+        (10304, 2688, false, false, [1, 65, 129]),
+        (48, 144, true, true, [1, 65, 300]),
+        (48, 144, false, false, [1, 65, 300]),
+    ];
+    for (n, k, static_in, relu2, row_counts) in cases {
+        let (codes, w_scale, values) = fp8_weights(&mut rng, 1, n, k);
+        let in_scale = static_in.then(|| rng.uniform(0.002, 0.004) as f32);
+        let (dc, ds) = (gpu.upload(&codes).unwrap(), gpu.upload(&w_scale).unwrap());
+        let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
+        let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
+        for rows in row_counts {
+            let x = rng.bf16_rows(rows, k);
+            let dx = gpu.upload(&x).unwrap();
+            let want: Vec<f64> = x
+                .chunks(k)
+                .flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale))
+                .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
+                .collect();
+            // Our tiles, and cuBLASLt's FP8 GEMM (None) where the input scale is static.
+            let ours = dense_tiles(&gpu).into_iter().filter(|&t| t != Tiles::Wide).map(Some);
+            for tiles in ours.chain(static_in.then_some(None)) {
+                let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+                let (xv, p) = ((&dx.as_view(), rows), Proj { w, n, k, relu2 });
+                match tiles {
+                    Some(tiles) => linear_fp8_as(&gpu, xv, p, tiles, &mut y),
+                    None => host::gemm::linear_fp8(&gpu, xv, p, &mut y),
+                }
+                .unwrap();
+                let path = tiles.map_or("cuBLASLt".into(), |t| format!("{t:?}"));
+                let label =
+                    format!("FP8 GEMM ({path}) {n} x {k}, rows {rows}, static input scale {static_in}, relu2 {relu2}");
+                // f32 sums of exact products against f64; relu^2 doubles the relative error
+                // of its bf16-rounded input.
+                let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
+                compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, rtol);
+                expected += rows * n;
+            }
+        }
+    }
+    println!("FP8 GEMM: {compared} values compared");
+    assert_eq!(compared, expected);
+    // cuBLASLt's FP8 GEMM takes per-tensor scales and its alignment only.
+    let (codes, w_scale, _) = fp8_weights(&mut rng, 1, 48, 152);
+    let (dc, ds, one) = (gpu.upload(&codes).unwrap(), gpu.upload(&w_scale).unwrap(), gpu.upload(&[1.0f32]).unwrap());
+    let dx = gpu.upload(&rng.bf16_rows(2, 152)).unwrap();
+    let refused = |w, k, n| {
+        let p = Proj { w, n, k, relu2: false };
+        host::gemm::linear_fp8(&gpu, (&dx.as_view(), 2), p, &mut gpu.zeros::<bf16>(2 * n).unwrap())
+            .unwrap_err()
+            .to_string()
+    };
+    let dynamic = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: None };
+    assert!(refused(dynamic, 152, 48).contains("static input scale"));
+    let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: Some(&one) };
+    assert!(refused(w, 152, 48).contains("a multiple of 16"));
+    assert!(refused(w, 144, 38).contains("a multiple of 8"));
+}
+
+/// The bf16 linear layer of many rows on tensor cores (`gemm`, every tile kind this GPU has) against the
+/// f64 reference: in_proj's shape (n past the 128-column tiles' multiple) at 65 rows (a
+/// partial 64-row tile) and 300, out_proj's at 129 (a partial 128-row tile), an odd shape (k
+/// not a multiple of the 32- or 64-element stage) at 1, 65 and 200 rows, with relu^2 once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemm_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(99);
+    let (mut compared, mut expected) = (0, 0);
+    let cases: [(usize, usize, &[usize], bool); 4] = [
+        (10304, 2688, &[65, 300], false),
+        (2688, 4096, &[129], false),
+        (40, 136, &[1, 65, 200], false),
+        (40, 136, &[65], true),
+    ];
+    for (n, k, row_counts, relu2) in cases {
+        let bound = (3.0 / k as f64).sqrt();
+        let w = rng.bf16s(n * k, -bound, bound);
+        let dw = gpu.upload(&w).unwrap();
+        for &rows in row_counts {
+            let x = rng.bf16s(rows * k, -1.0, 1.0);
+            let dx = gpu.upload(&x).unwrap();
+            let want: Vec<f64> = linear(&x, &w, rows, n, k)
+                .into_iter()
+                .map(|v| if relu2 { bf16::from_f64(v).to_f64().max(0.0).powi(2) } else { v })
+                .collect();
+            for tiles in dense_tiles(&gpu) {
+                let mut out = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
+                gemm(&gpu, (&dx, rows), Proj { w: &dw, n, k, relu2 }, tiles, &mut out).unwrap();
+                let label = format!("gemm ({tiles:?}) {n} x {k}, rows {rows}, relu2 {relu2}");
+                // bf16 output over f32 sums of bf16 products; relu^2 doubles the relative
+                // error of its bf16-rounded input.
+                let rtol = if relu2 { 1.0 / 64.0 } else { 1.0 / 128.0 };
+                compared += assert_close(&label, &to_f64(&gpu.download(&out).unwrap()), &want, 1e-4, rtol);
+                expected += rows * n;
+            }
+        }
+    }
+    println!("gemm: {compared} values compared");
+    assert_eq!(compared, expected);
+}
+
+/// The one-matrix GEMM's tiles this GPU runs: the `wgmma` ones where its PTX is sm_90a
+/// (compute capability 9.0, the H200), where they must be present.
+fn dense_tiles(gpu: &host::Gpu) -> Vec<Tiles> {
+    let wgmma = gpu.arch() == host::Arch::Sm90a;
+    assert_eq!(gpu.has(host::Kernel::GemmWgmma), wgmma, "wgmma kernels on {:?}", gpu.arch());
+    let mut tiles = vec![Tiles::Narrow, Tiles::Wide];
+    tiles.extend(wgmma.then_some(Tiles::Wgmma));
+    tiles
+}

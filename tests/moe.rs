@@ -6,7 +6,8 @@
 mod common;
 
 use common::experts::NANO;
-use host::cpu::moe::{Routing, expert, route};
+use host::cpu::moe::expert;
+use host::cpu::router::{Routing, route};
 use nemotron_rs::{Rng, assert_close};
 
 #[test]
@@ -53,9 +54,10 @@ mod gpu {
     use host::gemv::Proj;
     use host::grouped::experts_mlp_grouped_as;
     use host::moe::{
-        Choices, Dispatch, ExpertMlp, ExpertWeights, RouteShape, Router, combine, dispatch, experts, experts_mlp,
-        experts_mlp_choices, experts_mlp_gemm, route as gpu_route,
+        Choices, Dispatch, ExpertMlp, ExpertWeights, combine, dispatch, experts, experts_mlp, experts_mlp_choices,
+        experts_mlp_gemm,
     };
+    use host::router::{RouteShape, Router, route as gpu_route};
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, nvfp4_weights, to_f64};
 
     use super::common::experts::{Fp8Experts, expert_reference, grouped_tiles};

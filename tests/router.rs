@@ -6,7 +6,7 @@
 mod common;
 
 use common::experts::NANO;
-use host::cpu::moe::{Routing, route};
+use host::cpu::router::{Routing, route};
 use nemotron_rs::{Rng, assert_close};
 
 fn logit(p: f64) -> f64 {
@@ -81,11 +81,9 @@ fn nano_routing_on_random_logits() {
 
 mod gpu {
     use half::bf16;
-    use host::cpu::moe::{Routing, route};
-    use host::moe::{
-        Choices, ExpertMlp, ExpertWeights, ROUTE_TC_MIN_ROWS, RouteShape, Router, experts_mlp_choices,
-        experts_mlp_choices_after, route as gpu_route, route_appended_up,
-    };
+    use host::cpu::router::{Routing, route};
+    use host::moe::{Choices, ExpertMlp, ExpertWeights, experts_mlp_choices, experts_mlp_choices_after};
+    use host::router::{ROUTE_TC_MIN_ROWS, RouteShape, Router, route as gpu_route, route_appended_up};
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu};
 
     /// Nemotron-3 Nano's routing on the GPU: top 6 of 128 experts, one group, the weights

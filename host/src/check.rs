@@ -3,6 +3,8 @@
 
 use std::fmt::Display;
 
+use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
+
 use crate::error::{Error, Result};
 
 /// Checks for one launch, named by its kernel (or host entry).
@@ -37,6 +39,12 @@ impl Check {
     /// A finite, strictly positive float.
     pub fn positive(self, arg: &'static str, got: f32) -> Result<()> {
         self.that(arg, got.is_finite() && got > 0.0, "a finite value > 0", got)
+    }
+
+    /// Experts within the MoE kernels' limit, and top-k choices of at most as many of them.
+    pub fn choices(self, experts: usize, top_k: usize) -> Result<()> {
+        self.count("experts", MAX_EXPERTS as usize, experts)?;
+        self.count("top_k", (MAX_TOP_K as usize).min(experts), top_k)
     }
 
     /// An FP8 quantization's amax upper bound as the kernels take it (`INFINITY`: none); a

@@ -35,6 +35,7 @@ pub mod moe;
 pub mod norm;
 pub mod nvfp4;
 pub mod quant;
+pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;

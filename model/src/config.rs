@@ -81,8 +81,8 @@ pub struct MoeConfig {
 
 impl MoeConfig {
     /// The routing settings, as the routing kernel takes them.
-    pub fn route_shape(&self) -> host::moe::RouteShape {
-        host::moe::RouteShape {
+    pub fn route_shape(&self) -> host::router::RouteShape {
+        host::router::RouteShape {
             experts: self.experts,
             top_k: self.top_k,
             n_group: self.n_group,

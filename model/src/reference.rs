@@ -6,7 +6,7 @@
 
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
-use host::cpu::moe::{Routing, route};
+use host::cpu::router::{Routing, route};
 use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
 

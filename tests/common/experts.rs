@@ -2,7 +2,7 @@
 //! expert, the grouped GEMM's tiles this GPU runs, FP8 experts.
 
 use half::bf16;
-use host::cpu::moe::Routing;
+use host::cpu::router::Routing;
 use host::grouped::Tiles;
 use host::moe::ExpertWeights;
 use nemotron_rs::{Rng, fp8_weights, w8a8};

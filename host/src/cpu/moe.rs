@@ -1,56 +1,5 @@
-//! Reference MoE routing and experts (docs/MATH.md section 6), in f64.
-//!
-//! Routing of one token from its router logits: `s = sigmoid(logits)`, `s' = s + bias` (for
-//! selection only); with `n_group` groups of experts, each group scores the sum of its top two
-//! `s'`, the best `topk_group` groups are kept; the top-k experts by `s'` among the kept ones
-//! are chosen; their weights are the unbiased `s`, divided by their sum when `norm_topk_prob`,
-//! times `routed_scaling_factor`. Ties (equal scores, of groups or experts) go to the lowest
-//! index.
-
-/// Routing settings.
-#[derive(Clone, Copy, Debug)]
-pub struct Routing {
-    pub top_k: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub norm_topk_prob: bool,
-    pub scaling: f64,
-}
-
-/// The indices of the `k` largest `scores`, largest first; equal scores in index order.
-fn top_k(scores: &[f64], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..scores.len()).collect();
-    // Stable sort by descending score keeps equal scores in ascending index order.
-    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
-    idx.truncate(k);
-    idx
-}
-
-/// Routes one token: returns (expert, weight) pairs, the highest selection score first.
-/// `bias` is the e_score_correction_bias (zeros when the checkpoint has none).
-pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
-    let e = logits.len();
-    let s: Vec<f64> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
-    let sel: Vec<f64> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
-    let per = e / r.n_group;
-    let group_score: Vec<f64> = (0..r.n_group)
-        .map(|g| {
-            let members = &sel[g * per..(g + 1) * per];
-            top_k(members, 2.min(per)).iter().map(|&i| members[i]).sum()
-        })
-        .collect();
-    let kept = top_k(&group_score, r.topk_group);
-    let masked: Vec<f64> = (0..e).map(|i| if kept.contains(&(i / per)) { sel[i] } else { f64::NEG_INFINITY }).collect();
-    let chosen = top_k(&masked, r.top_k);
-    let total: f64 = chosen.iter().map(|&i| s[i]).sum();
-    chosen
-        .into_iter()
-        .map(|i| {
-            let w = if r.norm_topk_prob { s[i] / total } else { s[i] };
-            (i, w * r.scaling)
-        })
-        .collect()
-}
+//! Reference MoE experts (docs/MATH.md section 6), in f64: one expert, the dispatch of a
+//! step's routing choices by expert, permuting and combining. The routing is `router.rs`'s.
 
 /// A non-gated relu^2 expert: `down (relu(up x))^2`, `up` `[inter, hidden]`, `down`
 /// `[hidden, inter]`, row-major.

@@ -44,8 +44,8 @@ mod rows;
 use std::sync::Arc;
 
 use half::bf16;
-use host::moe::Router;
 use host::norm::{NormShape, add_rms_norm, rms_norm};
+use host::router::Router;
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::{Buffer, CudaSlice, CudaViewMut, DeviceRepr, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 

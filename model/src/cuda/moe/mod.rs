@@ -10,9 +10,10 @@
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped};
 use host::moe::{
-    Choices, Dispatch, ExpertMlp, ExpertWeights, Router, combine, dispatch, experts_mlp, experts_mlp_choices,
-    experts_mlp_choices_after, experts_mlp_gemm, route, route_appended_up,
+    Choices, Dispatch, ExpertMlp, ExpertWeights, combine, dispatch, experts_mlp, experts_mlp_choices,
+    experts_mlp_choices_after, experts_mlp_gemm,
 };
+use host::router::{Router, route, route_appended_up};
 use host::{Buffer, CudaSlice, CudaView, Gpu};
 
 mod plan;

@@ -1,0 +1,163 @@
+//! Launchers of the MoE router (kernels-gpu/src/moe.rs's routing kernels and
+//! kernels-gpu/src/router.rs's tensor-core logits; reference: cpu/moe.rs's `route`): each
+//! token's top-k experts and weights, and the shared expert's pieces appended to them.
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::bf16;
+use kernels_gpu::Kernel;
+use kernels_gpu::moe::{LOGITS_BLOCK, LOGITS_TOKENS, MAX_TOP_K, ROUTE_SMEM_BYTES, ROUTE_UP_ROWS, RouteParams};
+use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router_takes};
+
+use crate::args::Len;
+use crate::check::{MAX_ELEMS, MAX_ROWS};
+use crate::error::Result;
+use crate::gpu::Gpu;
+
+/// Routing settings (docs/MATH.md section 6).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouteShape {
+    pub experts: usize,
+    pub top_k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub renormalize: bool,
+    pub scaling: f32,
+    /// Choices appended to each token's top-k: experts `experts..experts + shared`, weight 1
+    /// (the shared expert as pieces of the routed experts' shape; 0: none).
+    pub shared: usize,
+}
+
+impl RouteShape {
+    /// Choices per token: the top-k and the appended ones.
+    pub fn choices(&self) -> usize {
+        self.top_k + self.shared
+    }
+}
+
+/// A MoE layer's router: `gate [experts, hidden]` and the selection bias `[experts]`.
+#[derive(Clone, Copy)]
+pub struct Router<'a> {
+    pub gate: &'a CudaSlice<bf16>,
+    pub bias: &'a CudaSlice<f32>,
+}
+
+/// Routes the tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows, s.choices()]`,
+/// each row its top-k (highest selection score first), then the appended choices.
+pub fn route(
+    gpu: &Gpu,
+    s: RouteShape,
+    x: (&impl DevicePtr<bf16>, usize),
+    router: Router,
+    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+) -> Result<()> {
+    launch_route(gpu, s, x, router, out, None)
+}
+
+/// [`route`] of one token whose routing appends the shared expert's pieces (`s.shared > 0`),
+/// with the pieces' up projections in the same launch (they need no routing): rows `top_k..`
+/// of `h [s.choices(), inter]` get `relu(bf16(x W^T))^2` of piece j's rows of `up [experts +
+/// shared, inter, hidden]` (the pieces after the routed experts, as [`experts_mlp_choices`]
+/// takes them), bit for bit as [`experts_mlp_choices`] computes them; the routed choices' rows
+/// are left to [`experts_mlp_choices_after`].
+pub fn route_appended_up(
+    gpu: &Gpu,
+    s: RouteShape,
+    x: (&impl DevicePtr<bf16>, usize),
+    router: Router,
+    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    (up, inter): (&CudaSlice<bf16>, usize),
+    h: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    launch_route(gpu, s, x, router, out, Some((up, inter, h)))
+}
+
+/// [`route`], and with `appended` the pieces' up projections of [`route_appended_up`].
+fn launch_route(
+    gpu: &Gpu,
+    s: RouteShape,
+    (x, hidden): (&impl DevicePtr<bf16>, usize),
+    router: Router,
+    (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    appended: Option<(&CudaSlice<bf16>, usize, &mut CudaSlice<bf16>)>,
+) -> Result<()> {
+    let k = Kernel::MoeRoute;
+    let a = gpu.args(k);
+    let c = a.check();
+    c.choices(s.experts, s.top_k)?;
+    c.choices(s.experts + s.shared, s.choices())?;
+    c.count("n_group", s.experts, s.n_group)?;
+    c.that("n_group", s.experts.is_multiple_of(s.n_group), format!("a divisor of experts {}", s.experts), s.n_group)?;
+    c.count("topk_group", s.n_group, s.topk_group)?;
+    c.that(
+        "top_k",
+        s.top_k <= s.topk_group * (s.experts / s.n_group),
+        "at most the experts of the kept groups",
+        s.top_k,
+    )?;
+    c.count("hidden", MAX_ELEMS, hidden)?;
+    c.that("hidden", hidden.is_multiple_of(8), "a multiple of 8", hidden)?;
+    c.that("x", x.len().is_multiple_of(hidden) && !x.is_empty(), format!("whole rows of {hidden}"), x.len())?;
+    let rows = x.len() / hidden;
+    c.count("rows", MAX_ROWS, rows)?;
+    let choices = Len::Exactly(rows * s.choices());
+    let (gate, bias) = (
+        a.input("gate", router.gate, Len::Exactly(s.experts * hidden))?,
+        a.input("bias", router.bias, Len::Exactly(s.experts))?,
+    );
+    let (idx, weight) = (a.output("idx", idx, choices)?, a.output("weight", weight, choices)?);
+    let tiles = rows.div_ceil(LOGITS_TOKENS as usize);
+    c.count("rows", crate::gpu::COUNTERS * LOGITS_TOKENS as usize, rows)?;
+    // SAFETY: every logit is written before the selection (by the tile's last block) reads it.
+    let mut logits = unsafe { gpu.scratch::<f32>(rows * s.experts) }?;
+    let p = RouteParams {
+        x: a.input("x", x, Len::Any)?,
+        gate,
+        logits: a.output("logits", &mut logits, Len::Any)?,
+        counters: gpu.counters() as *mut u32,
+        bias,
+        idx,
+        weight,
+        rows: rows as u32,
+        hidden: hidden as u32,
+        experts: s.experts as u32,
+        top_k: s.top_k as u32,
+        n_group: s.n_group as u32,
+        topk_group: s.topk_group as u32,
+        renormalize: u32::from(s.renormalize),
+        scaling: s.scaling,
+        shared: s.shared as u32,
+        up: core::ptr::null(),
+        h: core::ptr::null_mut(),
+        inter: 0,
+    };
+    let (p, extra) = match appended {
+        None => (p, 0),
+        Some((up, inter, h)) => {
+            c.that("rows", rows == 1, "one token (the pieces' up projections in the routing)", rows)?;
+            c.count("shared", MAX_TOP_K as usize, s.shared)?;
+            c.count("inter", MAX_ELEMS, inter)?;
+            let up = a.input("up", up, Len::Exactly((s.experts + s.shared) * inter * hidden))?;
+            let h = a.output("h", h, Len::Exactly(s.choices() * inter))?;
+            (RouteParams { up, h, inter: inter as u32, ..p }, s.shared * inter.div_ceil(ROUTE_UP_ROWS as usize))
+        }
+    };
+    c.count("blocks", u32::MAX as usize, s.experts + extra)?;
+    let aligned = (p.x as usize).is_multiple_of(16) && (p.gate as usize).is_multiple_of(16);
+    if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
+        let kt = Kernel::MoeRouteTc;
+        // SAFETY: as below, and x and gate 16-byte aligned (hidden a multiple of 8), experts
+        // as the kernel takes them; no counters used.
+        return unsafe {
+            gpu.launch(kt, (rows.div_ceil(ROUTER_TOKENS as usize) as u32, 1, 1), ROUTER_BLOCK, router_smem_bytes(), p)
+        };
+    }
+    // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
+    // counter per tile; with the pieces' up projections, one token, up and h of their
+    // shapes); the group settings can always fill top_k; outputs are `&mut`.
+    unsafe { gpu.launch(k, ((s.experts + extra) as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
+}
+
+/// Fewest tokens whose routing runs on tensor cores (`moe_route_tc_bf16`: the router logits of
+/// 32 tokens against every expert as one product) rather than in the one-launch kernel (a
+/// block per expert and 8 tokens, each reading the tokens' activations again).
+pub const ROUTE_TC_MIN_ROWS: usize = 256;

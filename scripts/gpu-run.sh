@@ -42,7 +42,7 @@ if [ "$1" = serve ]; then
   exit $status
 fi
 which ptxas compute-sanitizer; ptxas --version | tail -1
-for t in ${TESTS-ptx gpu mma norm quant conv1d ssm ssd mamba sample gemm gemv grouped router moe act attn cuda fp8}; do
+for t in ${TESTS-ptx gpu mma norm quant conv1d ssm ssd mamba sample sample_gpu gemm gemv grouped router moe act attn cuda fp8}; do
   echo "=== tests/$t"; .device/tests/$t --include-ignored --test-threads=1 --nocapture 2>&1 | tee $OUT/test-$t.log | grep -E "compared|test result|panicked|FAILED|GPU:|ptxas|max relative"
 done
 # The sanitizers run every kernel suite's GPU tests except the long sequential ones (100
@@ -50,7 +50,7 @@ done
 # racecheck also reports hazards inside cuBLASLt's own kernels (nvjet_*; tests/moe runs the
 # cuBLASLt expert path): read its log for kernels of ours (names in kernels-gpu/src/lib.rs).
 for tool in memcheck racecheck synccheck; do
-  for t in ${SANITIZE-mma norm quant conv1d ssm ssd mamba sample gemv grouped router moe act attn}; do
+  for t in ${SANITIZE-mma norm quant conv1d ssm ssd mamba sample_gpu gemv grouped router moe act attn}; do
     echo "=== compute-sanitizer $tool tests/$t"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 .device/tests/$t --include-ignored --test-threads=1 \
       --skip 100_steps --skip token_by_token ${SANITIZE_FILTER:-gpu} 2>&1 | tee $OUT/$tool-$t.log | tail -4

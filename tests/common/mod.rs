@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each suite that includes this module uses a part of it
 
 pub mod experts;
+pub mod sampling;
 
 use half::bf16;
 use host::cpu::ssm::{SsmRef, Token};

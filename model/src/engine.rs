@@ -85,14 +85,14 @@ struct Request {
     constraint: Option<Box<dyn Constraint>>,
     /// Tokens not yet fed to the model (the prompt, then each sampled token).
     pending: Vec<u32>,
-    /// Tokens fed to the model (or restored): the sequence its slot's state has seen.
+    /// Tokens fed to the model (or restored): the sequence its slot's state has seen (its
+    /// length the tokens computed).
     seen: Vec<u32>,
-    computed: usize,
     generated: usize,
     slot: Option<i32>,
     /// Prompt tokens restored from the prefix cache.
     cached: usize,
-    /// Where its prefill stops for snapshots, in order ([`PrefixCache::stops`]).
+    /// Where its prefill stops for snapshots, in order ([`PrefixCache::start`]).
     stops: Vec<usize>,
     /// The length of its last snapshot, saved or restored.
     snapped: usize,
@@ -201,7 +201,6 @@ impl<B: Backend> Engine<B> {
                 constraint,
                 pending: prompt.to_vec(),
                 seen: Vec::new(),
-                computed: 0,
                 generated: 0,
                 slot: None,
                 cached: 0,
@@ -277,7 +276,7 @@ impl<B: Backend> Engine<B> {
         let mut fed: Vec<(RequestId, usize)> = Vec::new();
         for (&id, r) in &self.requests {
             if r.slot.is_some() && room > 0 {
-                let n = r.pending.len().min(room).min(r.stops.first().map_or(usize::MAX, |s| s - r.computed));
+                let n = r.pending.len().min(room).min(r.stops.first().map_or(usize::MAX, |s| s - r.seen.len()));
                 room -= n;
                 fed.push((id, n));
             }
@@ -316,7 +315,7 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&(id, n)| {
                 let r = &self.requests[&id];
-                Part { slot: r.slot.unwrap_or(-1), computed: r.computed, tokens: &r.pending[..n] }
+                Part { slot: r.slot.unwrap_or(-1), computed: r.seen.len(), tokens: &r.pending[..n] }
             })
             .collect();
         // A row for every part; those with prompt tokens left take none of theirs (greedy:
@@ -354,9 +353,8 @@ impl<B: Backend> Engine<B> {
         let mut keep = Vec::new();
         for (&(id, n), pick) in fed.iter().zip(picks) {
             let r = self.requests.get_mut(&id).expect("ids come from the map");
-            r.computed += n;
             r.seen.extend(r.pending.drain(..n));
-            if r.stops.first() == Some(&r.computed) {
+            if r.stops.first() == Some(&r.seen.len()) {
                 r.stops.remove(0);
                 keep.push(id);
             }
@@ -439,7 +437,7 @@ impl<B: Backend> Engine<B> {
         tracing::debug!(id, prompt = r.pending.len(), restored, "prefix cache");
         r.stops = cache.start(&r.pending, restored);
         r.seen.extend(r.pending.drain(..restored));
-        (r.computed, r.cached, r.snapped) = (restored, restored, restored);
+        (r.cached, r.snapped) = (restored, restored);
     }
 
     /// Saves request `id`'s slot's state into the prefix cache, where the cache wants it.

@@ -10,6 +10,9 @@
 //! ([`crate::engine::Engine::set_prefix_cache`]):
 //! - at the end of a prompt's prefill, and at the end of a request (its prompt and output but
 //!   the last token, which was never fed): a chat's next turn starts with them;
+//! - before a chat prompt's last turn start ([`PrefixSettings::turn_start`]), where its
+//!   generation prompt begins: the conversation's next turn starts with what comes before it,
+//!   whatever the template makes of the answer;
 //! - at branch points: when a new prompt shares a longer prefix with a recent prompt than any
 //!   snapshot it hits, its prefill stops there for a snapshot (one more step for that request),
 //!   so the requests after it that share the prefix (a system prompt and tool list followed by
@@ -203,16 +206,13 @@ impl<B: Backend> PrefixCache<B> {
         }
     }
 
-    pub fn settings(&self) -> PrefixSettings {
-        self.settings
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats { entries: self.entries.len(), bytes: self.held_bytes(), ..self.stats }
     }
 
-    pub fn stats(&self) -> PrefixStats {
-        PrefixStats {
-            entries: self.entries.len(),
-            bytes: self.entries.iter().map(|e| e.snapshot.bytes()).sum(),
-            ..self.stats
-        }
+    /// Bytes the snapshots held take.
+    fn held_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.snapshot.bytes()).sum()
     }
 
     fn tick(&mut self) -> u64 {
@@ -284,10 +284,11 @@ impl<B: Backend> PrefixCache<B> {
             e.used = now;
             return false;
         }
-        let held = |c: &Self| c.entries.iter().map(|e| e.snapshot.bytes()).sum::<usize>();
-        while held(self) + bytes > self.settings.budget || self.entries.len() >= MAX_ENTRIES {
+        let mut held = self.held_bytes();
+        while held + bytes > self.settings.budget || self.entries.len() >= MAX_ENTRIES {
             let Some(old) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else { break };
             let e = self.entries.swap_remove(old);
+            held -= e.snapshot.bytes();
             self.stats.evictions += 1;
             tracing::debug!(tokens = e.tokens.len(), bytes = e.snapshot.bytes(), "prefix cache: snapshot evicted");
         }

@@ -33,26 +33,14 @@ impl<B: Backend> Model<B> {
             ssm: b.zeros32(shape.mamba_layers * shape.ssm)?,
             kv: b.scratch(shape.attention_layers * 2 * len * shape.kv)?,
         };
-        let (mut m, mut a) = (0, 0);
-        for layer in &mut self.weights.layers {
-            match layer {
-                MixW::Mamba(x) => {
-                    let (conv, ssm) = B::mamba_state(x);
-                    b.copy(conv, s * shape.conv, &mut snap.conv, m * shape.conv, shape.conv)?;
-                    b.copy32(ssm, s * shape.ssm, &mut snap.ssm, m * shape.ssm, shape.ssm)?;
-                    m += 1;
-                }
-                MixW::Attention(x) => {
-                    let (k, v) = B::kv_cache(x);
-                    for (i, cache) in [k, v].into_iter().enumerate() {
-                        let n = len * shape.kv;
-                        b.copy(cache, s * max_len * shape.kv, &mut snap.kv, (2 * a + i) * n, n)?;
-                    }
-                    a += 1;
-                }
-                MixW::Moe(_) | MixW::Mlp { .. } => {}
+        let n = len * shape.kv;
+        self.each_state(&mut |b, state| match state {
+            State::Mamba(m, conv, ssm) => {
+                b.copy(conv, s * shape.conv, &mut snap.conv, m * shape.conv, shape.conv)?;
+                b.copy32(ssm, s * shape.ssm, &mut snap.ssm, m * shape.ssm, shape.ssm)
             }
-        }
+            State::Kv(i, cache) => b.copy(cache, s * max_len * shape.kv, &mut snap.kv, i * n, n),
+        })?;
         Ok(snap)
     }
 
@@ -67,28 +55,48 @@ impl<B: Backend> Model<B> {
                 snap.len, snap.shape
             )));
         }
-        let b = &self.backend;
-        let (mut m, mut a) = (0, 0);
+        let n = snap.len * shape.kv;
+        self.each_state(&mut |b, state| match state {
+            State::Mamba(m, conv, ssm) => {
+                b.copy(&snap.conv, m * shape.conv, conv, s * shape.conv, shape.conv)?;
+                b.copy32(&snap.ssm, m * shape.ssm, ssm, s * shape.ssm, shape.ssm)
+            }
+            State::Kv(i, cache) => b.copy(&snap.kv, i * n, cache, s * max_len * shape.kv, n),
+        })?;
+        self.past[s] = snap.len;
+        Ok(())
+    }
+
+    /// `f` on every state buffer of the layers, in layer order: each Mamba layer's conv and SSM
+    /// states (the m-th Mamba layer's), each attention layer's key then value cache (the a-th
+    /// attention layer's as the caches `2a` and `2a + 1`).
+    fn each_state(&mut self, f: &mut dyn FnMut(&B, State<'_, B>) -> Result<()>) -> Result<()> {
+        let (mut m, mut i) = (0, 0);
         for layer in &mut self.weights.layers {
             match layer {
                 MixW::Mamba(x) => {
                     let (conv, ssm) = B::mamba_state(x);
-                    b.copy(&snap.conv, m * shape.conv, conv, s * shape.conv, shape.conv)?;
-                    b.copy32(&snap.ssm, m * shape.ssm, ssm, s * shape.ssm, shape.ssm)?;
+                    f(&self.backend, State::Mamba(m, conv, ssm))?;
                     m += 1;
                 }
                 MixW::Attention(x) => {
                     let (k, v) = B::kv_cache(x);
-                    for (i, cache) in [k, v].into_iter().enumerate() {
-                        let n = snap.len * shape.kv;
-                        b.copy(&snap.kv, (2 * a + i) * n, cache, s * max_len * shape.kv, n)?;
+                    for cache in [k, v] {
+                        f(&self.backend, State::Kv(i, cache))?;
+                        i += 1;
                     }
-                    a += 1;
                 }
                 MixW::Moe(_) | MixW::Mlp { .. } => {}
             }
         }
-        self.past[s] = snap.len;
         Ok(())
     }
+}
+
+/// A layer's state buffers of every slot ([`Model::each_state`]): a Mamba layer's conv and SSM
+/// states with its index among the Mamba layers, or a key or value cache with its index among
+/// the caches.
+enum State<'a, B: Backend> {
+    Mamba(usize, &'a mut B::Buf, &'a mut B::Buf32),
+    Kv(usize, &'a mut B::Buf),
 }

@@ -157,6 +157,11 @@ impl Events {
     }
 }
 
+/// The `p` quantile of `v` in milliseconds to a hundredth, `-` for no values.
+pub(crate) fn quantile_ms(v: &[Duration], p: f64) -> String {
+    percentile(v, p).map_or("-".into(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
+}
+
 /// The `p` quantile of `v` (nearest rank), `None` for no values.
 pub(crate) fn percentile(v: &[Duration], p: f64) -> Option<Duration> {
     let mut v = v.to_vec();

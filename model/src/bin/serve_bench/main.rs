@@ -49,7 +49,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::{Value, json};
 
-use http::{Sample, percentile, request};
+use http::{Sample, quantile_ms, request};
 
 /// Streams chat completions from a running `serve` with N concurrent clients and reports
 /// tokens/s, time to first token and inter-token latency.
@@ -197,18 +197,15 @@ fn main() -> Result<()> {
         }
         let ttft = samples.iter().map(|s| s.ttft.context("a stream ended without text")).collect::<Result<Vec<_>>>()?;
         let gaps: Vec<Duration> = samples.iter().flat_map(|s| s.gaps.iter().copied()).collect();
-        let ms = |v: &[Duration], p: f64| {
-            percentile(v, p).map_or("-".to_string(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
-        };
         println!(
             "{n:>7} {:>8} {tokens:>8} {:>8.2} {:>10.1} {:>9} {:>9} {:>9} {:>9} {:>12.2}",
             samples.len(),
             wall.as_secs_f64(),
             tokens as f64 / wall.as_secs_f64(),
-            ms(&ttft, 0.5),
-            ms(&ttft, 0.9),
-            ms(&gaps, 0.5),
-            ms(&gaps, 0.9),
+            quantile_ms(&ttft, 0.5),
+            quantile_ms(&ttft, 0.9),
+            quantile_ms(&gaps, 0.5),
+            quantile_ms(&gaps, 0.9),
             tokens as f64 / chunks.max(1) as f64,
         );
     }

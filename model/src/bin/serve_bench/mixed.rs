@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
-use crate::http::{Sample, joined, percentile, request};
+use crate::http::{Sample, joined, percentile, quantile_ms, request};
 use crate::{Args, UNIT, repeats};
 
 /// `--mixed` (module doc).
@@ -68,7 +68,7 @@ pub(crate) fn mixed(addr: &str, args: &Args) -> Result<()> {
             Ok((streams, longs, t0.elapsed()))
         })?;
         let gaps: Vec<Duration> = streams.iter().flat_map(|s| s.gaps.iter().copied()).collect();
-        let q = |p: f64| percentile(&gaps, p).map_or("-".into(), |d| format!("{:.2}", ms(d)));
+        let q = |p: f64| quantile_ms(&gaps, p);
         let tokens: usize = streams.iter().map(|s| s.tokens).sum();
         let total: Vec<Duration> = longs.iter().map(|s| s.total).collect();
         let long_time = match (percentile(&total, 0.5), total.iter().max()) {

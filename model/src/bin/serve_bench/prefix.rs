@@ -7,13 +7,8 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use serde_json::{Value, json};
 
-use crate::http::{Sample, joined, percentile, request};
+use crate::http::{Sample, joined, percentile, quantile_ms, request};
 use crate::{Args, UNIT, repeats};
-
-/// Milliseconds of the `p` quantile of `v`, to a hundredth.
-fn ms(v: &[Duration], p: f64) -> String {
-    percentile(v, p).map_or("-".into(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
-}
 
 /// The median of `v`.
 fn median(mut v: Vec<usize>) -> usize {
@@ -86,7 +81,12 @@ pub(crate) fn turns(addr: &str, args: &Args, turns: usize) -> Result<()> {
         let ttft: Vec<Duration> = samples.iter().filter_map(|s| s.ttft).collect();
         let prompt = median(samples.iter().map(|s| s.prompt_tokens).collect());
         let restored = median(samples.iter().map(|s| s.cached_tokens).collect());
-        println!("{:>4} {prompt:>11} {restored:>13} {:>9} {:>9}", t + 1, ms(&ttft, 0.5), ms(&ttft, 0.9));
+        println!(
+            "{:>4} {prompt:>11} {restored:>13} {:>9} {:>9}",
+            t + 1,
+            quantile_ms(&ttft, 0.5),
+            quantile_ms(&ttft, 0.9)
+        );
     }
     let next = |cold: bool| -> Vec<Value> {
         let bodies = runs.iter().enumerate().map(|(c, (_, history))| {
@@ -107,8 +107,8 @@ pub(crate) fn turns(addr: &str, args: &Args, turns: usize) -> Result<()> {
         turns + 1,
         median(hit.iter().map(|s| s.prompt_tokens).collect()),
         median(hit.iter().map(|s| s.cached_tokens).collect()),
-        ms(&ttfts(&hit), 0.5),
-        ms(&ttfts(&cold), 0.5),
+        quantile_ms(&ttfts(&hit), 0.5),
+        quantile_ms(&ttfts(&cold), 0.5),
         100.0 * p50(&hit) / p50(&cold).max(1e-9)
     );
     Ok(())
@@ -151,8 +151,8 @@ pub(crate) fn shared(addr: &str, args: &Args, tokens: usize) -> Result<()> {
             median(hit.iter().map(|s| s.prompt_tokens).collect()),
             shares[0],
             shares[shares.len() / 2],
-            ms(&ttfts(&hit), 0.5),
-            ms(&ttfts(&cold), 0.5)
+            quantile_ms(&ttfts(&hit), 0.5),
+            quantile_ms(&ttfts(&cold), 0.5)
         );
     }
     Ok(())

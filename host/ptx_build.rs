@@ -3,7 +3,7 @@
 //! Shared by `host/build.rs` (which embeds the PTX of every arch) and `cargo xtask ptx` (which
 //! also assembles it with ptxas), through `#[path]`, so there is one definition of the build.
 
-use kernels_gpu::{Kernel, MAX_BLOCK, flash, grouped, mamba, qgemv, router, sample, ssd};
+use kernels_gpu::Kernel;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -128,40 +128,41 @@ fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
 }
 
 /// Kernels whose launches need a bound on their registers (64K registers an SM: a block of
-/// 512 threads fits only at 128 or fewer each, which ptxas does not assume), their threads per
-/// block, and the blocks an SM should hold at once (`.minnctapersm`, 0: not said). One block
+/// 512 threads fits only at 128 or fewer each, which ptxas does not assume), bounded by their
+/// most threads a block (`Kernel::threads`), and the blocks an SM should hold at once
+/// (`.minnctapersm`, 0: not said). One block
 /// for `sample_bf16` (for sm_121a ptxas otherwise kept it at 64 registers, and spilled); the
 /// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
 /// staging of some blocks overlaps the products of others; the FP8 and NVFP4 tensor-core mat-vecs two, so an SM
 /// holds 16 warps of weight loads. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(Kernel, u32, u32); 26] = [
-    (Kernel::MoeRouteTc, router::ROUTER_BLOCK, 2),
-    (Kernel::MoeGroupedWide, grouped::GROUPED_BLOCK, 2),
-    (Kernel::MoeGrouped, grouped::GROUPED_BLOCK, 2),
-    (Kernel::MoeGroupedFp8, grouped::GROUPED_BLOCK, 2),
-    (Kernel::MoeGroupedWgmma, grouped::GROUPED_BLOCK, 1),
-    (Kernel::MoeGroupedWgmmaFp8, grouped::GROUPED_BLOCK, 1),
-    (Kernel::GemmWgmma, grouped::GROUPED_BLOCK, 1),
-    (Kernel::GemmWgmmaFp8, grouped::GROUPED_BLOCK, 1),
-    (Kernel::GemmFp8, grouped::GROUPED_BLOCK, 2),
-    (Kernel::GemmWideBf16, grouped::GROUPED_BLOCK, 2),
-    (Kernel::GemmBf16, grouped::GROUPED_BLOCK, 2),
-    (Kernel::AttnFlash, flash::FLASH_BLOCK, 1),
-    (Kernel::AttnFlashD128, flash::FLASH_BLOCK, 1),
-    (Kernel::MambaDecode, mamba::MAMBA_BLOCK, 0),
-    (Kernel::GemvTcFp8, qgemv::QG_BLOCK, 2),
-    (Kernel::MoeExpertTcFp8, qgemv::QG_BLOCK, 2),
-    (Kernel::GemvTcNvfp4, qgemv::QG_BLOCK, 3),
-    (Kernel::MoeExpertTcNvfp4, qgemv::QG_BLOCK, 2),
-    (Kernel::Sample, sample::SAMPLE_BLOCK, 1),
-    (Kernel::SsdChunkState, ssd::SSD_STATE_BLOCK, 3),
-    (Kernel::SsdStatePassF32, ssd::SSD_PASS_BLOCK, 2),
-    (Kernel::SsdStatePassBf16, ssd::SSD_PASS_BLOCK, 2),
-    (Kernel::SsdScan, ssd::SSD_SCAN_BLOCK, 3),
-    (Kernel::NormRms, MAX_BLOCK, 0),
-    (Kernel::NormGated, MAX_BLOCK, 0),
-    (Kernel::NormGatedFp8, MAX_BLOCK, 0),
+const LAUNCH_BOUNDS: [(Kernel, u32); 26] = [
+    (Kernel::MoeRouteTc, 2),
+    (Kernel::MoeGroupedWide, 2),
+    (Kernel::MoeGrouped, 2),
+    (Kernel::MoeGroupedFp8, 2),
+    (Kernel::MoeGroupedWgmma, 1),
+    (Kernel::MoeGroupedWgmmaFp8, 1),
+    (Kernel::GemmWgmma, 1),
+    (Kernel::GemmWgmmaFp8, 1),
+    (Kernel::GemmFp8, 2),
+    (Kernel::GemmWideBf16, 2),
+    (Kernel::GemmBf16, 2),
+    (Kernel::AttnFlash, 1),
+    (Kernel::AttnFlashD128, 1),
+    (Kernel::MambaDecode, 0),
+    (Kernel::GemvTcFp8, 2),
+    (Kernel::MoeExpertTcFp8, 2),
+    (Kernel::GemvTcNvfp4, 3),
+    (Kernel::MoeExpertTcNvfp4, 2),
+    (Kernel::Sample, 1),
+    (Kernel::SsdChunkState, 3),
+    (Kernel::SsdStatePassF32, 2),
+    (Kernel::SsdStatePassBf16, 2),
+    (Kernel::SsdScan, 3),
+    (Kernel::NormRms, 0),
+    (Kernel::NormGated, 0),
+    (Kernel::NormGatedFp8, 0),
 ];
 
 /// `ptx` with a `.maxntid` directive (and `.minnctapersm` where asked) on each entry of
@@ -169,8 +170,8 @@ const LAUNCH_BOUNDS: [(Kernel, u32, u32); 26] = [
 /// what the block size allows.
 fn with_launch_bounds(ptx: &str, arch: &str) -> Result<String, String> {
     let mut text = ptx.to_string();
-    for (kernel, threads, blocks) in LAUNCH_BOUNDS {
-        let name = kernel.name();
+    for (kernel, blocks) in LAUNCH_BOUNDS {
+        let (name, threads) = (kernel.name(), kernel.threads().most());
         if !kernel.in_arch(arch) {
             continue;
         }

@@ -3,22 +3,22 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::act::{GatherParams, Relu2Params};
-use kernels_gpu::{EW_BLOCK, Kernel};
+use kernels_gpu::entry;
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::quant::elementwise_grid;
 
 /// `x = bf16(relu(x)^2)` over the first `n` elements.
 pub fn relu2(gpu: &Gpu, x: &mut impl DevicePtrMut<bf16>, n: usize) -> Result<()> {
-    let k = Kernel::ActRelu2;
+    let k = entry::ACT_RELU2;
     let a = gpu.args(k);
     a.check().count("n", MAX_ELEMS, n)?;
     let p = Relu2Params { x: a.output("x", x, Len::AtLeast(n))?, n: n as u32 };
     // SAFETY: x holds at least n elements.
-    unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (elementwise_grid(n), 1, 1)), p) }
 }
 
 /// `out[r] = table[idx[r]]`, rows of `width`; the indices are checked here (an index
@@ -30,7 +30,7 @@ pub fn gather(
     idx: &[u32],
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let c = Check(Kernel::ActGather.name());
+    let c = Check(entry::ACT_GATHER.name());
     c.count("width", MAX_ELEMS, width)?;
     let table_rows = table.len() / width;
     if let Some(&bad) = idx.iter().find(|&&i| i as usize >= table_rows) {
@@ -48,7 +48,7 @@ pub fn gather_by(
     idx: &impl DevicePtr<u32>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::ActGather;
+    let k = entry::ACT_GATHER;
     let a = gpu.args(k);
     a.check().count("width", MAX_ELEMS, width)?;
     a.check().count("rows", MAX_ROWS, idx.len())?;
@@ -62,5 +62,5 @@ pub fn gather_by(
     };
     // SAFETY: the table holds table_rows * width, out rows * width; out is `&mut`. The index
     // buffer outlives the launch in stream order (cudarc frees on the same stream).
-    unsafe { gpu.launch(k, (idx.len() as u32, 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (idx.len() as u32, 1, 1)), p) }
 }

@@ -63,8 +63,8 @@ pub(crate) struct Args<'g> {
 
 impl Gpu {
     /// The arguments of a launch of `kernel`.
-    pub(crate) fn args(&self, kernel: Kernel) -> Args<'_> {
-        Args { gpu: self, kernel }
+    pub(crate) fn args(&self, kernel: impl Into<Kernel>) -> Args<'_> {
+        Args { gpu: self, kernel: kernel.into() }
     }
 }
 

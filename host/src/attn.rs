@@ -5,14 +5,14 @@ use std::collections::HashSet;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
-use kernels_gpu::attn::{ATTN_BLOCK, AttnParams, MAX_HEAD_DIM, smem_bytes, split_keys};
-use kernels_gpu::flash::{FLASH_BLOCK, FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile, flash_smem_bytes};
+use kernels_gpu::attn::{AttnParams, MAX_HEAD_DIM, smem_bytes, split_keys};
+use kernels_gpu::flash::{FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashParams, FlashTile};
+use kernels_gpu::{Kernel, entry};
 
 use crate::args::{Elem, Len, Rows};
 use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// Attention geometry and the cache's length per slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +156,7 @@ pub fn attention(
     rows: &AttnRows,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kn = Kernel::Attn;
+    let kn = entry::ATTN;
     let a = gpu.args(kn);
     let c = a.check();
     let n = rows.len();
@@ -199,7 +199,7 @@ pub fn attention(
     // checked before anything launches.
     let flash = match &rows.tiles {
         Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
-            let kf = if s.head_dim.div_ceil(16) == 8 { Kernel::AttnFlashD128 } else { Kernel::AttnFlash };
+            let kf = if s.head_dim.div_ceil(16) == 8 { entry::ATTN_FLASH_D128 } else { entry::ATTN_FLASH };
             let aligned = |a: u64| a.is_multiple_of(16);
             let vec = s.head_dim.is_multiple_of(8)
                 && q_stride.is_multiple_of(8)
@@ -230,17 +230,17 @@ pub fn attention(
     // on the stream, or, each row in a slot of its own, reads no cache position it writes.
     unsafe {
         if !rows.own {
-            gpu.launch(Kernel::AttnCacheWrite, (n as u32, 1, 1), ATTN_BLOCK, 0, p)?;
+            gpu.launch(Grid::new(entry::ATTN_CACHE_WRITE, (n as u32, 1, 1)), p)?;
         }
         if let Some((kf, blocks, f)) = flash {
-            return gpu.launch(kf, (blocks, 1, 1), FLASH_BLOCK, flash_smem_bytes(), f);
+            return gpu.launch(Grid::new(kf, (blocks, 1, 1)), f);
         }
         // The row kernel, each row's keys in parts of split_keys (at most MAX_SPLITS).
         let keys = split_keys(p.max_len);
         let splits = p.max_len.div_ceil(keys);
         let (grid, smem) = ((n as u32, s.heads as u32, splits), smem_bytes(p.head_dim, keys));
         if splits == 1 {
-            return gpu.launch(kn, grid, ATTN_BLOCK, smem, AttnParams { split_keys: keys, ..p });
+            return gpu.launch(Grid::new(kn, grid).smem(smem), AttnParams { split_keys: keys, ..p });
         }
         // SAFETY (uninitialized): attn_bf16 writes every part's sum, and the rest of each part
         // that has keys, before the combine launch reads them (the rest only where the sum is
@@ -248,7 +248,7 @@ pub fn attention(
         let mut parts = gpu.scratch::<f32>(n * s.heads * splits as usize * (s.head_dim + 2))?;
         let partial = a.output("partial", &mut *parts, Len::Any)?;
         let p = AttnParams { split_keys: keys, splits, partial, ..p };
-        gpu.launch(kn, grid, ATTN_BLOCK, smem, p)?;
-        gpu.launch(Kernel::AttnCombine, (n as u32, s.heads as u32, 1), ATTN_BLOCK, 0, p)
+        gpu.launch(Grid::new(kn, grid).smem(smem), p)?;
+        gpu.launch(Grid::new(entry::ATTN_COMBINE, (n as u32, s.heads as u32, 1)), p)
     }
 }

@@ -2,14 +2,14 @@
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
 use kernels_gpu::conv1d::{CONV_BLOCK, ConvFwdParams, ConvUpdateParams, MAX_K, TILE_BATCH, TILE_CHANNELS, TILED_MAX_K};
+use kernels_gpu::entry;
 
 use crate::args::{Args, Len, Rows};
 use crate::batch::{Prefill, Slots};
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// Geometry of the conv: `dim` channels, `k` taps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,7 +67,7 @@ pub fn conv_update(
     slots: &Slots,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::ConvUpdate;
+    let k = entry::CONV_UPDATE;
     let a = gpu.args(k);
     let batch = slots.len();
     a.check().count("batch", 65535, batch)?;
@@ -89,7 +89,7 @@ pub fn conv_update(
     // SAFETY: `Args` proved x, w, bias, the state cache and y cover the shape; Slots holds
     // only PAD_SLOT or distinct slots < num_slots, the cache's slot count; state and y are
     // `&mut`; grid/block as conv1d_update_bf16 documents.
-    unsafe { gpu.launch(k, (shape.blocks(), batch as u32, 1), CONV_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (shape.blocks(), batch as u32, 1)), p) }
 }
 
 /// Which kernel computes a prefill's outputs (the same values bit for bit).
@@ -139,7 +139,7 @@ pub fn conv_fwd_on(
     seqs: &Prefill,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let (kf, ks, kt) = (Kernel::ConvFwd, Kernel::ConvFwdState, Kernel::ConvFwdTiled);
+    let (kf, ks, kt) = (entry::CONV_FWD, entry::CONV_FWD_STATE, entry::CONV_FWD_TILED);
     let a = gpu.args(kf);
     let tokens = seqs.tokens();
     Check(ks.name()).count("sequences", 65535, seqs.nseq())?;
@@ -181,14 +181,14 @@ pub fn conv_fwd_on(
     // stream.
     unsafe {
         match path {
-            ConvPath::PerToken => gpu.launch(kf, (tokens as u32, shape.blocks(), 1), CONV_BLOCK, 0, p)?,
+            ConvPath::PerToken => gpu.launch(Grid::new(kf, (tokens as u32, shape.blocks(), 1)), p)?,
             ConvPath::Tiled => {
                 let grid = (tokens.div_ceil(p.tile as usize) as u32, p.dim.div_ceil(TILE_CHANNELS * CONV_BLOCK), 1);
-                gpu.launch(kt, grid, CONV_BLOCK, 0, p)?
+                gpu.launch(Grid::new(kt, grid), p)?
             }
         }
         p.tile = 0;
-        gpu.launch(ks, (shape.blocks(), seqs.nseq() as u32, 1), CONV_BLOCK, 0, p)
+        gpu.launch(Grid::new(ks, (shape.blocks(), seqs.nseq() as u32, 1)), p)
     }
 }
 

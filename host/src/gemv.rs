@@ -4,14 +4,14 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::gemv::{DenseParams, Operands, SPLIT_BLOCK, SPLIT_ROWS, SplitParams, WARP_BLOCK, WARP_BLOCK_ROWS};
-use kernels_gpu::qgemv::{QG_BLOCK, QG_ROWS};
-use kernels_gpu::{Kernel, nvfp4};
+use kernels_gpu::gemv::{DenseParams, Operands, SPLIT_ROWS, SplitParams, WARP_BLOCK_ROWS};
+use kernels_gpu::qgemv::QG_ROWS;
+use kernels_gpu::{Entry, Kernel, entry, nvfp4};
 
 use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// The weights of one projection, `[matrices, n, k]`: one matrix for a linear layer, one per
 /// expert for MoE (a [`Proj`]'s). FP8 and NVFP4 scales must be finite and > 0 (the model's
@@ -143,12 +143,12 @@ pub fn gemv(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kern = match p.w {
-        Weights::Bf16(_) => Kernel::Gemv,
-        Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => Kernel::GemvFp8,
-        Weights::Nvfp4 { .. } if rows < NVFP4_TC_MIN_ROWS => Kernel::GemvNvfp4,
+        Weights::Bf16(_) => entry::GEMV,
+        Weights::Fp8 { .. } if rows < FP8_TC_MIN_ROWS => entry::GEMV_FP8,
+        Weights::Nvfp4 { .. } if rows < NVFP4_TC_MIN_ROWS => entry::GEMV_NVFP4,
         _ => return gemv_tc(gpu, x, rows, p, out),
     };
-    dense(gpu, (kern, WARP_BLOCK_ROWS, WARP_BLOCK), x, rows, p, out)
+    dense(gpu, (kern, WARP_BLOCK_ROWS), x, rows, p, out)
 }
 
 /// [`gemv`] of FP8 or NVFP4 weights on tensor cores (kernels-gpu/src/qgemv.rs): eight rows of
@@ -161,8 +161,8 @@ pub fn gemv_tc(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kern = match p.w {
-        Weights::Fp8 { .. } => Kernel::GemvTcFp8,
-        Weights::Nvfp4 { .. } => Kernel::GemvTcNvfp4,
+        Weights::Fp8 { .. } => entry::GEMV_TC_FP8,
+        Weights::Nvfp4 { .. } => entry::GEMV_TC_NVFP4,
         Weights::Bf16(_) => {
             return Err(crate::Error::Shape {
                 kernel: Kernel::GemvTcFp8.name(),
@@ -172,13 +172,13 @@ pub fn gemv_tc(
             });
         }
     };
-    dense(gpu, (kern, QG_ROWS, QG_BLOCK), x, rows, p, out)
+    dense(gpu, (kern, QG_ROWS), x, rows, p, out)
 }
 
-/// A launch of a dense gemv kernel ([`DenseParams`]) with its weight rows and threads a block.
+/// A launch of a dense gemv kernel with its weight rows a block.
 fn dense(
     gpu: &Gpu,
-    (kern, block_rows, block): (Kernel, u32, u32),
+    (kern, block_rows): (Entry<DenseParams>, u32),
     x: &impl DevicePtr<bf16>,
     rows: usize,
     p: Proj<Weights>,
@@ -188,8 +188,8 @@ fn dense(
     a.check().count("rows", MAX_WARP_ROWS, rows)?;
     let params = DenseParams { o: p.operands(&a, (x, rows), 1, (out, rows))?, rows: rows as u32 };
     // SAFETY: x holds rows * k, w one matrix of n rows of k (the scales one value each), out
-    // rows * n; k is a multiple of 8 (NVFP4: 16); the caller pairs the kernel with its block.
-    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(block_rows), 1, 1), block, 0, params) }
+    // rows * n; k is a multiple of 8 (NVFP4: 16); the caller pairs the kernel with its rows a block.
+    unsafe { gpu.launch(Grid::new(kern, ((p.n as u32).div_ceil(block_rows), 1, 1)), params) }
 }
 
 /// As [`gemv`] for bf16 weights and no activation, each weight row split along k over the
@@ -203,7 +203,7 @@ pub fn gemv_split(
     (n, k): (usize, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kern = Kernel::GemvSplit;
+    let kern = entry::GEMV_SPLIT;
     let a = gpu.args(kern);
     a.check().count("rows", 65535, rows)?;
     let proj = Proj { w: Weights::Bf16(w), n, k, relu2: false };
@@ -211,5 +211,5 @@ pub fn gemv_split(
     let p = SplitParams { x: o.x, w: o.w, out: o.out, n: o.n, k: o.k };
     // SAFETY: x holds rows * k, w n * k, out rows * n (a block row each, rows <= 65535); k is a
     // multiple of 8.
-    unsafe { gpu.launch(kern, ((n as u32).div_ceil(SPLIT_ROWS), rows as u32, 1), SPLIT_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(kern, ((n as u32).div_ceil(SPLIT_ROWS), rows as u32, 1)), p) }
 }

@@ -4,18 +4,17 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
 use kernels_gpu::grouped::{
-    GROUPED_BLOCK, GROUPED_K_BYTES, GROUPED_K_BYTES_WIDE, GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params,
-    GemmParams, GroupedFp8Params, GroupedParams, WGMMA_M, WGMMA_N, grouped_m_tiles, grouped_smem_bytes,
-    wgmma_smem_bytes,
+    GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedParams, WGMMA_M, WGMMA_N,
+    grouped_m_tiles,
 };
+use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::{Error, Result};
 use crate::gemv::{Proj, Weights};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::moe::{Dispatch, ExpertMlp};
 use crate::quant::{Source, quant_rows};
 
@@ -34,12 +33,11 @@ pub enum Tiles {
     Wgmma,
 }
 
-/// The launch shape of one grouped kernel.
-struct Shape {
-    kernel: Kernel,
+/// The launch shape of one tensor-core GEMM kernel: its entry and output tile (rows, columns).
+struct Shape<P> {
+    entry: Entry<P>,
     m: u32,
     n: u32,
-    smem: u32,
 }
 
 impl Tiles {
@@ -53,46 +51,50 @@ impl Tiles {
         if gpu.has(Kernel::MoeGroupedWgmma) { Tiles::Wgmma } else { Tiles::Wide }
     }
 
-    /// The grouped kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
-    fn grouped(self, fp8: bool) -> Result<Shape> {
-        self.shape(fp8, true)
+    /// `entry` on these tiles.
+    fn shape<P>(self, entry: Entry<P>) -> Shape<P> {
+        let (m, n) = match self {
+            Tiles::Narrow => (GROUPED_M, GROUPED_N),
+            Tiles::Wide => (GROUPED_M_WIDE, GROUPED_N),
+            Tiles::Wgmma => (WGMMA_M, WGMMA_N),
+        };
+        Shape { entry, m, n }
     }
 
-    /// The one-matrix kernel of these tiles for bf16 or (`fp8`) e4m3 operands.
-    fn dense(self, fp8: bool) -> Result<Shape> {
-        self.shape(fp8, false)
+    /// The grouped kernel of these tiles for bf16 operands.
+    fn grouped(self) -> Shape<GroupedParams> {
+        self.shape(match self {
+            Tiles::Narrow => entry::MOE_GROUPED,
+            Tiles::Wide => entry::MOE_GROUPED_WIDE,
+            Tiles::Wgmma => entry::MOE_GROUPED_WGMMA,
+        })
     }
 
-    /// The kernel of these tiles, operands and kind (`grouped` or one matrix), with its tile
-    /// and shared memory sizes.
-    fn shape(self, fp8: bool, grouped: bool) -> Result<Shape> {
-        use Kernel::*;
-        let (m, n, smem) = match self {
-            Tiles::Narrow => (GROUPED_M, GROUPED_N, grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES)),
-            Tiles::Wide => (GROUPED_M_WIDE, GROUPED_N, grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE)),
-            Tiles::Wgmma => (WGMMA_M, WGMMA_N, wgmma_smem_bytes()),
-        };
-        let kernel = match (self, fp8, grouped) {
-            (Tiles::Narrow, false, true) => MoeGrouped,
-            (Tiles::Narrow, true, true) => MoeGroupedFp8,
-            (Tiles::Wide, false, true) => MoeGroupedWide,
-            (Tiles::Wgmma, false, true) => MoeGroupedWgmma,
-            (Tiles::Wgmma, true, true) => MoeGroupedWgmmaFp8,
-            (Tiles::Narrow, false, false) => GemmBf16,
-            (Tiles::Narrow, true, false) => GemmFp8,
-            (Tiles::Wide, false, false) => GemmWideBf16,
-            (Tiles::Wgmma, false, false) => GemmWgmma,
-            (Tiles::Wgmma, true, false) => GemmWgmmaFp8,
-            (Tiles::Wide, true, _) => {
-                return Err(Error::Shape {
-                    kernel: if grouped { MoeGroupedFp8.name() } else { GemmFp8.name() },
-                    arg: "tiles",
-                    expected: "Narrow or Wgmma tiles for FP8".into(),
-                    got: "Wide".into(),
-                });
-            }
-        };
-        Ok(Shape { kernel, m, n, smem })
+    /// The grouped kernel of these tiles for e4m3 operands (no 128-row tiles).
+    fn grouped_fp8(self) -> Result<Shape<GroupedFp8Params>> {
+        match self {
+            Tiles::Narrow => Ok(self.shape(entry::MOE_GROUPED_FP8)),
+            Tiles::Wgmma => Ok(self.shape(entry::MOE_GROUPED_WGMMA_FP8)),
+            Tiles::Wide => Err(no_wide_fp8(Kernel::MoeGroupedFp8)),
+        }
+    }
+
+    /// The one-matrix kernel of these tiles for bf16 operands.
+    fn dense(self) -> Shape<GemmParams> {
+        self.shape(match self {
+            Tiles::Narrow => entry::GEMM_BF16,
+            Tiles::Wide => entry::GEMM_WIDE_BF16,
+            Tiles::Wgmma => entry::GEMM_WGMMA,
+        })
+    }
+
+    /// The one-matrix kernel of these tiles for e4m3 operands (no 128-row tiles).
+    fn dense_fp8(self) -> Result<Shape<GemmFp8Params>> {
+        match self {
+            Tiles::Narrow => Ok(self.shape(entry::GEMM_FP8)),
+            Tiles::Wgmma => Ok(self.shape(entry::GEMM_WGMMA_FP8)),
+            Tiles::Wide => Err(no_wide_fp8(Kernel::GemmFp8)),
+        }
     }
 
     /// The tiles of an FP8 linear layer here: `wgmma` where the GPU has it, else the 64-row
@@ -100,6 +102,34 @@ impl Tiles {
     pub fn for_fp8_linear(gpu: &Gpu) -> Tiles {
         if gpu.has(Kernel::GemmWgmmaFp8) { Tiles::Wgmma } else { Tiles::Narrow }
     }
+}
+
+/// The FP8 kernels have no 128-row tiles.
+fn no_wide_fp8(kernel: Kernel) -> Error {
+    Error::Shape {
+        kernel: kernel.name(),
+        arg: "tiles",
+        expected: "Narrow or Wgmma tiles for FP8".into(),
+        got: "Wide".into(),
+    }
+}
+
+/// Launches `s` over `m_tiles` row tiles and the column tiles of `n`, once `c` found the
+/// operands' addresses aligned ([`check_aligned`]).
+///
+/// # Safety
+/// `params` satisfies the kernel's contract for these tiles.
+unsafe fn launch_tiles<P: KernelParams>(
+    gpu: &Gpu,
+    s: Shape<P>,
+    (c, addrs): (Check, (u64, u64, u64)),
+    (m_tiles, n): (u32, usize),
+    params: P,
+) -> Result<()> {
+    check_aligned(c, addrs)?;
+    // SAFETY: the caller's contract; the grid covers every tile, block and shared memory are
+    // the entry's own.
+    unsafe { gpu.launch(Grid::new(s.entry, (m_tiles, n.div_ceil(s.n as usize) as u32, 1)), params) }
 }
 
 /// One projection `p` of every expert with rows in `d`, one launch: grouped row j of expert e
@@ -114,10 +144,10 @@ pub fn grouped(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel, m, n: nt, smem } = tiles.grouped(false)?;
-    let args = gpu.args(kernel);
+    let shape = tiles.grouped();
+    let args = gpu.args(shape.entry);
     let c = args.check();
-    d.check_filled(kernel.name())?;
+    d.check_filled(shape.entry.name())?;
     check_nk(c, (p.n, p.k), 8)?;
     let (entries, experts) = (d.entries(), d.experts());
     let params = GroupedParams {
@@ -131,12 +161,13 @@ pub fn grouped(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), p.n.div_ceil(nt as usize) as u32, 1);
+    let (addrs, m_tiles) = (
+        (params.a as u64, params.w as u64, params.out as u64),
+        grouped_m_tiles(entries as u32, experts as u32, shape.m),
+    );
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
-    // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`; grid,
-    // block and shared memory as the kernel of these tiles documents.
-    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
+    // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`.
+    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
 }
 
 /// Checks `n` and `k`: positive multiples of 8 (`k` of `k_multiple`: whole 16-byte chunks of a
@@ -201,10 +232,10 @@ pub fn grouped_fp8(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel, m, n: nt, smem } = tiles.grouped(true)?;
-    let args = gpu.args(kernel);
+    let shape = tiles.grouped_fp8()?;
+    let args = gpu.args(shape.entry);
     let c = args.check();
-    d.check_filled(kernel.name())?;
+    d.check_filled(shape.entry.name())?;
     check_nk(c, (p.n, p.k), 16)?;
     let (entries, experts) = (d.entries(), d.experts());
     let (w, w_scale) = fp8_weights(&args, p.w, experts, (p.n, p.k))?;
@@ -220,12 +251,13 @@ pub fn grouped_fp8(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let grid = (grouped_m_tiles(entries as u32, experts as u32, m), p.n.div_ceil(nt as usize) as u32, 1);
+    let (addrs, m_tiles) = (
+        (params.a as u64, params.w as u64, params.out as u64),
+        grouped_m_tiles(entries as u32, experts as u32, shape.m),
+    );
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
-    // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`; grid,
-    // block and shared memory as the kernel of these tiles documents.
-    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
+    // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
+    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
 }
 
 /// A bf16 linear layer `p` over `rows` rows of `x` on tensor cores, one launch: `out [rows,
@@ -238,8 +270,8 @@ pub fn gemm(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel, m, n: nt, smem } = tiles.dense(false)?;
-    let args = gpu.args(kernel);
+    let shape = tiles.dense();
+    let args = gpu.args(shape.entry);
     let c = args.check();
     check_nk(c, (p.n, p.k), 8)?;
     c.count("rows", MAX_ROWS, rows)?;
@@ -252,11 +284,10 @@ pub fn gemm(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let grid = (rows.div_ceil(m as usize) as u32, p.n.div_ceil(nt as usize) as u32, 1);
-    // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
-    // kernel of these tiles documents.
-    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
+    let (addrs, m_tiles) =
+        ((params.a as u64, params.w as u64, params.out as u64), rows.div_ceil(shape.m as usize) as u32);
+    // SAFETY: extents checked above; out is `&mut`.
+    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
 }
 
 /// An FP8 (W8A8) linear layer `p` over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ)
@@ -270,8 +301,8 @@ pub fn gemm_fp8(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let Shape { kernel, m, n: nt, smem } = tiles.dense(true)?;
-    let args = gpu.args(kernel);
+    let shape = tiles.dense_fp8()?;
+    let args = gpu.args(shape.entry);
     let c = args.check();
     check_nk(c, (p.n, p.k), 16)?;
     c.count("rows", MAX_ROWS, rows)?;
@@ -287,11 +318,10 @@ pub fn gemm_fp8(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let grid = (rows.div_ceil(m as usize) as u32, p.n.div_ceil(nt as usize) as u32, 1);
-    // SAFETY: extents checked above; out is `&mut`; grid, block and shared memory as the
-    // kernel of these tiles documents.
-    unsafe { gpu.launch(kernel, grid, GROUPED_BLOCK, smem, params) }
+    let (addrs, m_tiles) =
+        ((params.a as u64, params.w as u64, params.out as u64), rows.div_ceil(shape.m as usize) as u32);
+    // SAFETY: extents checked above; out is `&mut`.
+    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -418,13 +448,19 @@ mod tests {
 
     #[test]
     fn fp8_has_no_wide_tiles_and_dense_tiles_match_grouped() {
-        assert!(Tiles::Wide.grouped(true).is_err());
-        assert!(Tiles::Wide.dense(true).is_err());
+        assert_eq!(arg_of(Tiles::Wide.grouped_fp8().map(|_| ())), "tiles");
+        assert_eq!(arg_of(Tiles::Wide.dense_fp8().map(|_| ())), "tiles");
+        let smem = |k: Kernel| k.smem();
         for t in [Tiles::Narrow, Tiles::Wide, Tiles::Wgmma] {
-            let (g, d) = (t.grouped(false).unwrap(), t.dense(false).unwrap());
-            assert_eq!((g.m, g.n, g.smem), (d.m, d.n, d.smem), "{t:?}: grouped and dense tiles agree");
+            let (g, d) = (t.grouped(), t.dense());
+            let (gk, dk) = (g.entry.kernel, d.entry.kernel);
+            assert_eq!((g.m, g.n, smem(gk)), (d.m, d.n, smem(dk)), "{t:?}: grouped and dense tiles agree");
         }
-        let w = Tiles::Wgmma.grouped(true).unwrap();
-        assert_eq!((w.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N));
+        for t in [Tiles::Narrow, Tiles::Wgmma] {
+            let (g, d) = (t.grouped_fp8().unwrap(), t.dense_fp8().unwrap());
+            assert_eq!((g.m, g.n, smem(g.entry.kernel)), (d.m, d.n, smem(d.entry.kernel)), "{t:?} FP8");
+        }
+        let w = Tiles::Wgmma.grouped_fp8().unwrap();
+        assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N));
     }
 }

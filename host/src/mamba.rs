@@ -3,15 +3,15 @@
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
-use kernels_gpu::mamba::{MAMBA_BLOCK, MAMBA_MAX_CLUSTER, MAMBA_MAX_HEAD_DIM, MAMBA_MAX_STATE, MambaDecodeParams};
+use kernels_gpu::mamba::{MAMBA_MAX_CLUSTER, MAMBA_MAX_HEAD_DIM, MAMBA_MAX_STATE, MambaDecodeParams};
+use kernels_gpu::{Kernel, entry};
 
 use crate::args::{Len, Rows};
 use crate::batch::Slots;
 use crate::check::Check;
 use crate::conv1d::{Conv, ConvShape};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::ssm::{SsmHeads, SsmShape};
 
 /// Whether [`mamba_decode`] takes this shape: at most [`MAMBA_MAX_CLUSTER`] heads a group, a
@@ -57,7 +57,7 @@ pub fn mamba_decode(
     slots: &Slots,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::MambaDecode;
+    let k = entry::MAMBA_DECODE;
     let a = gpu.args(k);
     let c = a.check();
     let batch = slots.len();
@@ -106,5 +106,5 @@ pub fn mamba_decode(
     // bias and cache and the state cache and per-head arrays cover the shape and the Slots'
     // slots (PAD_SLOT or distinct, in range), head_dim, state_size (a multiple of 4) and the
     // cluster (heads / groups) within the kernel's limits; the caches and y are `&mut`.
-    unsafe { gpu.launch_clusters(k, (shape.heads as u32, batch as u32, 1), hpg as u32, MAMBA_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (shape.heads as u32, batch as u32, 1)).clusters(hpg as u32), p) }
 }

@@ -3,13 +3,13 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
-use kernels_gpu::mma::{MATMUL_BLOCK, MATMUL_TILE, MatmulParams, matmul_smem_bytes};
+use kernels_gpu::entry;
+use kernels_gpu::mma::{MATMUL_TILE, MatmulParams};
 
 use crate::args::Len;
 use crate::check::MAX_ROWS;
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// How an operand of [`matmul`] is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ pub fn matmul(
     b_order: Order,
     d: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let kn = Kernel::TcMatmul;
+    let kn = entry::TC_MATMUL;
     let args = gpu.args(kn);
     let c = args.check();
     let most = 65535 * MATMUL_TILE as usize;
@@ -56,5 +56,5 @@ pub fn matmul(
     // SAFETY: a, b and d hold exactly the sizes given (checked above); `vec` only where every
     // row of a and b is whole 16-byte groups from a 16-byte aligned start; grid, block and
     // shared memory as the kernel documents.
-    unsafe { gpu.launch(kn, grid, MATMUL_BLOCK, matmul_smem_bytes(), p) }
+    unsafe { gpu.launch(Grid::new(kn, grid), p) }
 }

@@ -3,20 +3,18 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::Kernel;
-use kernels_gpu::gemv::{WARP_BLOCK, WARP_BLOCK_ROWS};
-use kernels_gpu::moe::{
-    COMBINE_ROWS, CombineParams, DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, DispatchParams, ExpertCombineParams, ExpertParams,
-};
+use kernels_gpu::gemv::WARP_BLOCK_ROWS;
+use kernels_gpu::moe::{COMBINE_ROWS, CombineParams, DispatchParams, ExpertCombineParams, ExpertParams};
 /// The kernels' limits: experts a dispatch groups, choices per token.
 pub use kernels_gpu::moe::{MAX_EXPERTS, MAX_TOP_K};
-use kernels_gpu::qgemv::{QG_BLOCK, QG_ROWS};
+use kernels_gpu::qgemv::QG_ROWS;
+use kernels_gpu::{Kernel, entry};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
 use crate::gemv::{FP8_TC_MIN_ROWS, NVFP4_TC_MIN_ROWS, Proj};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// Routing choices grouped by expert, on the device (written by [`dispatch`]): expert `e`'s
 /// rows are `offsets[e]..offsets[e + 1]` of the grouped order, `token[j]` is the token of
@@ -116,7 +114,7 @@ pub use crate::gemv::Weights as ExpertWeights;
 /// Groups the routing choices `idx [rows, top_k]` (from [`route`]) by expert into `d`. An
 /// expert id outside `0..experts` traps the kernel (an error at the next synchronization).
 pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()> {
-    let k = Kernel::MoeDispatch;
+    let k = entry::MOE_DISPATCH;
     let a = gpu.args(k);
     let p = DispatchParams {
         idx: a.input("idx", idx, Len::Exactly(d.entries()))?,
@@ -131,7 +129,7 @@ pub fn dispatch(gpu: &Gpu, idx: &CudaSlice<i32>, d: &mut Dispatch) -> Result<()>
     };
     // SAFETY: the buffers have the extents Dispatch::new gave them for these counts (experts
     // <= MAX_EXPERTS, entries < 2^24); out-of-range ids trap in the kernel.
-    unsafe { gpu.launch(k, (1, 1, 1), DISPATCH_BLOCK, DISPATCH_SMEM_BYTES, p) }?;
+    unsafe { gpu.launch(Grid::new(k, (1, 1, 1)), p) }?;
     d.filled = true;
     Ok(())
 }
@@ -238,18 +236,18 @@ fn project(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kern = match (p.w, rows) {
-        (ExpertWeights::Bf16(_), ExpertRows::Choices(..)) => Kernel::MoeExpertChoices,
-        (ExpertWeights::Fp8 { .. }, ExpertRows::Choices(..)) => Kernel::MoeExpertChoicesFp8,
-        (ExpertWeights::Bf16(_), _) => Kernel::MoeExpert,
+        (ExpertWeights::Bf16(_), ExpertRows::Choices(..)) => entry::MOE_EXPERT_CHOICES,
+        (ExpertWeights::Fp8 { .. }, ExpertRows::Choices(..)) => entry::MOE_EXPERT_CHOICES_FP8,
+        (ExpertWeights::Bf16(_), _) => entry::MOE_EXPERT,
         (ExpertWeights::Fp8 { .. }, ExpertRows::Routed { d, .. }) if d.rows() >= FP8_TC_MIN_ROWS => {
-            Kernel::MoeExpertTcFp8
+            entry::MOE_EXPERT_TC_FP8
         }
-        (ExpertWeights::Fp8 { .. }, _) => Kernel::MoeExpertFp8,
-        (ExpertWeights::Nvfp4 { .. }, ExpertRows::Choices(..)) => Kernel::MoeExpertChoicesNvfp4,
+        (ExpertWeights::Fp8 { .. }, _) => entry::MOE_EXPERT_FP8,
+        (ExpertWeights::Nvfp4 { .. }, ExpertRows::Choices(..)) => entry::MOE_EXPERT_CHOICES_NVFP4,
         (ExpertWeights::Nvfp4 { .. }, ExpertRows::Routed { d, .. }) if d.entries() >= NVFP4_TC_MIN_ROWS * d.experts => {
-            Kernel::MoeExpertTcNvfp4
+            entry::MOE_EXPERT_TC_NVFP4
         }
-        (ExpertWeights::Nvfp4 { .. }, _) => Kernel::MoeExpertNvfp4,
+        (ExpertWeights::Nvfp4 { .. }, _) => entry::MOE_EXPERT_NVFP4,
     };
     let a = gpu.args(kern);
     let c = a.check();
@@ -296,16 +294,16 @@ fn project(
         per: per as u32,
         experts: experts as u32,
     };
-    let (block_rows, block) = match kern {
-        Kernel::MoeExpertTcFp8 | Kernel::MoeExpertTcNvfp4 => (QG_ROWS, QG_BLOCK),
-        _ => (WARP_BLOCK_ROWS, WARP_BLOCK),
+    let block_rows = match kern.kernel {
+        Kernel::MoeExpertTcFp8 | Kernel::MoeExpertTcNvfp4 => QG_ROWS,
+        _ => WARP_BLOCK_ROWS,
     };
     // SAFETY: the dispatch buffers come from [`dispatch`] (offsets within entries, token ids
     // below rows: the tokens are the rows of x when by_token, x has entries rows otherwise);
     // choices read row a / per of x (entries / per rows) and trap on an id not below experts;
     // w holds experts * n * k weights and the scales one per expert; out holds entries * n; k
     // is a multiple of 8.
-    unsafe { gpu.launch(kern, ((p.n as u32).div_ceil(block_rows), slots, 1), block, 0, params) }
+    unsafe { gpu.launch(Grid::new(kern, ((p.n as u32).div_ceil(block_rows), slots, 1)), params) }
 }
 
 /// The routed experts' MLPs for every grouped row of `d`, into `out [entries, hidden]` in
@@ -381,9 +379,9 @@ fn choices_mlp(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = match mlp.down {
-        ExpertWeights::Bf16(_) => Kernel::MoeExpertCombine,
-        ExpertWeights::Fp8 { .. } => Kernel::MoeExpertCombineFp8,
-        ExpertWeights::Nvfp4 { .. } => Kernel::MoeExpertCombineNvfp4,
+        ExpertWeights::Bf16(_) => entry::MOE_EXPERT_COMBINE,
+        ExpertWeights::Fp8 { .. } => entry::MOE_EXPERT_COMBINE_FP8,
+        ExpertWeights::Nvfp4 { .. } => entry::MOE_EXPERT_COMBINE_NVFP4,
     };
     let a = gpu.args(k);
     let c = a.check();
@@ -418,7 +416,7 @@ fn choices_mlp(
     // * inter, idx and weight rows * per (per <= MAX_TOP_K: a warp each), shared and out rows
     // * hidden; ids not below experts trap; the per-choice launch right before it (its
     // programmatic predecessor) completes its wait on the routing before letting it launch.
-    unsafe { gpu.launch(k, (blocks, rows as u32, 1), 32 * ch.per as u32, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (blocks, rows as u32, 1)).threads(32 * ch.per as u32), p) }
 }
 
 /// As [`experts_mlp`] without pieces (every down projection `[hidden, inter]` in its own
@@ -479,7 +477,7 @@ pub fn combine(
     (slot, weight, top_k): (&CudaSlice<i32>, &CudaSlice<f32>, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::MoeCombine;
+    let k = entry::MOE_COMBINE;
     let a = gpu.args(k);
     let c = a.check();
     c.count("top_k", MAX_TOP_K as usize, top_k)?;
@@ -500,5 +498,5 @@ pub fn combine(
     };
     // SAFETY: extents checked above; a slot outside y traps; out is `&mut`.
     let blocks = (hidden as u32).div_ceil(kernels_gpu::EW_BLOCK);
-    unsafe { gpu.launch(k, (rows as u32, blocks, 1), kernels_gpu::EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (rows as u32, blocks, 1)), p) }
 }

@@ -3,12 +3,12 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, RmsNormParams, smem_bytes};
-use kernels_gpu::{Kernel, MAX_ROW_WIDTH, VEC, row_block, row_block_many};
+use kernels_gpu::{MAX_ROW_WIDTH, VEC, entry, row_block, row_block_many};
 
 use crate::args::{Len, Rows};
 use crate::check::{Check, MAX_ROWS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// The block shape a row kernel (the norms, per-token quantization) runs with: one block per
 /// row either way, the same kernel and the same results bit for bit.
@@ -94,7 +94,7 @@ pub fn rms_norm(
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let a = gpu.args(Kernel::NormRms);
+    let a = gpu.args(entry::NORM_RMS);
     a.check().that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
     shape.check(a.check())?;
     let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
@@ -115,7 +115,7 @@ unsafe fn launch_rms(
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::NormRms;
+    let k = entry::NORM_RMS;
     let a = gpu.args(k);
     let p = RmsNormParams {
         x,
@@ -129,7 +129,9 @@ unsafe fn launch_rms(
     };
     // SAFETY: the caller's contract; w = width and y = rows * width elements (Args), y is
     // `&mut`, so it aliases no input; grid/block/smem as norm_rms_bf16 documents.
-    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), shape.block(), smem_bytes(p.width, 1), p) }
+    unsafe {
+        gpu.launch(Grid::new(k, (shape.rows as u32, 1, 1)).threads(shape.block()).smem(smem_bytes(p.width, 1)), p)
+    }
 }
 
 /// The residual add fused with the next RMSNorm: `h = bf16(h + add)`, then `y = rms_norm(h)`
@@ -142,7 +144,7 @@ pub fn add_rms_norm(
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let a = gpu.args(Kernel::NormRms);
+    let a = gpu.args(entry::NORM_RMS);
     a.check().that("groups", shape.groups == 1, "1 (plain RMSNorm)", shape.groups)?;
     shape.check(a.check())?;
     let n = Len::AtLeast(shape.rows * shape.width);
@@ -161,7 +163,7 @@ pub fn gated_norm(
     w: &impl DevicePtr<bf16>,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let k = Kernel::NormGated;
+    let k = entry::NORM_GATED;
     let a = gpu.args(k);
     shape.check(a.check())?;
     let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
@@ -181,7 +183,12 @@ pub fn gated_norm(
     // SAFETY: `check` and `Args` proved the extents of x, z (strided), w and y and the group
     // count (dividing width into whole chunks); y is `&mut`; grid/block/smem as
     // norm_gated_bf16 documents.
-    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), shape.block(), smem_bytes(p.width, p.groups), p) }
+    unsafe {
+        gpu.launch(
+            Grid::new(k, (shape.rows as u32, 1, 1)).threads(shape.block()).smem(smem_bytes(p.width, p.groups)),
+            p,
+        )
+    }
 }
 
 /// Gated group RMSNorm fused with per-token FP8 e4m3 quantization of its bf16 output into
@@ -195,7 +202,7 @@ pub fn gated_norm_fp8(
     amax_ub: Option<f32>,
     (q, scales): (&mut impl DevicePtrMut<u8>, &mut impl DevicePtrMut<f32>),
 ) -> Result<()> {
-    let k = Kernel::NormGatedFp8;
+    let k = entry::NORM_GATED_FP8;
     let a = gpu.args(k);
     shape.check(a.check())?;
     let (x, x_stride) = a.rows("x", &x, (shape.rows, shape.width))?;
@@ -216,7 +223,12 @@ pub fn gated_norm_fp8(
     };
     // SAFETY: as in `gated_norm`, plus q = rows * width and scales = rows elements, both
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.
-    unsafe { gpu.launch(k, (shape.rows as u32, 1, 1), shape.block(), smem_bytes(p.width, p.groups), p) }
+    unsafe {
+        gpu.launch(
+            Grid::new(k, (shape.rows as u32, 1, 1)).threads(shape.block()).smem(smem_bytes(p.width, p.groups)),
+            p,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -232,7 +244,7 @@ mod tests {
     #[test]
     fn accepts_the_production_geometry() {
         let s = NormShape::new(64, 4096, 8, 1e-5);
-        let c = Check(Kernel::NormGated.name());
+        let c = Check(entry::NORM_GATED.name());
         s.check(c).unwrap();
         rows_of(s, 4096).check(c, "x", 64 * 4096).unwrap();
         // z: the gate's columns of in_proj's rows.
@@ -241,7 +253,7 @@ mod tests {
 
     #[test]
     fn names_the_bad_argument() {
-        let c = Check(Kernel::NormGated.name());
+        let c = Check(entry::NORM_GATED.name());
         let bad = |shape: NormShape| arg_of(shape.check(c));
         assert_eq!(bad(NormShape::new(4, 4096, 7, 1e-5)), "groups");
         assert_eq!(bad(NormShape::new(4, 4096, 0, 1e-5)), "groups");
@@ -271,7 +283,7 @@ mod tests {
 
     #[test]
     fn message_says_kernel_argument_expected_and_got() {
-        let e = NormShape::new(2, 8, 3, 1e-5).check(Check(Kernel::NormGated.name())).unwrap_err().to_string();
+        let e = NormShape::new(2, 8, 3, 1e-5).check(Check(entry::NORM_GATED.name())).unwrap_err().to_string();
         assert_eq!(e, "norm_gated_bf16: argument `groups`: expected a divisor of width 8, got 3");
     }
 }

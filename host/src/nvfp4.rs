@@ -5,15 +5,15 @@
 
 use cudarc::driver::DevicePtrMut;
 use half::bf16;
+use kernels_gpu::entry;
 pub use kernels_gpu::nvfp4::row_bytes;
 use kernels_gpu::nvfp4::{BLOCK, ToBf16Params};
-use kernels_gpu::{EW_BLOCK, Kernel};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
 use crate::gemv::Weights;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::quant::elementwise_grid;
 
 /// The device layout of `n` rows of `k` NVFP4 weights from a checkpoint's `codes` (`[n, k /
@@ -43,7 +43,7 @@ pub fn to_bf16(
     (n, k): (usize, usize),
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kern = Kernel::Nvfp4ToBf16;
+    let kern = entry::NVFP4_TO_BF16;
     let a = gpu.args(kern);
     let c = a.check();
     if !matches!(w, Weights::Nvfp4 { .. }) {
@@ -71,7 +71,7 @@ pub fn to_bf16(
     };
     // SAFETY: w holds matrices * n rows, global a scale per matrix, out the total; k is a
     // multiple of 16 and the total below 2^31.
-    unsafe { gpu.launch(kern, (elementwise_grid(total), 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(kern, (elementwise_grid(total), 1, 1)), p) }
 }
 
 #[cfg(test)]

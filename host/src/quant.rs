@@ -4,15 +4,15 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::quant::{
-    AMAX_SMEM_BYTES, EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantRowsParams, QuantStaticParams,
-    QuantTensorParams, QuantTokenParams, REDUCE_SMEM_BYTES,
+    EW_CHUNKS_PER_THREAD, MAX_GRID, QuantAmaxParams, QuantRowsParams, QuantStaticParams, QuantTensorParams,
+    QuantTokenParams,
 };
-use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks};
+use kernels_gpu::{EW_BLOCK, Kernel, MAX_ROW_WIDTH, chunks, entry};
 
 use crate::args::Len;
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::moe::Dispatch;
 use crate::norm::RowPath;
 
@@ -56,9 +56,9 @@ pub fn quant_token_on(
     q: &mut impl DevicePtrMut<u8>,
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let k = Kernel::QuantToken;
+    let k = entry::QUANT_TOKEN;
     let a = gpu.args(k);
-    let rows = rows_of(k, x.len(), width)?;
+    let rows = rows_of(k.kernel, x.len(), width)?;
     let p = QuantTokenParams {
         x: a.input("x", x, Len::Any)?,
         q: a.output("q", q, Len::Exactly(x.len()))?,
@@ -69,7 +69,7 @@ pub fn quant_token_on(
     };
     // SAFETY: x and q hold rows * width elements, scales rows, all checked; outputs are `&mut`;
     // grid/block/smem as quant_token_fp8_bf16 documents.
-    unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
+    unsafe { gpu.launch(Grid::new(k, (rows as u32, 1, 1)).threads(path.block(width as u32)), p) }
 }
 
 /// The rows an FP8 product takes as its input ([`quant_rows`]).
@@ -95,10 +95,10 @@ pub fn quant_rows(
     q: &mut impl DevicePtrMut<u8>,
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let k = Kernel::QuantRows;
+    let k = entry::QUANT_ROWS;
     let args = gpu.args(k);
     let c = args.check();
-    let sources = rows_of(k, x.len(), width)?;
+    let sources = rows_of(k.kernel, x.len(), width)?;
     let (rows, token, offsets, matrices) = match source {
         Source::Plain => (sources, std::ptr::null(), std::ptr::null(), 1),
         Source::Grouped { d, by_token } => {
@@ -126,7 +126,7 @@ pub fn quant_rows(
     // rows it was made for (at most sources where by_token), its offsets nondecreasing from 0
     // over its entries (= rows, at most sources otherwise); in_scale a scale per matrix, q and scales rows each (`&mut`);
     // grid/block/smem as quant_rows_fp8_bf16 documents.
-    unsafe { gpu.launch(k, (rows as u32, 1, 1), path.block(width as u32), REDUCE_SMEM_BYTES, p) }
+    unsafe { gpu.launch(Grid::new(k, (rows as u32, 1, 1)).threads(path.block(width as u32)), p) }
 }
 
 /// Per-tensor dynamic FP8 over all of `x`: writes `amax = max |x|` (NaN ignored), the scale
@@ -138,7 +138,7 @@ pub fn quant_tensor(
     amax: &mut impl DevicePtrMut<f32>,
     scale: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let (ka, kq) = (gpu.args(Kernel::QuantAmax), gpu.args(Kernel::QuantTensor));
+    let (ka, kq) = (gpu.args(entry::QUANT_AMAX), gpu.args(entry::QUANT_TENSOR));
     let n = x.len();
     ka.check().count("x", MAX_ELEMS, n)?;
     let pa = QuantAmaxParams {
@@ -158,16 +158,16 @@ pub fn quant_tensor(
     // SAFETY: x holds n elements, amax one; the scratch is two of the Gpu's zeroed counters,
     // which the kernel leaves zero (every kernel waits for the one before it before it touches
     // them); any grid, block EW_BLOCK, smem AMAX_SMEM_BYTES as quant_amax_bf16 documents.
-    unsafe { gpu.launch(Kernel::QuantAmax, (grid, 1, 1), EW_BLOCK, AMAX_SMEM_BYTES, pa)? };
+    unsafe { gpu.launch(Grid::new(entry::QUANT_AMAX, (grid, 1, 1)), pa)? };
     // SAFETY: x and q hold n elements, amax and scale one each (distinct `&mut` buffers, so
     // the scale write cannot race the amax reads); runs after the amax launch on the stream,
     // with its grid.
-    unsafe { gpu.launch(Kernel::QuantTensor, (grid, 1, 1), EW_BLOCK, 0, pq) }
+    unsafe { gpu.launch(Grid::new(entry::QUANT_TENSOR, (grid, 1, 1)), pq) }
 }
 
 /// Static-scale FP8 (a checkpoint's `input_scale`): `q = e4m3(x / scale)`.
 pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut impl DevicePtrMut<u8>) -> Result<()> {
-    let k = Kernel::QuantStatic;
+    let k = entry::QUANT_STATIC;
     let a = gpu.args(k);
     let n = x.len();
     a.check().count("x", MAX_ELEMS, n)?;
@@ -175,7 +175,7 @@ pub fn quant_static(gpu: &Gpu, x: &impl DevicePtr<bf16>, scale: f32, q: &mut imp
     let p =
         QuantStaticParams { x: a.input("x", x, Len::Any)?, q: a.output("q", q, Len::Exactly(n))?, n: n as u32, scale };
     // SAFETY: x and q hold n elements, q is `&mut`; any grid, block EW_BLOCK.
-    unsafe { gpu.launch(k, (elementwise_grid(n), 1, 1), EW_BLOCK, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, (elementwise_grid(n), 1, 1)), p) }
 }
 
 #[cfg(test)]

@@ -4,14 +4,14 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
-use kernels_gpu::Kernel;
-use kernels_gpu::moe::{LOGITS_BLOCK, LOGITS_TOKENS, MAX_TOP_K, ROUTE_SMEM_BYTES, ROUTE_UP_ROWS, RouteParams};
-use kernels_gpu::router::{ROUTER_BLOCK, ROUTER_TOKENS, router_smem_bytes, router_takes};
+use kernels_gpu::entry;
+use kernels_gpu::moe::{LOGITS_TOKENS, MAX_TOP_K, ROUTE_UP_ROWS, RouteParams};
+use kernels_gpu::router::{ROUTER_TOKENS, router_takes};
 
 use crate::args::Len;
 use crate::check::{MAX_ELEMS, MAX_ROWS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// Routing settings (docs/MATH.md section 6).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -80,7 +80,7 @@ fn launch_route(
     (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
     appended: Option<(&CudaSlice<bf16>, usize, &mut CudaSlice<bf16>)>,
 ) -> Result<()> {
-    let k = Kernel::MoeRoute;
+    let k = entry::MOE_ROUTE;
     let a = gpu.args(k);
     let c = a.check();
     c.choices(s.experts, s.top_k)?;
@@ -144,17 +144,15 @@ fn launch_route(
     c.count("blocks", u32::MAX as usize, s.experts + extra)?;
     let aligned = (p.x as usize).is_multiple_of(16) && (p.gate as usize).is_multiple_of(16);
     if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
-        let kt = Kernel::MoeRouteTc;
+        let kt = entry::MOE_ROUTE_TC;
         // SAFETY: as below, and x and gate 16-byte aligned (hidden a multiple of 8), experts
         // as the kernel takes them; no counters used.
-        return unsafe {
-            gpu.launch(kt, (rows.div_ceil(ROUTER_TOKENS as usize) as u32, 1, 1), ROUTER_BLOCK, router_smem_bytes(), p)
-        };
+        return unsafe { gpu.launch(Grid::new(kt, (rows.div_ceil(ROUTER_TOKENS as usize) as u32, 1, 1)), p) };
     }
     // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
     // counter per tile; with the pieces' up projections, one token, up and h of their
     // shapes); the group settings can always fill top_k; outputs are `&mut`.
-    unsafe { gpu.launch(k, ((s.experts + extra) as u32, tiles as u32, 1), LOGITS_BLOCK, ROUTE_SMEM_BYTES, p) }
+    unsafe { gpu.launch(Grid::new(k, ((s.experts + extra) as u32, tiles as u32, 1)), p) }
 }
 
 /// Fewest tokens whose routing runs on tensor cores (`moe_route_tc_bf16`: the router logits of

@@ -2,15 +2,15 @@
 //! math; the CPU implementation is `cpu::sample`, the same tokens from the same logits).
 
 use cudarc::driver::CudaSlice;
-use kernels_gpu::Kernel;
 use kernels_gpu::sample::{
-    SAMPLE_BLOCK, SAMPLE_CLUSTER, SAMPLE_MAX_VOCAB, SAMPLE_OUT_WORDS, SampleOut, SampleParams, SampleRow, sample_smem,
+    SAMPLE_CLUSTER, SAMPLE_MAX_VOCAB, SAMPLE_OUT_WORDS, SampleOut, SampleParams, SampleRow, sample_smem,
 };
+use kernels_gpu::{Kernel, entry};
 
 use crate::args::{Len, Rows};
 use crate::check::Check;
 use crate::error::{Error, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// Words of a [`SampleRow`] on the device.
 const ROW_WORDS: usize = 16;
@@ -198,7 +198,7 @@ pub fn read_out(words: &[u32]) -> Vec<SampleOut> {
 /// settings in `rows`, into `out` (a [`sample_out`] buffer of at least as many rows). Only the
 /// ids and their statuses need to come back: [`read_out`].
 pub fn sample(gpu: &Gpu, logits: Rows, rows: &SampleRows, out: &mut CudaSlice<u32>) -> Result<()> {
-    let k = Kernel::Sample;
+    let k = entry::SAMPLE;
     let a = gpu.args(k);
     let (n, vocab) = (rows.len, rows.vocab);
     let (logits, stride) = a.rows("logits", &logits, (n, vocab))?;
@@ -219,16 +219,8 @@ pub fn sample(gpu: &Gpu, logits: Rows, rows: &SampleRows, out: &mut CudaSlice<u3
     // inside the penalty buffer (distinct tokens below vocab) and whose masks, where they have
     // one, inside the masks buffer (`set` refuses them without room); out holds n rows and is
     // `&mut`.
-    unsafe {
-        gpu.launch_clusters(
-            k,
-            (SAMPLE_CLUSTER, n as u32, 1),
-            SAMPLE_CLUSTER,
-            SAMPLE_BLOCK,
-            sample_smem(vocab as u32),
-            p,
-        )
-    }
+    let grid = Grid::new(k, (SAMPLE_CLUSTER, n as u32, 1)).clusters(SAMPLE_CLUSTER).smem(sample_smem(vocab as u32));
+    unsafe { gpu.launch(grid, p) }
 }
 
 #[cfg(test)]

@@ -3,16 +3,16 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::ssd::{
-    SSD_CHUNK, SSD_MAX_HEAD_DIM, SSD_MAX_STATE, SSD_PASS_BLOCK, SSD_PASS_PER_THREAD, SSD_SCAN_BLOCK, SSD_STATE_BLOCK,
-    SsdChunk, SsdParams, SsdPassParams, chunk_state_smem_bytes, scan_smem_bytes,
+    SSD_CHUNK, SSD_MAX_HEAD_DIM, SSD_MAX_STATE, SSD_PASS_BLOCK, SSD_PASS_PER_THREAD, SsdChunk, SsdParams,
+    SsdPassParams, chunk_state_smem_bytes, scan_smem_bytes,
 };
-use kernels_gpu::{Kernel, KernelParams};
+use kernels_gpu::{Kernel, KernelParams, entry};
 
 use crate::args::{Elem, Len};
 use crate::batch::Prefill;
 use crate::check::Check;
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 use crate::ssm::{SsmHeads, SsmInputs, SsmShape, StateDtype};
 
 /// The chunks of a prefill batch (SSD_CHUNK tokens, never spanning two sequences) and the
@@ -111,10 +111,10 @@ pub fn ssd_scan<T: StateDtype>(
 where
     SsdPassParams<T::Raw>: KernelParams,
 {
-    let k = Kernel::SsdScan;
+    let k = entry::SSD_SCAN;
     let args = gpu.args(k);
     let c = args.check();
-    shape.check(T::PASS, &heads, state.len(), seqs.num_slots())?;
+    shape.check(T::PASS.kernel, &heads, state.len(), seqs.num_slots())?;
     c.that("plan", plan.lens == seqs.lens, "a plan built for this batch", "a plan of another batch")?;
     let planned = (shape.heads, shape.head_dim, shape.state_size, shape.groups);
     c.that("plan", plan.shape == planned, format!("a plan for {planned:?}"), format!("{:?}", plan.shape))?;
@@ -187,8 +187,8 @@ where
     // as each kernel documents.
     unsafe {
         let state_grid = (nc, h + shape.groups as u32, 1);
-        gpu.launch(Kernel::SsdChunkState, state_grid, SSD_STATE_BLOCK, chunk_state_smem_bytes(hd, n), p)?;
-        gpu.launch(T::PASS, (hn_blocks, h, seqs.nseq() as u32), SSD_PASS_BLOCK, 0, q)?;
-        gpu.launch(k, (nc, h, 1), SSD_SCAN_BLOCK, scan_smem_bytes(hd, n), p)
+        gpu.launch(Grid::new(entry::SSD_CHUNK_STATE, state_grid).smem(chunk_state_smem_bytes(hd, n)), p)?;
+        gpu.launch(Grid::new(T::PASS, (hn_blocks, h, seqs.nseq() as u32)), q)?;
+        gpu.launch(Grid::new(k, (nc, h, 1)).smem(scan_smem_bytes(hd, n)), p)
     }
 }

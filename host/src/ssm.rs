@@ -3,14 +3,15 @@
 
 use cudarc::driver::{CudaSlice, DevicePtrMut, ValidAsZeroBits};
 use half::bf16;
+use kernels_gpu::ssd::SsdPassParams;
 use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_WARPS, SsmUpdateParams};
-use kernels_gpu::{Kernel, KernelParams};
+use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Elem, Len, Rows};
 use crate::batch::Slots;
 use crate::check::{Check, MAX_ELEMS};
 use crate::error::Result;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Grid};
 
 /// The per-token inputs of the SSM (docs/MATH.md sections 2 and 3): x `[rows, heads * head_dim]`,
 /// dt `[rows, heads]`, B and C `[rows, groups * state_size]` (all of the same rows; columns of
@@ -125,19 +126,19 @@ impl SsmShape {
 /// holding bf16 bits), with its kernels.
 pub trait StateDtype: Elem + ValidAsZeroBits {
     /// The state update kernel for this state type.
-    const UPDATE: Kernel;
+    const UPDATE: Entry<SsmUpdateParams<Self::Raw>>;
     /// The chunked scan's state-passing kernel for this state type.
-    const PASS: Kernel;
+    const PASS: Entry<SsdPassParams<Self::Raw>>;
 }
 
 impl StateDtype for f32 {
-    const UPDATE: Kernel = Kernel::SsmUpdateF32;
-    const PASS: Kernel = Kernel::SsdStatePassF32;
+    const UPDATE: Entry<SsmUpdateParams<f32>> = entry::SSM_UPDATE_F32;
+    const PASS: Entry<SsdPassParams<f32>> = entry::SSD_STATE_PASS_F32;
 }
 
 impl StateDtype for bf16 {
-    const UPDATE: Kernel = Kernel::SsmUpdateBf16;
-    const PASS: Kernel = Kernel::SsdStatePassBf16;
+    const UPDATE: Entry<SsmUpdateParams<u16>> = entry::SSM_UPDATE_BF16;
+    const PASS: Entry<SsdPassParams<u16>> = entry::SSD_STATE_PASS_BF16;
 }
 
 /// Fails when a row writes a slot another row reads (the update runs rows concurrently).
@@ -184,7 +185,7 @@ where
     a.check().count("batch", 65535, batch)?;
     shape.check_geometry(a.check())?;
     if let Some(dst) = cache.dst {
-        check_dst(k, slots, dst)?;
+        check_dst(k.kernel, slots, dst)?;
     }
     let (w, gn) = (shape.width(), shape.groups * shape.state_size);
     let (x, x_stride) = a.rows("x", &inputs.x, (batch, w))?;
@@ -224,5 +225,5 @@ where
     // arrays `heads`, the cache `num_slots` slots; Slots holds PAD_SLOT or distinct in-range
     // slots and `check_dst` that no row writes a slot another reads; state_size % 4 == 0 keeps
     // the 4-element state accesses aligned; state and y are `&mut`.
-    unsafe { gpu.launch(k, grid, 32 * SSM_WARPS, 0, p) }
+    unsafe { gpu.launch(Grid::new(k, grid), p) }
 }

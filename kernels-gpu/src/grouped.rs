@@ -162,6 +162,12 @@ pub const fn grouped_smem_bytes(m: u32, k_bytes: u32) -> u32 {
     GROUPED_STAGES * (tile_bytes(m, k_bytes / 2) + tile_bytes(GROUPED_N, k_bytes / 2)) + 8
 }
 
+/// [`grouped_smem_bytes`] of the 64-row tiles (the FP8 and narrow bf16 kernels).
+pub const NARROW_SMEM_BYTES: u32 = grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES);
+
+/// [`grouped_smem_bytes`] of the 128-row tiles (`moe_grouped_m128_bf16`, `gemm_m128_bf16`).
+pub const WIDE_SMEM_BYTES: u32 = grouped_smem_bytes(GROUPED_M_WIDE, GROUPED_K_BYTES_WIDE);
+
 /// Most `m`-row tiles a dispatch of `entries` rows over `experts` experts can need: every
 /// expert's last tile may be partial.
 pub const fn grouped_m_tiles(entries: u32, experts: u32, m: u32) -> u32 {

@@ -1,4 +1,4 @@
-//! The single place kernels are launched from ([`Gpu::launch`], [`Gpu::launch_clusters`]), and
+//! The single place kernels are launched from ([`Gpu::launch`] of a typed entry on a [`Grid`]), and
 //! the device addresses of their buffers, checked to be of this `Gpu`'s context (launchers take
 //! them through `Args`, host/src/args.rs, which checks their lengths too).
 
@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
-use kernels_gpu::{Kernel, KernelParams};
+use kernels_gpu::{Entry, Kernel, KernelParams, Smem, Threads};
 
 use super::Gpu;
 use crate::check::Check;
@@ -45,24 +45,6 @@ impl Gpu {
         Ok(buf.device_ptr_mut(&self.stream).0)
     }
 
-    /// Queues `kernel` with its parameter block on a grid of `grid` blocks (x, y, z).
-    ///
-    /// # Safety
-    /// `params` must satisfy `kernel`'s launch contract (its doc comment in kernels-gpu): every
-    /// pointer valid for the extent the shape fields imply, outputs not aliasing inputs, and
-    /// `grid`, `block`, `smem` as the kernel documents.
-    pub(crate) unsafe fn launch<P: KernelParams>(
-        &self,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        params: P,
-    ) -> Result<()> {
-        // SAFETY: forwarded.
-        unsafe { self.launch_clusters(kernel, grid, 1, block, smem, params) }
-    }
-
     /// Whether this device's PTX has `kernel` (`Kernel::in_arch`: the `wgmma` kernels only on
     /// sm_90a).
     pub fn has(&self, kernel: Kernel) -> bool {
@@ -74,20 +56,16 @@ impl Gpu {
         self.max_smem[kernel as usize]
     }
 
-    /// [`Gpu::launch`] in clusters of `cluster` blocks along x (thread block clusters, sm_90+;
-    /// 1: none), grid.0 a multiple of it.
+    /// Queues the launch `l` with its parameter block.
     ///
     /// # Safety
-    /// As [`Gpu::launch`].
-    pub(crate) unsafe fn launch_clusters<P: KernelParams>(
-        &self,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        cluster: u32,
-        block: u32,
-        smem: u32,
-        params: P,
-    ) -> Result<()> {
+    /// `params` must satisfy the kernel's launch contract (its doc comment in kernels-gpu):
+    /// every pointer valid for the extent the shape fields imply, outputs not aliasing inputs,
+    /// and the grid, block and shared memory as the kernel documents.
+    pub(crate) unsafe fn launch<P: KernelParams>(&self, l: Grid<P>, params: P) -> Result<()> {
+        let (block, smem) = l.sizes()?;
+        let Grid { entry, grid, cluster, .. } = l;
+        let kernel = entry.kernel;
         let f = self.functions[kernel as usize]
             .as_ref()
             .ok_or(Error::NotInArch { kernel: kernel.name(), arch: self.arch.name() })?;
@@ -168,5 +146,99 @@ impl Gpu {
         unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .during("launching a kernel")
+    }
+}
+
+/// A launcher's block or shared memory (`got`: `None` where it gave none) that its entry's
+/// `expected` does not take.
+fn misuse(kernel: Kernel, arg: &'static str, expected: impl std::fmt::Debug, got: Option<u32>) -> Error {
+    let got = got.map_or("none from its launcher".to_string(), |n| format!("{n} from its launcher"));
+    Error::Shape { kernel: kernel.name(), arg, expected: format!("{expected:?}"), got }
+}
+
+/// One launch of a typed entry: its grid (x, y, z), clusters, and the block and shared memory
+/// where the entry leaves them to its launcher ([`Threads::UpTo`], [`Smem::PerLaunch`]);
+/// [`Gpu::launch`] refuses any other pairing.
+///
+/// An entry names the one parameter type its kernel takes, so a launch cannot pair it with
+/// another:
+/// ```
+/// let _: kernels_gpu::Entry<kernels_gpu::norm::RmsNormParams> = kernels_gpu::entry::NORM_RMS;
+/// ```
+/// ```compile_fail
+/// let _: kernels_gpu::Entry<kernels_gpu::norm::GatedNormParams> = kernels_gpu::entry::NORM_RMS;
+/// ```
+pub(crate) struct Grid<P> {
+    entry: Entry<P>,
+    grid: (u32, u32, u32),
+    cluster: u32,
+    threads: Option<u32>,
+    smem: Option<u32>,
+}
+
+impl<P> Grid<P> {
+    /// `entry` on `grid` blocks, no clusters, its own block and shared memory.
+    pub(crate) fn new(entry: Entry<P>, grid: (u32, u32, u32)) -> Self {
+        Grid { entry, grid, cluster: 1, threads: None, smem: None }
+    }
+
+    /// Blocks of `n` threads (an entry of [`Threads::UpTo`]).
+    pub(crate) fn threads(self, n: u32) -> Self {
+        Grid { threads: Some(n), ..self }
+    }
+
+    /// `bytes` of dynamic shared memory a block (an entry of [`Smem::PerLaunch`]).
+    pub(crate) fn smem(self, bytes: u32) -> Self {
+        Grid { smem: Some(bytes), ..self }
+    }
+
+    /// Thread block clusters of `blocks` along x (sm_90+; 1: none), grid.0 a multiple of it.
+    pub(crate) fn clusters(self, blocks: u32) -> Self {
+        Grid { cluster: blocks, ..self }
+    }
+
+    /// The block's threads and shared memory: the entry's own where it fixes them, the
+    /// launcher's where the entry leaves them to it (within its bound); any other pairing is
+    /// an error naming the kernel.
+    fn sizes(&self) -> Result<(u32, u32)> {
+        let kernel = self.entry.kernel;
+        let block = match (kernel.threads(), self.threads) {
+            (Threads::Fixed(n), None) => n,
+            (Threads::UpTo(most), Some(n)) if n <= most => n,
+            (t, n) => return Err(misuse(kernel, "threads", t, n)),
+        };
+        let smem = match (kernel.smem(), self.smem) {
+            (Smem::Fixed(bytes), None) => bytes,
+            (Smem::PerLaunch, Some(bytes)) => bytes,
+            (m, b) => return Err(misuse(kernel, "smem", m, b)),
+        };
+        Ok((block, smem))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kernels_gpu::entry;
+
+    use super::*;
+    use crate::check::arg_of;
+
+    #[test]
+    fn a_grid_takes_the_sizes_its_entry_leaves_open_and_no_others() {
+        // Fixed block and shared memory: the entry's own, nothing from the launcher.
+        let fixed = || Grid::new(entry::MOE_DISPATCH, (1, 1, 1));
+        let own = (kernels_gpu::moe::DISPATCH_BLOCK, kernels_gpu::moe::DISPATCH_SMEM_BYTES);
+        assert_eq!(fixed().sizes().unwrap(), own);
+        assert_eq!(arg_of(fixed().threads(own.0).sizes()), "threads");
+        assert_eq!(arg_of(fixed().smem(own.1).sizes()), "smem");
+        // Threads up to a bound and shared memory per launch: both from the launcher.
+        let norm = || Grid::new(entry::NORM_RMS, (4, 1, 1));
+        assert_eq!(norm().threads(96).smem(16).sizes().unwrap(), (96, 16));
+        assert_eq!(norm().threads(kernels_gpu::MAX_BLOCK).smem(0).sizes().unwrap(), (kernels_gpu::MAX_BLOCK, 0));
+        assert_eq!(arg_of(norm().threads(kernels_gpu::MAX_BLOCK + 32).smem(16).sizes()), "threads");
+        assert_eq!(arg_of(norm().smem(16).sizes()), "threads");
+        assert_eq!(arg_of(norm().threads(96).sizes()), "smem");
+        let e = norm().smem(16).sizes().unwrap_err().to_string();
+        assert!(e.contains("norm_rms_bf16") && e.contains("UpTo(1024)"), "{e}");
     }
 }

@@ -7,7 +7,7 @@
 //! - `scratch`: [`Buffer`], the temporaries of a step, and the capture arena they come from;
 //! - `capture`: CUDA graph capture and replay ([`Graph`]);
 //! - `timing`: timing events, the profiler range, and the [`Timeline`] of a timeline build;
-//! - `launch`: [`Gpu::launch`] and [`Gpu::launch_clusters`], and buffer addresses.
+//! - `launch`: [`Gpu::launch`] of a typed entry on a [`Grid`], and buffer addresses.
 
 mod arch;
 mod capture;
@@ -29,6 +29,7 @@ use kernels_gpu::Kernel;
 
 pub use self::arch::Arch;
 pub use self::capture::Graph;
+pub(crate) use self::launch::Grid;
 use self::memory::Stage;
 pub use self::memory::UPLOAD_STAGE_BYTES;
 pub use self::scratch::{ARENA_BYTES, Buffer};

@@ -48,7 +48,7 @@ done
 # The sanitizers run every kernel suite's GPU tests except the long sequential ones (100
 # decode steps, the token-by-token scan), which add time but no kernel the others do not run.
 # racecheck also reports hazards inside cuBLASLt's own kernels (nvjet_*; tests/moe runs the
-# cuBLASLt expert path): read its log for kernels of ours (names in kernels-gpu/src/lib.rs).
+# cuBLASLt expert path): read its log for kernels of ours (names in kernels-gpu/src/kernel.rs).
 for tool in memcheck racecheck synccheck; do
   for t in ${SANITIZE-mma norm quant conv1d ssm ssd mamba sample_gpu gemv grouped router moe act attn}; do
     echo "=== compute-sanitizer $tool tests/$t"

@@ -178,7 +178,7 @@ pub struct QkvRows<'a, B> {
 }
 
 /// A step's q, k and v rows as an attention layer's projections wrote them
-/// ([`Backend::attention_qkv`]): side by side in one buffer (one projection of the three
+/// ([`AttentionOps::qkv`]): side by side in one buffer (one projection of the three
 /// weights' rows in order), or a buffer each.
 pub enum QkvBufs<B> {
     Fused(B),
@@ -254,13 +254,12 @@ pub trait Backend: Sized {
     type Weight;
     /// A MoE layer's routed experts and shared expert, ready for [`Backend::moe`].
     type Experts;
-    /// A Mamba mixer: its weights, its slots' states and its choice of kernels, for the
-    /// `mamba_*` operations.
-    type Mamba;
+    /// A Mamba mixer: its weights, its slots' states and its choice of kernels, with its
+    /// operations ([`MambaOps`]).
+    type Mamba: MambaOps<Self>;
     /// An attention layer: its projections, its slots' key and value caches and its choice of
-    /// kernels, for [`Backend::attention_qkv`], [`Backend::attend`] and
-    /// [`Backend::attention_out`].
-    type Attention;
+    /// kernels, with its operations ([`AttentionOps`]).
+    type Attention: AttentionOps<Self>;
     /// A step's [`StepRows`] as the operations read them.
     type Rows;
     /// A recorded step (see [`Backend::record`]).
@@ -292,11 +291,6 @@ pub trait Backend: Sized {
     fn mamba(&self, c: &MambaConfig, eps: f32, m: &layout::Mamba, sizes: &CacheSizes) -> Result<Self::Mamba>;
     /// Uploads an attention layer of `c` with zero key and value caches of `sizes`.
     fn attention(&self, c: &AttentionConfig, a: &layout::Attention, sizes: &CacheSizes) -> Result<Self::Attention>;
-    /// A Mamba mixer's slots' states, as [`MambaWeights`] holds them: the conv state
-    /// `[slots, conv_dim, k - 1]` and the SSM state `[slots, heads, head_dim, state_size]`.
-    fn mamba_state(m: &mut Self::Mamba) -> (&mut Self::Buf, &mut Self::Buf32);
-    /// An attention layer's key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
-    fn kv_cache(a: &mut Self::Attention) -> (&mut Self::Buf, &mut Self::Buf);
 
     /// Readies a step's rows for the operations, for a cache of `slots` slots of `max_len`
     /// tokens. The model has checked them (slots in range and distinct, positions below
@@ -364,63 +358,51 @@ pub trait Backend: Sized {
         y: Out<Self::Buf>,
     ) -> Result<()>;
 
-    /// A Mamba mixer's in_proj over `rows` contiguous rows of `x`: rows of z, xBC and dt.
-    fn mamba_in_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, zx: Out<Self::Buf>) -> Result<()>;
-    /// The `nd` decode rows of a Mamba mixer between its projections, from `zx` (in_proj's
-    /// output rows): the conv update of their xBC and the selective state update, in place at
-    /// their slots' states, then the gated norm into `y` (a backend may do it in one launch).
-    fn mamba_decode(
-        &self,
-        m: &mut Self::Mamba,
-        zx: In<Self::Buf>,
-        nd: usize,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// The conv forward of the prefill sequences' xBC rows `x` (their final inputs written to
-    /// their slots' conv states).
-    fn mamba_conv(&self, m: &mut Self::Mamba, x: In<Self::Buf>, rows: &Self::Rows, y: Out<Self::Buf>) -> Result<()>;
-    /// The chunked scan of the prefill sequences; `xbc` rows hold x, B, C, `dt` rows the heads'
-    /// dt (their final states written to their slots' SSM states).
-    fn mamba_scan(
-        &self,
-        m: &mut Self::Mamba,
-        xbc: In<Self::Buf>,
-        dt: In<Self::Buf>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// The gated group RMSNorm of `rows` rows `x` with their gates `z`: `x * silu(z)`
-    /// normalized per group of the mixer's heads.
-    fn mamba_gated_norm(
-        &self,
-        m: &Self::Mamba,
-        x: In<Self::Buf>,
-        z: In<Self::Buf>,
-        rows: usize,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// A Mamba mixer's out_proj over `rows` contiguous rows of `x`.
-    fn mamba_out_proj(&self, m: &Self::Mamba, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
     /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
     fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
     /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row, row by row) as
     /// [`Backend::moe`]'s routing picks them, on the host (so it waits for the queue): for a
     /// step that tallies its experts' loads ([`crate::model::Model::set_expert_tally`]).
     fn moe_choices(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>) -> Result<Vec<u32>>;
-    /// An attention layer's q, k and v projections of `rows` contiguous rows of `x`.
-    fn attention_qkv(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize) -> Result<QkvBufs<Self::Buf>>;
+}
+
+/// A Mamba mixer's operations on backend `B`, on its layer object ([`Backend::Mamba`], built
+/// at load). Every operation is queued on `b` in order, as the backend's own.
+pub trait MambaOps<B: Backend> {
+    /// The mixer's in_proj over `rows` contiguous rows of `x`: rows of z, xBC and dt.
+    fn in_proj(&self, b: &B, x: In<B::Buf>, rows: usize, zx: Out<B::Buf>) -> Result<()>;
+    /// The `nd` decode rows between the projections, from `zx` (in_proj's output rows): the
+    /// conv update of their xBC and the selective state update, in place at their slots'
+    /// states, then the gated norm into `y` (a backend may do it in one launch).
+    fn decode(&mut self, b: &B, zx: In<B::Buf>, nd: usize, rows: &B::Rows, y: Out<B::Buf>) -> Result<()>;
+    /// The conv forward of the prefill sequences' xBC rows `x` (their final inputs written to
+    /// their slots' conv states).
+    fn conv(&mut self, b: &B, x: In<B::Buf>, rows: &B::Rows, y: Out<B::Buf>) -> Result<()>;
+    /// The chunked scan of the prefill sequences; `xbc` rows hold x, B, C, `dt` rows the heads'
+    /// dt (their final states written to their slots' SSM states).
+    fn scan(&mut self, b: &B, xbc: In<B::Buf>, dt: In<B::Buf>, rows: &B::Rows, y: Out<B::Buf>) -> Result<()>;
+    /// The gated group RMSNorm of `rows` rows `x` with their gates `z`: `x * silu(z)`
+    /// normalized per group of the mixer's heads.
+    fn gated_norm(&self, b: &B, x: In<B::Buf>, z: In<B::Buf>, rows: usize, y: Out<B::Buf>) -> Result<()>;
+    /// The mixer's out_proj over `rows` contiguous rows of `x`.
+    fn out_proj(&self, b: &B, x: In<B::Buf>, rows: usize, y: Out<B::Buf>) -> Result<()>;
+    /// The slots' states, as [`MambaWeights`] holds them: the conv state `[slots, conv_dim, k
+    /// - 1]` and the SSM state `[slots, heads, head_dim, state_size]`.
+    fn state(&mut self) -> (&mut B::Buf, &mut B::Buf32);
+}
+
+/// An attention layer's operations on backend `B`, on its layer object
+/// ([`Backend::Attention`], built at load).
+pub trait AttentionOps<B: Backend> {
+    /// The q, k and v projections of `rows` contiguous rows of `x`.
+    fn qkv(&self, b: &B, x: In<B::Buf>, rows: usize) -> Result<QkvBufs<B::Buf>>;
     /// Causal attention: writes each row's k and v into its slot's cache at its position,
     /// then attends each row over its slot's positions up to its own.
-    fn attend(
-        &self,
-        a: &mut Self::Attention,
-        qkv: &QkvBufs<Self::Buf>,
-        rows: &Self::Rows,
-        y: Out<Self::Buf>,
-    ) -> Result<()>;
-    /// An attention layer's o_proj over `rows` contiguous rows of `x`.
-    fn attention_out(&self, a: &Self::Attention, x: In<Self::Buf>, rows: usize, y: Out<Self::Buf>) -> Result<()>;
+    fn attend(&mut self, b: &B, qkv: &QkvBufs<B::Buf>, rows: &B::Rows, y: Out<B::Buf>) -> Result<()>;
+    /// The o_proj over `rows` contiguous rows of `x`.
+    fn out(&self, b: &B, x: In<B::Buf>, rows: usize, y: Out<B::Buf>) -> Result<()>;
+    /// The key and value caches, `[slots, max_len, kv_heads * head_dim]` each.
+    fn kv_cache(&mut self) -> (&mut B::Buf, &mut B::Buf);
 }
 
 /// Checks that `n` elements from `at` lie within a buffer of `len` ([`Backend::copy`]).

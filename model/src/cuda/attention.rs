@@ -5,11 +5,11 @@
 //! over the KV cache.
 
 use half::bf16;
+use host::Buffer;
 use host::attn::{AttnShape, Qkv, attention};
-use host::{Buffer, Gpu};
 
 use super::{Cuda, CudaRows, CudaWeight, rows_of, view_mut};
-use crate::backend::{Backend, CacheSizes, In, Out, QkvBufs, QkvRows, project};
+use crate::backend::{AttentionOps, Backend, CacheSizes, In, Out, QkvBufs, QkvRows, project};
 use crate::config::AttentionConfig;
 use crate::error::Result;
 use crate::layout::{self, Linear};
@@ -48,11 +48,6 @@ impl QkvWeights {
 }
 
 impl CudaAttention {
-    /// The slots' key and value caches.
-    pub(super) fn cache(&mut self) -> (&mut Buffer<bf16>, &mut Buffer<bf16>) {
-        (&mut self.k_cache, &mut self.v_cache)
-    }
-
     /// Uploads the layer `a` of `c` with zero key and value caches of `sizes`.
     pub(super) fn upload(
         cuda: &Cuda,
@@ -70,10 +65,12 @@ impl CudaAttention {
         let s = &self.shape;
         (s.heads * s.head_dim, s.kv_heads * s.head_dim)
     }
+}
 
+impl AttentionOps<Cuda> for CudaAttention {
     /// q, k and v of `rows` rows of `x`: one buffer with the three side by side (fused), or
     /// one each.
-    pub(super) fn qkv(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
+    fn qkv(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
         let (qw, kw) = self.widths();
         Ok(match &self.qkv {
             QkvWeights::Fused(w) => QkvBufs::Fused(project(cuda, x, rows, w, qw + 2 * kw)?),
@@ -87,9 +84,9 @@ impl CudaAttention {
 
     /// Attention of the step's rows over their sequences' cached keys and values, the new
     /// ones written into the cache first.
-    pub(super) fn attend(
+    fn attend(
         &mut self,
-        g: &Gpu,
+        cuda: &Cuda,
         qkv: &QkvBufs<Buffer<bf16>>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
@@ -98,11 +95,15 @@ impl CudaAttention {
         let QkvRows { q, k, v } = qkv.rows(qw, kw);
         let mut y = view_mut(y, n * qw)?;
         let qkv = Qkv { q: rows_of(&q, n, qw), k: rows_of(&k, n, kw), v: rows_of(&v, n, kw) };
-        Ok(attention(g, self.shape, qkv, &mut self.k_cache, &mut self.v_cache, &rows.attn, &mut y)?)
+        Ok(attention(&cuda.gpu, self.shape, qkv, &mut self.k_cache, &mut self.v_cache, &rows.attn, &mut y)?)
     }
 
     /// o_proj over `rows` rows of `x`.
-    pub(super) fn out(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+    fn out(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
         cuda.linear(x, rows, &self.o, y)
+    }
+
+    fn kv_cache(&mut self) -> (&mut Buffer<bf16>, &mut Buffer<bf16>) {
+        (&mut self.k_cache, &mut self.v_cache)
     }
 }

@@ -12,7 +12,7 @@ use host::ssm::{SsmCache, SsmHeads, SsmInputs, SsmShape, ssm_update};
 use host::{Buffer, CudaSlice, Gpu};
 
 use super::{Cuda, CudaRows, rows_of, view_mut};
-use crate::backend::{Backend, CacheSizes, In, MambaWeights, Out};
+use crate::backend::{Backend, CacheSizes, In, MambaOps, MambaWeights, Out};
 use crate::config::MambaConfig;
 use crate::error::Result;
 use crate::layout;
@@ -65,11 +65,6 @@ impl CudaMamba {
         Ok(CudaMamba { w: MambaWeights::upload(cuda, c, eps, m, sizes)? })
     }
 
-    /// The slots' conv and SSM states.
-    pub(super) fn state(&mut self) -> (&mut Buffer<bf16>, &mut CudaSlice<f32>) {
-        (&mut self.w.conv_state, &mut self.w.ssm_state)
-    }
-
     /// The mixer as the host crate's launchers take it: the fused decode whole, the others
     /// their parts of it.
     fn host(&mut self) -> MambaLayer<'_> {
@@ -84,28 +79,11 @@ impl CudaMamba {
         }
     }
 
-    /// in_proj over `rows` rows of `x`.
-    pub(super) fn in_proj(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
-        cuda.linear(x, rows, &self.w.in_proj, y)
-    }
-
-    /// out_proj over `rows` rows of `x`.
-    pub(super) fn out_proj(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
-        cuda.linear(x, rows, &self.w.out_proj, y)
-    }
-
     /// The conv update of the step's decode rows.
     fn conv_decode(&mut self, g: &Gpu, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
         let (shape, cd, slots) = (conv_shape(&self.w.c), self.w.c.conv_dim(), rows.decode()?);
         let mut y = view_mut(y, slots.len() * cd)?;
         Ok(conv_update(g, shape, rows_of(&x, slots.len(), cd), self.host().conv, slots, &mut y)?)
-    }
-
-    /// The conv of the step's prefill sequences.
-    pub(super) fn conv(&mut self, g: &Gpu, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
-        let (shape, cd, p) = (conv_shape(&self.w.c), self.w.c.conv_dim(), rows.prefill()?);
-        let mut y = view_mut(y, p.tokens() * cd)?;
-        Ok(conv_fwd(g, shape, rows_of(&x, p.tokens(), cd), self.host().conv, p, &mut y)?)
     }
 
     /// The state update of the step's decode rows.
@@ -123,11 +101,17 @@ impl CudaMamba {
         let cache = SsmCache { state: layer.state, slots, dst: None };
         Ok(ssm_update(g, shape, inputs, None, layer.heads, cache, &mut y)?)
     }
+}
+
+impl MambaOps<Cuda> for CudaMamba {
+    fn in_proj(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        cuda.linear(x, rows, &self.w.in_proj, y)
+    }
 
     /// The gated norm of `rows` rows `x` with their gates `z`.
-    pub(super) fn gated_norm(
+    fn gated_norm(
         &self,
-        g: &Gpu,
+        cuda: &Cuda,
         x: In<Buffer<bf16>>,
         z: In<Buffer<bf16>>,
         rows: usize,
@@ -136,12 +120,12 @@ impl CudaMamba {
         let (c, width) = (&self.w.c, self.w.c.inner());
         let shape = NormShape::new(rows, width, c.groups, self.w.eps);
         let mut y = view_mut(y, rows * width)?;
-        Ok(gated_norm(g, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), &self.w.norm, &mut y)?)
+        Ok(gated_norm(&cuda.gpu, shape, rows_of(&x, rows, width), rows_of(&z, rows, width), &self.w.norm, &mut y)?)
     }
 
     /// The mixer's decode rows after in_proj: in one launch at up to [`FUSED_MAMBA_ROWS`] rows
     /// (where the kernel fits the shape), else conv, state update and gated norm apart.
-    pub(super) fn decode(
+    fn decode(
         &mut self,
         cuda: &Cuda,
         zx: In<Buffer<bf16>>,
@@ -157,7 +141,7 @@ impl CudaMamba {
             let mut ys = cuda.scratch(nd * inner)?;
             let dt = zx.at(0, inner + cd);
             self.ssm_decode(&cuda.gpu, (In::rows(&xbc, cd), dt), rows, Out { buf: &mut ys, offset: 0 })?;
-            return self.gated_norm(&cuda.gpu, In::rows(&ys, inner), zx, nd, y);
+            return self.gated_norm(cuda, In::rows(&ys, inner), zx, nd, y);
         }
         let slots = rows.decode()?;
         let mut y = view_mut(y, slots.len() * inner)?;
@@ -166,19 +150,35 @@ impl CudaMamba {
     }
 
     /// The chunked scan of the step's prefill sequences.
-    pub(super) fn scan(
+    fn scan(
         &mut self,
-        g: &Gpu,
-        (xbc, dt): (In<Buffer<bf16>>, In<Buffer<bf16>>),
+        cuda: &Cuda,
+        xbc: In<Buffer<bf16>>,
+        dt: In<Buffer<bf16>>,
         rows: &CudaRows,
         y: Out<Buffer<bf16>>,
     ) -> Result<()> {
-        let (c, p) = (&self.w.c, rows.prefill()?);
+        let (g, c, p) = (&cuda.gpu, &self.w.c, rows.prefill()?);
         let shape = ssm_shape(c);
         let mut plan = rows.ssd_plan(g, shape)?;
         let inputs = ssm_inputs(c, &xbc, &dt, p.tokens());
         let mut y = view_mut(y, p.tokens() * c.inner())?;
         let layer = self.host();
         Ok(ssd_scan(g, shape, (inputs, layer.heads), (layer.state, p), &mut plan, &mut y)?)
+    }
+
+    /// The conv of the step's prefill sequences.
+    fn conv(&mut self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
+        let (shape, cd, p) = (conv_shape(&self.w.c), self.w.c.conv_dim(), rows.prefill()?);
+        let mut y = view_mut(y, p.tokens() * cd)?;
+        Ok(conv_fwd(&cuda.gpu, shape, rows_of(&x, p.tokens(), cd), self.host().conv, p, &mut y)?)
+    }
+
+    fn out_proj(&self, cuda: &Cuda, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
+        cuda.linear(x, rows, &self.w.out_proj, y)
+    }
+
+    fn state(&mut self) -> (&mut Buffer<bf16>, &mut CudaSlice<f32>) {
+        (&mut self.w.conv_state, &mut self.w.ssm_state)
     }
 }

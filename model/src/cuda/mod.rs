@@ -51,7 +51,7 @@ use host::{Buffer, CudaSlice, CudaViewMut, DeviceRepr, Gpu, Graph, Rows, Stamp, 
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, QkvBufs, StepRows, check_range, rows_f32};
+use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, StepRows, check_range, rows_f32};
 use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::layout::{self, Linear, Mlp};
@@ -204,14 +204,6 @@ impl Backend for Cuda {
         CudaAttention::upload(self, c, a, sizes)
     }
 
-    fn mamba_state(m: &mut CudaMamba) -> (&mut Buffer<bf16>, &mut CudaSlice<f32>) {
-        m.state()
-    }
-
-    fn kv_cache(a: &mut CudaAttention) -> (&mut Buffer<bf16>, &mut Buffer<bf16>) {
-        a.cache()
-    }
-
     fn rows(&self, r: &StepRows, slots: usize, max_len: usize) -> Result<CudaRows> {
         CudaRows::new(&self.gpu, r, slots, max_len)
     }
@@ -318,51 +310,6 @@ impl Backend for Cuda {
         mlp_rows(&self.gpu, &xv, rows, (up, down), &mut y)
     }
 
-    fn mamba_in_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, zx: Out<Buffer<bf16>>) -> Result<()> {
-        m.in_proj(self, x, rows, zx)
-    }
-
-    fn mamba_decode(
-        &self,
-        m: &mut CudaMamba,
-        zx: In<Buffer<bf16>>,
-        nd: usize,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        m.decode(self, zx, nd, rows, y)
-    }
-
-    fn mamba_conv(&self, m: &mut CudaMamba, x: In<Buffer<bf16>>, rows: &CudaRows, y: Out<Buffer<bf16>>) -> Result<()> {
-        m.conv(&self.gpu, x, rows, y)
-    }
-
-    fn mamba_scan(
-        &self,
-        m: &mut CudaMamba,
-        xbc: In<Buffer<bf16>>,
-        dt: In<Buffer<bf16>>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        m.scan(&self.gpu, (xbc, dt), rows, y)
-    }
-
-    fn mamba_gated_norm(
-        &self,
-        m: &CudaMamba,
-        x: In<Buffer<bf16>>,
-        z: In<Buffer<bf16>>,
-        rows: usize,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        m.gated_norm(&self.gpu, x, z, rows, y)
-    }
-
-    fn mamba_out_proj(&self, m: &CudaMamba, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
-        m.out_proj(self, x, rows, y)
-    }
-
     fn moe(
         &self,
         c: &MoeConfig,
@@ -376,23 +323,5 @@ impl Backend for Cuda {
 
     fn moe_choices(&self, c: &MoeConfig, x: In<Buffer<bf16>>, rows: usize, w: &MoeWeights<Cuda>) -> Result<Vec<u32>> {
         moe::choices(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias })
-    }
-
-    fn attention_qkv(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize) -> Result<QkvBufs<Buffer<bf16>>> {
-        a.qkv(self, x, rows)
-    }
-
-    fn attend(
-        &self,
-        a: &mut CudaAttention,
-        qkv: &QkvBufs<Buffer<bf16>>,
-        rows: &CudaRows,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        a.attend(&self.gpu, qkv, rows, y)
-    }
-
-    fn attention_out(&self, a: &CudaAttention, x: In<Buffer<bf16>>, rows: usize, y: Out<Buffer<bf16>>) -> Result<()> {
-        a.out(self, x, rows, y)
     }
 }

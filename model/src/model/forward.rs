@@ -3,7 +3,7 @@
 //! them ([`Marks`]: a profile's stamps, the expert loads of a tallied step).
 
 use super::{MixW, StepCounters, Weights};
-use crate::backend::{Backend, In, MoeWeights, Norm, Out};
+use crate::backend::{AttentionOps, Backend, In, MambaOps, MoeWeights, Norm, Out};
 use crate::config::{Config, MoeConfig};
 use crate::error::Result;
 use crate::profile::{ExpertLoad, Part as P, Profile, Span, Stage};
@@ -108,13 +108,13 @@ pub(super) fn forward<B: Backend>(
                 let c = config.mamba.as_ref().expect("mamba layers come with mamba settings");
                 let (inner, cd, wd) = (c.inner(), c.conv_dim(), c.in_proj_width());
                 let mut zx = b.scratch(n * wd)?;
-                b.mamba_in_proj(m, In::rows(&x, hidden), n, Out { buf: &mut zx, offset: 0 })?;
+                m.in_proj(b, In::rows(&x, hidden), n, Out { buf: &mut zx, offset: 0 })?;
                 done(P::InProj)?;
                 let zxr = In::rows(&zx, wd);
                 // The gated norm's output: the decode rows', then the prefill rows'.
                 let mut yn = b.scratch(n * inner)?;
                 if nd > 0 {
-                    b.mamba_decode(m, zxr, nd, rows, Out { buf: &mut yn, offset: 0 })?;
+                    m.decode(b, zxr, nd, rows, Out { buf: &mut yn, offset: 0 })?;
                     done(P::Decode)?;
                     counters.conv_updates += 1;
                     counters.state_updates += 1;
@@ -122,19 +122,19 @@ pub(super) fn forward<B: Backend>(
                 if prefill {
                     let np = n - nd;
                     let mut xbc = b.scratch(np * cd)?;
-                    b.mamba_conv(m, zxr.at(nd, inner), rows, Out { buf: &mut xbc, offset: 0 })?;
+                    m.conv(b, zxr.at(nd, inner), rows, Out { buf: &mut xbc, offset: 0 })?;
                     done(P::Conv)?;
                     let mut y = b.scratch(np * inner)?;
                     let (xbcr, dt) = (In::rows(&xbc, cd), zxr.at(nd, inner + cd));
-                    b.mamba_scan(m, xbcr, dt, rows, Out { buf: &mut y, offset: 0 })?;
+                    m.scan(b, xbcr, dt, rows, Out { buf: &mut y, offset: 0 })?;
                     done(P::Scan)?;
                     let yo = Out { buf: &mut yn, offset: nd * inner };
-                    b.mamba_gated_norm(m, In::rows(&y, inner), zxr.at(nd, 0), np, yo)?;
+                    m.gated_norm(b, In::rows(&y, inner), zxr.at(nd, 0), np, yo)?;
                     done(P::GatedNorm)?;
                     counters.conv_forwards += 1;
                     counters.chunk_scans += 1;
                 }
-                b.mamba_out_proj(m, In::rows(&yn, inner), n, Out { buf: &mut out, offset: 0 })?;
+                m.out_proj(b, In::rows(&yn, inner), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OutProj)?;
             }
             MixW::Moe(mw) => {
@@ -146,12 +146,12 @@ pub(super) fn forward<B: Backend>(
             MixW::Attention(a) => {
                 let c = config.attention.as_ref().expect("attention layers come with attention settings");
                 let qw = c.heads * c.head_dim;
-                let qkv = b.attention_qkv(a, In::rows(&x, hidden), n)?;
+                let qkv = a.qkv(b, In::rows(&x, hidden), n)?;
                 done(P::Qkv)?;
                 let mut att = b.scratch(n * qw)?;
-                b.attend(a, &qkv, rows, Out { buf: &mut att, offset: 0 })?;
+                a.attend(b, &qkv, rows, Out { buf: &mut att, offset: 0 })?;
                 done(P::Attend)?;
-                b.attention_out(a, In::rows(&att, qw), n, Out { buf: &mut out, offset: 0 })?;
+                a.out(b, In::rows(&att, qw), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::OProj)?;
                 counters.attention_calls += 1;
             }

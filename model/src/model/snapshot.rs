@@ -2,7 +2,7 @@
 //! cache ([`crate::prefix`]) keeps.
 
 use super::{MixW, Model};
-use crate::backend::Backend;
+use crate::backend::{AttentionOps, Backend, MambaOps};
 use crate::error::{Error, Result};
 use crate::prefix::{Snapshot, SnapshotShape};
 
@@ -75,12 +75,12 @@ impl<B: Backend> Model<B> {
         for layer in &mut self.weights.layers {
             match layer {
                 MixW::Mamba(x) => {
-                    let (conv, ssm) = B::mamba_state(x);
+                    let (conv, ssm) = x.state();
                     f(&self.backend, State::Mamba(m, conv, ssm))?;
                     m += 1;
                 }
                 MixW::Attention(x) => {
-                    let (k, v) = B::kv_cache(x);
+                    let (k, v) = x.kv_cache();
                     for cache in [k, v] {
                         f(&self.backend, State::Kv(i, cache))?;
                         i += 1;

@@ -14,6 +14,7 @@
 //! it and prefills only the rest.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
 
 use host::sample::RowSampling;
 use kernels_gpu::sample::SampleRow;
@@ -447,9 +448,10 @@ impl<B: Backend> Engine<B> {
         if !cache.wants(&r.seen, r.snapped, self.model.snapshot_shape().bytes(r.seen.len())) {
             return;
         }
+        let start = Instant::now();
         match self.model.save(slot) {
             Ok(snap) => {
-                cache.insert(&r.seen, snap);
+                cache.insert(&r.seen, snap, start.elapsed());
                 r.snapped = r.seen.len();
             }
             Err(e) => tracing::warn!("request {id}: saving its state of {} tokens failed: {e}", r.seen.len()),

@@ -25,6 +25,7 @@
 //! saved before. Snapshots past the byte budget are evicted, least recently used first.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::config::Config;
@@ -151,6 +152,9 @@ pub struct PrefixStats {
     /// Snapshots held now, and their bytes.
     pub entries: usize,
     pub bytes: usize,
+    /// Host time the saves took (allocating the snapshots, queueing their copies), in
+    /// microseconds: what they add to the steps that take them.
+    pub save_us: u64,
 }
 
 struct Entry<B: Backend> {
@@ -296,10 +300,11 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Holds `snapshot`, taken after `tokens` (after [`PrefixCache::wants`] made room).
-    pub fn insert(&mut self, tokens: &[u32], snapshot: Snapshot<B>) {
+    pub fn insert(&mut self, tokens: &[u32], snapshot: Snapshot<B>, took: Duration) {
         let hash = hash(tokens);
         let used = self.tick();
         self.stats.saved += 1;
+        self.stats.save_us += u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         self.entries.push(Entry { tokens: tokens.to_vec(), hash, snapshot, used });
     }
 }
@@ -317,7 +322,7 @@ mod tests {
 
     fn held(c: &mut PrefixCache<Cpu>, tokens: &[u32]) {
         assert!(c.wants(tokens, 0, SHAPE.bytes(tokens.len())));
-        c.insert(tokens, snapshot(tokens.len()));
+        c.insert(tokens, snapshot(tokens.len()), std::time::Duration::ZERO);
     }
 
     /// The longest held proper prefix wins; a prompt no longer than a snapshot cannot use it;

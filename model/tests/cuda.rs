@@ -439,7 +439,9 @@ fn cuda_masked_rows_hold_and_replay_as_launched() {
 
 /// The prefix cache's checks (tests/common/prefix.rs) on the GPU: a restored slot continues
 /// bit for bit as the saved one (the whole prompt within the CUDA backend's band against the
-/// CPU, 0.05), and the engine with the cache gives the greedy tokens it gives without it.
+/// CPU, 0.05), and the engine with the cache gives the greedy tokens it gives without it, but
+/// for a flip at a near-tie: the restored prompt's rest is scanned in chunks from where it was
+/// restored, so its logits move within that band (0.05) of the whole prompt's.
 mod prefix_cache {
     use super::common::prefix::*;
     use model::cuda::Cuda;
@@ -448,6 +450,7 @@ mod prefix_cache {
         Cuda::new(0).unwrap()
     }
     const CUDA: NewBackend<Cuda> = &cuda;
+    const NEAR: Case<Cuda> = Case { backend: CUDA, tie: 0.05 };
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
@@ -459,12 +462,12 @@ mod prefix_cache {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn cuda_prefix_cache_serves_as_without() {
-        let n = conversations_restore_each_turn(CUDA)
-            + shared_system_prompt_is_restored_whatever_follows(CUDA)
-            + hits_that_end_where_a_snapshot_does(CUDA)
-            + evicted_snapshot_falls_back_to_prefill(CUDA)
-            + two_requests_share_a_snapshot_at_once(CUDA)
-            + request_cancelled_mid_prefill_leaves_no_snapshot(CUDA);
+        let n = conversations_restore_each_turn(NEAR)
+            + shared_system_prompt_is_restored_whatever_follows(NEAR)
+            + hits_that_end_where_a_snapshot_does(NEAR)
+            + evicted_snapshot_falls_back_to_prefill(NEAR)
+            + two_requests_share_a_snapshot_at_once(NEAR)
+            + request_cancelled_mid_prefill_leaves_no_snapshot(NEAR);
         println!("CUDA engine with the prefix cache: {n} greedy tokens as without it");
     }
 }

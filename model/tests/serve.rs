@@ -307,6 +307,7 @@ fn serve_bench_measures_the_prefix_cache() {
     };
     let hits = metric("nemotron_prefix_cache_hits_total");
     assert!(hits > 0.0 && metric("nemotron_prefix_cache_bytes") > 0.0, "{metrics}");
+    assert!(metric("nemotron_prefix_cache_save_seconds_total") > 0.0, "{metrics}");
     assert_eq!(metric("nemotron_prompt_tokens_cached_total"), metric("nemotron_prefix_cache_hit_tokens_total"));
     assert!(
         log.contains("cached_tokens=0")

@@ -86,6 +86,24 @@ pub(crate) const BLAS_WORKSPACE: usize = 32 << 20;
 /// Arrival counters [`Gpu::counters`] holds: one per block row of a grid (at most 65535).
 pub(crate) const COUNTERS: usize = 65535;
 
+/// Keeps the memory buffers free in the device's default pool (cudarc allocates from it,
+/// stream-ordered) instead of handing it back to the driver at each synchronization (the
+/// pool's release threshold, 0 by default): the engine synchronizes every step, and a prefix
+/// cache that evicts a snapshot and saves another in one step would otherwise have the
+/// driver map the memory again for each (tens of MiB each at Nano size).
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    // SAFETY: the device is the context's own; the attribute takes a u64 (cuuint64_t), which
+    // lives across the call.
+    unsafe {
+        let pool = cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device())
+            .during("reading the device's memory pool")?;
+        let mut keep = u64::MAX;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&raw mut keep).cast())
+            .during("setting the memory pool's release threshold")
+    }
+}
+
 impl Gpu {
     /// Opens device `ordinal`, picks its arch and loads the embedded PTX.
     pub fn new(ordinal: usize) -> Result<Gpu> {
@@ -135,6 +153,9 @@ impl Gpu {
             };
             max_threads.push(threads as u32);
             max_smem.push(dynamic as u32);
+        }
+        if ctx.has_async_alloc() {
+            keep_freed_memory(&ctx)?;
         }
         let stream = ctx.new_stream().during("creating a stream")?;
         let counters = stream.alloc_zeros(COUNTERS).during("allocating device memory")?;

@@ -161,6 +161,9 @@ impl Metrics {
                 let name = format!("nemotron_prefix_cache_{name}");
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
             }
+            let name = "nemotron_prefix_cache_save_seconds_total";
+            let help = "Host time the saves took (allocating, queueing the copies).";
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", s.save_us as f64 / 1e6);
         }
         out
     }

@@ -42,15 +42,16 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 /// chunks, one token, all but one) and restored into a slot that held another prompt: its
 /// rest gives bit for bit the logits the saved slot gives (and so do 8 decode steps after it),
 /// and the whole prompt's logits within `band` (atol and rtol) of it, while the state of a
-/// prompt one token apart, restored instead, moves them past it. A snapshot does not go into a
-/// slot out of range or a model whose slots hold fewer tokens.
+/// prompt one token apart, restored instead, gives other logits (the bit-exact comparison sees
+/// it). A snapshot does not go into a slot out of range or a model whose slots hold fewer
+/// tokens.
 pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: NewBackend<B>, band: f64) -> usize {
     let mut m = model(backend(), 3, 1024);
     let mut rng = Rng::new(37);
     let prompt = tokens(&mut rng, 600);
     let other = tokens(&mut rng, 50);
     let whole = m.step(&[Part { slot: 0, computed: 0, tokens: &prompt }]).unwrap().remove(0);
-    let mut compared = 0;
+    let (mut compared, mut at300) = (0, Vec::new());
     for split in [1, 127, 128, 129, 300, 599] {
         m.release(1);
         m.step(&[Part { slot: 1, computed: 0, tokens: &prompt[..split] }]).unwrap();
@@ -64,6 +65,9 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
         let saved = m.step(&[Part { slot: 1, computed: split, tokens: rest }]).unwrap().remove(0);
         let restored = m.step(&[Part { slot: 2, computed: split, tokens: rest }]).unwrap().remove(0);
         assert_eq!(restored, saved, "split at {split}");
+        if split == 300 {
+            at300.clone_from(&restored);
+        }
         compared += assert_close(&format!("split at {split}"), &f64s(&restored), &f64s(&whole), band, band);
         for step in 0..8 {
             let t = [1 + (step * 7 + split) as u32 % 63];
@@ -76,7 +80,7 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
     }
     assert_eq!(compared, 6 * 9 * 64);
     // The comparison sees the state: a snapshot of another prompt of as many tokens (one token
-    // changed) restored in its place gives other logits.
+    // changed) restored in its place gives other logits than the right one.
     let mut changed = prompt[..300].to_vec();
     changed[150] = changed[150] % 63 + 1;
     m.release(2);
@@ -85,8 +89,9 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
     m.restore(2, &wrong).unwrap();
     let rest = &prompt[300..];
     let got = m.step(&[Part { slot: 2, computed: 300, tokens: rest }]).unwrap().remove(0);
-    let gap = got.iter().zip(&whole).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    assert!(f64::from(gap) > band, "a state one token apart moves the logits by {gap} only");
+    let gap = got.iter().zip(&at300).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    println!("a state one token apart moves the logits by up to {gap}");
+    assert!(gap > 0.0, "a state one token apart gives the same logits");
     let snap = m.save(1).unwrap();
     assert!(m.restore(3, &snap).unwrap_err().to_string().contains("slot 3 is out of range (0..3)"));
     let err = model(backend(), 1, 64).restore(0, &snap).unwrap_err().to_string();
@@ -120,11 +125,59 @@ fn serve<B: Backend>(e: &mut Engine<B>, prompt: &[u32], n: usize) -> (Vec<u32>, 
     run(e).remove(&id).unwrap()
 }
 
-/// Serves `prompt` on the engine with the cache and on the one without: the same tokens; those
-/// and the prompt tokens restored.
-fn both<B: Backend>(cached: &mut Engine<B>, cold: &mut Engine<B>, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
+/// A backend to make and the widest logit gap a greedy flip may take ([`agree`]).
+pub struct Case<'a, B> {
+    pub backend: NewBackend<'a, B>,
+    /// 0 where the cached and uncached paths compute the same logits (the CPU backend's scan
+    /// is token by token whatever the split); on CUDA the band of chunked against whole
+    /// prefill (the chunked scan's sums start at the restored position).
+    pub tie: f32,
+}
+
+impl<B> Clone for Case<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Case<'_, B> {}
+
+/// `got` (with the cache, `restored` of the prompt's tokens restored) is `want` (without it),
+/// but for a flip at a near-tie: at the first token they differ, the two tokens' logits (a
+/// whole prefill of the prompt and the tokens before it) within `case.tie` of each other and of
+/// the top one. Returns the tokens that agree.
+fn agree<B: Backend>(case: Case<B>, prompt: &[u32], (got, restored): (&[u32], usize), want: &[u32]) -> usize {
+    assert_eq!(got.len(), want.len(), "a prompt of {} tokens, {restored} restored", prompt.len());
+    let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) else { return got.len() };
+    let context: Vec<u32> = prompt.iter().chain(&want[..i]).copied().collect();
+    let logits = model((case.backend)(), 1, 4096).step(&[Part { slot: 0, computed: 0, tokens: &context }]).unwrap();
+    let (a, b) = (logits[0][got[i] as usize], logits[0][want[i] as usize]);
+    let top = logits[0].iter().copied().fold(f32::MIN, f32::max);
+    let what = format!(
+        "a prompt of {} tokens ({restored} restored), token {i}: {} with the cache, {} without",
+        prompt.len(),
+        got[i],
+        want[i]
+    );
+    assert!(
+        (a - b).abs() <= case.tie && top - a.min(b) <= case.tie,
+        "{what}: logits {a} and {b}, the top {top}: not a near-tie (within {})",
+        case.tie
+    );
+    println!("{what}: a near-tie, logits {a} and {b}, the top {top}");
+    i
+}
+
+/// Serves `prompt` on the engine with the cache and on the one without: the same tokens
+/// ([`agree`]); the cached engine's and the prompt tokens it restored.
+fn both<B: Backend>(
+    case: Case<B>,
+    (cached, cold): (&mut Engine<B>, &mut Engine<B>),
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, usize) {
     let (answer, restored) = serve(cached, prompt, n);
-    assert_eq!(answer, serve(cold, prompt, n).0, "a prompt of {} tokens, {restored} restored", prompt.len());
+    agree(case, prompt, (&answer, restored), &serve(cold, prompt, n).0);
     (answer, restored)
 }
 
@@ -132,7 +185,8 @@ fn both<B: Backend>(cached: &mut Engine<B>, cold: &mut Engine<B>, prompt: &[u32]
 /// the other conversation), each prompt the last one, its answer and a new message: every turn
 /// after the first restores the last turn's prompt and answer (but the answer's last token,
 /// never fed), and the answers are those without the cache.
-pub fn conversations_restore_each_turn<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn conversations_restore_each_turn<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
     assert_eq!(cold.prefix_stats(), None);
     let mut rng = Rng::new(8);
@@ -141,7 +195,7 @@ pub fn conversations_restore_each_turn<B: Backend>(backend: NewBackend<B>) -> us
     let mut compared = 0;
     for turn in 0..8 {
         for (c, prompt) in prompts.iter_mut().enumerate() {
-            let (answer, restored) = both(&mut cached, &mut cold, prompt, 24);
+            let (answer, restored) = both(case, (&mut cached, &mut cold), prompt, 24);
             assert_eq!(restored, want_cached[c], "conversation {c}, turn {turn}");
             compared += answer.len();
             want_cached[c] = prompt.len() + answer.len() - 1;
@@ -158,7 +212,8 @@ pub fn conversations_restore_each_turn<B: Backend>(backend: NewBackend<B>) -> us
 /// A 2000-token system prompt, then unique suffixes of 1 to 700 tokens: the second request
 /// stops its prefill where it parts from the first (a branch point) for a snapshot, and every
 /// later one restores all 2000 shared tokens; the answers are those without the cache.
-pub fn shared_system_prompt_is_restored_whatever_follows<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn shared_system_prompt_is_restored_whatever_follows<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
     let mut rng = Rng::new(2000);
     let system = tokens(&mut rng, 2000);
@@ -168,7 +223,7 @@ pub fn shared_system_prompt_is_restored_whatever_follows<B: Backend>(backend: Ne
         // Each suffix starts with a token of its own: the prompts part at 2000.
         prompt.push(1 + i as u32);
         prompt.extend(tokens(&mut rng, n - 1));
-        restored.push(both(&mut cached, &mut cold, &prompt, 4).1);
+        restored.push(both(case, (&mut cached, &mut cold), &prompt, 4).1);
     }
     assert_eq!(restored, [0, 0, 2000, 2000, 2000, 2000, 2000]);
     7 * 4
@@ -177,11 +232,13 @@ pub fn shared_system_prompt_is_restored_whatever_follows<B: Backend>(backend: Ne
 /// A prompt saved at its end: the same prompt and one more token restores all of it (the rest
 /// is a single token, a decode row); the prompt itself cannot (its last token must be fed), so
 /// it stops one short for a snapshot there, which the next copy of it restores.
-pub fn hits_that_end_where_a_snapshot_does<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn hits_that_end_where_a_snapshot_does<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
     let p = tokens(&mut Rng::new(300), 300);
     let longer: Vec<u32> = p.iter().copied().chain([9]).collect();
-    let restored: Vec<usize> = [&p, &longer, &p, &p].iter().map(|q| both(&mut cached, &mut cold, q, 4).1).collect();
+    let restored: Vec<usize> =
+        [&p, &longer, &p, &p].iter().map(|q| both(case, (&mut cached, &mut cold), q, 4).1).collect();
     assert_eq!(restored, [0, 300, 0, 299]);
     4 * 4
 }
@@ -190,14 +247,15 @@ pub fn hits_that_end_where_a_snapshot_does<B: Backend>(backend: NewBackend<B>) -
 /// prefills from scratch (and still gives the tokens without the cache), stopping where it
 /// parts from the first prompt (a branch point) for a snapshot that evicts the second's; the
 /// next continuation restores it.
-pub fn evicted_snapshot_falls_back_to_prefill<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn evicted_snapshot_falls_back_to_prefill<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let budget = model(backend(), 1, 64).snapshot_shape().bytes(400);
     let (mut cached, mut cold) = (engine(backend, budget), engine(backend, 0));
     let mut rng = Rng::new(400);
     let (a, b) = (tokens(&mut rng, 300), tokens(&mut rng, 300));
     let more = |p: &[u32]| p.iter().copied().chain([5, 6, 7]).collect::<Vec<u32>>();
     let prompts = [a.clone(), b, more(&a), more(&more(&a))];
-    let restored: Vec<usize> = prompts.iter().map(|q| both(&mut cached, &mut cold, q, 4).1).collect();
+    let restored: Vec<usize> = prompts.iter().map(|q| both(case, (&mut cached, &mut cold), q, 4).1).collect();
     assert_eq!(restored, [0, 0, 0, 300]);
     let s = cached.prefix_stats().unwrap();
     assert_eq!((s.evictions, s.entries), (2, 1), "{s:?}");
@@ -207,7 +265,8 @@ pub fn evicted_snapshot_falls_back_to_prefill<B: Backend>(backend: NewBackend<B>
 
 /// Two requests added together after a shared prefix was saved both restore it, each into its
 /// own slot, and go on as without the cache.
-pub fn two_requests_share_a_snapshot_at_once<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn two_requests_share_a_snapshot_at_once<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
     let mut rng = Rng::new(2);
     let p = tokens(&mut rng, 256);
@@ -215,15 +274,19 @@ pub fn two_requests_share_a_snapshot_at_once<B: Backend>(backend: NewBackend<B>)
     let prompts: Vec<Vec<u32>> = (0..2).map(|_| p.iter().copied().chain(tokens(&mut rng, 40)).collect()).collect();
     let ids: Vec<RequestId> = prompts.iter().map(|q| cached.add(q, greedy(12)).unwrap()).collect();
     let out = run(&mut cached);
+    let mut compared = 0;
     for (q, id) in prompts.iter().zip(&ids) {
-        assert_eq!(out[id], (serve(&mut cold, q, 12).0, 256));
+        let (got, restored) = &out[id];
+        assert_eq!(*restored, 256);
+        compared += agree(case, q, (got, *restored), &serve(&mut cold, q, 12).0);
     }
-    2 * 12
+    compared
 }
 
 /// A request cancelled after the first of its prompt's chunks leaves nothing behind: the same
 /// prompt again gives the tokens without the cache.
-pub fn request_cancelled_mid_prefill_leaves_no_snapshot<B: Backend>(backend: NewBackend<B>) -> usize {
+pub fn request_cancelled_mid_prefill_leaves_no_snapshot<B: Backend>(case: Case<B>) -> usize {
+    let backend = case.backend;
     let (mut cached, mut cold) = (engine(backend, BUDGET), engine(backend, 0));
     cached.set_max_step_tokens(100).unwrap();
     let p = tokens(&mut Rng::new(600), 600);
@@ -231,5 +294,5 @@ pub fn request_cancelled_mid_prefill_leaves_no_snapshot<B: Backend>(backend: New
     assert!(cached.step().unwrap().is_empty());
     cached.cancel(id).unwrap();
     assert_eq!(cached.prefix_stats().unwrap().saved, 0);
-    both(&mut cached, &mut cold, &p, 4).0.len()
+    both(case, (&mut cached, &mut cold), &p, 4).0.len()
 }

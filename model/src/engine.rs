@@ -24,7 +24,7 @@ use crate::backend::Backend;
 use crate::cache::{Part, SlotPool};
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::prefix::{PrefixCache, PrefixSettings, PrefixStats};
+use crate::prefix::{Kept, PrefixCache, PrefixSettings, PrefixStats};
 use crate::sampling::{SampleError, Sampler, SamplingParams};
 
 /// A request's handle.
@@ -357,7 +357,7 @@ impl<B: Backend> Engine<B> {
             r.seen.extend(r.pending.drain(..n));
             if r.stops.first() == Some(&r.seen.len()) {
                 r.stops.remove(0);
-                keep.push(id);
+                keep.push((id, Kept::Stop));
             }
             if !r.pending.is_empty() {
                 continue;
@@ -378,7 +378,7 @@ impl<B: Backend> Engine<B> {
                 Ok(s) => {
                     // A request whose logits gave no token leaves no snapshot of its state.
                     if r.generated == 0 {
-                        keep.push(id);
+                        keep.push((id, Kept::End));
                     }
                     r.generated += 1;
                     r.pending = vec![s.token];
@@ -392,7 +392,7 @@ impl<B: Backend> Engine<B> {
                         None
                     };
                     if finished.is_some() {
-                        keep.push(id);
+                        keep.push((id, Kept::End));
                     }
                     let (logprob, top_logprobs, cached) = (s.logprob, s.top_logprobs, r.cached);
                     Event { id, token: s.token, finished, logprob, top_logprobs, cached }
@@ -408,9 +408,9 @@ impl<B: Backend> Engine<B> {
             };
             events.push(event);
         }
-        keep.dedup();
-        for id in keep {
-            self.keep(id);
+        keep.dedup_by_key(|k| k.0);
+        for (id, why) in keep {
+            self.keep(id, why);
         }
         for e in events.iter().filter(|e| e.finished.is_some()) {
             self.cancel(e.id)?;
@@ -441,8 +441,9 @@ impl<B: Backend> Engine<B> {
         (r.cached, r.snapped) = (restored, restored);
     }
 
-    /// Saves request `id`'s slot's state into the prefix cache, where the cache wants it.
-    fn keep(&mut self, id: RequestId) {
+    /// Saves request `id`'s slot's state into the prefix cache (for `why`), where the cache
+    /// wants it.
+    fn keep(&mut self, id: RequestId, why: Kept) {
         let (Some(cache), Some(r)) = (self.prefix.as_mut(), self.requests.get_mut(&id)) else { return };
         let Some(slot) = r.slot else { return };
         if !cache.wants(&r.seen, r.snapped, self.model.snapshot_shape().bytes(r.seen.len())) {
@@ -451,7 +452,7 @@ impl<B: Backend> Engine<B> {
         let start = Instant::now();
         match self.model.save(slot) {
             Ok(snap) => {
-                cache.insert(&r.seen, snap, start.elapsed());
+                cache.insert(&r.seen, snap, (why, start.elapsed()));
                 r.snapped = r.seen.len();
             }
             Err(e) => tracing::warn!("request {id}: saving its state of {} tokens failed: {e}", r.seen.len()),

@@ -22,7 +22,12 @@
 //! boundary (at Nano size the Mamba states alone are 46 MiB a snapshot, whatever its length)
 //! and still miss the part of a shared prefix past its last boundary. A snapshot is taken only
 //! where it adds at least [`PrefixSettings::min_tokens`] tokens to what its request restored or
-//! saved before. Snapshots past the byte budget are evicted, least recently used first.
+//! saved before. Snapshots past the byte budget are evicted, least recently used first, those
+//! of a prompt's or a request's end ([`Kept::End`]: a later prompt extends them only where it
+//! continues that exact text) before those of its stops (branch points and turn starts, taken
+//! because a later prompt shares them) until one is hit: with 32 conversations at once, a
+//! budget of 60 snapshots and two taken each turn, evicting by age alone dropped every turn
+//! start before the turn after it came (62 hits in 226 requests on the H100).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -163,6 +168,19 @@ struct Entry<B: Backend> {
     snapshot: Snapshot<B>,
     /// When it was last saved or hit (the cache's clock).
     used: u64,
+    /// Why it was taken; an end's is evicted first until it is hit.
+    kept: Kept,
+}
+
+/// Why a snapshot is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kept {
+    /// At a prompt's or a request's end: a later prompt starts with it only where it continues
+    /// that exact text.
+    End,
+    /// Where a prefill stopped for it (a branch point, a turn start), or hit since: a later
+    /// prompt shares it.
+    Stop,
 }
 
 /// Snapshots by the token sequences they were taken after (see the module's doc).
@@ -236,7 +254,7 @@ impl<B: Backend> PrefixCache<B> {
             .map(|(i, _)| i);
         let now = self.tick();
         let e = &mut self.entries[best?];
-        e.used = now;
+        (e.used, e.kept) = (now, Kept::Stop);
         Some(&e.snapshot)
     }
 
@@ -276,8 +294,9 @@ impl<B: Backend> PrefixCache<B> {
     /// Whether a snapshot after `tokens` (of `bytes`, more than 0: a model with no state has
     /// nothing to restore) is wanted from a request that restored or saved `base` tokens before:
     /// it adds at least `min_tokens`, none of these tokens is held (one that is counts as used),
-    /// and it fits the budget, which the least recently used snapshots are evicted to make room
-    /// for (before the snapshot's own memory is taken: should that fail, they are gone).
+    /// and it fits the budget, which snapshots are evicted to make room for, ends not hit first,
+    /// then the least recently used (before the snapshot's own memory is taken: should that
+    /// fail, they are gone).
     pub fn wants(&mut self, tokens: &[u32], base: usize, bytes: usize) -> bool {
         if tokens.len() < base + self.settings.min_tokens.max(1) || bytes == 0 || bytes > self.settings.budget {
             return false;
@@ -290,7 +309,8 @@ impl<B: Backend> PrefixCache<B> {
         }
         let mut held = self.held_bytes();
         while held + bytes > self.settings.budget || self.entries.len() >= MAX_ENTRIES {
-            let Some(old) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else { break };
+            let key = |i: usize| (self.entries[i].kept, self.entries[i].used);
+            let Some(old) = (0..self.entries.len()).min_by_key(|&i| key(i)) else { break };
             let e = self.entries.swap_remove(old);
             held -= e.snapshot.bytes();
             self.stats.evictions += 1;
@@ -299,19 +319,22 @@ impl<B: Backend> PrefixCache<B> {
         true
     }
 
-    /// Holds `snapshot`, taken after `tokens` (after [`PrefixCache::wants`] made room).
-    pub fn insert(&mut self, tokens: &[u32], snapshot: Snapshot<B>, took: Duration) {
+    /// Holds `snapshot`, taken after `tokens` (after [`PrefixCache::wants`] made room) for
+    /// `kept`, its save having taken `took`.
+    pub fn insert(&mut self, tokens: &[u32], snapshot: Snapshot<B>, (kept, took): (Kept, Duration)) {
         let hash = hash(tokens);
         let used = self.tick();
         self.stats.saved += 1;
         self.stats.save_us += u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        self.entries.push(Entry { tokens: tokens.to_vec(), hash, snapshot, used });
+        self.entries.push(Entry { tokens: tokens.to_vec(), hash, snapshot, used, kept });
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{HISTORY_TOKENS, PrefixCache, PrefixSettings, Snapshot, SnapshotShape};
+    use std::time::Duration;
+
+    use super::{HISTORY_TOKENS, Kept, PrefixCache, PrefixSettings, Snapshot, SnapshotShape};
     use crate::cpu::Cpu;
 
     const SHAPE: SnapshotShape = SnapshotShape { mamba_layers: 1, conv: 2, ssm: 3, attention_layers: 1, kv: 1 };
@@ -321,8 +344,12 @@ mod tests {
     }
 
     fn held(c: &mut PrefixCache<Cpu>, tokens: &[u32]) {
+        kept(c, tokens, Kept::Stop);
+    }
+
+    fn kept(c: &mut PrefixCache<Cpu>, tokens: &[u32], why: Kept) {
         assert!(c.wants(tokens, 0, SHAPE.bytes(tokens.len())));
-        c.insert(tokens, snapshot(tokens.len()), std::time::Duration::ZERO);
+        c.insert(tokens, snapshot(tokens.len()), (why, Duration::ZERO));
     }
 
     /// The longest held proper prefix wins; a prompt no longer than a snapshot cannot use it;
@@ -363,6 +390,26 @@ mod tests {
         assert!(!firsts.contains(&3), "the least recently used goes: {firsts:?}");
         assert!(!c.wants(&[9; 64], 0, 3 * SHAPE.bytes(4) + 1));
         assert_eq!(c.stats().evictions, 1);
+    }
+
+    /// An end's snapshot goes before any stop's, however recent, until a lookup hits it.
+    #[test]
+    fn ends_not_hit_are_evicted_first() {
+        let mut c =
+            PrefixCache::<Cpu>::new(PrefixSettings { budget: 2 * SHAPE.bytes(4), min_tokens: 4, turn_start: None });
+        held(&mut c, &[1, 2, 3, 4]);
+        kept(&mut c, &[2, 2, 3, 4], Kept::End);
+        held(&mut c, &[3, 2, 3, 4]);
+        let firsts = |c: &PrefixCache<Cpu>| -> Vec<u32> {
+            let mut f: Vec<u32> = c.entries.iter().map(|e| e.tokens[0]).collect();
+            f.sort_unstable();
+            f
+        };
+        assert_eq!(firsts(&c), [1, 3], "the end goes, not the older stop");
+        kept(&mut c, &[4, 2, 3, 4], Kept::End);
+        assert!(c.lookup(&[4, 2, 3, 4, 0]).is_some());
+        held(&mut c, &[5, 2, 3, 4]);
+        assert_eq!(firsts(&c), [4, 5], "a hit end stays, by age among the rest");
     }
 
     /// A prompt stops where it parts from the recent ones (at the longest prefix it shares with

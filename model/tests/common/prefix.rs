@@ -99,8 +99,11 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
     compared
 }
 
+/// Greedy, each token with its two likeliest tokens' log-probabilities (their gap is their
+/// logits' gap: [`agree`] reads ties from it).
 fn greedy(n: usize) -> RequestParams {
-    RequestParams { max_new_tokens: n, sampling: SamplingParams::greedy(), stop_tokens: vec![], min_new_tokens: 0 }
+    let sampling = SamplingParams { top_logprobs: 2, ..SamplingParams::greedy() };
+    RequestParams { max_new_tokens: n, sampling, stop_tokens: vec![], min_new_tokens: 0 }
 }
 
 const BUDGET: usize = 1 << 30;
@@ -113,14 +116,26 @@ fn engine<B: Backend>(backend: NewBackend<B>, budget: usize) -> Engine<B> {
     e
 }
 
-/// Runs until every request ends; each request's tokens and prompt tokens restored.
-fn run<B: Backend>(e: &mut Engine<B>) -> BTreeMap<RequestId, (Vec<u32>, usize)> {
-    let tokens = |evs: Vec<Event>| (evs.iter().map(|e| e.token).collect(), evs.last().map_or(0, |e| e.cached));
-    super::events(e).into_iter().map(|(id, evs)| (id, tokens(evs))).collect()
+/// A request's tokens, each with its two likeliest tokens and their log-probabilities, and
+/// the prompt tokens it restored.
+struct Answer {
+    tokens: Vec<u32>,
+    top: Vec<Vec<(u32, f32)>>,
+    restored: usize,
 }
 
-/// Serves `prompt` alone: its tokens and prompt tokens restored.
-fn serve<B: Backend>(e: &mut Engine<B>, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
+/// Runs until every request ends: each request's answer.
+fn run<B: Backend>(e: &mut Engine<B>) -> BTreeMap<RequestId, Answer> {
+    let answer = |evs: Vec<Event>| Answer {
+        tokens: evs.iter().map(|e| e.token).collect(),
+        top: evs.iter().map(|e| e.top_logprobs.clone()).collect(),
+        restored: evs.last().map_or(0, |e| e.cached),
+    };
+    super::events(e).into_iter().map(|(id, evs)| (id, answer(evs))).collect()
+}
+
+/// Serves `prompt` alone.
+fn serve<B: Backend>(e: &mut Engine<B>, prompt: &[u32], n: usize) -> Answer {
     let id = e.add(prompt, greedy(n)).unwrap();
     run(e).remove(&id).unwrap()
 }
@@ -142,29 +157,19 @@ impl<B> Clone for Case<'_, B> {
 
 impl<B> Copy for Case<'_, B> {}
 
-/// `got` (with the cache, `restored` of the prompt's tokens restored) is `want` (without it),
-/// but for a flip at a near-tie: at the first token they differ, the two tokens' logits (a
-/// whole prefill of the prompt and the tokens before it) within `case.tie` of each other and of
-/// the top one. Returns the tokens that agree.
-fn agree<B: Backend>(case: Case<B>, prompt: &[u32], (got, restored): (&[u32], usize), want: &[u32]) -> usize {
-    assert_eq!(got.len(), want.len(), "a prompt of {} tokens, {restored} restored", prompt.len());
-    let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) else { return got.len() };
-    let context: Vec<u32> = prompt.iter().chain(&want[..i]).copied().collect();
-    let logits = model((case.backend)(), 1, 4096).step(&[Part { slot: 0, computed: 0, tokens: &context }]).unwrap();
-    let (a, b) = (logits[0][got[i] as usize], logits[0][want[i] as usize]);
-    let top = logits[0].iter().copied().fold(f32::MIN, f32::max);
-    let what = format!(
-        "a prompt of {} tokens ({restored} restored), token {i}: {} with the cache, {} without",
-        prompt.len(),
-        got[i],
-        want[i]
-    );
-    assert!(
-        (a - b).abs() <= case.tie && top - a.min(b) <= case.tie,
-        "{what}: logits {a} and {b}, the top {top}: not a near-tie (within {})",
-        case.tie
-    );
-    println!("{what}: a near-tie, logits {a} and {b}, the top {top}");
+/// `got` (with the cache) gives `want`'s tokens (without it), but for a flip at a near-tie: at
+/// the first token they differ, each engine's runner-up is the other's pick, within
+/// `case.tie` of its own pick (their log-probabilities' gap, which is their logits'). Returns
+/// the tokens that agree.
+fn agree<B: Backend>(case: Case<B>, prompt: &[u32], got: &Answer, want: &Answer) -> usize {
+    let what = format!("a prompt of {} tokens ({} restored)", prompt.len(), got.restored);
+    assert_eq!(got.tokens.len(), want.tokens.len(), "{what}");
+    let Some(i) = got.tokens.iter().zip(&want.tokens).position(|(a, b)| a != b) else { return got.tokens.len() };
+    let (a, b) = (got.tokens[i], want.tokens[i]);
+    let what = format!("{what}, token {i}: {a} with the cache ({:?}), {b} without ({:?})", got.top[i], want.top[i]);
+    let tied = |top: &[(u32, f32)], pick: u32, other: u32| matches!(top, [(p, lp), (o, lo)] if *p == pick && *o == other && lp - lo <= case.tie);
+    assert!(tied(&got.top[i], a, b) && tied(&want.top[i], b, a), "{what}: not a near-tie (within {})", case.tie);
+    println!("{what}: a near-tie");
     i
 }
 
@@ -176,9 +181,9 @@ fn both<B: Backend>(
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, usize) {
-    let (answer, restored) = serve(cached, prompt, n);
-    agree(case, prompt, (&answer, restored), &serve(cold, prompt, n).0);
-    (answer, restored)
+    let answer = serve(cached, prompt, n);
+    agree(case, prompt, &answer, &serve(cold, prompt, n));
+    (answer.tokens, answer.restored)
 }
 
 /// Two conversations of eight turns, taken in turn on two slots (so each turn's slot last held
@@ -276,9 +281,8 @@ pub fn two_requests_share_a_snapshot_at_once<B: Backend>(case: Case<B>) -> usize
     let out = run(&mut cached);
     let mut compared = 0;
     for (q, id) in prompts.iter().zip(&ids) {
-        let (got, restored) = &out[id];
-        assert_eq!(*restored, 256);
-        compared += agree(case, q, (got, *restored), &serve(&mut cold, q, 12).0);
+        assert_eq!(out[id].restored, 256);
+        compared += agree(case, q, &out[id], &serve(&mut cold, q, 12));
     }
     compared
 }

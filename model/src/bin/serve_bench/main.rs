@@ -32,7 +32,8 @@
 //! token a word in Nemotron's tokenizer), `--requests` of each one after another (after two
 //! that let the server find the shared prefix); per suffix length, the share of the system
 //! prompt restored (least and median) and the time to first token, beside the same requests
-//! each with a system prompt of its own.
+//! each with a system prompt of its own. Both start their conversations and system prompts with
+//! a tag of the run, so a run restores nothing an earlier one against the same server saved.
 //!
 //! The clients speak HTTP/1.1 over plain TCP (one connection a request) and read the
 //! server-sent events as they come; no Python, no client library, so it runs where only the

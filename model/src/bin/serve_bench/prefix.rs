@@ -42,6 +42,12 @@ fn user(content: String) -> Value {
     json!({"role": "user", "content": content})
 }
 
+/// A tag of this run (the clock's milliseconds) that starts every conversation and system
+/// prompt, so that no run restores what an earlier run against the same server saved.
+fn run_tag() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+}
+
 /// `--turns`: `--conversations` conversations at once, each `turns` turns back to back (a user
 /// message of about `--turn-tokens` tokens, then the answer's content sent back with the next);
 /// per turn, the prompt tokens, those restored and the time to first token. Then every
@@ -53,7 +59,8 @@ pub(crate) fn turns(addr: &str, args: &Args, turns: usize) -> Result<()> {
         bail!("--turns, --conversations and --turn-tokens must be at least 1");
     }
     let reps = repeats(addr, args, args.turn_tokens)?;
-    let message = |c: usize, t: usize| user(format!("{c}.{t}: {}", UNIT.repeat(reps)));
+    let tag = run_tag();
+    let message = |c: usize, t: usize| user(format!("{tag}.{c}.{t}: {}", UNIT.repeat(reps)));
     let runs: Vec<(Vec<Sample>, Vec<Value>)> = std::thread::scope(|s| {
         let all: Vec<_> = (0..n)
             .map(|c| {
@@ -123,7 +130,8 @@ pub(crate) fn shared(addr: &str, args: &Args, tokens: usize) -> Result<()> {
         bail!("--shared-prefix, --requests and --suffixes must be at least 1 (and some)");
     }
     let reps = repeats(addr, args, tokens)?;
-    let system = |own: &str| json!({"role": "system", "content": format!("{own}{}", UNIT.repeat(reps))});
+    let tag = run_tag();
+    let system = |own: &str| json!({"role": "system", "content": format!("{tag} {own}{}", UNIT.repeat(reps))});
     let ask = |own: &str, i: usize, n: usize| {
         let message = user(format!("{i}{}", " sea".repeat(n.saturating_sub(1))));
         args.chat(json!([system(own), message]), args.max_tokens).to_string()

@@ -40,7 +40,8 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 
 /// A prompt of 600 tokens saved after `split` of them (each side of the scan's 128-token
 /// chunks, one token, all but one) and restored into a slot that held another prompt: its
-/// rest gives bit for bit the logits the saved slot gives (and so do 8 decode steps after it),
+/// rest gives bit for bit the logits the saved slot gives (and so do 8 decode steps after it,
+/// and a prefill after a state saved after those steps),
 /// and the whole prompt's logits within `band` (atol and rtol) of it, while the state of a
 /// prompt one token apart, restored instead, gives other logits (the bit-exact comparison sees
 /// it). A snapshot does not go into a slot out of range or a model whose slots hold fewer
@@ -79,6 +80,19 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
         }
     }
     assert_eq!(compared, 6 * 9 * 64);
+    // A state saved after decode steps (slot 1's, 608 tokens: the prompt and 8 decoded) restores
+    // as well: into slot 2, after another prompt there, a prefill of 40 more tokens on each
+    // gives the same logits bit for bit.
+    m.release(2);
+    m.step(&[Part { slot: 2, computed: 0, tokens: &other }]).unwrap();
+    let decoded = m.save(1).unwrap();
+    assert_eq!(decoded.len(), 608);
+    m.restore(2, &decoded).unwrap();
+    let more = tokens(&mut rng, 40);
+    let on = |m: &mut Model<B>, slot| m.step(&[Part { slot, computed: 608, tokens: &more }]).unwrap().remove(0);
+    let (saved, restored) = (on(&mut m, 1), on(&mut m, 2));
+    assert_eq!(restored, saved, "a state saved after decode steps");
+    compared += restored.len();
     // The comparison sees the state: a snapshot of another prompt of as many tokens (one token
     // changed) restored in its place gives other logits than the right one.
     let mut changed = prompt[..300].to_vec();
@@ -95,7 +109,7 @@ pub fn restored_state_continues_as_the_saved_slot_would<B: Backend>(backend: New
     let snap = m.save(1).unwrap();
     assert!(m.restore(3, &snap).unwrap_err().to_string().contains("slot 3 is out of range (0..3)"));
     let err = model(backend(), 1, 64).restore(0, &snap).unwrap_err().to_string();
-    assert!(err.contains("a snapshot of 608 tokens") && err.contains("64 tokens"), "{err}");
+    assert!(err.contains("a snapshot of 648 tokens") && err.contains("64 tokens"), "{err}");
     compared
 }
 

@@ -136,7 +136,7 @@ fn bench_layer(
         let bytes = weights + 2 * 2 * batch * hidden;
         let mut y = cuda.zeros(batch * hidden).unwrap();
         let timed = b.capture(1, |_| {
-            cuda.moe(c, In::rows(&x, hidden), batch, w, Out { buf: &mut y, offset: 0 }).map_err(|e| match e {
+            w.forward(cuda, c, In::rows(&x, hidden), batch, Out { buf: &mut y, offset: 0 }).map_err(|e| match e {
                 model::Error::Host(e) => e,
                 e => panic!("{e}"),
             })

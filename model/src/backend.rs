@@ -243,6 +243,20 @@ pub struct MoeWeights<B: Backend> {
     pub experts: B::Experts,
 }
 
+impl<B: Backend> MoeWeights<B> {
+    /// The whole MoE layer for `rows` rows of `x`: routing, routed experts, shared expert.
+    pub fn forward(&self, b: &B, c: &MoeConfig, x: In<B::Buf>, rows: usize, y: Out<B::Buf>) -> Result<()> {
+        self.experts.forward(b, c, (&self.gate, &self.score_bias), (x, rows), y)
+    }
+
+    /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row, row by row) as
+    /// [`MoeWeights::forward`]'s routing picks them, on the host (so it waits for the queue):
+    /// for a step that tallies its experts' loads ([`crate::model::Model::set_expert_tally`]).
+    pub fn choices(&self, b: &B, c: &MoeConfig, x: In<B::Buf>, rows: usize) -> Result<Vec<u32>> {
+        self.experts.choices(b, c, (&self.gate, &self.score_bias), (x, rows))
+    }
+}
+
 /// A backend: buffers, uploads, and the model's operations. All operations are queued in
 /// order; results are visible to the next operation and to downloads.
 pub trait Backend: Sized {
@@ -252,8 +266,9 @@ pub trait Backend: Sized {
     type Buf32;
     /// A linear layer's weight, ready for [`Backend::linear`].
     type Weight;
-    /// A MoE layer's routed experts and shared expert, ready for [`Backend::moe`].
-    type Experts;
+    /// A MoE layer's routed experts and shared expert, with their operations
+    /// ([`ExpertsOps`]), beside the layer's router in [`MoeWeights`].
+    type Experts: ExpertsOps<Self>;
     /// A Mamba mixer: its weights, its slots' states and its choice of kernels, with its
     /// operations ([`MambaOps`]).
     type Mamba: MambaOps<Self>;
@@ -357,13 +372,6 @@ pub trait Backend: Sized {
         down: &Self::Weight,
         y: Out<Self::Buf>,
     ) -> Result<()>;
-
-    /// The whole MoE layer for `rows` rows: routing, routed experts, shared expert.
-    fn moe(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>, y: Out<Self::Buf>) -> Result<()>;
-    /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row, row by row) as
-    /// [`Backend::moe`]'s routing picks them, on the host (so it waits for the queue): for a
-    /// step that tallies its experts' loads ([`crate::model::Model::set_expert_tally`]).
-    fn moe_choices(&self, c: &MoeConfig, x: In<Self::Buf>, rows: usize, w: &MoeWeights<Self>) -> Result<Vec<u32>>;
 }
 
 /// A Mamba mixer's operations on backend `B`, on its layer object ([`Backend::Mamba`], built
@@ -389,6 +397,24 @@ pub trait MambaOps<B: Backend> {
     /// The slots' states, as [`MambaWeights`] holds them: the conv state `[slots, conv_dim, k
     /// - 1]` and the SSM state `[slots, heads, head_dim, state_size]`.
     fn state(&mut self) -> (&mut B::Buf, &mut B::Buf32);
+}
+
+/// A MoE layer's experts' operations on backend `B`, on their layer object
+/// ([`Backend::Experts`], built at load), routed by the layer's router: its `gate` and
+/// selection bias ([`MoeWeights`]).
+pub trait ExpertsOps<B: Backend> {
+    /// The whole layer for `rows` rows of `x`: routing, routed experts, shared expert.
+    fn forward(
+        &self,
+        b: &B,
+        c: &MoeConfig,
+        router: (&B::Buf, &B::Buf32),
+        x: (In<B::Buf>, usize),
+        y: Out<B::Buf>,
+    ) -> Result<()>;
+    /// The routed experts of each row (`top_k` ids a row, row by row) as `forward` routes
+    /// them, on the host.
+    fn choices(&self, b: &B, c: &MoeConfig, router: (&B::Buf, &B::Buf32), x: (In<B::Buf>, usize)) -> Result<Vec<u32>>;
 }
 
 /// An attention layer's operations on backend `B`, on its layer object

@@ -265,13 +265,14 @@ fn check_moe_layer(c: &MoeConfig, hidden: usize, batches: &[usize]) -> usize {
         let x = rng.bf16s(rows * hidden, -1.0, 1.0);
         let mut y = cuda.upload(&vec![bf16::NAN; rows * hidden]).unwrap();
         let dx = cuda.upload(&x).unwrap();
-        cuda.moe(c, In::rows(&dx, hidden), rows, &wg, Out { buf: &mut y, offset: 0 }).unwrap();
+        wg.forward(&cuda, c, In::rows(&dx, hidden), rows, Out { buf: &mut y, offset: 0 }).unwrap();
         let got = cuda.gpu().download(&y).unwrap();
         let checked: Vec<usize> =
             if rows <= 64 { (0..rows).collect() } else { (0..64).map(|i| (i * rows / 64 + i % 7) % rows).collect() };
         let xs: Vec<bf16> = checked.iter().flat_map(|&r| x[r * hidden..][..hidden].to_vec()).collect();
         let mut want = vec![bf16::NAN; checked.len() * hidden];
-        Cpu::default().moe(c, In::rows(&xs, hidden), checked.len(), &wc, Out { buf: &mut want, offset: 0 }).unwrap();
+        wc.forward(&Cpu::default(), c, In::rows(&xs, hidden), checked.len(), Out { buf: &mut want, offset: 0 })
+            .unwrap();
         let got: Vec<bf16> = checked.iter().flat_map(|&r| got[r * hidden..][..hidden].to_vec()).collect();
         let (g, w) = (to_f64(&got), to_f64(&want));
         worst = worst.max(g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max));

@@ -18,8 +18,8 @@ pub use self::linear::CpuWeight;
 use self::linear::mlp_row;
 pub use self::mamba::CpuMamba;
 pub use self::moe::CpuExperts;
-use crate::backend::{Backend, CacheSizes, In, MambaWeights, MoeWeights, Norm, Out, StepRows, check_range, rows_f32};
-use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
+use crate::backend::{Backend, CacheSizes, In, MambaWeights, Norm, Out, StepRows, check_range, rows_f32};
+use crate::config::{AttentionConfig, MambaConfig};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Linear;
 use crate::layout::{self, Linear, Mlp};
@@ -283,14 +283,5 @@ impl Backend for Cpu {
         let out = (0..rows).flat_map(|r| mlp_row((up, down), &x.buf[x.offset + r * x.stride..][..k]));
         put(y, out);
         Ok(())
-    }
-
-    fn moe(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>, y: Out<Vec<bf16>>) -> Result<()> {
-        moe::moe(c, x, rows, w, y);
-        Ok(())
-    }
-
-    fn moe_choices(&self, c: &MoeConfig, x: In<Vec<bf16>>, rows: usize, w: &MoeWeights<Cpu>) -> Result<Vec<u32>> {
-        Ok(moe::choices(c, x, rows, w))
     }
 }

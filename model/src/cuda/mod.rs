@@ -45,14 +45,14 @@ use std::sync::Arc;
 
 use half::bf16;
 use host::norm::{NormShape, add_rms_norm, rms_norm};
-use host::router::Router;
+
 use host::sample::{RowSampling, SampleRows, read_out, sample_out};
 use host::{Buffer, CudaSlice, CudaViewMut, DeviceRepr, Gpu, Graph, Rows, Stamp, UPLOAD_STAGE_BYTES};
 
 use kernels_gpu::sample::SampleOut;
 
-use crate::backend::{Backend, CacheSizes, In, MoeWeights, Norm, Out, StepRows, check_range, rows_f32};
-use crate::config::{AttentionConfig, MambaConfig, MoeConfig};
+use crate::backend::{Backend, CacheSizes, In, Norm, Out, StepRows, check_range, rows_f32};
+use crate::config::{AttentionConfig, MambaConfig};
 use crate::error::{Error, Result};
 use crate::layout::{self, Linear, Mlp};
 use linear::mlp_rows;
@@ -308,20 +308,5 @@ impl Backend for Cuda {
         let xv = x.buf.slice(x.offset..x.offset + rows * up.k);
         let mut y = view_mut(y, rows * down.n)?;
         mlp_rows(&self.gpu, &xv, rows, (up, down), &mut y)
-    }
-
-    fn moe(
-        &self,
-        c: &MoeConfig,
-        x: In<Buffer<bf16>>,
-        rows: usize,
-        w: &MoeWeights<Cuda>,
-        y: Out<Buffer<bf16>>,
-    ) -> Result<()> {
-        w.experts.forward(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias }, y)
-    }
-
-    fn moe_choices(&self, c: &MoeConfig, x: In<Buffer<bf16>>, rows: usize, w: &MoeWeights<Cuda>) -> Result<Vec<u32>> {
-        moe::choices(&self.gpu, c, (x, rows), Router { gate: &w.gate, bias: &w.score_bias })
     }
 }

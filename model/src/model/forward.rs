@@ -46,7 +46,7 @@ impl<B: Backend> Marks<B> {
         rows: usize,
     ) -> Result<()> {
         if let Some(loads) = &mut self.loads {
-            loads.push(ExpertLoad::of(layer, c.experts, &b.moe_choices(c, x, rows, w)?)?);
+            loads.push(ExpertLoad::of(layer, c.experts, &w.choices(b, c, x, rows)?)?);
         }
         Ok(())
     }
@@ -139,7 +139,7 @@ pub(super) fn forward<B: Backend>(
             }
             MixW::Moe(mw) => {
                 let c = config.moe.as_ref().expect("moe layers come with moe settings");
-                b.moe(c, In::rows(&x, hidden), n, mw, Out { buf: &mut out, offset: 0 })?;
+                mw.forward(b, c, In::rows(&x, hidden), n, Out { buf: &mut out, offset: 0 })?;
                 done(P::Moe)?;
                 counters.moe_calls += 1;
             }

@@ -1,6 +1,6 @@
 //! MoE layers on the CUDA backend: the experts on the device ([`CudaExperts`], the shared
 //! expert as pieces of the routed experts' shape or its own MLP) and the execution of a step's
-//! plan ([`CudaExperts::forward`]: route, shared expert, dispatch, experts, combine). Which
+//! plan ([`CudaExperts::execute`]: route, shared expert, dispatch, experts, combine). Which
 //! path a step takes is `plan.rs`'s ([`MoePlan`], with the row counts where the paths
 //! switch: per routing choice up to [`CHOICES_MAX_ROWS`], the expert kernel up to
 //! [`EXPERT_KERNEL_MAX_ROWS`] (FP8 [`FP8_EXPERT_KERNEL_MAX_ROWS`], NVFP4
@@ -25,8 +25,8 @@ pub use plan::{
 use plan::{ExpertPath, Format, MoeKind, MoePlan, SharedForm, SharedPath, shared_pieces};
 
 use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows, put_bf16};
-use super::{unsupported, view_mut};
-use crate::backend::{In, Out};
+use super::{Cuda, unsupported, view_mut};
+use crate::backend::{ExpertsOps, In, Out};
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::layout::{Linear, Mlp};
@@ -128,7 +128,7 @@ impl CudaExperts {
 
     /// The MoE layer over `rows` rows of `x` into `y`, routed by `router`: the step's
     /// [`MoePlan`] run as route, shared expert, dispatch, experts and combine.
-    pub(super) fn forward(
+    fn execute(
         &self,
         g: &Gpu,
         c: &MoeConfig,
@@ -251,11 +251,34 @@ fn moe_input<'a>(
 }
 
 /// The routed experts of each of `rows` rows of `x` (`top_k` ids a row) as
-/// [`CudaExperts::forward`] routes them, on the host.
-pub(super) fn choices(g: &Gpu, c: &MoeConfig, x: (In<Buffer<bf16>>, usize), router: Router) -> Result<Vec<u32>> {
+/// [`CudaExperts::execute`] routes them, on the host.
+fn choices(g: &Gpu, c: &MoeConfig, x: (In<Buffer<bf16>>, usize), router: Router) -> Result<Vec<u32>> {
     let rows = x.1;
     let (xv, hidden) = moe_input(c, x, &router)?;
     let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
     route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
     Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
+}
+
+impl ExpertsOps<Cuda> for CudaExperts {
+    fn forward(
+        &self,
+        cuda: &Cuda,
+        c: &MoeConfig,
+        (gate, bias): (&Buffer<bf16>, &CudaSlice<f32>),
+        x: (In<Buffer<bf16>>, usize),
+        y: Out<Buffer<bf16>>,
+    ) -> Result<()> {
+        self.execute(&cuda.gpu, c, x, Router { gate, bias }, y)
+    }
+
+    fn choices(
+        &self,
+        cuda: &Cuda,
+        c: &MoeConfig,
+        (gate, bias): (&Buffer<bf16>, &CudaSlice<f32>),
+        x: (In<Buffer<bf16>>, usize),
+    ) -> Result<Vec<u32>> {
+        choices(&cuda.gpu, c, x, Router { gate, bias })
+    }
 }

@@ -2,7 +2,7 @@
 //! [`MoePlan`] from the step's rows and the layer's [`MoeKind`] (the experts' format, the
 //! shared expert's form, the sizes, whether the GPU has `wgmma`), with the row counts where the
 //! paths switch in the table below, each measured where it is defined. The executor
-//! (`CudaExperts::forward`) runs the plan's parts: route, dispatch, experts, combine.
+//! (`CudaExperts::execute`) runs the plan's parts: route, dispatch, experts, combine.
 
 use host::moe::{MAX_EXPERTS, MAX_TOP_K};
 

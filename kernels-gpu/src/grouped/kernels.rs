@@ -1,0 +1,457 @@
+//! The device code of the tensor-core GEMM family (nvptx64 only): its kernels and their helpers.
+//! Launch parameters, sizes and the math the host shares are in `../grouped.rs`.
+
+use super::*;
+use crate::device::*;
+use crate::mma::{Tile, acc_col, acc_row, commit, copy16, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
+
+/// What a launch of the generic kernel multiplies, from any of the params structs (byte
+/// pointers; the absent parts null, which the entry points fix at compile time).
+#[derive(Clone, Copy)]
+struct Job {
+    /// Rows of `k` elements.
+    a: *const u8,
+    /// Grouped row -> its row of `a`; null: row j itself.
+    token: *const u32,
+    /// A scale per row of the grouped order; null: none.
+    a_scale: *const f32,
+    w: *const u8,
+    /// A scale per matrix; null: none.
+    w_scale: *const f32,
+    /// `[experts + 1]`; null: one matrix over `rows` rows.
+    offsets: *const u32,
+    out: *mut u16,
+    experts: u32,
+    rows: u32,
+    n: u32,
+    k: u32,
+    relu2: u32,
+}
+
+/// Grouped bf16 projection, [`GroupedParams`], [`GROUPED_M`]-row tiles. Grid
+/// `(grouped_m_tiles(entries, experts, GROUPED_M), ceil(n / GROUPED_N))`, block
+/// [`GROUPED_BLOCK`], dynamic shared memory `grouped_smem_bytes(GROUPED_M, GROUPED_K_BYTES)`;
+/// the module docs say what a block does.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_bf16(p: GroupedParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<false, 2, GROUPED_K_BYTES>(bf16_job(p)) }
+}
+
+/// As `moe_grouped_bf16` with [`GROUPED_M_WIDE`]-row tiles and [`GROUPED_K_BYTES_WIDE`]
+/// staged at a time (grid and shared memory of those sizes).
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_m128_bf16(p: GroupedParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<false, 4, GROUPED_K_BYTES_WIDE>(bf16_job(p)) }
+}
+
+/// Grouped FP8 projection, [`GroupedFp8Params`]; grid, block and shared memory as
+/// `moe_grouped_bf16`'s.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_fp8(p: GroupedFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<true, 2, GROUPED_K_BYTES>(fp8_job(p)) }
+}
+
+/// Grouped bf16 projection on `wgmma`, [`GroupedParams`]: [`WGMMA_M`] x [`WGMMA_N`] tiles.
+/// Grid `(grouped_m_tiles(entries, experts, WGMMA_M), ceil(n / WGMMA_N))`, block
+/// [`GROUPED_BLOCK`] (two warpgroups), dynamic shared memory [`wgmma_smem_bytes`];
+/// sm_90a only.
+#[cfg(target_feature = "sm_90a")]
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_bf16(p: GroupedParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<false>(bf16_job(p)) }
+}
+
+/// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step).
+#[cfg(target_feature = "sm_90a")]
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: GroupedFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<true>(fp8_job(p)) }
+}
+
+/// bf16 product of rows by one matrix on `wgmma`, [`GemmParams`]: grid `(ceil(rows /
+/// WGMMA_M), ceil(n / WGMMA_N))`, block and shared memory as `moe_grouped_wgmma_bf16`'s;
+/// sm_90a only.
+#[cfg(target_feature = "sm_90a")]
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<false>(gemm_bf16_job(p)) }
+}
+
+/// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
+#[cfg(target_feature = "sm_90a")]
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<true>(gemm_job(p)) }
+}
+
+/// bf16 product of rows by one matrix, [`GemmParams`]. Grid `(ceil(rows / GROUPED_M),
+/// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_bf16(p: GemmParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<false, 2, GROUPED_K_BYTES>(gemm_bf16_job(p)) }
+}
+
+/// As `gemm_bf16` with [`GROUPED_M_WIDE`]-row tiles (grid x `ceil(rows / GROUPED_M_WIDE)`)
+/// and `moe_grouped_m128_bf16`'s shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_m128_bf16(p: GemmParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<false, 4, GROUPED_K_BYTES_WIDE>(gemm_bf16_job(p)) }
+}
+
+/// FP8 product of rows by one matrix, [`GemmFp8Params`]. Grid `(ceil(rows / GROUPED_M),
+/// ceil(n / GROUPED_N))`, block and shared memory as `moe_grouped_bf16`'s.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_fp8(p: GemmFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped::<true, 2, GROUPED_K_BYTES>(gemm_job(p)) }
+}
+
+impl Job {
+    /// One matrix `w` over `rows` rows of `a`, no gather, no scales.
+    #[inline(always)]
+    fn plain(a: *const u8, w: *const u8, out: *mut u16, (rows, n, k, relu2): (u32, u32, u32, u32)) -> Job {
+        let null = core::ptr::null();
+        Job {
+            a,
+            token: null as _,
+            a_scale: null as _,
+            w,
+            w_scale: null as _,
+            offsets: null as _,
+            out,
+            experts: 1,
+            rows,
+            n,
+            k,
+            relu2,
+        }
+    }
+}
+
+#[inline(always)]
+fn bf16_job(p: GroupedParams) -> Job {
+    let job = Job::plain(p.a as *const u8, p.w as *const u8, p.out, (0, p.n, p.k, p.relu2));
+    Job { token: p.token, offsets: p.offsets, experts: p.experts, ..job }
+}
+
+#[inline(always)]
+fn fp8_job(p: GroupedFp8Params) -> Job {
+    let job = Job::plain(p.a, p.w, p.out, (0, p.n, p.k, p.relu2));
+    Job { a_scale: p.a_scale, w_scale: p.w_scale, offsets: p.offsets, experts: p.experts, ..job }
+}
+
+#[inline(always)]
+fn gemm_bf16_job(p: GemmParams) -> Job {
+    Job::plain(p.a as *const u8, p.w as *const u8, p.out, (p.rows, p.n, p.k, p.relu2))
+}
+
+#[inline(always)]
+fn gemm_job(p: GemmFp8Params) -> Job {
+    let job = Job::plain(p.a, p.w, p.out, (p.rows, p.n, p.k, p.relu2));
+    Job { a_scale: p.a_scale, w_scale: p.w_scale, ..job }
+}
+
+/// Block x's matrix and first row in the grouped order, for tiles of `bm` rows: lane l of
+/// warp 0 sums the tiles of experts `l per .. (l + 1) per`, a prefix sum over the lanes
+/// finds whose tiles hold block x; written to `found` (`u32::MAX` first: no tile). One
+/// matrix: matrix 0, rows from `bm x`. Every thread gets it (a barrier inside: call it in
+/// uniform flow).
+///
+/// # Safety
+/// `found` two words of the block's shared memory; `j.offsets` (where given) `experts + 1`
+/// readable offsets.
+#[inline(always)]
+unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
+    if j.offsets.is_null() {
+        return (0, block_x() * bm);
+    }
+    let lane = lane_id();
+    // SAFETY: as the doc says.
+    unsafe {
+        if warp_id() == 0 {
+            let per = j.experts.div_ceil(32);
+            let (e0, e1) = ((lane * per).min(j.experts), ((lane + 1) * per).min(j.experts));
+            let tiles = |e: u32| (ld(j.offsets, e as usize + 1) - ld(j.offsets, e as usize)).div_ceil(bm);
+            let mut mine = 0u64;
+            for e in e0..e1 {
+                mine += tiles(e) as u64;
+            }
+            let end = warp_inclusive_sum_u64(mine);
+            let (i, mut at) = (block_x() as u64, end - mine);
+            if lane == 0 {
+                st(found, 0, u32::MAX);
+            }
+            sync_warp();
+            if at <= i && i < end {
+                for e in e0..e1 {
+                    let t = tiles(e) as u64;
+                    if at <= i && i < at + t {
+                        st(found, 0, e);
+                        st(found, 1, ((i - at) as u32) * bm);
+                    }
+                    at += t;
+                }
+            }
+        }
+        sync_threads();
+        (ld(found, 0), ld(found, 1))
+    }
+}
+
+/// The grouped kernel: tiles of `32 MT` rows (each warp `MT` 16-row tiles of them) staging
+/// `BKB` bytes of each row's k at a time, e4m3 operands where `FP8` (else bf16).
+///
+/// # Safety
+/// Launch contract checked by host/src/grouped.rs: a, w, out, the scales and the dispatch's
+/// buffers of the sizes given, k a multiple of 8 (bf16) or 16 (e4m3) and n of 8, a and w
+/// 16-byte aligned, grid and shared memory for these tiles.
+#[inline(always)]
+unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
+    grid_dependency_wait();
+    let bm = 32 * MT as u32;
+    let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
+    // The tiles' columns in bf16 units (two e4m3 codes each).
+    let (a_bytes, b_bytes) = (tile_bytes(bm, BKB / 2), tile_bytes(GROUPED_N, BKB / 2));
+    let found = dyn_smem_f32().wrapping_add((GROUPED_STAGES * (a_bytes + b_bytes) / 4) as usize) as *mut u32;
+    let stride = tile_stride(BKB / 2);
+    let stage_tiles = |s: u32| {
+        let at = s * (a_bytes + b_bytes);
+        (Tile { addr: smem_addr(at), stride }, Tile { addr: smem_addr(at + a_bytes), stride })
+    };
+    // SAFETY: as the doc says; the stages and the two words fit in the shared memory;
+    // `staged_but` separates each stage's loads from its reads, and stage s is reloaded
+    // only after the barrier that follows every warp's reads of it.
+    unsafe {
+        let (e, m0) = block_tile(&j, bm, found);
+        if e == u32::MAX {
+            return;
+        }
+        let (lo, end) = if j.offsets.is_null() {
+            (m0, j.rows)
+        } else {
+            (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+        };
+        if lo >= end {
+            return;
+        }
+        let rows = (end - lo).min(bm);
+        let n0 = block_y() * GROUPED_N;
+        let cols = (j.n - n0).min(GROUPED_N);
+        // A row's bytes (every row of a and w starts 16-byte aligned).
+        let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
+        // This thread's 16-byte chunks of a stage: rows `r + rpp i` (A rows below bm, B rows
+        // below GROUPED_N), bytes `c .. c + 16` of the step; the sources' rows fixed for the
+        // whole product.
+        let per_row = BKB / 16;
+        let (rpp, r, c) = (GROUPED_BLOCK / per_row, tid / per_row, 16 * (tid % per_row));
+        let (a_passes, b_passes) = ((bm / rpp) as usize, (GROUPED_N / rpp) as usize);
+        let mut a_src = [j.a; 4];
+        let mut a_ok = [false; 4];
+        for i in 0..a_passes {
+            let ar = r + rpp * i as u32;
+            a_ok[i] = ar < rows;
+            if a_ok[i] {
+                let row = if j.token.is_null() { (lo + ar) as usize } else { ld(j.token, (lo + ar) as usize) as usize };
+                a_src[i] = j.a.wrapping_add(row * kb + c as usize);
+            }
+        }
+        let b_src = j.w.wrapping_add((e as usize * j.n as usize + (n0 + r) as usize) * kb + c as usize);
+        let steps = (kb as u32).div_ceil(BKB);
+        // Tile addresses in bf16 units: byte c is unit c / 2.
+        let cu = c / 2;
+        let load = |step: u32| {
+            if step < steps {
+                let (at, bt) = stage_tiles(step % GROUPED_STAGES);
+                let k0 = step * BKB;
+                let in_k = k0 + c < kb as u32;
+                let off = k0 as usize;
+                for i in 0..a_passes {
+                    let ok = a_ok[i] && in_k;
+                    let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
+                    copy16(at.at(r + rpp * i as u32, cu), src as *const u16, ok);
+                }
+                for i in 0..b_passes {
+                    let br = r + rpp * i as u32;
+                    let ok = br < cols && in_k;
+                    let src = b_src.wrapping_add(off + i * rpp as usize * kb);
+                    copy16(bt.at(br, cu), if ok { src } else { j.w } as *const u16, ok);
+                }
+            }
+            commit();
+        };
+        for s in 0..GROUPED_STAGES - 1 {
+            load(s);
+        }
+        let (wm, wn) = (16 * MT as u32 * (w / 4), 32 * (w % 4));
+        let mut acc = [[[0.0f32; 4]; 4]; MT];
+        for step in 0..steps {
+            staged_but::<{ GROUPED_STAGES - 2 }>();
+            load(step + GROUPED_STAGES - 1);
+            let (at, bt) = stage_tiles(step % GROUPED_STAGES);
+            // 32 bytes of k an mma step: 16 bf16 units of the tiles.
+            for ks in 0..BKB / 32 {
+                let a: [[u32; 4]; MT] = core::array::from_fn(|i| at.a(wm + 16 * i as u32, 16 * ks));
+                for jj in 0..2 {
+                    let b = bt.b_nk(16 * ks, wn + 16 * jj);
+                    for (i, a) in a.iter().enumerate() {
+                        for h in 0..2 {
+                            let t = &mut acc[i][2 * jj as usize + h];
+                            if FP8 { mma_e4m3(t, *a, b[h]) } else { mma(t, *a, b[h]) }
+                        }
+                    }
+                }
+            }
+        }
+        let relu2 = j.relu2 != 0;
+        let f = |v: f32| relu2_if(v, relu2);
+        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
+        for (i, tiles) in acc.iter().enumerate() {
+            for h in 0..2 {
+                let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
+                if row >= rows {
+                    continue;
+                }
+                let s = if j.a_scale.is_null() { 1.0 } else { ws * ld(j.a_scale, (lo + row) as usize) };
+                for (jj, t) in tiles.iter().enumerate() {
+                    let col = wn + 8 * jj as u32 + acc_col(lane, 0);
+                    if col < cols {
+                        let (v0, v1) = (t[2 * h as usize], t[2 * h as usize + 1]);
+                        let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
+                        let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
+                        st(j.out.wrapping_add(at) as *mut u32, 0, v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The `wgmma` grouped kernel: a block's [`WGMMA_M`] x [`WGMMA_N`] tile, warpgroup g its rows
+/// `64 g .. + 64`, k through a ring of [`WGMMA_STAGES`] stages of 128 bytes of every row
+/// (swizzled tiles, `cp.async` by all 256 threads, 4 chunks of A and 8 of B each), each
+/// stage's products one [`mma_stage`] a warpgroup (waited for before the next barrier, so
+/// the stage loaded after that barrier, the one read before it, is free). The loads run
+/// three stages ahead of the products.
+///
+/// # Safety
+/// As [`grouped`], with this kernel's grid and shared memory.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, acc_col, acc_row, fence_async_shared, mma_stage};
+    grid_dependency_wait();
+    let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
+    let (g, wi) = (w / 4, w % 4);
+    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, WGMMA_N * STAGE_ROW_BYTES);
+    let base = smem_addr(0);
+    let pad = base.next_multiple_of(1024) - base;
+    let found = dyn_smem_f32().wrapping_add(((pad + WGMMA_STAGES * (a_bytes + b_bytes)) / 4) as usize) as *mut u32;
+    let stage_tiles = |s: u32| {
+        let at = base + pad + s * (a_bytes + b_bytes);
+        (SwizzledTile { addr: at }, SwizzledTile { addr: at + a_bytes })
+    };
+    // SAFETY: as the doc says; the stages (1024-byte aligned) and the two words fit in the
+    // shared memory; each stage's copies are complete, fenced to the async proxy and
+    // published by the barrier before any warpgroup's products read it, and reloaded only
+    // after the barrier that follows every warpgroup's wait for those products.
+    unsafe {
+        let (e, m0) = block_tile(&j, WGMMA_M, found);
+        if e == u32::MAX {
+            return;
+        }
+        let (lo, end) = if j.offsets.is_null() {
+            (m0, j.rows)
+        } else {
+            (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+        };
+        if lo >= end {
+            return;
+        }
+        let rows = (end - lo).min(WGMMA_M);
+        let n0 = block_y() * WGMMA_N;
+        let cols = (j.n - n0).min(WGMMA_N);
+        let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
+        // This thread's 16-byte chunks of a stage: chunk c of rows `r + 32 i` (4 of A, 8
+        // of B), the sources' rows fixed for the whole product.
+        let (r, c) = (tid / 8, tid % 8);
+        let mut a_src = [j.a; 4];
+        let mut a_ok = [false; 4];
+        for i in 0..4 {
+            let ar = r + 32 * i as u32;
+            a_ok[i] = ar < rows;
+            if a_ok[i] {
+                let row = if j.token.is_null() { (lo + ar) as usize } else { ld(j.token, (lo + ar) as usize) as usize };
+                a_src[i] = j.a.wrapping_add(row * kb + 16 * c as usize);
+            }
+        }
+        let b_src = j.w.wrapping_add((e as usize * j.n as usize + (n0 + r) as usize) * kb + 16 * c as usize);
+        let steps = (kb as u32).div_ceil(STAGE_ROW_BYTES);
+        let load = |step: u32| {
+            if step < steps {
+                let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+                let k0 = step * STAGE_ROW_BYTES;
+                let in_k = k0 + 16 * c < kb as u32;
+                let off = k0 as usize;
+                for i in 0..4 {
+                    let ok = a_ok[i] && in_k;
+                    let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
+                    copy16(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
+                }
+                for i in 0..8 {
+                    let br = r + 32 * i as u32;
+                    let ok = br < cols && in_k;
+                    let src = b_src.wrapping_add(off + 32 * i * kb);
+                    copy16(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
+                }
+            }
+            commit();
+        };
+        for s in 0..WGMMA_STAGES - 1 {
+            load(s);
+        }
+        let mut acc = [[0.0f32; 64]; 2];
+        for step in 0..steps {
+            // Stage `step` in: this thread's copies done and fenced, then everyone's.
+            core::arch::asm!("cp.async.wait_group {n};", n = const WGMMA_STAGES - 2, options(nostack));
+            fence_async_shared();
+            sync_threads();
+            load(step + WGMMA_STAGES - 1);
+            let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+            let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
+            let b: [[u64; 4]; 2] =
+                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
+            mma_stage::<FP8>(&mut acc, a, b);
+        }
+        let relu2 = j.relu2 != 0;
+        let f = |v: f32| relu2_if(v, relu2);
+        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
+        for rh in 0..2u32 {
+            let row = 64 * g + acc_row(wi, lane, 2 * rh);
+            if row >= rows {
+                continue;
+            }
+            let s = if j.a_scale.is_null() { 1.0 } else { ws * ld(j.a_scale, (lo + row) as usize) };
+            for (h, half) in acc.iter().enumerate() {
+                for q in 0..16u32 {
+                    let i = 4 * q + 2 * rh;
+                    let col = 128 * h as u32 + acc_col(lane, i);
+                    if col < cols {
+                        let (v0, v1) = (half[i as usize], half[i as usize + 1]);
+                        let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
+                        let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
+                        st(j.out.wrapping_add(at) as *mut u32, 0, v);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -452,7 +452,7 @@ impl<B: Backend> Engine<B> {
         let start = Instant::now();
         match self.model.save(slot) {
             Ok(snap) => {
-                cache.insert(&r.seen, snap, (why, start.elapsed()));
+                cache.insert(&r.seen, snap, why, start.elapsed());
                 r.snapped = r.seen.len();
             }
             Err(e) => tracing::warn!("request {id}: saving its state of {} tokens failed: {e}", r.seen.len()),

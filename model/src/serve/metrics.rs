@@ -148,22 +148,26 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
         if let Some(s) = engine.prefix_stats() {
+            // f64 prints whole values as integers, exact below 2^53.
             let prefix = [
-                ("hits_total", "counter", "Requests that restored a prefix.", s.hits),
-                ("hit_tokens_total", "counter", "Prompt tokens restored.", s.hit_tokens),
-                ("misses_total", "counter", "Requests that found no prefix.", s.misses),
-                ("saved_total", "counter", "Snapshots taken.", s.saved),
-                ("evictions_total", "counter", "Snapshots evicted past the budget.", s.evictions),
-                ("snapshots", "gauge", "Snapshots held.", s.entries as u64),
-                ("bytes", "gauge", "Bytes the snapshots take.", s.bytes as u64),
+                ("hits_total", "counter", "Requests that restored a prefix.", s.hits as f64),
+                ("hit_tokens_total", "counter", "Prompt tokens restored.", s.hit_tokens as f64),
+                ("misses_total", "counter", "Requests that found no prefix.", s.misses as f64),
+                ("saved_total", "counter", "Snapshots taken.", s.saved as f64),
+                ("evictions_total", "counter", "Snapshots evicted past the budget.", s.evictions as f64),
+                ("snapshots", "gauge", "Snapshots held.", s.entries as f64),
+                ("bytes", "gauge", "Bytes the snapshots take.", s.bytes as f64),
+                (
+                    "save_seconds_total",
+                    "counter",
+                    "Host time the saves took (allocating, queueing the copies).",
+                    s.save_us as f64 / 1e6,
+                ),
             ];
             for (name, kind, help, v) in prefix {
                 let name = format!("nemotron_prefix_cache_{name}");
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
             }
-            let name = "nemotron_prefix_cache_save_seconds_total";
-            let help = "Host time the saves took (allocating, queueing the copies).";
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", s.save_us as f64 / 1e6);
         }
         out
     }

@@ -446,7 +446,7 @@ impl<B: Backend> Engine<B> {
     fn keep(&mut self, id: RequestId, why: Kept) {
         let (Some(cache), Some(r)) = (self.prefix.as_mut(), self.requests.get_mut(&id)) else { return };
         let Some(slot) = r.slot else { return };
-        if !cache.wants(&r.seen, r.snapped, self.model.snapshot_shape().bytes(r.seen.len())) {
+        if !cache.wants(&r.seen, r.snapped, self.model.snapshot_shape().bytes(r.seen.len()), why) {
             return;
         }
         let start = Instant::now();

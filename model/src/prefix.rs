@@ -293,12 +293,13 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Whether a snapshot after `tokens` (of `bytes`, more than 0: a model with no state has
-    /// nothing to restore) is wanted from a request that restored or saved `base` tokens before:
-    /// it adds at least `min_tokens`, none of these tokens is held (one that is counts as used),
-    /// and it fits the budget, which snapshots are evicted to make room for, ends not hit first,
-    /// then the least recently used (before the snapshot's own memory is taken: should that
-    /// fail, they are gone).
-    pub fn wants(&mut self, tokens: &[u32], base: usize, bytes: usize) -> bool {
+    /// nothing to restore) for `why` is wanted from a request that restored or saved `base`
+    /// tokens before: it adds at least `min_tokens`, none of these tokens is held (one that is
+    /// counts as used, and as a stop's where `why` is: an end another prompt stops at is a
+    /// branch point), and it fits the budget, which snapshots are evicted to make room for, ends
+    /// not hit first, then the least recently used (before the snapshot's own memory is taken:
+    /// should that fail, they are gone).
+    pub fn wants(&mut self, tokens: &[u32], base: usize, bytes: usize, why: Kept) -> bool {
         if tokens.len() < base + self.settings.min_tokens.max(1) || bytes == 0 || bytes > self.settings.budget {
             return false;
         }
@@ -306,6 +307,7 @@ impl<B: Backend> PrefixCache<B> {
         let now = self.tick();
         if let Some(e) = self.entries.iter_mut().find(|e| e.hash == hash && e.tokens == tokens) {
             e.used = now;
+            e.kept = e.kept.max(why);
             return false;
         }
         let mut held = self.held_bytes();
@@ -349,7 +351,7 @@ mod tests {
     }
 
     fn kept(c: &mut PrefixCache<Cpu>, tokens: &[u32], why: Kept) {
-        assert!(c.wants(tokens, 0, SHAPE.bytes(tokens.len())));
+        assert!(c.wants(tokens, 0, SHAPE.bytes(tokens.len()), why));
         c.insert(tokens, snapshot(tokens.len()), why, Duration::ZERO);
     }
 
@@ -378,18 +380,18 @@ mod tests {
     fn snapshots_are_wanted_within_the_budget_least_recent_evicted() {
         let mut c =
             PrefixCache::<Cpu>::new(PrefixSettings { budget: 3 * SHAPE.bytes(4), min_tokens: 4, turn_start: None });
-        assert!(!c.wants(&[1, 2, 3], 0, SHAPE.bytes(3)), "shorter than min_tokens");
-        assert!(!c.wants(&[1, 2, 3, 4, 5, 6, 7], 4, SHAPE.bytes(7)), "adds 3 to the request's last");
+        assert!(!c.wants(&[1, 2, 3], 0, SHAPE.bytes(3), Kept::Stop), "shorter than min_tokens");
+        assert!(!c.wants(&[1, 2, 3, 4, 5, 6, 7], 4, SHAPE.bytes(7), Kept::Stop), "adds 3 to the request's last");
         held(&mut c, &[1, 2, 3, 4]);
         held(&mut c, &[2, 2, 3, 4]);
         held(&mut c, &[3, 2, 3, 4]);
-        assert!(!c.wants(&[2, 2, 3, 4], 0, SHAPE.bytes(4)), "held already");
+        assert!(!c.wants(&[2, 2, 3, 4], 0, SHAPE.bytes(4), Kept::End), "held already");
         assert!(c.lookup(&[1, 2, 3, 4, 0]).is_some());
         held(&mut c, &[4, 2, 3, 4]);
         let firsts: Vec<u32> = c.entries.iter().map(|e| e.tokens[0]).collect();
         assert_eq!(firsts.len(), 3);
         assert!(!firsts.contains(&3), "the least recently used goes: {firsts:?}");
-        assert!(!c.wants(&[9; 64], 0, 3 * SHAPE.bytes(4) + 1));
+        assert!(!c.wants(&[9; 64], 0, 3 * SHAPE.bytes(4) + 1, Kept::Stop));
         assert_eq!(c.stats().evictions, 1);
     }
 
@@ -411,6 +413,10 @@ mod tests {
         assert!(c.lookup(&[4, 2, 3, 4, 0]).is_some());
         held(&mut c, &[5, 2, 3, 4]);
         assert_eq!(firsts(&c), [4, 5], "a hit end stays, by age among the rest");
+        kept(&mut c, &[6, 2, 3, 4], Kept::End);
+        assert!(!c.wants(&[6, 2, 3, 4], 0, SHAPE.bytes(4), Kept::Stop), "held already");
+        kept(&mut c, &[7, 2, 3, 4], Kept::Stop);
+        assert_eq!(firsts(&c), [6, 7], "an end a prompt stopped at again is a stop's, kept by age");
     }
 
     /// A prompt stops where it parts from the recent ones (at the longest prefix it shares with

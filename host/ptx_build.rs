@@ -55,7 +55,10 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     // The FP8 tensor-core products (`mma.sync` m16n8k32 e4m3) need PTX ISA 8.4, above what
     // rustc emits for sm_90 and sm_90a by default (its sm_110 and sm_121a PTX are newer).
     let isa = if arch.starts_with("sm_90") { "\x1f-Ctarget-feature=+ptx84" } else { "" };
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}{isa}\x1f-Cllvm-args=-unroll-threshold=4000"));
+    // The block-scaled FP4 kernels only where the arch has the instruction (rustc reports no
+    // target feature past sm_90a to `cfg`).
+    let fp4 = if kernels_gpu::block_scaled_fp4(arch) { "\x1f--cfg\x1fblock_scaled_fp4" } else { "" };
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}{isa}{fp4}\x1f-Cllvm-args=-unroll-threshold=4000"));
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
         return Err(format!(

@@ -27,8 +27,8 @@ pub enum Error {
         "kernel entry `{0}` is missing from the loaded PTX module: the build is inconsistent, run `cargo clean` and rebuild"
     )]
     MissingEntry(&'static str),
-    #[error("kernel `{kernel}` is not in this GPU's PTX ({arch}): it needs sm_90a (`wgmma`); callers check `Gpu::has`")]
-    NotInArch { kernel: &'static str, arch: &'static str },
+    #[error("kernel `{kernel}` is not in this GPU's PTX ({arch}): it needs {needs}; callers check `Gpu::has`")]
+    NotInArch { kernel: &'static str, arch: &'static str, needs: &'static str },
     #[error(
         "NEMO_ARCH={name}: not a PTX this build has that runs on a device of compute capability {major}.{minor} (sm_90 runs on 9.0 and newer; sm_90a, sm_110, sm_121a each on its own)"
     )]

@@ -39,6 +39,7 @@ pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
+pub mod w4a4;
 
 pub use args::{Elem, Rows};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr};

@@ -193,6 +193,8 @@ kernels! {
     GEMV_NVFP4 = GemvNvfp4("gemv_nvfp4", gemv::DenseParams, Threads::Fixed(gemv::WARP_BLOCK), Smem::Fixed(0)),
     /// NVFP4 weights dequantized to bf16.
     NVFP4_TO_BF16 = Nvfp4ToBf16("nvfp4_to_bf16", nvfp4::ToBf16Params, Threads::Fixed(EW_BLOCK), Smem::Fixed(0)),
+    /// Rows of bf16 activations to NVFP4 with a static input scale (W4A4).
+    NVFP4_QUANTIZE = Nvfp4Quantize("nvfp4_quantize_bf16", w4a4::QuantizeParams, Threads::Fixed(EW_BLOCK), Smem::Fixed(0)),
     /// A bf16 linear layer, each weight row split along k over a block.
     GEMV_SPLIT = GemvSplit("gemv_split_bf16", gemv::SplitParams, Threads::Fixed(gemv::SPLIT_BLOCK), Smem::Fixed(0)),
     /// Router logits in f32, then sigmoid, bias, group-limited top-k,
@@ -246,6 +248,9 @@ kernels! {
     GEMM_WGMMA_FP8 = GemmWgmmaFp8("gemm_wgmma_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
     /// An FP8 linear layer of many rows on tensor cores (W8A8).
     GEMM_FP8 = GemmFp8("gemm_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NARROW_SMEM_BYTES)),
+    /// An NVFP4 linear layer of NVFP4 activations (W4A4) on block-scaled FP4 tensor cores
+    /// (sm_121a PTX only).
+    GEMM_NVFP4_W4A4 = GemmNvfp4W4a4("gemm_nvfp4_w4a4", w4a4::GemmParams, Threads::Fixed(w4a4::GEMM_BLOCK), Smem::Fixed(0)),
     /// Weighted sum of a token's expert outputs and the shared one.
     MOE_COMBINE = MoeCombine("moe_combine_bf16", moe::CombineParams, Threads::Fixed(EW_BLOCK), Smem::Fixed(0)),
     /// A Mamba2 mixer's decode rows between its projections
@@ -258,10 +263,21 @@ kernels! {
 
 impl Kernel {
     /// Whether the entry is in the PTX built for `arch` (`-C target-cpu`): the `wgmma`
-    /// kernels exist in the sm_90a PTX only (arch-specific instructions), every other kernel
-    /// in every arch's.
+    /// kernels exist in the sm_90a PTX only and the block-scaled FP4 one in sm_121a's
+    /// (arch-specific instructions), every other kernel in every arch's.
     pub const fn in_arch(self, arch: &str) -> bool {
-        !self.needs_wgmma() || matches!(arch.as_bytes(), b"sm_90a")
+        if self.needs_wgmma() {
+            matches!(arch.as_bytes(), b"sm_90a")
+        } else if self.needs_block_scaled_fp4() {
+            block_scaled_fp4(arch)
+        } else {
+            true
+        }
+    }
+
+    /// Whether the kernel runs on the block-scaled FP4 `mma.sync` (the sm_120a family).
+    pub const fn needs_block_scaled_fp4(self) -> bool {
+        matches!(self, Kernel::GemmNvfp4W4a4)
     }
 
     /// Whether the kernel runs on `wgmma` (warpgroup matrix products, sm_90a only).
@@ -289,4 +305,11 @@ impl Kernel {
                 | Kernel::MambaDecode
         )
     }
+}
+
+/// Whether `arch` (`-C target-cpu`) has the block-scaled FP4 `mma.sync` (`kind::mxf4nvf4`):
+/// of the arches built, sm_121a. Its PTX build compiles those kernels (`--cfg
+/// block_scaled_fp4`, host's ptx_build.rs).
+pub const fn block_scaled_fp4(arch: &str) -> bool {
+    matches!(arch.as_bytes(), b"sm_121a")
 }

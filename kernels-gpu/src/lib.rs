@@ -39,9 +39,10 @@ pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
+pub mod w4a4;
 pub mod wgmma;
 
-pub use kernel::{Entry, Kernel, Smem, Threads, entry};
+pub use kernel::{Entry, Kernel, Smem, Threads, block_scaled_fp4, entry};
 
 /// Elements in one chunk: the unit of a 16-byte bf16 load, and what a thread converts at once.
 pub const VEC: u32 = 8;

@@ -86,7 +86,10 @@ fn main() -> Result<()> {
                 ],
             ]
             .concat();
-            cargo(&workspace, &device, std::iter::empty(), &[])?;
+            // With the arch-specific block-scaled FP4 kernels (kernels-gpu's `block_scaled_fp4`
+            // cfg), which only sm_121a's PTX build compiles otherwise.
+            let fp4 = [("CARGO_ENCODED_RUSTFLAGS", PathBuf::from("--cfg\x1fblock_scaled_fp4"))];
+            cargo(&workspace, &device, std::iter::empty(), &fp4)?;
             // The crate outside the workspace (outside/: it has a workspace of its own).
             cargo(
                 &workspace,

@@ -14,3 +14,4 @@ pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
+pub mod w4a4;

@@ -46,7 +46,7 @@ impl Gpu {
     }
 
     /// Whether this device's PTX has `kernel` (`Kernel::in_arch`: the `wgmma` kernels only on
-    /// sm_90a).
+    /// sm_90a, the block-scaled FP4 one only on sm_121a).
     pub fn has(&self, kernel: Kernel) -> bool {
         self.functions[kernel as usize].is_some()
     }
@@ -66,9 +66,11 @@ impl Gpu {
         let (block, smem) = l.sizes()?;
         let Grid { entry, grid, cluster, .. } = l;
         let kernel = entry.kernel;
-        let f = self.functions[kernel as usize]
-            .as_ref()
-            .ok_or(Error::NotInArch { kernel: kernel.name(), arch: self.arch.name() })?;
+        let f = self.functions[kernel as usize].as_ref().ok_or(Error::NotInArch {
+            kernel: kernel.name(),
+            arch: self.arch.name(),
+            needs: if kernel.needs_wgmma() { "sm_90a (`wgmma`)" } else { "sm_121a (block-scaled FP4 `mma`)" },
+        })?;
         if self.capturing.load(Ordering::Relaxed)
             && let Ok(mut k) = self.captured.lock()
         {

@@ -13,8 +13,8 @@ fn every_arch_declares_its_target() {
     }
 }
 
-/// Each arch's PTX holds exactly the kernels `Kernel::in_arch` gives it: all of them on
-/// sm_90a, all but the `wgmma` ones elsewhere.
+/// Each arch's PTX holds exactly the kernels `Kernel::in_arch` gives it: the `wgmma` ones on
+/// sm_90a alone, the block-scaled FP4 ones on sm_121a alone, the others everywhere.
 #[test]
 fn every_kernel_is_an_entry_of_its_arches() {
     let mut checked = 0;
@@ -30,8 +30,21 @@ fn every_kernel_is_an_entry_of_its_arches() {
         assert_eq!(entries, mine.len(), "{}: entries not listed in Kernel", arch.name());
     }
     assert_eq!(checked, Arch::ALL.len() * Kernel::ALL.len());
-    let wgmma = Kernel::ALL.iter().filter(|k| k.needs_wgmma()).count();
-    assert!(wgmma > 0 && Kernel::ALL.iter().all(|k| k.in_arch("sm_90a")));
+    for k in Kernel::ALL {
+        let only = if k.needs_wgmma() {
+            Some("sm_90a")
+        } else if k.needs_block_scaled_fp4() {
+            Some("sm_121a")
+        } else {
+            None
+        };
+        for arch in Arch::ALL {
+            let want = only.is_none_or(|a| a == arch.name());
+            assert_eq!(k.in_arch(arch.name()), want, "{} on {}", k.name(), arch.name());
+        }
+    }
+    let special = |f: fn(Kernel) -> bool| Kernel::ALL.iter().filter(|&&k| f(k)).count();
+    assert!(special(Kernel::needs_wgmma) > 0 && special(Kernel::needs_block_scaled_fp4) > 0);
 }
 
 #[test]

@@ -90,13 +90,8 @@ pub fn mamba_decode(
         zx_stride,
         xbc_at: inner as u32,
         dt_at: (inner + conv_dim) as u32,
-        heads: shape.heads as u32,
-        head_dim: shape.head_dim as u32,
-        groups: shape.groups as u32,
-        state_size: shape.state_size as u32,
+        geo: shape.geometry(),
         k: layer.k as u32,
-        dt_min: shape.dt_min,
-        dt_max: shape.dt_max,
         eps: layer.eps,
     };
     if batch == 0 {

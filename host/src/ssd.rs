@@ -152,16 +152,11 @@ where
         cb: args.output("plan", &mut plan.cb, Len::Any)?,
         y: args.output("y", y, Len::Exactly(tokens * w))?,
         nchunks: plan.nchunks as u32,
-        heads: shape.heads as u32,
-        head_dim: shape.head_dim as u32,
-        groups: shape.groups as u32,
-        state_size: shape.state_size as u32,
+        geo: shape.geometry(),
         x_stride,
         dt_stride,
         b_stride,
         c_stride,
-        dt_min: shape.dt_min,
-        dt_max: shape.dt_max,
         vec: u32::from(vec),
     };
     let pass = gpu.args(T::PASS);

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut, ValidAsZeroBits};
 use half::bf16;
 use kernels_gpu::ssd::SsdPassParams;
-use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_WARPS, SsmUpdateParams};
+use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_WARPS, SsmGeometry, SsmUpdateParams};
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Elem, Len, Rows};
@@ -63,6 +63,18 @@ impl SsmShape {
     /// The clamp-free shape.
     pub fn new(heads: usize, head_dim: usize, groups: usize, state_size: usize) -> SsmShape {
         SsmShape { heads, head_dim, groups, state_size, dt_min: 0.0, dt_max: f32::INFINITY }
+    }
+
+    /// The kernels' form of it (sizes the launchers checked).
+    pub(crate) fn geometry(&self) -> SsmGeometry {
+        SsmGeometry {
+            heads: self.heads as u32,
+            head_dim: self.head_dim as u32,
+            groups: self.groups as u32,
+            state_size: self.state_size as u32,
+            dt_min: self.dt_min,
+            dt_max: self.dt_max,
+        }
     }
 
     /// Channels of x (and y, z).
@@ -208,17 +220,12 @@ where
         dst_index: a.opt_input("dst", cache.dst.map(|d| &d.dev), Len::Any)?,
         y: a.output("y", y, Len::Exactly(batch * w))?,
         batch: batch as u32,
-        heads: shape.heads as u32,
-        head_dim: shape.head_dim as u32,
-        groups: shape.groups as u32,
-        state_size: shape.state_size as u32,
+        geo: shape.geometry(),
         x_stride,
         dt_stride,
         b_stride,
         c_stride,
         z_stride,
-        dt_min: shape.dt_min,
-        dt_max: shape.dt_max,
     };
     let grid = (shape.head_dim.div_ceil(SSM_WARPS as usize) as u32, shape.heads as u32, batch as u32);
     // SAFETY: the shape checks and `Args` proved every input covers `batch` rows, the per-head

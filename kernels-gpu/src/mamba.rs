@@ -17,6 +17,7 @@
 //! in_proj, whose output it reads after the wait.
 
 use crate::KernelParams;
+use crate::ssm::SsmGeometry;
 
 /// Threads per block of the fused decode kernel (host/ptx_build.rs bounds the entry at this
 /// many: `.maxntid`, so ptxas keeps it within 128 registers a thread; tests/ptx.rs checks the
@@ -59,13 +60,8 @@ pub struct MambaDecodeParams {
     pub zx_stride: u32,
     pub xbc_at: u32,
     pub dt_at: u32,
-    pub heads: u32,
-    pub head_dim: u32,
-    pub groups: u32,
-    pub state_size: u32,
+    pub geo: SsmGeometry,
     pub k: u32,
-    pub dt_min: f32,
-    pub dt_max: f32,
     pub eps: f32,
 }
 
@@ -91,10 +87,10 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn mamba_decode_bf16(p: MambaDecodeParams) {
         let (h, b) = (block_x() as usize, block_y() as usize);
-        let (hd, n, k) = (p.head_dim as usize, p.state_size as usize, p.k as usize);
-        let hpg = (p.heads / p.groups) as usize;
+        let (hd, n, k) = (p.geo.head_dim as usize, p.geo.state_size as usize, p.k as usize);
+        let hpg = (p.geo.heads / p.geo.groups) as usize;
         let g = h / hpg;
-        let (inner, gn) = (p.heads as usize * hd, p.groups as usize * n);
+        let (inner, gn) = (p.geo.heads as usize * hd, p.geo.groups as usize * n);
         let conv_dim = inner + 2 * gn;
         let t = thread_x() as usize;
         // SAFETY: launch contract checked by host/src/mamba.rs (shapes as documented above,
@@ -120,7 +116,7 @@ mod kernels {
             cluster_arrive();
             let (lane, warp) = (lane_id() as usize, warp_id() as usize);
             let n0 = 4 * lane;
-            let srow = |pi: usize| p.ssm_state.wrapping_add(((slot * p.heads as usize + h) * hd + pi) * n + n0);
+            let srow = |pi: usize| p.ssm_state.wrapping_add(((slot * p.geo.heads as usize + h) * hd + pi) * n + n0);
             let mut s = [[0.0f32; 4]; R];
             for (i, s4) in s.iter_mut().enumerate() {
                 let pi = warp + WARPS * i;
@@ -203,7 +199,7 @@ mod kernels {
             sync_threads();
             // State update: warp w takes rows w, w + WARPS, .. of the head, every row's state
             // loaded before the wait.
-            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), (p.dt_min, p.dt_max));
+            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), p.geo);
             let (bs, cs) = (conv.wrapping_add(hd), conv.wrapping_add(hd + n));
             for (i, (s4, &z)) in s.iter_mut().zip(&zs).enumerate() {
                 let pi = warp + WARPS * i;

@@ -40,6 +40,7 @@
 
 use crate::KernelParams;
 use crate::mma::tile_bytes;
+use crate::ssm::SsmGeometry;
 
 /// Tokens per chunk.
 pub const SSD_CHUNK: u32 = 128;
@@ -99,16 +100,11 @@ pub struct SsdParams {
     /// `[tokens, heads * head_dim]` bf16, written.
     pub y: *mut u16,
     pub nchunks: u32,
-    pub heads: u32,
-    pub head_dim: u32,
-    pub groups: u32,
-    pub state_size: u32,
+    pub geo: SsmGeometry,
     pub x_stride: u32,
     pub dt_stride: u32,
     pub b_stride: u32,
     pub c_stride: u32,
-    pub dt_min: f32,
-    pub dt_max: f32,
     /// 1: x, B, C rows 16-byte aligned, their strides, head_dim and state_size multiples of 8,
     /// so tiles are staged 16 bytes at a time (`cp.async`); 0: one element at a time.
     pub vec: u32,
@@ -176,7 +172,7 @@ mod kernels {
     /// Offset of (chunk, head) in the `[nchunks, heads, SSD_CHUNK]` workspaces.
     #[inline(always)]
     fn ch_off(p: &SsdParams, c: usize, h: usize) -> usize {
-        (c * p.heads as usize + h) * CHUNK
+        (c * p.geo.heads as usize + h) * CHUNK
     }
 
     /// `n` rounded up to the 16 of one `mma` step.
@@ -201,15 +197,15 @@ mod kernels {
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn ssd_chunk_state_f32(p: SsdParams) {
         grid_dependency_wait();
-        if block_y() >= p.heads {
+        if block_y() >= p.geo.heads {
             // SAFETY: as below; the whole block takes this branch.
             unsafe { chunk_scores(&p) };
             return;
         }
         let (c, h) = (block_x() as usize, block_y() as usize);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
-        let (hd, n) = (p.head_dim, p.state_size);
-        let g = h / (p.heads / p.groups) as usize;
+        let (hd, n) = (p.geo.head_dim, p.geo.state_size);
+        let g = h / (p.geo.heads / p.geo.groups) as usize;
         let vec = p.vec != 0;
         // SAFETY: launch contract checked by host/src/ssd.rs (inputs cover the chunk's rows at
         // these columns, workspaces the plan's chunks); the tiles and f32 arrays fit in
@@ -231,7 +227,7 @@ mod kernels {
             let mut delta = 0.0f32;
             if tid < len {
                 let dtv = bf16_to_f32(ld(p.dt, (start + i) * p.dt_stride as usize + h)) + ld(p.dt_bias, h);
-                delta = softplus(dtv).max(p.dt_min).min(p.dt_max);
+                delta = softplus(dtv).max(p.geo.dt_min).min(p.geo.dt_max);
             }
             let mut v = warp_inclusive_sum(delta * ld(p.a, h));
             if lane == 31 {
@@ -257,7 +253,7 @@ mod kernels {
             staged();
             let (ptiles, nblocks) = (up16(hd) / 16, up16(n).div_ceil(64));
             let ksteps = len.div_ceil(16);
-            let base = (c * p.heads as usize + h) * (hd * n) as usize;
+            let base = (c * p.geo.heads as usize + h) * (hd * n) as usize;
             let mut item = w;
             while item < ptiles * nblocks {
                 let (m0, n0) = (16 * (item % ptiles), 64 * (item / ptiles));
@@ -309,9 +305,9 @@ mod kernels {
     /// The launch contract of `ssd_chunk_state_f32`.
     #[inline(always)]
     unsafe fn chunk_scores(p: &SsdParams) {
-        let (c, g) = (block_x() as usize, (block_y() - p.heads) as usize);
+        let (c, g) = (block_x() as usize, (block_y() - p.geo.heads) as usize);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
-        let n = p.state_size;
+        let n = p.geo.state_size;
         let np = up16(n);
         let vec = p.vec != 0;
         // SAFETY: as the caller's (B, C cover the chunk's rows at group g's columns; cb holds
@@ -344,7 +340,7 @@ mod kernels {
                         }
                     }
                     let v = |tt: usize| F32x4(core::array::from_fn(|e| cb[0][tt][e] + cb[1][tt][e]));
-                    let at = ((c * p.groups as usize + g) * 64 + (8 * ti + tj) as usize) * 256 + 8 * lane as usize;
+                    let at = ((c * p.geo.groups as usize + g) * 64 + (8 * ti + tj) as usize) * 256 + 8 * lane as usize;
                     let out = p.cb.wrapping_add(at) as *mut F32x4;
                     st(out, 0, v(0));
                     st(out, 1, v(1));
@@ -368,8 +364,8 @@ mod kernels {
         let (h, s) = (block_y() as usize, block_z() as usize);
         let blk = SSD_PASS_BLOCK as usize;
         let o0 = block_x() as usize * blk * PER + thread_x() as usize;
-        let hn = (p.head_dim * p.state_size) as usize;
-        let heads = p.heads as usize;
+        let hn = (p.geo.head_dim * p.geo.state_size) as usize;
+        let heads = p.geo.heads as usize;
         // SAFETY: launch contract checked by host/src/ssd.rs (slots PAD_SLOT or in range and
         // distinct across sequences, seq_chunks consistent with chunks, workspaces of the
         // plan's chunks); every access is at an element o < hn.
@@ -467,9 +463,9 @@ mod kernels {
         grid_dependency_wait();
         let (c, h) = (block_x() as usize, block_y() as usize);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
-        let (hd, n) = (p.head_dim, p.state_size);
+        let (hd, n) = (p.geo.head_dim, p.geo.state_size);
         let (pp, np) = (up16(hd), up16(n));
-        let g = h / (p.heads / p.groups) as usize;
+        let g = h / (p.geo.heads / p.geo.groups) as usize;
         let vec = p.vec != 0;
         let blk = SSD_SCAN_BLOCK;
         // SAFETY: launch contract checked by host/src/ssd.rs; the tiles and f32 arrays fit in
@@ -486,7 +482,7 @@ mod kernels {
             cs.stage(p.c.wrapping_add(start * cst + gn), cst, (SSD_CHUNK, np), (len, n), vec, (tid, blk));
             let x0 = p.x.wrapping_add(start * xst + h * hd as usize);
             xs.stage(x0, xst, (SSD_CHUNK, pp), (len, hd), vec, (tid, blk));
-            let s0 = p.starts.wrapping_add((c * p.heads as usize + h) * (hd * n) as usize);
+            let s0 = p.starts.wrapping_add((c * p.geo.heads as usize + h) * (hd * n) as usize);
             ss.stage(s0, n as usize, (pp, np), (hd, n), vec, (tid, blk));
             let used = tn + tile_bytes(SSD_CHUNK, hd) + tile_bytes(hd, n);
             let acum_s = dyn_smem_f32().wrapping_add((used / 4) as usize);
@@ -498,7 +494,7 @@ mod kernels {
             }
             staged();
             let dh = if p.d.is_null() { 0.0 } else { ld(p.d, h) };
-            let width = p.heads as usize * hd as usize;
+            let width = p.geo.heads as usize * hd as usize;
             // Warp w: row tiles w % 4 and 7 - w % 4, channels 32 (w / 4) .. + 32.
             let p0 = 32 * (w / 4);
             for half in 0..2 {
@@ -528,7 +524,7 @@ mod kernels {
                 }
                 // This row tile's scores, lane l's eight at 8 l of each tile; the next tile's
                 // loaded while this one's are used.
-                let tiles = p.cb.wrapping_add(((c * p.groups as usize + g) * 64 + 8 * rt as usize) * 256);
+                let tiles = p.cb.wrapping_add(((c * p.geo.groups as usize + g) * 64 + 8 * rt as usize) * 256);
                 let load = |jt: u32| {
                     let at = tiles.wrapping_add(256 * jt as usize + 8 * lane as usize) as *const F32x4;
                     [ld(at, 0).0, ld(at, 1).0]

@@ -24,6 +24,21 @@ pub const SSM_WARPS: u32 = 8;
 /// Largest state size the update handles (each lane holds `state_size / 32` columns).
 pub const SSM_MAX_STATE: u32 = 512;
 
+/// The state's geometry and the time step's clamp, as every kernel of the state takes them
+/// (the state update, the chunked scan, the fused Mamba decode).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SsmGeometry {
+    pub heads: u32,
+    pub head_dim: u32,
+    /// B and C groups; `heads / groups` heads share one.
+    pub groups: u32,
+    pub state_size: u32,
+    /// The time step after softplus is clamped to `[dt_min, dt_max]`.
+    pub dt_min: f32,
+    pub dt_max: f32,
+}
+
 /// Launch parameters of the state update; `S` is the state element (f32, or u16 for bf16).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -53,17 +68,12 @@ pub struct SsmUpdateParams<S> {
     /// `[batch, heads * head_dim]` bf16, written.
     pub y: *mut u16,
     pub batch: u32,
-    pub heads: u32,
-    pub head_dim: u32,
-    pub groups: u32,
-    pub state_size: u32,
+    pub geo: SsmGeometry,
     pub x_stride: u32,
     pub dt_stride: u32,
     pub b_stride: u32,
     pub c_stride: u32,
     pub z_stride: u32,
-    pub dt_min: f32,
-    pub dt_max: f32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
@@ -85,8 +95,8 @@ mod kernels {
     /// A row's step of head h: `(delta, exp(A[h] * delta))`, `delta = clamp(softplus(dt +
     /// dt_bias[h]), min, max)` from its dt (bf16 bits).
     #[inline(always)]
-    pub(crate) fn head_step(dt: u16, dt_bias: f32, a: f32, (min, max): (f32, f32)) -> (f32, f32) {
-        let delta = softplus(bf16_to_f32(dt) + dt_bias).max(min).min(max);
+    pub(crate) fn head_step(dt: u16, dt_bias: f32, a: f32, geo: SsmGeometry) -> (f32, f32) {
+        let delta = softplus(bf16_to_f32(dt) + dt_bias).max(geo.dt_min).min(geo.dt_max);
         (delta, exp_fast(a * delta))
     }
 
@@ -114,11 +124,11 @@ mod kernels {
     unsafe fn update<S: StateElem>(p: &SsmUpdateParams<S>) {
         let (b, h) = (block_z() as usize, block_y() as usize);
         let pi = (block_x() * SSM_WARPS + warp_id()) as usize;
-        let (hd, n) = (p.head_dim as usize, p.state_size as usize);
+        let (hd, n) = (p.geo.head_dim as usize, p.geo.state_size as usize);
         if pi >= hd {
             return;
         }
-        let g = h / (p.heads / p.groups) as usize;
+        let g = h / (p.geo.heads / p.geo.groups) as usize;
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst
         // slots distinct, state_size % 4 == 0 (4-aligned columns); this warp alone touches
@@ -127,10 +137,10 @@ mod kernels {
             let slot = ld(p.cache_index, b);
             let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
             let dt = ld(p.dt, b * p.dt_stride as usize + h);
-            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), (p.dt_min, p.dt_max));
+            let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), p.geo);
             let xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + pi));
             let dx = delta * xv;
-            let row = |s: i32| ((s as usize * p.heads as usize + h) * hd + pi) * n;
+            let row = |s: i32| ((s as usize * p.geo.heads as usize + h) * hd + pi) * n;
             let (bp, cp) =
                 (p.b.wrapping_add(b * p.b_stride as usize + g * n), p.c.wrapping_add(b * p.c_stride as usize + g * n));
             let mut acc = 0.0f32;
@@ -154,7 +164,7 @@ mod kernels {
                 y *= silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + h * hd + pi)));
             }
             if lane == 0 {
-                st(p.y, (b * p.heads as usize + h) * hd + pi, f32_to_bf16(y));
+                st(p.y, (b * p.geo.heads as usize + h) * hd + pi, f32_to_bf16(y));
             }
         }
     }

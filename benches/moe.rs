@@ -18,7 +18,7 @@ use half::bf16;
 use host::Kernel;
 use host::grouped::{Tiles, experts_mlp_grouped_as};
 use host::moe::{Dispatch, ExpertMlp, ExpertWeights, dispatch, experts_mlp, experts_mlp_gemm};
-use host::router::{Router, route};
+use host::router::{Routed, Router, route};
 use model::Config;
 use model::backend::{Backend, In, MoeWeights, Out};
 use model::config::MoeConfig;
@@ -58,7 +58,8 @@ fn bench_route(b: &BenchGpu, nano: &Nano, rng: &mut Rng, gate: &host::CudaSlice<
         let xs: Vec<_> = (0..sets).map(|_| gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap()).collect();
         let (mut idx, mut w) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
         let router = Router { gate, bias };
-        let timed = b.capture(sets, |i| route(gpu, shape, (&xs[i], hidden), router, (&mut idx, &mut w)));
+        let timed =
+            b.capture(sets, |i| route(gpu, shape, (&xs[i], hidden), router, Routed { idx: &mut idx, weight: &mut w }));
         timed.report(&format!("moe/{name}"), bytes);
     }
 }
@@ -74,7 +75,7 @@ fn active_experts(
     let (hidden, n_exp, top_k, _, _) = nano.sizes();
     let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
     let router = Router { gate: &w.gate, bias: &w.score_bias };
-    route(gpu, nano.c.route_shape(), (x, hidden), router, (&mut idx, &mut wt)).unwrap();
+    route(gpu, nano.c.route_shape(), (x, hidden), router, Routed { idx: &mut idx, weight: &mut wt }).unwrap();
     let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
     dispatch(gpu, &idx, &mut d).unwrap();
     gpu.download(d.active_count()).unwrap()[0] as usize
@@ -152,7 +153,7 @@ fn bench_layer(
         let x = gpu.upload(&rng.bf16s(batch * hidden, -1.0, 1.0)).unwrap();
         let (mut idx, mut wt) = (gpu.zeros::<i32>(batch * top_k).unwrap(), gpu.zeros::<f32>(batch * top_k).unwrap());
         let router = Router { gate: &w.gate, bias: &w.score_bias };
-        route(gpu, c.route_shape(), (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
+        route(gpu, c.route_shape(), (&x, hidden), router, Routed { idx: &mut idx, weight: &mut wt }).unwrap();
         let mut d = Dispatch::new(gpu, n_exp, top_k, batch).unwrap();
         dispatch(gpu, &idx, &mut d).unwrap();
         let mut out = gpu.zeros::<bf16>(batch * top_k * hidden).unwrap();

@@ -54,10 +54,10 @@ mod gpu {
     use host::gemv::Proj;
     use host::grouped::experts_mlp_grouped_as;
     use host::moe::{
-        Choices, Dispatch, ExpertMlp, ExpertWeights, combine, dispatch, experts, experts_mlp, experts_mlp_choices,
-        experts_mlp_gemm,
+        Choices, Dispatch, ExpertMlp, ExpertWeights, Picks, SharedExpert, combine, dispatch, experts, experts_mlp,
+        experts_mlp_choices, experts_mlp_gemm,
     };
-    use host::router::{RouteShape, Router, route as gpu_route};
+    use host::router::{RouteShape, Routed as RouteOut, Router, route as gpu_route};
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu, nvfp4_weights, to_f64};
 
     use super::common::experts::{Fp8Experts, expert_reference, grouped_tiles};
@@ -74,7 +74,8 @@ mod gpu {
         let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
         let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
         let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-        combine(&gpu, (&dy, hidden), Some(&dsh), (&gpu.upload(&slot).unwrap(), &dw, k), &mut out).unwrap();
+        let dslot = gpu.upload(&slot).unwrap();
+        combine(&gpu, (&dy, hidden), Some(&dsh), Picks { slot: &dslot, weight: &dw, top_k: k }, &mut out).unwrap();
         let want: Vec<f64> = (0..rows * hidden)
             .map(|i| {
                 let (t, c) = (i / hidden, i % hidden);
@@ -211,11 +212,18 @@ mod gpu {
             experts_mlp(&gpu, &d, &dx, ExpertMlp { up: up_w, down: down_w, inter, hidden }, pieces, &mut grouped)
                 .unwrap();
             let mut unfused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-            combine(&gpu, (&grouped, hidden), dsh.as_ref(), (d.slot(), &dw, k), &mut unfused).unwrap();
+            combine(
+                &gpu,
+                (&grouped, hidden),
+                dsh.as_ref(),
+                Picks { slot: d.slot(), weight: &dw, top_k: k },
+                &mut unfused,
+            )
+            .unwrap();
             let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
             let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
             let mlp = ExpertMlp { up: up_w, down: down_w, inter, hidden };
-            experts_mlp_choices(&gpu, ch, &dx, mlp, (pieces, dsh.as_ref()), &mut fused).unwrap();
+            experts_mlp_choices(&gpu, ch, &dx, mlp, SharedExpert { pieces, out: dsh.as_ref() }, &mut fused).unwrap();
             let label =
                 format!("experts per choice, combined: hidden {hidden} inter {inter} rows {rows} pieces {pieces}");
             let (fused, grouped) = (gpu.download(&fused).unwrap(), gpu.download(&grouped).unwrap());
@@ -371,7 +379,15 @@ mod gpu {
         let (dw, didx, dsh) = (gpu.upload(&wt).unwrap(), gpu.upload(r.idx).unwrap(), gpu.upload(&shared).unwrap());
         let ch = Choices { idx: &didx, weight: &dw, per: k, experts: e };
         let mut fused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-        experts_mlp_choices(gpu, ch, &gpu.upload(r.x).unwrap(), mlp, (0, Some(&dsh)), &mut fused).unwrap();
+        experts_mlp_choices(
+            gpu,
+            ch,
+            &gpu.upload(r.x).unwrap(),
+            mlp,
+            SharedExpert { pieces: 0, out: Some(&dsh) },
+            &mut fused,
+        )
+        .unwrap();
         let fused = to_f64(&gpu.download(&fused).unwrap());
         let mut outside = 0;
         for (i, &got) in fused.iter().enumerate() {
@@ -385,7 +401,8 @@ mod gpu {
         let mut compared = fused.len();
         if rows == 1 {
             let mut unfused = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-            combine(gpu, (r.out, hidden), Some(&dsh), (r.d.slot(), &dw, k), &mut unfused).unwrap();
+            combine(gpu, (r.out, hidden), Some(&dsh), Picks { slot: r.d.slot(), weight: &dw, top_k: k }, &mut unfused)
+                .unwrap();
             let unfused = to_f64(&gpu.download(&unfused).unwrap());
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             compared += assert_same(&format!("{label}, per choice"), &bits(&fused), &bits(&unfused));
@@ -407,15 +424,15 @@ mod gpu {
         let mut out = gpu.zeros::<bf16>(rows * k * inter).unwrap();
         let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
         let up = Proj { w: ExpertWeights::Bf16(&w), n: inter, k: hidden, relu2: false };
-        let err = experts(&gpu, &d, (&x, true), up, 0, &mut out).unwrap_err();
+        let err = experts(&gpu, &d, &x, true, up, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("never dispatched"), "{err}");
         dispatch(&gpu, &gpu.upload(&Rng::new(97).choices(rows, k, e)).unwrap(), &mut d).unwrap();
         let short = gpu.zeros::<bf16>((rows - 1) * hidden).unwrap();
-        let err = experts(&gpu, &d, (&short, true), up, 0, &mut out).unwrap_err();
+        let err = experts(&gpu, &d, &short, true, up, 0, &mut out).unwrap_err();
         assert!(err.to_string().contains("`x`"), "{err}");
-        let err = experts(&gpu, &d, (&x, true), up, e + 1, &mut out).unwrap_err();
+        let err = experts(&gpu, &d, &x, true, up, e + 1, &mut out).unwrap_err();
         assert!(err.to_string().contains("`pieces`"), "{err}");
-        experts(&gpu, &d, (&x, true), up, 0, &mut out).unwrap();
+        experts(&gpu, &d, &x, true, up, 0, &mut out).unwrap();
         assert!(Dispatch::new(&gpu, 128, 16, 1 << 20).is_err(), "2^24 choices");
         // Per choice: weights not one per choice, a short down projection, no choices per
         // token, an intermediate size not a multiple of 8, more choices than block rows.
@@ -425,26 +442,43 @@ mod gpu {
         let short = gpu.zeros::<f32>(rows * k - 1).unwrap();
         let bw = ExpertWeights::Bf16(&w);
         let mlp = ExpertMlp { up: bw, down: bw, inter, hidden };
-        let err = experts_mlp_choices(&gpu, Choices { weight: &short, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
+        let err = experts_mlp_choices(
+            &gpu,
+            Choices { weight: &short, ..ch },
+            &x,
+            mlp,
+            SharedExpert { pieces: 0, out: None },
+            &mut y,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("`weight`"), "{err}");
         let down = gpu.zeros::<bf16>(e * hidden * inter - 1).unwrap();
-        let err =
-            experts_mlp_choices(&gpu, ch, &x, ExpertMlp { down: ExpertWeights::Bf16(&down), ..mlp }, (0, None), &mut y)
-                .unwrap_err();
+        let err = experts_mlp_choices(
+            &gpu,
+            ch,
+            &x,
+            ExpertMlp { down: ExpertWeights::Bf16(&down), ..mlp },
+            SharedExpert { pieces: 0, out: None },
+            &mut y,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("moe_expert_combine_bf16: argument `w`"), "{err}");
-        let err = experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, mlp, (0, None), &mut y).unwrap_err();
+        let err =
+            experts_mlp_choices(&gpu, Choices { per: 0, ..ch }, &x, mlp, SharedExpert { pieces: 0, out: None }, &mut y)
+                .unwrap_err();
         assert!(err.to_string().contains("`top_k`"), "{err}");
         let odd = gpu.zeros::<bf16>(e * (inter - 1) * hidden).unwrap();
         let odd =
             ExpertMlp { up: ExpertWeights::Bf16(&odd), down: ExpertWeights::Bf16(&odd), inter: inter - 1, hidden };
-        let err = experts_mlp_choices(&gpu, ch, &x, odd, (0, None), &mut y).unwrap_err();
+        let err = experts_mlp_choices(&gpu, ch, &x, odd, SharedExpert { pieces: 0, out: None }, &mut y).unwrap_err();
         assert!(err.to_string().contains("`inter`"), "{err}");
         let many = gpu.zeros::<i32>(65536).unwrap();
         let (wmany, mut ymany) = (gpu.zeros::<f32>(65536).unwrap(), gpu.zeros::<bf16>(65536 / k * hidden).unwrap());
         let big = Choices { idx: &many, weight: &wmany, per: k, experts: e };
-        let err = experts_mlp_choices(&gpu, big, &x, mlp, (0, None), &mut ymany).unwrap_err();
+        let err =
+            experts_mlp_choices(&gpu, big, &x, mlp, SharedExpert { pieces: 0, out: None }, &mut ymany).unwrap_err();
         assert!(err.to_string().contains("`idx`"), "{err}");
-        experts_mlp_choices(&gpu, ch, &x, mlp, (0, None), &mut y).unwrap();
+        experts_mlp_choices(&gpu, ch, &x, mlp, SharedExpert { pieces: 0, out: None }, &mut y).unwrap();
         let s =
             RouteShape { experts: e, top_k: k, n_group: 2, topk_group: 1, renormalize: true, scaling: 1.0, shared: 0 };
         let mut xs = vec![bf16::ONE; rows * hidden];
@@ -457,7 +491,7 @@ mod gpu {
             s,
             (&gpu.upload(&xs).unwrap(), hidden),
             Router { gate: &gate, bias: &bias },
-            (&mut idx, &mut wt),
+            RouteOut { idx: &mut idx, weight: &mut wt },
         )
         .unwrap();
         let idx = gpu.download(&idx).unwrap();

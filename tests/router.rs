@@ -82,8 +82,12 @@ fn nano_routing_on_random_logits() {
 mod gpu {
     use half::bf16;
     use host::cpu::router::{Routing, route};
-    use host::moe::{Choices, ExpertMlp, ExpertWeights, experts_mlp_choices, experts_mlp_choices_after};
-    use host::router::{ROUTE_TC_MIN_ROWS, RouteShape, Router, route as gpu_route, route_appended_up};
+    use host::moe::{
+        Appended, Choices, ExpertMlp, ExpertWeights, SharedExpert, experts_mlp_choices, experts_mlp_choices_after,
+    };
+    use host::router::{
+        AppendedUp, ROUTE_TC_MIN_ROWS, RouteShape, Routed, Router, route as gpu_route, route_appended_up,
+    };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu};
 
     /// Nemotron-3 Nano's routing on the GPU: top 6 of 128 experts, one group, the weights
@@ -225,7 +229,14 @@ mod gpu {
                 gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
                 gpu.upload(&vec![f32::NAN; rows * s.choices()]).unwrap(),
             );
-            gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
+            gpu_route(
+                &gpu,
+                s,
+                (&dx, hidden),
+                Router { gate: &dg, bias: &db },
+                Routed { idx: &mut idx, weight: &mut w },
+            )
+            .unwrap();
             let r = reference(s);
             let bias64: Vec<f64> = bias.iter().map(|&b| f64::from(b)).collect();
             let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
@@ -310,7 +321,14 @@ mod gpu {
                     gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
                     gpu.upload(&vec![0.0f32; rows * s.choices()]).unwrap(),
                 );
-                gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
+                gpu_route(
+                    &gpu,
+                    s,
+                    (&dx, hidden),
+                    Router { gate: &dg, bias: &db },
+                    Routed { idx: &mut idx, weight: &mut w },
+                )
+                .unwrap();
                 let got_idx = gpu.download(&idx).expect("the routing kernel must not trap");
                 assert!(
                     got_idx.iter().all(|&i| (0..(s.experts + s.shared) as i32).contains(&i)),
@@ -341,7 +359,8 @@ mod gpu {
             gpu.upload(&[0.0f32; 16]).unwrap(),
         );
         let (mut idx, mut w) = (gpu.zeros::<i32>(2).unwrap(), gpu.zeros::<f32>(2).unwrap());
-        gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, (&mut idx, &mut w)).unwrap();
+        gpu_route(&gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, Routed { idx: &mut idx, weight: &mut w })
+            .unwrap();
         assert!(gpu.download(&idx).unwrap().iter().all(|&i| (0..16).contains(&i)));
         println!("routing on bad values: {compared} values checked, no trap");
     }
@@ -378,18 +397,34 @@ mod gpu {
             // Apart: the routing, then every choice's MLP.
             let ((mut idx, mut wt), mut out) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
             let router = Router { gate: &gate, bias: &bias };
-            gpu_route(&gpu, s, (&x, hidden), router, (&mut idx, &mut wt)).unwrap();
+            gpu_route(&gpu, s, (&x, hidden), router, Routed { idx: &mut idx, weight: &mut wt }).unwrap();
             let ch = Choices { idx: &idx, weight: &wt, per, experts: all };
             let mlp = ExpertMlp { up: &up, down: &down, inter, hidden };
             let w = ExpertMlp { up: ExpertWeights::Bf16(&up), down: ExpertWeights::Bf16(&down), inter, hidden };
-            experts_mlp_choices(&gpu, ch, &x, w, (pieces, Some(&shared)), &mut out).unwrap();
+            experts_mlp_choices(&gpu, ch, &x, w, SharedExpert { pieces, out: Some(&shared) }, &mut out).unwrap();
             // The pieces' up projections in the routing's launch.
             let ((mut idx2, mut wt2), mut out2) = (choice_bufs(), gpu.upload(&vec![POISON_BF16; hidden]).unwrap());
             let mut h = gpu.upload(&vec![POISON_BF16; per * inter]).unwrap();
-            route_appended_up(&gpu, s, (&x, hidden), router, (&mut idx2, &mut wt2), (&up, inter), &mut h).unwrap();
+            route_appended_up(
+                &gpu,
+                s,
+                (&x, hidden),
+                router,
+                Routed { idx: &mut idx2, weight: &mut wt2 },
+                AppendedUp { up: &up, inter, h: &mut h },
+            )
+            .unwrap();
             let ch2 = Choices { idx: &idx2, weight: &wt2, per, experts: all };
-            experts_mlp_choices_after(&gpu, ch2, &x, mlp, (pieces, Some(&shared)), (&mut h, pieces), &mut out2)
-                .unwrap();
+            experts_mlp_choices_after(
+                &gpu,
+                ch2,
+                &x,
+                mlp,
+                SharedExpert { pieces, out: Some(&shared) },
+                Appended { h: &mut h, rows: pieces },
+                &mut out2,
+            )
+            .unwrap();
             let label = format!("experts {e} top-{top_k} pieces {pieces} {inter}x{hidden}");
             compared +=
                 assert_same(&format!("{label} idx"), &gpu.download(&idx2).unwrap(), &gpu.download(&idx).unwrap());
@@ -408,15 +443,37 @@ mod gpu {
             // Misuse: more than one token; h of another length; more appended rows than pieces.
             let (mut i2, mut w2) = (gpu.zeros::<i32>(2 * per).unwrap(), gpu.zeros::<f32>(2 * per).unwrap());
             let two = gpu.upload(&rng.bf16s(2 * hidden, -1.0, 1.0)).unwrap();
-            let err = route_appended_up(&gpu, s, (&two, hidden), router, (&mut i2, &mut w2), (&up, inter), &mut h)
-                .unwrap_err();
+            let err = route_appended_up(
+                &gpu,
+                s,
+                (&two, hidden),
+                router,
+                Routed { idx: &mut i2, weight: &mut w2 },
+                AppendedUp { up: &up, inter, h: &mut h },
+            )
+            .unwrap_err();
             assert!(err.to_string().contains("`rows`"), "{err}");
             let mut short = gpu.zeros::<bf16>(per * inter - 1).unwrap();
-            let err = route_appended_up(&gpu, s, (&x, hidden), router, (&mut idx2, &mut wt2), (&up, inter), &mut short)
-                .unwrap_err();
+            let err = route_appended_up(
+                &gpu,
+                s,
+                (&x, hidden),
+                router,
+                Routed { idx: &mut idx2, weight: &mut wt2 },
+                AppendedUp { up: &up, inter, h: &mut short },
+            )
+            .unwrap_err();
             assert!(err.to_string().contains("`h`"), "{err}");
-            let err = experts_mlp_choices_after(&gpu, ch, &x, mlp, (pieces, None), (&mut h, pieces + 1), &mut out2)
-                .unwrap_err();
+            let err = experts_mlp_choices_after(
+                &gpu,
+                ch,
+                &x,
+                mlp,
+                SharedExpert { pieces, out: None },
+                Appended { h: &mut h, rows: pieces + 1 },
+                &mut out2,
+            )
+            .unwrap_err();
             assert!(err.to_string().contains("`appended`"), "{err}");
         }
         println!("route with the pieces' up projections: {compared} values compared");

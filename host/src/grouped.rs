@@ -114,19 +114,12 @@ fn no_wide_fp8(kernel: Kernel) -> Error {
     }
 }
 
-/// Launches `s` over `m_tiles` row tiles and the column tiles of `n`, once `c` found the
-/// operands' addresses aligned ([`check_aligned`]).
+/// Launches `s` over `m_tiles` row tiles and the column tiles of `n`.
 ///
 /// # Safety
-/// `params` satisfies the kernel's contract for these tiles.
-unsafe fn launch_tiles<P: KernelParams>(
-    gpu: &Gpu,
-    s: Shape<P>,
-    (c, addrs): (Check, (u64, u64, u64)),
-    (m_tiles, n): (u32, usize),
-    params: P,
-) -> Result<()> {
-    check_aligned(c, addrs)?;
+/// `params` satisfies the kernel's contract for these tiles, its operands' addresses aligned
+/// ([`check_aligned`]).
+unsafe fn launch_tiles<P: KernelParams>(gpu: &Gpu, s: Shape<P>, m_tiles: u32, n: usize, params: P) -> Result<()> {
     // SAFETY: the caller's contract; the grid covers every tile, block and shared memory are
     // the entry's own.
     unsafe { gpu.launch(Grid::new(s.entry, (m_tiles, n.div_ceil(s.n as usize) as u32, 1)), params) }
@@ -139,7 +132,8 @@ unsafe fn launch_tiles<P: KernelParams>(
 pub fn grouped(
     gpu: &Gpu,
     d: &Dispatch,
-    (a, by_token): (&impl DevicePtr<bf16>, bool),
+    a: &impl DevicePtr<bf16>,
+    by_token: bool,
     p: Proj<&CudaSlice<bf16>>,
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
@@ -161,13 +155,11 @@ pub fn grouped(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    let (addrs, m_tiles) = (
-        (params.a as u64, params.w as u64, params.out as u64),
-        grouped_m_tiles(entries as u32, experts as u32, shape.m),
-    );
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let m_tiles = grouped_m_tiles(entries as u32, experts as u32, shape.m);
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
     // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
+    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
 }
 
 /// Checks `n` and `k`: positive multiples of 8 (`k` of `k_multiple`: whole 16-byte chunks of a
@@ -251,13 +243,11 @@ pub fn grouped_fp8(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    let (addrs, m_tiles) = (
-        (params.a as u64, params.w as u64, params.out as u64),
-        grouped_m_tiles(entries as u32, experts as u32, shape.m),
-    );
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let m_tiles = grouped_m_tiles(entries as u32, experts as u32, shape.m);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
+    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
 }
 
 /// A bf16 linear layer `p` over `rows` rows of `x` on tensor cores, one launch: `out [rows,
@@ -284,10 +274,10 @@ pub fn gemm(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    let (addrs, m_tiles) =
-        ((params.a as u64, params.w as u64, params.out as u64), rows.div_ceil(shape.m as usize) as u32);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let m_tiles = rows.div_ceil(shape.m as usize) as u32;
     // SAFETY: extents checked above; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
+    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
 }
 
 /// An FP8 (W8A8) linear layer `p` over `rows` rows on tensor cores: `out [rows, n] = f((q Qᵀ)
@@ -318,10 +308,10 @@ pub fn gemm_fp8(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    let (addrs, m_tiles) =
-        ((params.a as u64, params.w as u64, params.out as u64), rows.div_ceil(shape.m as usize) as u32);
+    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
+    let m_tiles = rows.div_ceil(shape.m as usize) as u32;
     // SAFETY: extents checked above; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, (c, addrs), (m_tiles, p.n), params) }
+    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -363,8 +353,8 @@ pub fn experts_mlp_grouped_as(
     match (mlp.up, mlp.down) {
         (Weights::Bf16(u), Weights::Bf16(dn)) => {
             let bf16 = ExpertMlp { up: u, down: dn, inter, hidden };
-            grouped(gpu, d, (x, true), bf16.up_proj(), tiles, &mut h)?;
-            grouped(gpu, d, (&h, false), bf16.down_proj(), tiles, out)
+            grouped(gpu, d, x, true, bf16.up_proj(), tiles, &mut h)?;
+            grouped(gpu, d, &h, false, bf16.down_proj(), tiles, out)
         }
         (Weights::Fp8 { in_scale: up_in, .. }, Weights::Fp8 { in_scale: down_in, .. }) => {
             // SAFETY: as above.

@@ -219,7 +219,8 @@ impl<'a> ExpertMlp<&'a CudaSlice<bf16>> {
 pub fn experts(
     gpu: &Gpu,
     d: &Dispatch,
-    (x, by_token): (&impl DevicePtr<bf16>, bool),
+    x: &impl DevicePtr<bf16>,
+    by_token: bool,
     p: Proj<ExpertWeights>,
     pieces: usize,
     out: &mut impl DevicePtrMut<bf16>,
@@ -323,16 +324,16 @@ pub fn experts_mlp(
 ) -> Result<()> {
     // SAFETY: the up projection writes every row of every active expert: all entries.
     let mut h = unsafe { gpu.scratch::<bf16>(d.entries() * mlp.inter) }?;
-    experts(gpu, d, (x, true), mlp.up_proj(), 0, &mut h)?;
-    experts(gpu, d, (&h, false), mlp.down_proj(), pieces, out)
+    experts(gpu, d, x, true, mlp.up_proj(), 0, &mut h)?;
+    experts(gpu, d, &h, false, mlp.down_proj(), pieces, out)
 }
 
 /// The MLPs of each token's chosen experts, combined, without a dispatch: `out[t] =
-/// shared[t] + sum_j weight[t, j] * down_e(relu(up_e x_t)^2)`, `e = idx[t, j]`, each expert
-/// output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit where
+/// shared.out[t] + sum_j weight[t, j] * down_e(relu(up_e x_t)^2)`, `e = idx[t, j]`, each
+/// expert output rounded to bf16 (as [`experts_mlp`] then [`combine`], bit for bit where
 /// [`experts_mlp`] runs the warp mode). Weights as for [`experts_mlp`] (bf16: the last
-/// `pieces` experts may be a shared expert's pieces; FP8: W8A8), `x [rows, hidden]`, `out
-/// [rows, hidden]`, the shared expert's output rows `shared` added where given. Every choice
+/// `shared.pieces` experts may be a shared expert's pieces; FP8: W8A8), `x [rows, hidden]`,
+/// `out [rows, hidden]`. Every choice
 /// streams its expert's weights on its own: the path for a token or a few, where a dispatch
 /// and a combine cost more than repeated experts. Two launches, no synchronization.
 pub fn experts_mlp_choices(
@@ -340,44 +341,60 @@ pub fn experts_mlp_choices(
     ch: Choices,
     x: &impl DevicePtr<bf16>,
     mlp: ExpertMlp<ExpertWeights>,
-    shared: (usize, Option<&CudaSlice<bf16>>),
+    shared: SharedExpert,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     // SAFETY: the up projection writes every choice's row before the down projection reads it.
     let mut h = unsafe { gpu.scratch::<bf16>(ch.idx.len() * mlp.inter) }?;
-    let all = ch.idx.len();
-    choices_mlp(gpu, ch, x, mlp, shared, (&mut h, all), out)
+    choices_mlp(gpu, ch, x, mlp, shared, Appended { h: &mut h, rows: 0 }, out)
 }
 
-/// [`experts_mlp_choices`] of one token after [`route_appended_up`]: `h [choices, inter]` holds
-/// the appended pieces' up projections (its last `appended` rows); the routed choices' up
-/// projections go into its first rows, then the down projections and the combining as there.
+/// The shared expert beside a layer's routed ones, for the per-choice path: the last `pieces`
+/// experts are its pieces (0: none; each token chooses all of them), and `out`, its output
+/// rows computed apart, is added where given.
+#[derive(Clone, Copy)]
+pub struct SharedExpert<'a> {
+    pub pieces: usize,
+    pub out: Option<&'a CudaSlice<bf16>>,
+}
+
+/// The hidden rows of one token's choices (`h [choices, inter]`) whose last `rows` hold the
+/// appended pieces' up projections already ([`route_appended_up`]).
+pub struct Appended<'a> {
+    pub h: &'a mut CudaSlice<bf16>,
+    pub rows: usize,
+}
+
+/// [`experts_mlp_choices`] of one token after [`route_appended_up`]: `up.h` holds the appended
+/// pieces' up projections; the routed choices' up projections go into its first rows, then
+/// the down projections and the combining as there.
 pub fn experts_mlp_choices_after(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
     mlp: ExpertMlp<&CudaSlice<bf16>>,
-    (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
-    (h, appended): (&mut CudaSlice<bf16>, usize),
+    shared: SharedExpert,
+    up: Appended,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let c = Check(Kernel::MoeExpertChoices.name());
-    c.count("appended", ch.per.min(pieces), appended)?;
-    let launched = ch.per - appended;
-    choices_mlp(gpu, ch, x, mlp.weights(), (pieces, shared), (h, launched), out)
+    c.that("idx", ch.idx.len() == ch.per, format!("one token's {} choices", ch.per), ch.idx.len())?;
+    c.count("appended", ch.per.min(shared.pieces), up.rows)?;
+    choices_mlp(gpu, ch, x, mlp.weights(), shared, up, out)
 }
 
-/// The up projections of the first `launched` choices into `h` (all of them, or of one token,
-/// the others already there), then the down projections and the combining.
+/// The up projections of the choices whose rows of `up.h` are not there yet (all of them, or
+/// of one token all but the appended ones), then the down projections and the combining.
 fn choices_mlp(
     gpu: &Gpu,
     ch: Choices,
     x: &impl DevicePtr<bf16>,
     mlp: ExpertMlp<ExpertWeights>,
-    (pieces, shared): (usize, Option<&CudaSlice<bf16>>),
-    (h, launched): (&mut CudaSlice<bf16>, usize),
+    SharedExpert { pieces, out: shared }: SharedExpert,
+    Appended { h, rows: appended }: Appended,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    let launched = ch.idx.len() - appended;
     let k = match mlp.down {
         ExpertWeights::Bf16(_) => entry::MOE_EXPERT_COMBINE,
         ExpertWeights::Fp8 { .. } => entry::MOE_EXPERT_COMBINE_FP8,
@@ -467,14 +484,22 @@ pub fn experts_mlp_gemm(
     Ok(())
 }
 
-/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for `y`'s rows of `hidden` (slots
-/// and weights `[rows, top_k]`, slots as [`Dispatch::slot`]; one outside the rows of `y` traps
-/// the kernel).
+/// Each token's `top_k` rows of the expert outputs (`slot`, as [`Dispatch::slot`]) and their
+/// weights, `[rows, top_k]` each.
+#[derive(Clone, Copy)]
+pub struct Picks<'a> {
+    pub slot: &'a CudaSlice<i32>,
+    pub weight: &'a CudaSlice<f32>,
+    pub top_k: usize,
+}
+
+/// `out[t] = shared[t] + sum_k weight[t, k] * y[slot[t, k]]` for `y`'s rows of `hidden` (one
+/// slot outside the rows of `y` traps the kernel).
 pub fn combine(
     gpu: &Gpu,
     (y, hidden): (&impl DevicePtr<bf16>, usize),
     shared: Option<&CudaSlice<bf16>>,
-    (slot, weight, top_k): (&CudaSlice<i32>, &CudaSlice<f32>, usize),
+    Picks { slot, weight, top_k }: Picks,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let k = entry::MOE_COMBINE;

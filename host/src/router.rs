@@ -41,34 +41,48 @@ pub struct Router<'a> {
     pub bias: &'a CudaSlice<f32>,
 }
 
-/// Routes the tokens of `x [rows, hidden]`: writes `idx` and `weight` `[rows, s.choices()]`,
-/// each row its top-k (highest selection score first), then the appended choices.
+/// Where a routing goes: `idx` and `weight` `[rows, choices]`.
+pub struct Routed<'a> {
+    pub idx: &'a mut CudaSlice<i32>,
+    pub weight: &'a mut CudaSlice<f32>,
+}
+
+/// The shared expert's pieces' up projections that a one-token routing computes beside it
+/// ([`route_appended_up`]): from `up [experts + shared, inter, hidden]` into `h [choices,
+/// inter]`.
+pub struct AppendedUp<'a> {
+    pub up: &'a CudaSlice<bf16>,
+    pub inter: usize,
+    pub h: &'a mut CudaSlice<bf16>,
+}
+
+/// Routes the tokens of `x [rows, hidden]`: writes `out`'s `[rows, s.choices()]`, each row its
+/// top-k (highest selection score first), then the appended choices.
 pub fn route(
     gpu: &Gpu,
     s: RouteShape,
-    x: (&impl DevicePtr<bf16>, usize),
+    (x, hidden): (&impl DevicePtr<bf16>, usize),
     router: Router,
-    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    out: Routed,
 ) -> Result<()> {
-    launch_route(gpu, s, x, router, out, None)
+    launch_route(gpu, s, (x, hidden), router, out, None)
 }
 
 /// [`route`] of one token whose routing appends the shared expert's pieces (`s.shared > 0`),
 /// with the pieces' up projections in the same launch (they need no routing): rows `top_k..`
-/// of `h [s.choices(), inter]` get `relu(bf16(x W^T))^2` of piece j's rows of `up [experts +
-/// shared, inter, hidden]` (the pieces after the routed experts, as [`experts_mlp_choices`]
-/// takes them), bit for bit as [`experts_mlp_choices`] computes them; the routed choices' rows
-/// are left to [`experts_mlp_choices_after`].
+/// of `up.h [s.choices(), inter]` get `relu(bf16(x W^T))^2` of piece j's rows of `up.up` (the
+/// pieces after the routed experts, as [`experts_mlp_choices`] takes them), bit for bit as
+/// [`experts_mlp_choices`] computes them; the routed choices' rows are left to
+/// [`experts_mlp_choices_after`].
 pub fn route_appended_up(
     gpu: &Gpu,
     s: RouteShape,
     x: (&impl DevicePtr<bf16>, usize),
     router: Router,
-    out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
-    (up, inter): (&CudaSlice<bf16>, usize),
-    h: &mut CudaSlice<bf16>,
+    out: Routed,
+    up: AppendedUp,
 ) -> Result<()> {
-    launch_route(gpu, s, x, router, out, Some((up, inter, h)))
+    launch_route(gpu, s, x, router, out, Some(up))
 }
 
 /// [`route`], and with `appended` the pieces' up projections of [`route_appended_up`].
@@ -77,8 +91,8 @@ fn launch_route(
     s: RouteShape,
     (x, hidden): (&impl DevicePtr<bf16>, usize),
     router: Router,
-    (idx, weight): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
-    appended: Option<(&CudaSlice<bf16>, usize, &mut CudaSlice<bf16>)>,
+    Routed { idx, weight }: Routed,
+    appended: Option<AppendedUp>,
 ) -> Result<()> {
     let k = entry::MOE_ROUTE;
     let a = gpu.args(k);
@@ -132,7 +146,7 @@ fn launch_route(
     };
     let (p, extra) = match appended {
         None => (p, 0),
-        Some((up, inter, h)) => {
+        Some(AppendedUp { up, inter, h }) => {
             c.that("rows", rows == 1, "one token (the pieces' up projections in the routing)", rows)?;
             c.count("shared", MAX_TOP_K as usize, s.shared)?;
             c.count("inter", MAX_ELEMS, inter)?;

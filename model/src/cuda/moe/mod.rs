@@ -10,10 +10,10 @@
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped};
 use host::moe::{
-    Choices, Dispatch, ExpertMlp, ExpertWeights, combine, dispatch, experts_mlp, experts_mlp_choices,
-    experts_mlp_choices_after, experts_mlp_gemm,
+    Appended, Choices, Dispatch, ExpertMlp, ExpertWeights, Picks, SharedExpert, combine, dispatch, experts_mlp,
+    experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm,
 };
-use host::router::{Router, route, route_appended_up};
+use host::router::{AppendedUp, Routed, Router, route, route_appended_up};
 use host::{Buffer, CudaSlice, CudaView, Gpu};
 
 mod plan;
@@ -156,11 +156,18 @@ impl CudaExperts {
                 // SAFETY: the routing writes the pieces' rows, the choices launch the others,
                 // before the down projections read them.
                 let mut h = unsafe { g.scratch::<bf16>(choices * self.inter) }?;
-                route_appended_up(g, shape, (&xv, hidden), router, (&mut idx, &mut wts), (up, self.inter), &mut h)?;
+                route_appended_up(
+                    g,
+                    shape,
+                    (&xv, hidden),
+                    router,
+                    Routed { idx: &mut idx, weight: &mut wts },
+                    AppendedUp { up, inter: self.inter, h: &mut h },
+                )?;
                 Some(h)
             }
             _ => {
-                route(g, shape, (&xv, hidden), router, (&mut idx, &mut wts))?;
+                route(g, shape, (&xv, hidden), router, Routed { idx: &mut idx, weight: &mut wts })?;
                 None
             }
         };
@@ -193,11 +200,11 @@ impl CudaExperts {
         let experts = c.experts + pieces;
         if plan.experts == ExpertPath::Choices {
             let ch = Choices { idx: &idx, weight: &wts, per: choices, experts };
-            let pieces = (pieces, shared.as_deref());
+            let pieces = SharedExpert { pieces, out: shared.as_deref() };
             match (&mut h, &self.up, &self.down) {
                 (Some(h), Weights::Bf16(up), Weights::Bf16(down)) => {
                     let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
-                    experts_mlp_choices_after(g, ch, &xv, mlp, pieces, (h, shape.shared), &mut y)?
+                    experts_mlp_choices_after(g, ch, &xv, mlp, pieces, Appended { h, rows: shape.shared }, &mut y)?
                 }
                 _ => {
                     let mlp = ExpertMlp { up: self.up.view(), down: self.down.view(), inter: self.inter, hidden };
@@ -232,7 +239,13 @@ impl CudaExperts {
             ) => experts_mlp_gemm(g, &d, &xv, ExpertMlp { up, down, inter: self.inter, hidden }, &mut grouped)?,
             (path, _) => return Err(Error::Unsupported(format!("MoE experts of these weights by {path:?}"))),
         }
-        Ok(combine(g, (&grouped, hidden), shared.as_deref(), (d.slot(), &wts, choices), &mut y)?)
+        Ok(combine(
+            g,
+            (&grouped, hidden),
+            shared.as_deref(),
+            Picks { slot: d.slot(), weight: &wts, top_k: choices },
+            &mut y,
+        )?)
     }
 }
 
@@ -256,7 +269,7 @@ fn choices(g: &Gpu, c: &MoeConfig, x: (In<Buffer<bf16>>, usize), router: Router)
     let rows = x.1;
     let (xv, hidden) = moe_input(c, x, &router)?;
     let (mut idx, mut wts) = (g.zeros::<i32>(rows * c.top_k)?, g.zeros::<f32>(rows * c.top_k)?);
-    route(g, c.route_shape(), (&xv, hidden), router, (&mut idx, &mut wts))?;
+    route(g, c.route_shape(), (&xv, hidden), router, Routed { idx: &mut idx, weight: &mut wts })?;
     Ok(g.download(&idx)?.into_iter().map(|e| e as u32).collect())
 }
 

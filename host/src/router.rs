@@ -5,7 +5,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use kernels_gpu::entry;
-use kernels_gpu::moe::{LOGITS_TOKENS, MAX_TOP_K, ROUTE_UP_ROWS, RouteParams};
+use kernels_gpu::moe::MAX_TOP_K;
+use kernels_gpu::router::{LOGITS_TOKENS, ROUTE_UP_ROWS, RouteParams};
 use kernels_gpu::router::{ROUTER_TOKENS, router_takes};
 
 use crate::args::Len;

@@ -199,9 +199,9 @@ kernels! {
     GEMV_SPLIT = GemvSplit("gemv_split_bf16", gemv::SplitParams, Threads::Fixed(gemv::SPLIT_BLOCK), Smem::Fixed(0)),
     /// Router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
-    MOE_ROUTE = MoeRoute("moe_route_bf16", moe::RouteParams, Threads::Fixed(moe::LOGITS_BLOCK), Smem::Fixed(moe::ROUTE_SMEM_BYTES)),
+    MOE_ROUTE = MoeRoute("moe_route_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// Routing of many tokens, the router logits on tensor cores.
-    MOE_ROUTE_TC = MoeRouteTc("moe_route_tc_bf16", moe::RouteParams, Threads::Fixed(router::ROUTER_BLOCK), Smem::Fixed(router::router_smem_bytes())),
+    MOE_ROUTE_TC = MoeRouteTc("moe_route_tc_bf16", router::RouteParams, Threads::Fixed(router::ROUTER_BLOCK), Smem::Fixed(router::router_smem_bytes())),
     /// Routing choices grouped by expert.
     MOE_DISPATCH = MoeDispatch("moe_dispatch", moe::DispatchParams, Threads::Fixed(moe::DISPATCH_BLOCK), Smem::Fixed(moe::DISPATCH_SMEM_BYTES)),
     /// One projection of every expert with rows (small batches).

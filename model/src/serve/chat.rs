@@ -7,9 +7,10 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::api::{self, ApiError, Common, Fields};
+use super::api::{self, ApiError, Fields};
 use super::generation::{Out, TokenOut, sse};
 use super::prompt::{Delta, Forced};
+use super::request::{self, Common};
 use super::{Served, fresh, now};
 use crate::chat::TokenBytes;
 use crate::engine::Constraint;
@@ -34,7 +35,7 @@ pub(super) struct Prepared {
 pub(super) fn prepare(s: &Served, body: &[u8]) -> Result<Prepared, ApiError> {
     let m = api::parse_body(body)?;
     let f = Fields(&m);
-    let c = api::common(&f, true, fresh(), &s.limits)?;
+    let c = request::common(&f, true, fresh(), &s.limits)?;
     s.check_model(&c)?;
     let messages = m.get("messages").ok_or_else(|| ApiError::invalid(Some("messages"), "`messages` is required"))?;
     check_messages(messages)?;

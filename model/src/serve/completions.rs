@@ -7,8 +7,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use super::api::{self, ApiError, Common, Fields};
+use super::api::{self, ApiError, Fields};
 use super::generation::{Out, Piece, TokenOut, sse};
+use super::request::{self, Common};
 use super::{Served, Submission, fresh, now};
 
 /// The completions prompt: a string, a list of token ids, or either alone in a list.
@@ -17,12 +18,11 @@ fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, Api
     match m.get("prompt") {
         None | Some(Value::Null) => bad("`prompt` is required"),
         Some(Value::String(t)) => s.encode(t),
-        Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => {
-            api::token_ids(a).map_or_else(|| bad("`prompt` as a list must hold token ids (non-negative integers)"), Ok)
-        }
+        Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => request::token_ids(a)
+            .map_or_else(|| bad("`prompt` as a list must hold token ids (non-negative integers)"), Ok),
         Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
             Value::String(t) => s.encode(t),
-            Value::Array(t) => api::token_ids(t).map_or_else(|| bad("`prompt[0]` must hold token ids"), Ok),
+            Value::Array(t) => request::token_ids(t).map_or_else(|| bad("`prompt[0]` must hold token ids"), Ok),
             _ => bad("`prompt[0]` must be a string or a list of token ids"),
         },
         Some(Value::Array(a)) if a.is_empty() => bad("`prompt` is empty"),
@@ -36,7 +36,7 @@ fn completion_prompt(s: &Served, m: &Map<String, Value>) -> Result<Vec<u32>, Api
 fn prepare(s: &Served, body: &[u8]) -> Result<(Common, Submission), ApiError> {
     let m = api::parse_body(body)?;
     let f = Fields(&m);
-    let c = api::common(&f, false, fresh(), &s.limits)?;
+    let c = request::common(&f, false, fresh(), &s.limits)?;
     s.check_model(&c)?;
     if f.bool("echo")? == Some(true) {
         return Err(ApiError::invalid(Some("echo"), "`echo` is not supported"));

@@ -24,6 +24,7 @@ mod format;
 mod generation;
 pub mod metrics;
 pub mod prompt;
+pub mod request;
 #[cfg(feature = "scripted")]
 pub mod scripted;
 pub mod special;
@@ -52,9 +53,10 @@ use crate::chat::Detok;
 use crate::chat::StopMatcher;
 use crate::engine::Constraint;
 use crate::structured::Structured;
-use api::{ApiError, Common, Limits};
+use api::ApiError;
 use generation::{Gen, RequestLog};
 use prompt::Chat;
+use request::{Common, Limits};
 use worker::EngineHandle;
 
 /// What the handlers share.
@@ -342,7 +344,7 @@ impl Served {
             let message = format!("Token id {t} is outside the vocabulary of {vocab}");
             return Err(ApiError::invalid(Some("stop_token_ids"), message));
         }
-        let params = api::request_params(c, prompt.len(), self.engine.info.max_len, self.chat.stop_ids(), param)?;
+        let params = request::request_params(c, prompt.len(), self.engine.info.max_len, self.chat.stop_ids(), param)?;
         let rx = self.engine.submit(prompt.clone(), params, constraint).map_err(|b| ApiError::busy(b.limit))?;
         Ok(Gen {
             rx,

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::Limits;
 use super::prompt::Chat;
+use super::request::Limits;
 use super::special::{Special, SpecialInContent};
 use super::worker::{self, ModelInfo, Update};
 use super::{Served, router};

@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use super::Served;
 use super::api::{self, ApiError, Fields};
+use super::request;
 
 /// `{"prompt": TEXT}` or a chat request's `{"messages": [...], "tools": ...}` (rendered with
 /// the chat template, special-token text in content as the server's setting says) to `{"count",
@@ -64,7 +65,7 @@ pub(super) async fn detokenize(s: Arc<Served>, body: Bytes) -> Result<Response, 
                 return Err(bad("`tokens` must be a list of token ids".into()));
             };
             let vocab = s.engine.info.vocab;
-            let ids = api::token_ids(list)
+            let ids = request::token_ids(list)
                 .filter(|ids| ids.iter().all(|&t| (t as usize) < vocab))
                 .ok_or_else(|| bad(format!("`tokens` must hold token ids below the vocabulary of {vocab}")))?;
             s.tokenizer.decode(&ids, false).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))

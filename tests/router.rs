@@ -440,7 +440,8 @@ mod gpu {
                 &bits16(gpu.download(&out2).unwrap()),
                 &bits16(gpu.download(&out).unwrap()),
             );
-            // Misuse: more than one token; h of another length; more appended rows than pieces.
+            // Misuse: more than one token; h of another length; more appended rows than pieces; two
+            // tokens' choices after.
             let (mut i2, mut w2) = (gpu.zeros::<i32>(2 * per).unwrap(), gpu.zeros::<f32>(2 * per).unwrap());
             let two = gpu.upload(&rng.bf16s(2 * hidden, -1.0, 1.0)).unwrap();
             let err = route_appended_up(
@@ -475,6 +476,17 @@ mod gpu {
             )
             .unwrap_err();
             assert!(err.to_string().contains("`appended`"), "{err}");
+            let err = experts_mlp_choices_after(
+                &gpu,
+                Choices { idx: &i2, weight: &w2, per, experts: all },
+                &two,
+                mlp,
+                SharedExpert { pieces, out: None },
+                Appended { h: &mut h, rows: pieces },
+                &mut out2,
+            )
+            .unwrap_err();
+            assert!(err.to_string().contains("`idx`"), "two tokens' choices: {err}");
         }
         println!("route with the pieces' up projections: {compared} values compared");
         assert_eq!(compared, expected);

@@ -10,7 +10,8 @@
 //! block scale, the sum by the per-tensor one), and at many rows with the weights dequantized
 //! to bf16 (rounded once) for its bf16 GEMMs. A checkpoint made for W4A4 also holds an
 //! `input_scale`, its activations' scale for FP4 products; it is kept in the layout and not
-//! applied (the difference is measured on the fixture in model/tests/nvfp4.rs).
+//! applied. The f64 reference computes that W4A4 form too (`Reference::w4a4`), and
+//! model/tests/nvfp4.rs measures the difference on the fixture.
 
 use crate::error::{Error, Result};
 use crate::layout::Linear;

@@ -4,8 +4,11 @@
 //! layers as W8A8, see [`crate::fp8`]), conv and norm weights and the per-head parameters as
 //! the kernels take them (bf16, f32). Meant for small models: every weight is widened to f64.
 
+use std::cell::Cell;
+
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
+use host::cpu::nvfp4::NVFP4_BLOCK;
 use host::cpu::router::{Routing, route};
 use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
@@ -16,21 +19,54 @@ use crate::fp8::Fp8Linear;
 use crate::layout::{Layout, Linear, Mixer, Mlp};
 use crate::weights::Tensor;
 
-/// A linear layer widened to f64: `y = W x + b`, `W [out, in]`; or an FP8 (W8A8) layer.
+/// A linear layer widened to f64: `y = W x + b`, `W [out, in]`; or an FP8 (W8A8) layer; or an
+/// NVFP4 layer as W4A4 ([`Reference::w4a4`]).
 enum Lin {
     Dense { w: Vec<f64>, b: Option<Vec<f64>>, inp: usize },
     Fp8(Fp8Linear),
+    W4a4(W4a4),
 }
 
-impl Lin {
-    fn new(l: &Linear) -> Result<Lin> {
+/// An NVFP4 layer whose inputs are quantized too (docs/MATH.md, "W4A4"): its rows in the
+/// device layout, its scales, and how many blocks of inputs saturated their e4m3 scale.
+struct W4a4 {
+    rows: Vec<u8>,
+    global: f32,
+    input_scale: f32,
+    n: usize,
+    k: usize,
+    saturated: Cell<u64>,
+}
+
+/// How the reference takes NVFP4 layers: weight-only (the backends' way), or W4A4.
+#[derive(Clone, Copy)]
+struct Widen {
+    w4a4: bool,
+}
+
+impl Widen {
+    fn lin(self, l: &Linear) -> Result<Lin> {
         if let Some(f) = Fp8Linear::new(l)? {
             return Ok(Lin::Fp8(f));
+        }
+        if let (true, Some(s)) = (self.w4a4, l.nvfp4) {
+            let [n, k] = l.shape();
+            let input_scale = s
+                .input_scale
+                .ok_or_else(|| Error::Unsupported(format!("`{}` has no input_scale: W4A4 needs one", l.weight.name)))?;
+            let rows = host::nvfp4::pack_rows(l.weight.bytes, s.block.bytes, n, k)?;
+            return Ok(Lin::W4a4(W4a4 { rows, global: s.global, input_scale, n, k, saturated: Cell::new(0) }));
         }
         let w = if l.nvfp4.is_some() { crate::nvfp4::dequantize(l)? } else { f64s(&l.weight)? };
         Ok(Lin::Dense { w, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.shape()[1] })
     }
 
+    fn mlp(self, m: &Mlp) -> Result<(Lin, Lin)> {
+        Ok((self.lin(&m.up)?, self.lin(&m.down)?))
+    }
+}
+
+impl Lin {
     fn apply(&self, x: &[f64]) -> Vec<f64> {
         match self {
             Lin::Dense { w, b, inp } => w
@@ -39,9 +75,27 @@ impl Lin {
                 .map(|(o, row)| row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + b.as_ref().map_or(0.0, |b| b[o]))
                 .collect(),
             Lin::Fp8(f) => f.apply(&x.iter().map(|&v| v as f32).collect::<Vec<_>>()),
+            Lin::W4a4(l) => {
+                // The activations as a backend holds them (bf16), quantized with the layer's
+                // input scale; the products exact.
+                let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f64(v)).collect();
+                let a = host::cpu::w4a4::quantize_rows(&x, (1, l.k, l.k), l.input_scale);
+                let scales = &a[l.k / 2..l.k / 2 + l.k / NVFP4_BLOCK];
+                l.saturated.set(l.saturated.get() + scales.iter().filter(|&&c| c == E4M3_SATURATED).count() as u64);
+                let alpha = f64::from(l.input_scale) * f64::from(l.global);
+                host::cpu::w4a4::product(&a, &l.rows, (1, l.n, l.k)).0.into_iter().map(|v| v * alpha).collect()
+            }
         }
     }
+
+    /// Blocks of inputs whose scale saturated so far (W4A4 layers; 0 for the others).
+    fn saturated(&self) -> u64 {
+        if let Lin::W4a4(l) = self { l.saturated.get() } else { 0 }
+    }
 }
+
+/// The e4m3 code of 448, where a block scale saturates.
+const E4M3_SATURATED: u8 = 0x7e;
 
 /// A non-gated relu^2 MLP (and MoE expert): `down(relu(up x)^2)`.
 fn mlp_apply((up, down): &(Lin, Lin), x: &[f64]) -> Vec<f64> {
@@ -100,13 +154,46 @@ enum LayerState {
     Stateless,
 }
 
-fn mlp(m: &Mlp) -> Result<(Lin, Lin)> {
-    Ok((Lin::new(&m.up)?, Lin::new(&m.down)?))
+impl Mix {
+    /// The layer's linear layers.
+    fn lins(&self) -> Vec<&Lin> {
+        fn pair((a, b): &(Lin, Lin)) -> [&Lin; 2] {
+            [a, b]
+        }
+        match self {
+            Mix::Mamba(m) => vec![&m.in_proj, &m.out_proj],
+            Mix::Moe(m) => {
+                let experts = m.experts.iter().chain(&m.shared).flat_map(pair);
+                std::iter::once(&m.gate).chain(experts).collect()
+            }
+            Mix::Attention { q, k, v, o } => vec![q, k, v, o],
+            Mix::Mlp(m) => pair(m).to_vec(),
+        }
+    }
 }
 
 impl Reference {
-    /// Widens every tensor of `layout`.
+    /// Widens every tensor of `layout`; NVFP4 layers weight-only, the activations as they are
+    /// (as the backends run them).
     pub fn new(config: &Config, layout: &Layout) -> Result<Reference> {
+        Reference::build(config, layout, Widen { w4a4: false })
+    }
+
+    /// As [`Reference::new`], every NVFP4 layer as W4A4 (docs/MATH.md): its input rounded to
+    /// bf16 and quantized to NVFP4 with the layer's `input_scale` (an error where it has none),
+    /// the products exact: what a checkpoint made for W4A4 computes on Blackwell.
+    pub fn w4a4(config: &Config, layout: &Layout) -> Result<Reference> {
+        Reference::build(config, layout, Widen { w4a4: true })
+    }
+
+    /// Blocks of W4A4 inputs whose e4m3 scale saturated at 448 in the steps so far (their
+    /// largest inputs clipped: an input scale too small for the activations).
+    pub fn saturated_blocks(&self) -> u64 {
+        let lins = self.layers.iter().flat_map(|(_, mix)| mix.lins()).chain([&self.lm_head]);
+        lins.map(Lin::saturated).sum()
+    }
+
+    fn build(config: &Config, layout: &Layout, w: Widen) -> Result<Reference> {
         let mut layers = Vec::new();
         for layer in &layout.layers {
             let mix = match &layer.mixer {
@@ -117,14 +204,14 @@ impl Reference {
                         .ok_or_else(|| Error::Unsupported("a Mamba layer without mamba settings".into()))?;
                     Mix::Mamba(Box::new(MambaRef {
                         cfg,
-                        in_proj: Lin::new(&m.in_proj)?,
+                        in_proj: w.lin(&m.in_proj)?,
                         conv_w: m.conv_w.to_bf16()?,
                         conv_b: m.conv_b.as_ref().map(|b| b.to_bf16()).transpose()?,
                         dt_bias: m.dt_bias.to_f32()?,
                         a: m.a_log.to_f32()?.into_iter().map(|v| -v.exp()).collect(),
                         d: m.d.to_f32()?,
                         norm: m.norm.to_bf16()?,
-                        out_proj: Lin::new(&m.out_proj)?,
+                        out_proj: w.lin(&m.out_proj)?,
                     }))
                 }
                 Mixer::Moe(m) => {
@@ -135,8 +222,8 @@ impl Reference {
                     Mix::Moe(MoeRef {
                         gate: Lin::Dense { w: f64s(&m.gate)?, b: None, inp: config.hidden_size },
                         bias: m.score_bias.as_ref().map(f64s).transpose()?.unwrap_or_else(|| vec![0.0; c.experts]),
-                        experts: m.experts.iter().map(mlp).collect::<Result<_>>()?,
-                        shared: m.shared.as_ref().map(mlp).transpose()?,
+                        experts: m.experts.iter().map(|e| w.mlp(e)).collect::<Result<_>>()?,
+                        shared: m.shared.as_ref().map(|e| w.mlp(e)).transpose()?,
                         routing: Routing {
                             top_k: c.top_k,
                             n_group: c.n_group,
@@ -147,9 +234,9 @@ impl Reference {
                     })
                 }
                 Mixer::Attention(a) => {
-                    Mix::Attention { q: Lin::new(&a.q)?, k: Lin::new(&a.k)?, v: Lin::new(&a.v)?, o: Lin::new(&a.o)? }
+                    Mix::Attention { q: w.lin(&a.q)?, k: w.lin(&a.k)?, v: w.lin(&a.v)?, o: w.lin(&a.o)? }
                 }
-                Mixer::Mlp(m) => Mix::Mlp(mlp(m)?),
+                Mixer::Mlp(m) => Mix::Mlp(w.mlp(m)?),
             };
             layers.push((layer.norm.to_bf16()?, mix));
         }
@@ -158,7 +245,7 @@ impl Reference {
             embeddings: f64s(&layout.embeddings)?,
             layers,
             norm_f: layout.norm_f.to_bf16()?,
-            lm_head: Lin::new(&layout.lm_head)?,
+            lm_head: w.lin(&layout.lm_head)?,
         })
     }
 

@@ -19,6 +19,7 @@ use model::config::Config;
 use model::cpu::Cpu;
 use model::layout::Layout;
 use model::model::Model;
+use model::reference::Reference;
 use model::weights::Checkpoint;
 use nemotron_rs::assert_close;
 use safetensors::Dtype;
@@ -27,9 +28,13 @@ use safetensors::tensor::TensorView;
 /// A tensor to write: name, dtype, shape, bytes.
 type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
 
+/// The `input_scale` the fixture's NVFP4 projections get: activations up to 448 * 6 times it
+/// (26.9) keep their block scales below e4m3's largest.
+const INPUT_SCALE: f32 = 0.01;
+
 /// The fixture with every projection of a multiple of 16 inputs as NVFP4 (with an
-/// `input_scale` on q/k/v, as W4A4 checkpoints hold one), `edit` applied to the tensors
-/// before they are written; how many projections were quantized.
+/// `input_scale`, as W4A4 checkpoints hold one), `edit` applied to the tensors before they are
+/// written; how many projections were quantized.
 fn write_nvfp4(out: &Path, edit: impl FnOnce(&mut Vec<Entry>)) -> usize {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
@@ -49,9 +54,7 @@ fn write_nvfp4(out: &Path, edit: impl FnOnce(&mut Vec<Entry>)) -> usize {
         data.push((name.into(), Dtype::U8, vec![o, i / 2], q.packed));
         data.push((format!("{prefix}.weight_scale"), Dtype::F8_E4M3, vec![o, i / 16], q.block));
         data.push((format!("{prefix}.weight_scale_2"), Dtype::F32, vec![], q.global.to_le_bytes().to_vec()));
-        if ["q_proj", "k_proj", "v_proj"].iter().any(|p| prefix.ends_with(p)) {
-            data.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], 0.01f32.to_le_bytes().to_vec()));
-        }
+        data.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], INPUT_SCALE.to_le_bytes().to_vec()));
         quantized += 1;
     }
     edit(&mut data);
@@ -110,7 +113,7 @@ fn nvfp4_dequantization_is_codes_times_scales() {
 }
 
 /// The NVFP4 fixture on the CPU backend and the f64 reference (weight-only: the weights
-/// dequantized, the activations as they are, the q/k/v `input_scale` not applied) against the
+/// dequantized, the activations as they are, the `input_scale` not applied) against the
 /// bf16 model: the backend near the reference; NVFP4 against bf16 within the gap measured here
 /// (printed), and far enough that the codes were read as quantized weights.
 #[test]
@@ -132,6 +135,54 @@ fn nvfp4_checkpoint_runs_weight_only() {
     // Measured 1.80; the two codes of each byte read the other way round give 3.41.
     assert!(quant_gap > 0.05, "NVFP4 weights changed nothing: {quant_gap}");
     assert!(quant_gap < 2.2, "NVFP4 moved the logits by {quant_gap} from the bf16 model's (measured 1.80)");
+}
+
+/// What the weight-only path leaves out where a checkpoint expects W4A4 (docs/MATH.md,
+/// "W4A4"): the f64 reference with every NVFP4 layer's input quantized with its input scale,
+/// against the weight-only reference and the bf16 model, on four prompts. No block scale
+/// saturates (the fixture's input scale covers its activations); the gaps are printed and held
+/// to the band measured here. The fixture's layers are scaled so that they matter, which makes
+/// its logits sensitive: NVFP4 weights alone move them by 0.7 to 3.2.
+#[test]
+fn w4a4_moves_the_logits_by_a_measured_band() {
+    let dir = temp("w4a4");
+    write_nvfp4(&dir, |_| {});
+    let config = Config::from_dir(&dir).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let layout = Layout::new(&config, &ck).unwrap();
+    let w4a4 = Reference::w4a4(&config, &layout).unwrap();
+    let weight_only = Reference::new(&config, &layout).unwrap();
+    let mut worst: f64 = 0.0;
+    for m in [7, 3, 11, 29] {
+        let prompt: Vec<u32> = (0..40).map(|i| (i * m % 64) as u32).collect();
+        let last = |r: &Reference| {
+            let mut st = r.new_state();
+            prompt.iter().map(|&t| r.step(&mut st, t).unwrap()).last().unwrap()
+        };
+        let (a4, w4) = (last(&w4a4), last(&weight_only));
+        let (_, bf16) = common::prompt_logits(&common::dir(), &prompt);
+        let gap = common::max_gap(&a4, &w4);
+        let top = |l: &[f64]| (0..l.len()).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap();
+        println!(
+            "prompt x{m}: max logit gap W4A4 vs weight-only {gap:.3}; against the bf16 model weight-only {:.3}, \
+             W4A4 {:.3}; top token W4A4 {} weight-only {} bf16 {}",
+            common::max_gap(&w4, &bf16),
+            common::max_gap(&a4, &bf16),
+            top(&a4),
+            top(&w4),
+            top(&bf16)
+        );
+        assert!(gap > 0.01, "quantizing the activations changed nothing: {gap}");
+        worst = worst.max(gap);
+    }
+    assert_eq!(w4a4.saturated_blocks(), 0, "the fixture's input scale is too small for its activations");
+    assert!(worst < 3.2, "W4A4 moved the logits by {worst} from weight-only (measured 2.66 at most)");
+    // An NVFP4 layer without an input scale has no W4A4 form: refused by name.
+    let dir = temp("w4a4-unscaled");
+    write_nvfp4(&dir, |d| d.retain(|e| !e.0.ends_with("layers.0.mixer.in_proj.input_scale")));
+    let ck = Checkpoint::open(&dir).unwrap();
+    let err = Reference::w4a4(&config, &Layout::new(&config, &ck).unwrap()).err().unwrap().to_string();
+    assert!(err.contains("layers.0.mixer.in_proj.weight") && err.contains("input_scale"), "{err}");
 }
 
 /// `synthetic::in_memory_as` with `Precision::Nvfp4` (the nano bench's `--nvfp4`) on the

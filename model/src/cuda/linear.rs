@@ -3,9 +3,8 @@
 //! through, by rows and weight kind ([`CudaWeight::forward`]).
 
 use half::bf16;
-use host::gemv::{Proj, gemv, gemv_split};
+use host::gemv::{self, Proj, gemv, gemv_split};
 use host::grouped::linear_fp8;
-use host::moe::ExpertWeights;
 use host::{CudaSlice, CudaView, CudaViewMut, Gpu};
 
 use super::unsupported;
@@ -38,13 +37,14 @@ pub(super) enum Weights {
 }
 
 impl Weights {
-    pub(super) fn view(&self) -> ExpertWeights<'_> {
+    /// The launchers' view of them.
+    pub(super) fn view(&self) -> gemv::Weights<'_> {
         match self {
-            Weights::Bf16(w) => ExpertWeights::Bf16(w),
+            Weights::Bf16(w) => gemv::Weights::Bf16(w),
             Weights::Fp8 { codes, w_scale, in_scale } => {
-                ExpertWeights::Fp8 { codes, w_scale, in_scale: in_scale.as_ref() }
+                gemv::Weights::Fp8 { codes, w_scale, in_scale: in_scale.as_ref() }
             }
-            Weights::Nvfp4 { rows, global } => ExpertWeights::Nvfp4 { rows, global },
+            Weights::Nvfp4 { rows, global } => gemv::Weights::Nvfp4 { rows, global },
         }
     }
 

@@ -444,49 +444,21 @@ mod gpu {
             // tokens' choices after.
             let (mut i2, mut w2) = (gpu.zeros::<i32>(2 * per).unwrap(), gpu.zeros::<f32>(2 * per).unwrap());
             let two = gpu.upload(&rng.bf16s(2 * hidden, -1.0, 1.0)).unwrap();
-            let err = route_appended_up(
-                &gpu,
-                s,
-                (&two, hidden),
-                router,
-                Routed { idx: &mut i2, weight: &mut w2 },
-                AppendedUp { up: &up, inter, h: &mut h },
-            )
-            .unwrap_err();
-            assert!(err.to_string().contains("`rows`"), "{err}");
+            let refused = |r: host::Result<()>, arg: &str| {
+                let err = r.unwrap_err().to_string();
+                assert!(err.contains(&format!("`{arg}`")), "{arg}: {err}");
+            };
+            let appended =
+                |x, out, h| route_appended_up(&gpu, s, (x, hidden), router, out, AppendedUp { up: &up, inter, h });
+            refused(appended(&two, Routed { idx: &mut i2, weight: &mut w2 }, &mut h), "rows");
             let mut short = gpu.zeros::<bf16>(per * inter - 1).unwrap();
-            let err = route_appended_up(
-                &gpu,
-                s,
-                (&x, hidden),
-                router,
-                Routed { idx: &mut idx2, weight: &mut wt2 },
-                AppendedUp { up: &up, inter, h: &mut short },
-            )
-            .unwrap_err();
-            assert!(err.to_string().contains("`h`"), "{err}");
-            let err = experts_mlp_choices_after(
-                &gpu,
-                ch,
-                &x,
-                mlp,
-                SharedExpert { pieces, out: None },
-                Appended { h: &mut h, rows: pieces + 1 },
-                &mut out2,
-            )
-            .unwrap_err();
-            assert!(err.to_string().contains("`appended`"), "{err}");
-            let err = experts_mlp_choices_after(
-                &gpu,
-                Choices { idx: &i2, weight: &w2, per, experts: all },
-                &two,
-                mlp,
-                SharedExpert { pieces, out: None },
-                Appended { h: &mut h, rows: pieces },
-                &mut out2,
-            )
-            .unwrap_err();
-            assert!(err.to_string().contains("`idx`"), "two tokens' choices: {err}");
+            refused(appended(&x, Routed { idx: &mut idx2, weight: &mut wt2 }, &mut short), "h");
+            let mut after = |ch, x, rows| {
+                let none = SharedExpert { pieces, out: None };
+                experts_mlp_choices_after(&gpu, ch, x, mlp, none, Appended { h: &mut h, rows }, &mut out2)
+            };
+            refused(after(ch, &x, pieces + 1), "appended");
+            refused(after(Choices { idx: &i2, weight: &w2, per, experts: all }, &two, pieces), "idx");
         }
         println!("route with the pieces' up projections: {compared} values compared");
         assert_eq!(compared, expected);

@@ -101,6 +101,23 @@ mod gpu {
         Routing { top_k, n_group, topk_group, norm_topk_prob: s.renormalize, scaling: f64::from(s.scaling) }
     }
 
+    /// The GPU's routing of `x [rows, hidden]` by `(gate, bias)`: each row's choices and their
+    /// weights (the outputs poisoned first, the ids with -1, the weights with `poison`).
+    fn routed(
+        gpu: &host::Gpu,
+        s: RouteShape,
+        (x, hidden): (&[bf16], usize),
+        (gate, bias): (&[bf16], &[f32]),
+        poison: f32,
+    ) -> (Vec<i32>, Vec<f32>) {
+        let n = x.len() / hidden * s.choices();
+        let (dx, dg, db) = (gpu.upload(x).unwrap(), gpu.upload(gate).unwrap(), gpu.upload(bias).unwrap());
+        let (mut idx, mut w) = (gpu.upload(&vec![-1i32; n]).unwrap(), gpu.upload(&vec![poison; n]).unwrap());
+        gpu_route(gpu, s, (&dx, hidden), Router { gate: &dg, bias: &db }, Routed { idx: &mut idx, weight: &mut w })
+            .unwrap();
+        (gpu.download(&idx).expect("the routing kernel must not trap"), gpu.download(&w).unwrap())
+    }
+
     /// Router logits in f64 from the bf16 activations and weights, as the kernel forms them.
     fn logits(x: &[bf16], gate: &[bf16], hidden: usize) -> Vec<Vec<f64>> {
         x.chunks(hidden)
@@ -224,22 +241,10 @@ mod gpu {
                 gate.chunks_mut(hidden).for_each(|g| g.copy_from_slice(&first));
             }
             let bias: Vec<f32> = (0..s.experts).map(|_| (rng.uniform(-1.0, 1.0) * bias_scale) as f32).collect();
-            let (dx, dg, db) = (gpu.upload(&x).unwrap(), gpu.upload(&gate).unwrap(), gpu.upload(&bias).unwrap());
-            let (mut idx, mut w) = (
-                gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
-                gpu.upload(&vec![f32::NAN; rows * s.choices()]).unwrap(),
-            );
-            gpu_route(
-                &gpu,
-                s,
-                (&dx, hidden),
-                Router { gate: &dg, bias: &db },
-                Routed { idx: &mut idx, weight: &mut w },
-            )
-            .unwrap();
+            let (idx, w) = routed(&gpu, s, (&x, hidden), (&gate, &bias), f32::NAN);
             let r = reference(s);
             let bias64: Vec<f64> = bias.iter().map(|&b| f64::from(b)).collect();
-            let got_idx: Vec<usize> = gpu.download(&idx).unwrap().iter().map(|&i| i as usize).collect();
+            let got_idx: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
             // Each row: the top-k, then the appended pieces with weight 1. Where the kernel's
             // f32 sums chose otherwise at a near tie (selection scores within NEAR_TIE), the
             // reference takes its choice, with the weights the reference gives those experts.
@@ -269,7 +274,7 @@ mod gpu {
             let label = format!("route {s:?}");
             compared +=
                 assert_same(&format!("{label} experts"), &got_idx, &want.iter().map(|w| w.0).collect::<Vec<_>>());
-            let got_w: Vec<f64> = gpu.download(&w).unwrap().iter().map(|&v| f64::from(v)).collect();
+            let got_w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
             compared += assert_close(
                 &format!("{label} weights"),
                 &got_w,
@@ -316,20 +321,8 @@ mod gpu {
                         (true, _) => f32::NEG_INFINITY,
                     })
                     .collect();
-                let (dx, dg, db) = (gpu.upload(&x).unwrap(), gpu.upload(&gate).unwrap(), gpu.upload(&bias).unwrap());
-                let (mut idx, mut w) = (
-                    gpu.upload(&vec![-1i32; rows * s.choices()]).unwrap(),
-                    gpu.upload(&vec![0.0f32; rows * s.choices()]).unwrap(),
-                );
-                gpu_route(
-                    &gpu,
-                    s,
-                    (&dx, hidden),
-                    Router { gate: &dg, bias: &db },
-                    Routed { idx: &mut idx, weight: &mut w },
-                )
-                .unwrap();
-                let got_idx = gpu.download(&idx).expect("the routing kernel must not trap");
+                // Weights poisoned with 0: the NaN row's must come out NaN.
+                let (got_idx, got_w) = routed(&gpu, s, (&x, hidden), (&gate, &bias), 0.0);
                 assert!(
                     got_idx.iter().all(|&i| (0..(s.experts + s.shared) as i32).contains(&i)),
                     "{s:?} bias inf {infinite_bias}: experts out of range {got_idx:?}"
@@ -345,7 +338,6 @@ mod gpu {
                         let got: Vec<usize> = got_idx[row * c..row * c + s.top_k].iter().map(|&i| i as usize).collect();
                         compared += assert_same(&format!("{s:?} finite row {row} beside bad rows"), &got, &want);
                     }
-                    let got_w = gpu.download(&w).unwrap();
                     assert!(got_w[s.choices()..][..s.top_k].iter().all(|v| v.is_nan()), "the NaN row's weights");
                 }
             }

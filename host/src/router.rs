@@ -95,7 +95,7 @@ fn launch_route(
     Routed { idx, weight }: Routed,
     appended: Option<AppendedUp>,
 ) -> Result<()> {
-    let k = entry::MOE_ROUTE;
+    let k = if appended.is_some() { entry::MOE_ROUTE_UP } else { entry::MOE_ROUTE };
     let a = gpu.args(k);
     let c = a.check();
     c.choices(s.experts, s.top_k)?;

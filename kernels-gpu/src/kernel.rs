@@ -200,6 +200,8 @@ kernels! {
     /// Router logits in f32, then sigmoid, bias, group-limited top-k,
     /// weights.
     MOE_ROUTE = MoeRoute("moe_route_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
+    /// As `MoeRoute`, one token fused with its appended pieces' up projections.
+    MOE_ROUTE_UP = MoeRouteUp("moe_route_up_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// Routing of many tokens, the router logits on tensor cores.
     MOE_ROUTE_TC = MoeRouteTc("moe_route_tc_bf16", router::RouteParams, Threads::Fixed(router::ROUTER_BLOCK), Smem::Fixed(router::router_smem_bytes())),
     /// Routing choices grouped by expert.
@@ -299,6 +301,7 @@ impl Kernel {
                 | Kernel::GemvNvfp4
                 | Kernel::GemvSplit
                 | Kernel::MoeRoute
+                | Kernel::MoeRouteUp
                 | Kernel::MoeExpertCombine
                 | Kernel::MoeExpertCombineFp8
                 | Kernel::MoeExpertCombineNvfp4

@@ -116,19 +116,39 @@ unsafe fn warp_pick(v: *const f32, n: usize) -> (f32, u32) {
     warp_argmax(best, at)
 }
 
-/// Routing, [`RouteParams`]. Grid `(experts, ceil(rows / LOGITS_TOKENS))`, block
-/// [`LOGITS_BLOCK`], dynamic shared memory [`ROUTE_SMEM_BYTES`]: block `(e, b)` forms
-/// `logits[t, e]` for the tokens of tile b, threads over hidden (16-byte loads, f32 sums),
-/// reduced across the block in warp order; the tile's last block to finish (counted in
-/// `counters[b]`) then selects for them, warp w for token w of the tile (see [`select`]).
+/// Routing, [`RouteParams`] without the appended up projections. Grid `(experts, ceil(rows /
+/// LOGITS_TOKENS))`, block [`LOGITS_BLOCK`], dynamic shared memory [`ROUTE_SMEM_BYTES`]: block
+/// `(e, b)` forms `logits[t, e]` for the tokens of tile b, threads over hidden (16-byte loads,
+/// f32 sums), reduced across the block in warp order; the tile's last block to finish
+/// (counted in `counters[b]`) then selects for them, warp w for token w of the tile (see
+/// [`select`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
+    // SAFETY: the launch contract.
+    unsafe { route(&p) }
+}
+
+/// [`moe_route_bf16`] of one token fused with its appended pieces' up projections (they need
+/// no routing): blocks past the experts' compute them ([`appended_up`]). Grid `(experts +
+/// shared * ceil(inter / ROUTE_UP_ROWS), 1)`, block and shared memory as there.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_route_up_bf16(p: RouteParams) {
     if block_x() >= p.experts {
-        // SAFETY: launch contract (up and h set for one token, blocks past the experts'
-        // only then). It waits on the kernel before once its weights are loading.
+        // SAFETY: launch contract (up and h set for one token). It waits on the kernel
+        // before once its weights are loading.
         unsafe { appended_up(&p, (block_x() - p.experts) as usize) };
         return;
     }
+    // SAFETY: the launch contract.
+    unsafe { route(&p) }
+}
+
+/// The routing of [`moe_route_bf16`], by a block of the experts'.
+///
+/// # Safety
+/// [`moe_route_bf16`]'s launch contract; `block_x() < experts`.
+#[inline(always)]
+unsafe fn route(p: &RouteParams) {
     const T: usize = LOGITS_TOKENS as usize;
     let (h, e, ex) = (p.hidden as usize, p.experts as usize, block_x() as usize);
     let t0 = block_y() as usize * T;
@@ -186,12 +206,12 @@ pub unsafe extern "ptx-kernel" fn moe_route_bf16(p: RouteParams) {
         }
         let flag = partial.wrapping_add((LOGITS_BLOCK / 32 * LOGITS_TOKENS) as usize) as *mut u32;
         if last_block(p.counters.wrapping_add(block_y() as usize), p.experts, flag) && warp < toks {
-            select(&p, t0 + warp, dyn_smem_f32().wrapping_add(2 * MAX_EXPERTS as usize * warp));
+            select(p, t0 + warp, dyn_smem_f32().wrapping_add(2 * MAX_EXPERTS as usize * warp));
         }
     }
 }
 
-/// Block `b` past the experts' of [`moe_route_bf16`]: rows `(b % per_piece) *
+/// Block `b` past the experts' of [`moe_route_up_bf16`]: rows `(b % per_piece) *
 /// ROUTE_UP_ROWS..` of appended piece `b / per_piece`'s up projection for the one token,
 /// each warp [`WARP_ROWS`] rows as [`moe_expert_choices_bf16`] computes them (the same
 /// code: [`warp_rows`]), into its choice's row `top_k + piece` of h.

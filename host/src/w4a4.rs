@@ -45,18 +45,33 @@ pub fn quantize(gpu: &Gpu, x: Rows<'_>, scale: f32, out: &mut impl DevicePtrMut<
     unsafe { gpu.launch(Grid::new(kern, (grid, 1, 1)), p) }
 }
 
+/// How [`linear`] forms its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Product {
+    /// The block-scaled FP4 `mma` (`gemm_nvfp4_w4a4`): only where the GPU's PTX has it
+    /// (`Gpu::has`; sm_121a).
+    Native,
+    /// The same kernel with the instruction emulated by warp shuffles
+    /// (`gemm_nvfp4_w4a4_emulated`, every arch, many times slower): the test of its data path
+    /// where no GPU of the sm_120a family is at hand.
+    Emulated,
+}
+
 /// `y [m, n] = bf16(scale * global * a w^T)`: `a` the `m` NVFP4 rows of [`quantize`] (with
-/// this `scale`), `w` an NVFP4 weight `[n, k]` ([`Weights::Nvfp4`]), k a multiple of 64.
-/// Only where the GPU's PTX has the block-scaled FP4 product (`Gpu::has`).
+/// this `scale`), `w` an NVFP4 weight `[n, k]` ([`Weights::Nvfp4`]), k a multiple of 64; the
+/// products by `product`.
 pub fn linear(
     gpu: &Gpu,
-    a: &impl DevicePtr<u8>,
-    w: Weights<'_>,
+    (a, w): (&impl DevicePtr<u8>, Weights<'_>),
     (m, n, k): (usize, usize, usize),
     scale: f32,
+    product: Product,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kern = entry::GEMM_NVFP4_W4A4;
+    let kern = match product {
+        Product::Native => entry::GEMM_NVFP4_W4A4,
+        Product::Emulated => entry::GEMM_NVFP4_W4A4_EMULATED,
+    };
     let args = gpu.args(kern);
     let c = args.check();
     c.that("w", matches!(w, Weights::Nvfp4 { .. }), "NVFP4 weights", "bf16 or FP8 weights")?;

@@ -22,7 +22,9 @@
 //! - the accumulators as the bf16 `mma`'s ([`crate::mma::acc_row`], [`crate::mma::acc_col`]).
 //!
 //! No GPU of this family is at hand: host's tests/w4a4.rs emulates the instruction on the CPU
-//! from this layout and holds the loaders to a plain product; ptxas assembles the kernel.
+//! from this layout and holds the loaders to a plain product; ptxas assembles the kernel; and
+//! `gemm_nvfp4_w4a4_emulated`, the same kernel with the instruction emulated by the warp
+//! through shared memory (every arch), runs its loads, guards and output on any GPU.
 
 use crate::KernelParams;
 pub use crate::nvfp4::{BLOCK, row_bytes};
@@ -111,6 +113,7 @@ unsafe impl KernelParams for GemmParams {}
 mod kernels {
     use super::*;
     use crate::device::*;
+    use crate::mma::{acc_col, acc_row};
 
     /// The e2m1 code nearest `v` (ties to the even code, saturating at 6), sign in bit 3: the
     /// magnitude code counts the midpoints below |v|, a tie counted where the code above it is
@@ -163,115 +166,212 @@ mod kernels {
         }
     }
 
-    #[cfg(block_scaled_fp4)]
-    mod gemm {
-        use super::*;
-        use crate::mma::{acc_col, acc_row};
-        use core::arch::asm;
+    /// `c += a · b` for one 16 x 64 by 64 x 8 product of codes and block scales, on the
+    /// block-scaled FP4 `mma` (the sm_120a family) or emulated.
+    trait Mma {
+        /// What the products need (once a kernel).
+        fn new() -> Self;
+        fn mma(&self, c: [f32; 4], a: [u32; 4], b: [u32; 2], sa: u32, sb: u32) -> [f32; 4];
+    }
 
-        /// `c += a · b`, each code times its block's scale: one 16 x 64 by 64 x 8 product
-        /// (fragments and scales as the module says).
+    /// The instruction itself.
+    #[cfg(block_scaled_fp4)]
+    struct Native;
+
+    #[cfg(block_scaled_fp4)]
+    impl Mma for Native {
         #[inline(always)]
-        fn mma_nvfp4(c: &mut [f32; 4], a: [u32; 4], b: [u32; 2], sa: u32, sb: u32) {
+        fn new() -> Native {
+            Native
+        }
+
+        #[inline(always)]
+        fn mma(&self, mut c: [f32; 4], a: [u32; 4], b: [u32; 2], sa: u32, sb: u32) -> [f32; 4] {
             // SAFETY: register-only tensor-core instruction (sm_120a family); the whole warp
             // executes it (callers keep it in warp-uniform flow).
             unsafe {
-                asm!("mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3 {{{c0}, {c1}, {c2}, {c3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}}, {sa}, {{0, 0}}, {sb}, {{0, 0}};",
+                core::arch::asm!("mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3 {{{c0}, {c1}, {c2}, {c3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}}, {sa}, {{0, 0}}, {sb}, {{0, 0}};",
                      c0 = inout(reg32) c[0], c1 = inout(reg32) c[1], c2 = inout(reg32) c[2], c3 = inout(reg32) c[3],
                      a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                      b0 = in(reg32) b[0], b1 = in(reg32) b[1], sa = in(reg32) sa, sb = in(reg32) sb,
                      options(pure, nomem, nostack))
             }
+            c
         }
+    }
 
-        /// The word of 8 codes from k of row `row` (below `rows`, else 0) of NVFP4 rows at `base`.
-        ///
-        /// # Safety
-        /// `base` holds `rows` rows of `bytes`; k + 8 within the row's k.
+    /// Words of a warp's operands in [`Emulated`]'s shared memory: A's four registers, B's two,
+    /// the two scale registers, 32 lanes each.
+    const EMULATED_WORDS: usize = 8 * 32;
+
+    /// The instruction emulated from the PTX ISA's description of its operands (the module's
+    /// doc): the warp puts its registers in shared memory, then each lane reads its
+    /// accumulators' rows of A, columns of B and their scales from where the instruction takes
+    /// them and sums their products in f32 (each exact: codes of at most 2 significant bits,
+    /// scales of 4). Many instructions a product: for the GPU test of the kernel's data path
+    /// where no GPU of the family is.
+    struct Emulated {
+        /// This warp's [`EMULATED_WORDS`].
+        words: *mut u32,
+    }
+
+    impl Mma for Emulated {
         #[inline(always)]
-        unsafe fn codes(base: *const u8, bytes: usize, row: u32, rows: u32, k: u32) -> u32 {
-            if row >= rows {
-                return 0;
-            }
-            // SAFETY: guaranteed by the caller; rows start 16-byte aligned, k a multiple of 8.
-            unsafe { ld(base.wrapping_add(row as usize * bytes + k as usize / 2) as *const u32, 0) }
+        fn new() -> Emulated {
+            const BYTES: u32 = GEMM_BLOCK / 32 * EMULATED_WORDS as u32 * 4;
+            // SAFETY: the block's static shared memory, a region a warp.
+            let base = unsafe { static_smem!("w4a4_emulated", BYTES) } as *mut u32;
+            Emulated { words: base.wrapping_add(warp_id() as usize * EMULATED_WORDS) }
         }
 
-        /// The word of the four block scales of k0..k0 + 64 of row `row` (below `rows`, else
-        /// 0) of NVFP4 rows of `k` at `base`.
-        ///
-        /// # Safety
-        /// As [`codes`]; k0 + 64 within k.
         #[inline(always)]
-        unsafe fn scales(base: *const u8, bytes: usize, row: u32, rows: u32, (k, k0): (u32, u32)) -> u32 {
-            if row >= rows {
-                return 0;
-            }
-            // SAFETY: guaranteed by the caller; k / 2 and k0 / 16 are multiples of 4.
-            unsafe {
-                let at = row as usize * bytes + (k / 2 + k0 / BLOCK as u32) as usize;
-                ld(base.wrapping_add(at) as *const u32, 0)
-            }
+        fn mma(&self, c: [f32; 4], a: [u32; 4], b: [u32; 2], sa: u32, sb: u32) -> [f32; 4] {
+            emulate(self.words, c, a, b, (sa, sb))
         }
+    }
 
-        /// [`GemmParams`]. Grid `(n / 64, m / 64)` rounded up, block [`GEMM_BLOCK`]: warp w
-        /// takes rows `32 (w % 2)` and columns `32 (w / 2)` of the block's 64 x 64, every
-        /// fragment loaded from global memory (first form: not yet run on a GPU).
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4(p: GemmParams) {
-            grid_dependency_wait();
-            let (lane, warp) = (lane_id(), warp_id());
-            let m0 = block_y() * GEMM_ROWS + GEMM_ROWS / 2 * (warp % 2);
-            let n0 = block_x() * GEMM_COLS + GEMM_COLS / 2 * (warp / 2);
-            let bytes = row_bytes(p.k as usize);
-            let mut acc = [[[0.0f32; 4]; WARP_N_TILES]; WARP_M_TILES];
-            let mut k0 = 0;
-            while k0 < p.k {
-                let (mut a, mut sa) = ([[0u32; 4]; WARP_M_TILES], [0u32; WARP_M_TILES]);
-                let (mut b, mut sb) = ([[0u32; 2]; WARP_N_TILES], [0u32; WARP_N_TILES]);
-                // SAFETY: a holds m rows and w n rows of row_bytes(k) (the launcher checks
-                // them); rows past m or n are not read; k0 + 64 <= k.
-                unsafe {
-                    for t in 0..WARP_M_TILES {
-                        let r0 = m0 + 16 * t as u32;
-                        for (r, word) in a[t].iter_mut().enumerate() {
-                            let (row, k) = a_word(lane, r as u32);
-                            *word = codes(p.a, bytes, r0 + row, p.m, k0 + k);
-                        }
-                        sa[t] = scales(p.a, bytes, r0 + scale_a_row(lane), p.m, (p.k, k0));
-                    }
-                    for u in 0..WARP_N_TILES {
-                        let c0 = n0 + 8 * u as u32;
-                        for (r, word) in b[u].iter_mut().enumerate() {
-                            let (col, k) = b_word(lane, r as u32);
-                            *word = codes(p.w, bytes, c0 + col, p.n, k0 + k);
-                        }
-                        sb[u] = scales(p.w, bytes, c0 + scale_b_col(lane), p.n, (p.k, k0));
-                    }
+    /// [`Emulated`]'s product, a function of its own (inlined, its size would keep the
+    /// kernel's loops over the tiles from unrolling, and their accumulators in local memory).
+    #[inline(never)]
+    fn emulate(w: *mut u32, c: [f32; 4], a: [u32; 4], b: [u32; 2], (sa, sb): (u32, u32)) -> [f32; 4] {
+        let lane = lane_id() as usize;
+        // SAFETY: this warp's own words; the barriers order the warp's writes and reads.
+        unsafe {
+            sync_warp();
+            for (r, &v) in a.iter().chain(&b).chain(&[sa, sb]).enumerate() {
+                st(w, 32 * r + lane, v);
+            }
+            sync_warp();
+            // Element e of the accumulator: row g + 8 (e / 2), column 2q + e % 2. Row i's
+            // word j (k from 8j) is register i / 8 + 2 (j / 4) of lane 4 (i % 8) + j % 4,
+            // column n's register 4 + j / 4 of lane 4n + j % 4; row i's scales lane
+            // 4 (i % 8) + i / 8's register 6, column n's lane 4n's register 7.
+            let (g, q) = (lane / 4, lane % 4);
+            let sum = |e: usize| {
+                let (row, col) = (g + 8 * (e / 2), 2 * q + e % 2);
+                let (row_scales, col_scales) = (ld(w, 32 * 6 + 4 * (row % 8) + row / 8), ld(w, 32 * 7 + 4 * col));
+                let mut sum = 0.0f32;
+                for j in 0..8 {
+                    let x = e2m1x8_to_f32(ld(w, 32 * (row / 8 + 2 * (j / 4)) + 4 * (row % 8) + j % 4));
+                    let y = e2m1x8_to_f32(ld(w, 32 * (4 + j / 4) + 4 * col + j % 4));
+                    let dot: f32 = (0..8).map(|i| x[i] * y[i]).sum();
+                    // The codes' values are times 2^-14 each; word j is in block j / 2.
+                    let scale = |s: u32| e4m3x2_to_f32(((s >> (8 * (j / 2))) & 0xff) as u16).0;
+                    sum += dot * (scale(row_scales) * scale(col_scales)) * 268_435_456.0;
                 }
+                sum
+            };
+            [c[0] + sum(0), c[1] + sum(1), c[2] + sum(2), c[3] + sum(3)]
+        }
+    }
+
+    /// The word of 8 codes from k of row `row` (below `rows`, else 0) of NVFP4 rows at `base`.
+    ///
+    /// # Safety
+    /// `base` holds `rows` rows of `bytes`; k + 8 within the row's k.
+    #[inline(always)]
+    unsafe fn codes(base: *const u8, bytes: usize, row: u32, rows: u32, k: u32) -> u32 {
+        if row >= rows {
+            return 0;
+        }
+        // SAFETY: guaranteed by the caller; rows start 16-byte aligned, k a multiple of 8.
+        unsafe { ld(base.wrapping_add(row as usize * bytes + k as usize / 2) as *const u32, 0) }
+    }
+
+    /// The word of the four block scales of k0..k0 + 64 of row `row` (below `rows`, else 0) of
+    /// NVFP4 rows of `k` at `base`.
+    ///
+    /// # Safety
+    /// As [`codes`]; k0 + 64 within k.
+    #[inline(always)]
+    unsafe fn scales(base: *const u8, bytes: usize, row: u32, rows: u32, (k, k0): (u32, u32)) -> u32 {
+        if row >= rows {
+            return 0;
+        }
+        // SAFETY: guaranteed by the caller; k / 2 and k0 / 16 are multiples of 4.
+        unsafe {
+            let at = row as usize * bytes + (k / 2 + k0 / BLOCK as u32) as usize;
+            ld(base.wrapping_add(at) as *const u32, 0)
+        }
+    }
+
+    /// [`GemmParams`] through `M`'s product. Grid `(n / 64, m / 64)` rounded up, block
+    /// [`GEMM_BLOCK`]: warp w takes rows `32 (w % 2)` and columns `32 (w / 2)` of the block's
+    /// 64 x 64, every fragment loaded from global memory.
+    ///
+    /// # Safety
+    /// The launch contract of [`GemmParams`] (checked by host/src/w4a4.rs).
+    #[inline(always)]
+    unsafe fn gemm<M: Mma>(p: GemmParams) {
+        grid_dependency_wait();
+        let (lane, warp) = (lane_id(), warp_id());
+        let m0 = block_y() * GEMM_ROWS + GEMM_ROWS / 2 * (warp % 2);
+        let n0 = block_x() * GEMM_COLS + GEMM_COLS / 2 * (warp / 2);
+        let bytes = row_bytes(p.k as usize);
+        let mut acc = [[[0.0f32; 4]; WARP_N_TILES]; WARP_M_TILES];
+        let product = M::new();
+        let mut k0 = 0;
+        while k0 < p.k {
+            let (mut a, mut sa) = ([[0u32; 4]; WARP_M_TILES], [0u32; WARP_M_TILES]);
+            let (mut b, mut sb) = ([[0u32; 2]; WARP_N_TILES], [0u32; WARP_N_TILES]);
+            // SAFETY: a holds m rows and w n rows of row_bytes(k) (the launcher checks them);
+            // rows past m or n are not read; k0 + 64 <= k.
+            unsafe {
                 for t in 0..WARP_M_TILES {
-                    for u in 0..WARP_N_TILES {
-                        mma_nvfp4(&mut acc[t][u], a[t], b[u], sa[t], sb[u]);
+                    let r0 = m0 + 16 * t as u32;
+                    for (r, word) in a[t].iter_mut().enumerate() {
+                        let (row, k) = a_word(lane, r as u32);
+                        *word = codes(p.a, bytes, r0 + row, p.m, k0 + k);
                     }
+                    sa[t] = scales(p.a, bytes, r0 + scale_a_row(lane), p.m, (p.k, k0));
                 }
-                k0 += MMA_K;
+                for u in 0..WARP_N_TILES {
+                    let c0 = n0 + 8 * u as u32;
+                    for (r, word) in b[u].iter_mut().enumerate() {
+                        let (col, k) = b_word(lane, r as u32);
+                        *word = codes(p.w, bytes, c0 + col, p.n, k0 + k);
+                    }
+                    sb[u] = scales(p.w, bytes, c0 + scale_b_col(lane), p.n, (p.k, k0));
+                }
             }
-            // SAFETY: global holds one scale; y m x n (the launcher checks them); each output
-            // element is written by the one lane whose accumulator holds it.
-            unsafe {
-                let alpha = p.scale * ld(p.global, 0);
-                for (t, acc) in acc.iter().enumerate() {
-                    for (u, acc) in acc.iter().enumerate() {
-                        for (e, &v) in acc.iter().enumerate() {
-                            let row = m0 + 16 * t as u32 + acc_row(lane, e as u32);
-                            let col = n0 + 8 * u as u32 + acc_col(lane, e as u32);
-                            if row < p.m && col < p.n {
-                                st(p.y, row as usize * p.n as usize + col as usize, f32_to_bf16(v * alpha));
-                            }
+            for t in 0..WARP_M_TILES {
+                for u in 0..WARP_N_TILES {
+                    acc[t][u] = product.mma(acc[t][u], a[t], b[u], sa[t], sb[u]);
+                }
+            }
+            k0 += MMA_K;
+        }
+        // SAFETY: global holds one scale; y m x n (the launcher checks them); each output
+        // element is written by the one lane whose accumulator holds it.
+        unsafe {
+            let alpha = p.scale * ld(p.global, 0);
+            for (t, acc) in acc.iter().enumerate() {
+                for (u, acc) in acc.iter().enumerate() {
+                    for (e, &v) in acc.iter().enumerate() {
+                        let row = m0 + 16 * t as u32 + acc_row(lane, e as u32);
+                        let col = n0 + 8 * u as u32 + acc_col(lane, e as u32);
+                        if row < p.m && col < p.n {
+                            st(p.y, row as usize * p.n as usize + col as usize, f32_to_bf16(v * alpha));
                         }
                     }
                 }
             }
         }
+    }
+
+    /// [`GemmParams`] on the block-scaled FP4 `mma` (first form: not yet run on a GPU).
+    #[cfg(block_scaled_fp4)]
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4(p: GemmParams) {
+        // SAFETY: the launch contract.
+        unsafe { gemm::<Native>(p) }
+    }
+
+    /// [`GemmParams`] with the product emulated ([`Emulated`]): the test of the kernel's data
+    /// path on every arch.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4_emulated(p: GemmParams) {
+        // SAFETY: the launch contract.
+        unsafe { gemm::<Emulated>(p) }
     }
 }

@@ -3,7 +3,7 @@
 //! loaders, equals the plain product (no GPU of the sm_120a family is at hand to run it); the
 //! activations' quantization from hand-worked blocks and the nearest-code property. On a GPU
 //! (`#[ignore]`d): the quantization kernel bit for bit against the CPU's, and the linear layer
-//! against the exact product: with the instruction emulated by warp shuffles on every GPU (the
+//! against the exact product: with the instruction emulated by the warp on every GPU (the
 //! kernel's loads, guards and output), on the instruction where the PTX has it (sm_121a),
 //! refused by name elsewhere.
 
@@ -207,6 +207,15 @@ fn gpu_quantize_matches_the_cpu() {
     }
     let expected: usize = cases.iter().map(|&(rows, k, _)| 2 * rows * (k / 2 + k / 16)).sum();
     assert_eq!(compared, expected);
+    // Scales whose 1 / scale or g / s would overflow are refused, as is a k of no whole block.
+    let x = gpu.upload(&rng.bf16s(32, -1.0, 1.0)).unwrap();
+    let mut out = gpu.zeros::<u8>(2 * row_bytes(16)).unwrap();
+    for (scale, (rows, k), arg) in
+        [(1e-37, (2, 16), "`scale`"), (f32::INFINITY, (2, 16), "`scale`"), (0.01, (4, 8), "`k`")]
+    {
+        let err = host::w4a4::quantize(&gpu, Rows::new(&x, rows, k), scale, &mut out).unwrap_err().to_string();
+        assert!(err.contains(arg), "scale {scale}, k {k}: {err}");
+    }
 }
 
 #[test]

@@ -15,9 +15,19 @@ use crate::error::Result;
 use crate::gemv::Weights;
 use crate::gpu::{Gpu, Grid};
 
-/// Checks an input scale: finite and positive.
+/// Checks an input scale: finite, and at least 2^-100 (so `1 / scale` and every block's `g /
+/// s` stay finite: the device and the CPU reference then quantize alike).
 fn check_scale(c: Check, scale: f32) -> Result<()> {
-    c.that("scale", scale.is_finite() && scale > 0.0, "a finite positive input scale", scale)
+    c.that("scale", scale.is_finite() && scale >= MIN_SCALE, "a finite input scale of at least 2^-100", scale)
+}
+
+/// The smallest input scale taken: 2^-100.
+pub const MIN_SCALE: f32 = f32::from_bits((127 - 100) << 23);
+
+/// Checks that a buffer's address is 16-byte aligned (the kernels load and store NVFP4 rows
+/// a 4-byte word at a time, at 16-byte row starts).
+fn check_aligned(c: Check, arg: &'static str, p: *const u8) -> Result<()> {
+    c.that(arg, (p as usize).is_multiple_of(16), "16-byte aligned", format!("address {p:p}"))
 }
 
 /// `out` = the `x.rows` rows of `k = x.width` activations as NVFP4 rows ([`row_bytes`]`(k)`
@@ -31,14 +41,9 @@ pub fn quantize(gpu: &Gpu, x: Rows<'_>, scale: f32, out: &mut impl DevicePtrMut<
     c.count("rows * k", MAX_ELEMS, x.rows * k)?;
     check_scale(c, scale)?;
     let (x_ptr, stride) = a.rows("x", &x, (x.rows, k))?;
-    let p = QuantizeParams {
-        x: x_ptr,
-        out: a.output("out", out, Len::Exactly(x.rows * row_bytes(k)))?,
-        scale,
-        stride,
-        k: k as u32,
-        rows: x.rows as u32,
-    };
+    let out = a.output("out", out, Len::Exactly(x.rows * row_bytes(k)))?;
+    check_aligned(c, "out", out)?;
+    let p = QuantizeParams { x: x_ptr, out, scale, stride, k: k as u32, rows: x.rows as u32 };
     let grid = (x.rows * k / BLOCK).div_ceil(kernels_gpu::EW_BLOCK as usize).clamp(1, MAX_GRID as usize) as u32;
     // SAFETY: x holds rows rows of k at the checked stride, out rows * row_bytes(k) bytes; k a
     // multiple of 16 and rows * k below 2^31.
@@ -51,7 +56,7 @@ pub enum Product {
     /// The block-scaled FP4 `mma` (`gemm_nvfp4_w4a4`): only where the GPU's PTX has it
     /// (`Gpu::has`; sm_121a).
     Native,
-    /// The same kernel with the instruction emulated by warp shuffles
+    /// The same kernel with the instruction emulated by the warp through shared memory
     /// (`gemm_nvfp4_w4a4_emulated`, every arch, many times slower): the test of its data path
     /// where no GPU of the sm_120a family is at hand.
     Emulated,
@@ -83,8 +88,11 @@ pub fn linear(
     c.count("m", usize::from(u16::MAX) * GEMM_ROWS as usize, m)?;
     check_scale(c, scale)?;
     let (w_ptr, global, _) = w.args(&args, 1, (n, k))?;
+    let a = args.input("a", a, Len::Exactly(m * row_bytes(k)))?;
+    check_aligned(c, "a", a)?;
+    check_aligned(c, "w", w_ptr)?;
     let p = GemmParams {
-        a: args.input("a", a, Len::Exactly(m * row_bytes(k)))?,
+        a,
         w: w_ptr,
         global,
         y: args.output("y", y, Len::Exactly(m * n))?,

@@ -253,8 +253,8 @@ kernels! {
     /// An NVFP4 linear layer of NVFP4 activations (W4A4) on block-scaled FP4 tensor cores
     /// (sm_121a PTX only).
     GEMM_NVFP4_W4A4 = GemmNvfp4W4a4("gemm_nvfp4_w4a4", w4a4::GemmParams, Threads::Fixed(w4a4::GEMM_BLOCK), Smem::Fixed(0)),
-    /// As `GemmNvfp4W4a4`, the product emulated by warp shuffles (every arch: the GPU test of
-    /// its data path).
+    /// As `GemmNvfp4W4a4`, the product emulated by the warp through shared memory (every arch:
+    /// the GPU test of its data path).
     GEMM_NVFP4_W4A4_EMULATED = GemmNvfp4W4a4Emulated("gemm_nvfp4_w4a4_emulated", w4a4::GemmParams, Threads::Fixed(w4a4::GEMM_BLOCK), Smem::Fixed(0)),
     /// Weighted sum of a token's expert outputs and the shared one.
     MOE_COMBINE = MoeCombine("moe_combine_bf16", moe::CombineParams, Threads::Fixed(EW_BLOCK), Smem::Fixed(0)),

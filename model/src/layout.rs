@@ -273,7 +273,16 @@ impl<'a> Finder<'a> {
                 self.problems.push(format!("`{sname}` is {:?}, expected F8_E4M3 (`{name}` is NVFP4)", t.dtype));
                 None
             }
-            Ok(_) => self.shaped(&sname, &[out, inp / NVFP4_BLOCK]),
+            Ok(_) => self.shaped(&sname, &[out, inp / NVFP4_BLOCK]).filter(|t| {
+                // A block scale is a block's amax over 6, never negative (the W4A4 product
+                // reads it unsigned, as ue4m3).
+                let negative = self.scan.then(|| t.bytes.iter().position(|&b| b & 0x80 != 0)).flatten();
+                if let Some(i) = negative {
+                    let b = t.bytes[i];
+                    self.problems.push(format!("`{sname}` holds a negative block scale (element {i}, bits {b:#x})"));
+                }
+                negative.is_none()
+            }),
             Err(_) => {
                 self.problems.push(format!("`{name}` is NVFP4 (U8) but `{sname}` is missing"));
                 None

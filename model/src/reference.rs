@@ -9,6 +9,7 @@ use std::cell::Cell;
 use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::nvfp4::NVFP4_BLOCK;
+use host::cpu::quant::E4M3_MAX;
 use host::cpu::router::{Routing, route};
 use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
@@ -80,8 +81,12 @@ impl Lin {
                 // input scale; the products exact.
                 let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f64(v)).collect();
                 let a = host::cpu::w4a4::quantize_rows(&x, (1, l.k, l.k), l.input_scale);
-                let scales = &a[l.k / 2..l.k / 2 + l.k / NVFP4_BLOCK];
-                l.saturated.set(l.saturated.get() + scales.iter().filter(|&&c| c == E4M3_SATURATED).count() as u64);
+                let g = 1.0 / l.input_scale;
+                let clipped = x.chunks_exact(NVFP4_BLOCK).filter(|b| {
+                    let amax = b.iter().map(|v| v.to_f32().abs()).fold(0.0f32, f32::max);
+                    amax * g / 6.0 > E4M3_MAX
+                });
+                l.saturated.set(l.saturated.get() + clipped.count() as u64);
                 let alpha = f64::from(l.input_scale) * f64::from(l.global);
                 host::cpu::w4a4::product(&a, &l.rows, (1, l.n, l.k)).0.into_iter().map(|v| v * alpha).collect()
             }
@@ -93,9 +98,6 @@ impl Lin {
         if let Lin::W4a4(l) = self { l.saturated.get() } else { 0 }
     }
 }
-
-/// The e4m3 code of 448, where a block scale saturates.
-const E4M3_SATURATED: u8 = 0x7e;
 
 /// A non-gated relu^2 MLP (and MoE expert): `down(relu(up x)^2)`.
 fn mlp_apply((up, down): &(Lin, Lin), x: &[f64]) -> Vec<f64> {
@@ -186,8 +188,8 @@ impl Reference {
         Reference::build(config, layout, Widen { w4a4: true })
     }
 
-    /// Blocks of W4A4 inputs whose e4m3 scale saturated at 448 in the steps so far (their
-    /// largest inputs clipped: an input scale too small for the activations).
+    /// Blocks of W4A4 inputs whose e4m3 scale saturated in the steps so far (`amax * g / 6`
+    /// past 448: their largest inputs clipped, an input scale too small for the activations).
     pub fn saturated_blocks(&self) -> u64 {
         let lins = self.layers.iter().flat_map(|(_, mix)| mix.lins()).chain([&self.lm_head]);
         lins.map(Lin::saturated).sum()

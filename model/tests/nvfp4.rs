@@ -265,6 +265,13 @@ fn malformed_nvfp4_checkpoints_name_the_tensor() {
         (
             Box::new(move |d| {
                 let i = find(d, &format!("{p}.weight_scale"));
+                d[i].3[5] |= 0x80;
+            }),
+            format!("`{p}.weight_scale` holds a negative block scale (element 5"),
+        ),
+        (
+            Box::new(move |d| {
+                let i = find(d, &format!("{p}.weight_scale"));
                 d.remove(i);
             }),
             format!("`{p}.weight` is NVFP4 (U8) but `{p}.weight_scale` is missing"),
@@ -312,7 +319,7 @@ fn malformed_nvfp4_checkpoints_name_the_tensor() {
         let err = Layout::new(&config, &ck).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains(&want), "want {want:?} in:\n{err}");
     }
-    assert_eq!(count, 7);
+    assert_eq!(count, 8);
 }
 
 /// hf_quant_config.json beside config.json is read with it: NVFP4 with an FP8 KV cache is

@@ -12,7 +12,8 @@ use kernels_gpu::nvfp4::row_bytes;
 /// `rows` rows of `k` bf16 activations (`x`, row r at `r * stride`) as NVFP4 rows in the
 /// device layout ([`row_bytes`] a row, the padding zero): with `g = 1 / scale` in f32, each
 /// block of 16 gets the e4m3 code of `amax * g / 6` (f32 operations in that order) and each
-/// element the e2m1 code of `x * (g / s)`, `s` the code's value (codes 0 where it is 0).
+/// element the e2m1 code of `x * (g / s)`, `s` the code's value (codes 0 where it is not
+/// positive).
 pub fn quantize_rows(x: &[bf16], (rows, k, stride): (usize, usize, usize), scale: f32) -> Vec<u8> {
     assert!(k.is_multiple_of(NVFP4_BLOCK) && stride >= k && (rows == 0 || x.len() >= (rows - 1) * stride + k));
     let g = 1.0 / scale;
@@ -25,12 +26,14 @@ pub fn quantize_rows(x: &[bf16], (rows, k, stride): (usize, usize, usize), scale
             let code = e4m3_encode(amax * g / 6.0);
             row[k / 2 + b] = code;
             let s = e4m3_decode(code);
-            if s == 0.0 {
+            if s.is_nan() || s <= 0.0 {
                 continue;
             }
             let inv = g / s;
+            // A NaN input (never from finite ones within host::w4a4's scales) codes as 0.
+            let e = |x: f32| if x.is_nan() { 0 } else { e2m1_encode(x) };
             for (j, pair) in v.chunks_exact(2).enumerate() {
-                row[NVFP4_BLOCK / 2 * b + j] = e2m1_encode(pair[0] * inv) | e2m1_encode(pair[1] * inv) << 4;
+                row[NVFP4_BLOCK / 2 * b + j] = e(pair[0] * inv) | e(pair[1] * inv) << 4;
             }
         }
     }

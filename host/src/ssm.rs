@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut, ValidAsZeroBits};
 use half::bf16;
 use kernels_gpu::ssd::SsdPassParams;
-use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_WARPS, SsmGeometry, SsmUpdateParams};
+use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_ROWS, SSM_WARPS, SsmGeometry, SsmUpdateParams};
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Elem, Len, Rows};
@@ -227,7 +227,7 @@ where
         c_stride,
         z_stride,
     };
-    let grid = (shape.head_dim.div_ceil(SSM_WARPS as usize) as u32, shape.heads as u32, batch as u32);
+    let grid = (shape.head_dim.div_ceil((SSM_WARPS * SSM_ROWS) as usize) as u32, shape.heads as u32, batch as u32);
     // SAFETY: the shape checks and `Args` proved every input covers `batch` rows, the per-head
     // arrays `heads`, the cache `num_slots` slots; Slots holds PAD_SLOT or distinct in-range
     // slots and `check_dst` that no row writes a slot another reads; state_size % 4 == 0 keeps

@@ -13,14 +13,18 @@
 //! `groups * state_size`; every row has its own stride (they are slices of wider rows). `A`,
 //! `D`, `dt_bias` are f32 per head (A = -exp(A_log), computed at load).
 //!
-//! Work split: one warp per (row, head, p): lane l holds state columns `4l + 128j`, updates
-//! them in registers, and the warp sums `S[p, :] . C`; so the state moves once through
-//! 16-byte (f32) or 8-byte (bf16) accesses.
+//! Work split: one warp per (row, head) and [`SSM_ROWS`] head-dim rows `p`: lane l holds
+//! state columns `4l + 128j` of each, its B and C columns and the head's step loaded once for
+//! them, every row's state loaded before any is updated; the warp sums each `S[p, :] . C`. So
+//! the state moves once through 16-byte (f32) or 8-byte (bf16) accesses, several rows' at a
+//! time a warp.
 
 use crate::KernelParams;
 
-/// Warps (head-dim rows `p`) per block of the state update.
+/// Warps per block of the state update.
 pub const SSM_WARPS: u32 = 8;
+/// Head-dim rows `p` a warp of the state update takes.
+pub const SSM_ROWS: u32 = 4;
 /// Largest state size the update handles (each lane holds `state_size / 32` columns).
 pub const SSM_MAX_STATE: u32 = 512;
 
@@ -115,56 +119,82 @@ mod kernels {
         }
     }
 
-    /// The state update for one (row, head, p), by the calling warp. Grid
-    /// `(ceil(head_dim / SSM_WARPS), heads, batch)`, block `32 * SSM_WARPS`. Every warp loads
-    /// its group's B and C itself, element by element: on the H200 a bf16 state took as long
-    /// as an f32 one (docs/PERFORMANCE.md), so the state's bytes do not bound the update;
-    /// those loads are the likely limit.
+    /// The state update for one (row, head) and [`SSM_ROWS`] rows `p` from `(block_x *
+    /// SSM_WARPS + warp) * SSM_ROWS`, by the calling warp. Grid `(ceil(head_dim / (SSM_WARPS *
+    /// SSM_ROWS)), heads, batch)`, block `32 * SSM_WARPS`. The group's B and C columns and the
+    /// head's step are loaded once for the warp's rows (each row's warp loaded them before,
+    /// and a bf16 state then took as long as an f32 one: docs/PERFORMANCE.md), and in each
+    /// chunk of columns the rows' states are all loading before the first is updated.
     #[inline(always)]
     unsafe fn update<S: StateElem>(p: &SsmUpdateParams<S>) {
+        const R: usize = SSM_ROWS as usize;
         let (b, h) = (block_z() as usize, block_y() as usize);
-        let pi = (block_x() * SSM_WARPS + warp_id()) as usize;
+        let p0 = ((block_x() * SSM_WARPS + warp_id()) * SSM_ROWS) as usize;
         let (hd, n) = (p.geo.head_dim as usize, p.geo.state_size as usize);
-        if pi >= hd {
+        if p0 >= hd {
             return;
         }
+        let rows = (hd - p0).min(R);
         let g = h / (p.geo.heads / p.geo.groups) as usize;
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst
         // slots distinct, state_size % 4 == 0 (4-aligned columns); this warp alone touches
-        // state[slot, h, pi, ..] and y[b, h, pi].
+        // state[slot, h, p0..p0 + rows, ..] and y[b, h, p0..p0 + rows].
         unsafe {
             let slot = ld(p.cache_index, b);
             let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
+            let row = |s: i32, pi: usize| ((s as usize * p.geo.heads as usize + h) * hd + pi) * n;
             let dt = ld(p.dt, b * p.dt_stride as usize + h);
             let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), p.geo);
-            let xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + pi));
-            let dx = delta * xv;
-            let row = |s: i32| ((s as usize * p.geo.heads as usize + h) * hd + pi) * n;
+            let mut xv = [0.0f32; R];
+            // Every loop over the rows runs R times (unrolled: the arrays stay in registers),
+            // rows past head_dim skipped inside.
+            for (r, xv) in xv.iter_mut().enumerate() {
+                if r < rows {
+                    *xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + p0 + r));
+                }
+            }
             let (bp, cp) =
                 (p.b.wrapping_add(b * p.b_stride as usize + g * n), p.c.wrapping_add(b * p.c_stride as usize + g * n));
-            let mut acc = 0.0f32;
+            // A chunk of 4 columns a lane at a time (128 a warp): its B and C once, every row's
+            // state loading before the first is updated.
+            let mut acc = [0.0f32; R];
             for j in 0..J {
                 let n0 = 4 * lane + 128 * j;
-                if n0 < n {
-                    let mut s4 =
-                        if slot == PAD_SLOT { [0.0; 4] } else { S::load4(p.state.wrapping_add(row(slot) + n0)) };
-                    let (bv, cv) = (|i| bf16_to_f32(ld(bp, n0 + i)), |i| bf16_to_f32(ld(cp, n0 + i)));
-                    cols4(&mut s4, (da, dx), (bv, cv), &mut acc);
-                    if dst != PAD_SLOT {
-                        S::store4(p.state.wrapping_add(row(dst) + n0), s4);
+                if n0 >= n {
+                    break;
+                }
+                let mut state = [[0.0f32; 4]; R];
+                for (r, s4) in state.iter_mut().enumerate() {
+                    if r < rows && slot != PAD_SLOT {
+                        *s4 = S::load4(p.state.wrapping_add(row(slot, p0 + r) + n0));
+                    }
+                }
+                let (bv, cv) = (|i| bf16_to_f32(ld(bp, n0 + i)), |i| bf16_to_f32(ld(cp, n0 + i)));
+                let (bv, cv): ([f32; 4], [f32; 4]) = (core::array::from_fn(bv), core::array::from_fn(cv));
+                for (r, (s4, acc)) in state.iter_mut().zip(&mut acc).enumerate() {
+                    cols4(s4, (da, delta * xv[r]), (|i| bv[i], |i| cv[i]), acc);
+                    if r < rows && dst != PAD_SLOT {
+                        S::store4(p.state.wrapping_add(row(dst, p0 + r) + n0), *s4);
                     }
                 }
             }
-            let mut y = warp_sum(acc);
-            if !p.d.is_null() {
-                y += ld(p.d, h) * xv;
-            }
-            if !p.z.is_null() {
-                y *= silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + h * hd + pi)));
-            }
-            if lane == 0 {
-                st(p.y, (b * p.geo.heads as usize + h) * hd + pi, f32_to_bf16(y));
+            for (r, (&acc, &xv)) in acc.iter().zip(&xv).enumerate() {
+                let pi = p0 + r;
+                // Warp-uniform: rows is the warp's.
+                if r >= rows {
+                    break;
+                }
+                let mut y = warp_sum(acc);
+                if !p.d.is_null() {
+                    y += ld(p.d, h) * xv;
+                }
+                if !p.z.is_null() {
+                    y *= silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + h * hd + pi)));
+                }
+                if lane == 0 {
+                    st(p.y, (b * p.geo.heads as usize + h) * hd + pi, f32_to_bf16(y));
+                }
             }
         }
     }

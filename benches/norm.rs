@@ -28,9 +28,12 @@ fn benches(c: &mut Criterion) {
     group.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
     // (variant, rows, width, groups): the block pre-norm at hidden 2688, the mixer's gated
     // norm at D_in 4096 with 8 groups; decode batches 1 and 64, prefill 4096 and 16384 tokens;
-    // as the launchers pick the block shape, and with it forced (`-few`, `-many`) around the
-    // switch.
+    // as the launchers pick the block shape, and with it forced (`-group`, `-few`, `-many`)
+    // around the switches.
     let cases: &[(&str, usize, usize, usize)] = &[
+        ("gated-group", 1, 4096, 8),
+        ("gated-group", 64, 4096, 8),
+        ("gated-group", 256, 4096, 8),
         ("gated-few", 64, 4096, 8),
         ("gated-many", 64, 4096, 8),
         ("gated-few", 256, 4096, 8),
@@ -59,6 +62,7 @@ fn benches(c: &mut Criterion) {
         let n = rows * width;
         let (variant, path) = match variant.split_once('-') {
             Some((v, "few")) => (v, Some(RowPath::Few)),
+            Some((v, "group")) => (v, Some(RowPath::Group)),
             Some((v, _)) => (v, Some(RowPath::Many)),
             None => (variant, None),
         };

@@ -233,7 +233,8 @@ fn gpu_gated_norm_fp8_equals_unfused_and_reference() {
 }
 
 /// The many-rows block shape (`RowPath::Many`, four chunks a thread) against the reference
-/// and bit for bit against the few-rows one, both forced on the same inputs: at the row
+/// and bit for bit against the few-rows one, and the gated norm a block a group
+/// (`RowPath::Group`) bit for bit against a block a row, all forced on the same inputs: at the row
 /// counts that pick it (NemotronH prefill sizes, widths not a multiple of 8 or of the block,
 /// groups of odd sizes) and on shapes the launchers would give the other (one row, one
 /// channel, the widest row).
@@ -265,7 +266,7 @@ fn gpu_norms_many_rows_path_matches_reference_and_few_rows_path() {
         let (dx, dz, dw, dadd) =
             (gpu.upload(&x).unwrap(), gpu.upload(&z).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&add).unwrap());
         let mut outs = Vec::new();
-        for path in [RowPath::Many, RowPath::Few] {
+        for path in [RowPath::Many, RowPath::Few, RowPath::Group] {
             let shape = NormShape { path: Some(path), ..NormShape::new(rows, width, groups, EPS) };
             let plain = NormShape { groups: 1, ..shape };
             let mut y = gpu.upload(&vec![POISON_BF16; rows * width]).unwrap();
@@ -283,7 +284,9 @@ fn gpu_norms_many_rows_path_matches_reference_and_few_rows_path() {
             outs.push((d(&y), d(&r), d(&h), d(&ar), gpu.download(&q).unwrap(), gpu.download(&s).unwrap()));
         }
         let label = format!("{rows}x{width} g{groups}");
-        let (many, few) = (&outs[0], &outs[1]);
+        let (many, few, group) = (&outs[0], &outs[1], &outs[2]);
+        // A block a group: the gated norm's bits as a block a row's; the rest run as Few.
+        same += assert_same(&format!("group == few gated {label}"), &group.0, &few.0);
         let want = cpu::gated_norm(&x, Some(&z), &w, width, groups, EPS as f64);
         close += assert_close(&format!("many gated {label}"), &to_f64(&many.0), &want, ATOL, RTOL);
         let want = cpu::rms_norm(&x, &w, width, EPS as f64);

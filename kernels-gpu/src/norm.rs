@@ -240,23 +240,29 @@ mod kernels {
         unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize), p.eps) }
     }
 
-    /// Gated group RMSNorm, [`GatedNormParams`]. Grid `(rows)`, block `row_block(width)`,
-    /// dynamic shared memory `smem_bytes(width, groups)`. Block r reads rows r of x and z and
-    /// all of w, writes row r of y.
+    /// Gated group RMSNorm, [`GatedNormParams`]. Grid `(rows)`, block `row_block(width)` (or
+    /// `row_block_many`), dynamic shared memory `smem_bytes(width, groups)`: block r reads rows
+    /// r of x and z and all of w, writes row r of y. Or grid `(rows, groups)`, block
+    /// `row_block(width / groups)`, dynamic shared memory `smem_bytes(width / groups, 1)`: block
+    /// (r, g) normalizes group g of row r alone (the same sums in the same order, so the same
+    /// bits), more blocks than rows for few rows.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_bf16(p: GatedNormParams) {
         grid_dependency_wait();
         let r = block_x() as usize;
+        let (g, width, groups) =
+            if grid_dim_y() > 1 { (block_y() as usize, p.width / p.groups, 1) } else { (0, p.width, p.groups) };
+        let at = g * width as usize;
         let row = Row {
-            x: p.x.wrapping_add(r * p.x_stride as usize),
-            z: p.z.wrapping_add(r * p.z_stride as usize),
+            x: p.x.wrapping_add(r * p.x_stride as usize + at),
+            z: p.z.wrapping_add(r * p.z_stride as usize + at),
             add: core::ptr::null(),
-            w: p.w,
-            width: p.width,
-            groups: p.groups,
+            w: p.w.wrapping_add(at),
+            width,
+            groups,
         };
         // SAFETY: launch contract checked by the host launcher (host/src/norm.rs).
-        unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize), p.eps) }
+        unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize + at), p.eps) }
     }
 
     /// Gated group RMSNorm + per-token FP8, [`GatedNormFp8Params`]. Grid `(rows)`, block

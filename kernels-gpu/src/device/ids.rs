@@ -27,7 +27,7 @@ pub fn block_z() -> u32 {
     unsafe { nvptx::_block_idx_z() as u32 }
 }
 
-#[cfg(feature = "timeline")]
+/// Blocks of the grid along y.
 #[inline(always)]
 pub fn grid_dim_y() -> u32 {
     // SAFETY: reading a special register.

@@ -240,7 +240,7 @@ fn gpu_linear_matches_the_product() {
         let mag: Vec<f64> = mag.iter().map(|s| s * alpha).collect();
         for p in [Product::Emulated, Product::Native] {
             let mut y = gpu.upload(&vec![POISON_BF16; m * n]).unwrap();
-            let run = linear(&gpu, (&a, Weights::Nvfp4 { rows: &dw, global: &dg }), (m, n, k), scale, p, &mut y);
+            let run = linear(&gpu, &a, Weights::Nvfp4 { rows: &dw, global: &dg }, (m, n, k), scale, p, &mut y);
             if p == Product::Native && !gpu.has(Kernel::GemmNvfp4W4a4) {
                 let err = run.unwrap_err().to_string();
                 assert!(err.contains("gemm_nvfp4_w4a4") && err.contains("sm_121a"), "{err}");

@@ -67,7 +67,8 @@ pub enum Product {
 /// products by `product`.
 pub fn linear(
     gpu: &Gpu,
-    (a, w): (&impl DevicePtr<u8>, Weights<'_>),
+    a: &impl DevicePtr<u8>,
+    w: Weights<'_>,
     (m, n, k): (usize, usize, usize),
     scale: f32,
     product: Product,

@@ -36,6 +36,11 @@ impl Check {
         self.that(arg, (1..=max).contains(&got), format!("1..={max}"), got)
     }
 
+    /// A device address that is a multiple of `align` bytes.
+    pub fn aligned(self, arg: &'static str, addr: u64, align: u64) -> Result<()> {
+        self.that(arg, addr.is_multiple_of(align), format!("a {align}-byte aligned address"), format!("{addr:#x}"))
+    }
+
     /// A finite, strictly positive float.
     pub fn positive(self, arg: &'static str, got: f32) -> Result<()> {
         self.that(arg, got.is_finite() && got > 0.0, "a finite value > 0", got)

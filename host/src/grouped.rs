@@ -181,7 +181,7 @@ fn check_nk(c: Check, (n, k): (usize, usize), k_multiple: usize) -> Result<()> {
 /// CUDA context, so a misaligned view is refused here.
 fn check_aligned(c: Check, (a, w, out): (u64, u64, u64)) -> Result<()> {
     for (arg, addr, align) in [("a", a, 16), ("w", w, 16), ("out", out, 4)] {
-        c.that(arg, addr.is_multiple_of(align), format!("a {align}-byte aligned address"), format!("{addr:#x}"))?;
+        c.aligned(arg, addr, align)?;
     }
     Ok(())
 }

@@ -24,11 +24,9 @@ fn check_scale(c: Check, scale: f32) -> Result<()> {
 /// The smallest input scale taken: 2^-100.
 pub const MIN_SCALE: f32 = f32::from_bits((127 - 100) << 23);
 
-/// Checks that a buffer's address is 16-byte aligned (the kernels load and store NVFP4 rows
-/// a 4-byte word at a time, at 16-byte row starts).
-fn check_aligned(c: Check, arg: &'static str, p: *const u8) -> Result<()> {
-    c.that(arg, (p as usize).is_multiple_of(16), "16-byte aligned", format!("address {p:p}"))
-}
+/// Alignment of the NVFP4 rows' addresses: the kernels load and store them a 4-byte word at a
+/// time, at 16-byte row starts.
+const ROW_ALIGN: u64 = 16;
 
 /// `out` = the `x.rows` rows of `k = x.width` activations as NVFP4 rows ([`row_bytes`]`(k)`
 /// each; kernels-gpu's `w4a4::QuantizeParams` says how), with the layer's input `scale`.
@@ -42,7 +40,7 @@ pub fn quantize(gpu: &Gpu, x: Rows<'_>, scale: f32, out: &mut impl DevicePtrMut<
     check_scale(c, scale)?;
     let (x_ptr, stride) = a.rows("x", &x, (x.rows, k))?;
     let out = a.output("out", out, Len::Exactly(x.rows * row_bytes(k)))?;
-    check_aligned(c, "out", out)?;
+    c.aligned("out", out as u64, ROW_ALIGN)?;
     let p = QuantizeParams { x: x_ptr, out, scale, stride, k: k as u32, rows: x.rows as u32 };
     let grid = (x.rows * k / BLOCK).div_ceil(kernels_gpu::EW_BLOCK as usize).clamp(1, MAX_GRID as usize) as u32;
     // SAFETY: x holds rows rows of k at the checked stride, out rows * row_bytes(k) bytes; k a
@@ -90,8 +88,8 @@ pub fn linear(
     check_scale(c, scale)?;
     let (w_ptr, global, _) = w.args(&args, 1, (n, k))?;
     let a = args.input("a", a, Len::Exactly(m * row_bytes(k)))?;
-    check_aligned(c, "a", a)?;
-    check_aligned(c, "w", w_ptr)?;
+    c.aligned("a", a as u64, ROW_ALIGN)?;
+    c.aligned("w", w_ptr as u64, ROW_ALIGN)?;
     let p = GemmParams {
         a,
         w: w_ptr,

@@ -28,14 +28,12 @@ enum Lin {
     W4a4(W4a4),
 }
 
-/// An NVFP4 layer whose inputs are quantized too (docs/MATH.md, "W4A4"): its rows in the
-/// device layout, its scales, and how many blocks of inputs saturated their e4m3 scale.
+/// An NVFP4 layer whose inputs are quantized too (docs/MATH.md, "W4A4"): the layer as the
+/// weight-only reference holds it (exact weights, its bias), its input scale, and how many
+/// blocks of inputs saturated their e4m3 scale.
 struct W4a4 {
-    rows: Vec<u8>,
-    global: f32,
+    dense: Box<Lin>,
     input_scale: f32,
-    n: usize,
-    k: usize,
     saturated: Cell<u64>,
 }
 
@@ -50,16 +48,17 @@ impl Widen {
         if let Some(f) = Fp8Linear::new(l)? {
             return Ok(Lin::Fp8(f));
         }
-        if let (true, Some(s)) = (self.w4a4, l.nvfp4) {
-            let [n, k] = l.shape();
-            let input_scale = s
-                .input_scale
-                .ok_or_else(|| Error::Unsupported(format!("`{}` has no input_scale: W4A4 needs one", l.weight.name)))?;
-            let rows = host::nvfp4::pack_rows(l.weight.bytes, s.block.bytes, n, k)?;
-            return Ok(Lin::W4a4(W4a4 { rows, global: s.global, input_scale, n, k, saturated: Cell::new(0) }));
-        }
         let w = if l.nvfp4.is_some() { crate::nvfp4::dequantize(l)? } else { f64s(&l.weight)? };
-        Ok(Lin::Dense { w, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.shape()[1] })
+        let dense = Lin::Dense { w, b: l.bias.as_ref().map(f64s).transpose()?, inp: l.shape()[1] };
+        match (self.w4a4, l.nvfp4) {
+            (true, Some(s)) => {
+                let input_scale = s.input_scale.ok_or_else(|| {
+                    Error::Unsupported(format!("`{}` has no input_scale: W4A4 needs one", l.weight.name))
+                })?;
+                Ok(Lin::W4a4(W4a4 { dense: Box::new(dense), input_scale, saturated: Cell::new(0) }))
+            }
+            _ => Ok(dense),
+        }
     }
 
     fn mlp(self, m: &Mlp) -> Result<(Lin, Lin)> {
@@ -78,17 +77,19 @@ impl Lin {
             Lin::Fp8(f) => f.apply(&x.iter().map(|&v| v as f32).collect::<Vec<_>>()),
             Lin::W4a4(l) => {
                 // The activations as a backend holds them (bf16), quantized with the layer's
-                // input scale; the products exact.
+                // input scale, their exact values (codes times block scales times the input
+                // scale) into the layer.
                 let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f64(v)).collect();
-                let a = host::cpu::w4a4::quantize_rows(&x, (1, l.k, l.k), l.input_scale);
+                let a = host::cpu::w4a4::quantize_rows(&x, (1, x.len(), x.len()), l.input_scale);
                 let g = 1.0 / l.input_scale;
                 let clipped = x.chunks_exact(NVFP4_BLOCK).filter(|b| {
                     let amax = b.iter().map(|v| v.to_f32().abs()).fold(0.0f32, f32::max);
                     amax * g / 6.0 > E4M3_MAX
                 });
                 l.saturated.set(l.saturated.get() + clipped.count() as u64);
-                let alpha = f64::from(l.input_scale) * f64::from(l.global);
-                host::cpu::w4a4::product(&a, &l.rows, (1, l.n, l.k)).0.into_iter().map(|v| v * alpha).collect()
+                let scale = f64::from(l.input_scale);
+                let a: Vec<f64> = host::cpu::w4a4::row_values(&a, x.len()).into_iter().map(|v| v * scale).collect();
+                l.dense.apply(&a)
             }
         }
     }

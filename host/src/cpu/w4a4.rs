@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::nvfp4::{E2M1, NVFP4_BLOCK, e2m1_encode};
+use super::nvfp4::{NVFP4_BLOCK, dequantize, e2m1_encode};
 use super::quant::{e4m3_decode, e4m3_encode};
 use kernels_gpu::nvfp4::row_bytes;
 
@@ -40,27 +40,23 @@ pub fn quantize_rows(x: &[bf16], (rows, k, stride): (usize, usize, usize), scale
     out
 }
 
-/// The value of element `i` of an NVFP4 row of `k` in the device layout: its code times its
-/// block's scale.
-fn element(row: &[u8], k: usize, i: usize) -> f64 {
-    let code = (row[i / 2] >> (4 * (i % 2))) & 15;
-    f64::from(E2M1[usize::from(code)]) * f64::from(e4m3_decode(row[k / 2 + i / NVFP4_BLOCK]))
+/// The values of NVFP4 rows of `k` in the device layout (each code times its block's scale,
+/// exact), `[rows, k]`.
+pub fn row_values(rows: &[u8], k: usize) -> Vec<f64> {
+    let bytes = row_bytes(k);
+    rows.chunks_exact(bytes).flat_map(|r| dequantize(&r[..k / 2], &r[k / 2..k / 2 + k / NVFP4_BLOCK], 1.0, k)).collect()
 }
 
 /// `a [m] x w [n]` NVFP4 rows of `k` (device layout): `out[i][j] = sum_k a[i][k] w[j][k]` in
 /// f64 (each product exact), and beside it the sum of the products' magnitudes (what an f32
 /// accumulation's error is bounded by).
 pub fn product(a: &[u8], w: &[u8], (m, n, k): (usize, usize, usize)) -> (Vec<f64>, Vec<f64>) {
-    let bytes = row_bytes(k);
-    assert!(a.len() == m * bytes && w.len() == n * bytes);
-    let rows = |x: &[u8], count: usize| -> Vec<Vec<f64>> {
-        (0..count).map(|r| (0..k).map(|i| element(&x[r * bytes..][..bytes], k, i)).collect()).collect()
-    };
-    let (a, w) = (rows(a, m), rows(w, n));
+    assert!(a.len() == m * row_bytes(k) && w.len() == n * row_bytes(k));
+    let (a, w) = (row_values(a, k), row_values(w, k));
     let (mut out, mut mag) = (vec![0.0; m * n], vec![0.0; m * n]);
-    for i in 0..m {
-        for j in 0..n {
-            let terms = a[i].iter().zip(&w[j]).map(|(x, y)| x * y);
+    for (i, a) in a.chunks_exact(k).enumerate() {
+        for (j, w) in w.chunks_exact(k).enumerate() {
+            let terms = a.iter().zip(w).map(|(x, y)| x * y);
             out[i * n + j] = terms.clone().sum();
             mag[i * n + j] = terms.map(f64::abs).sum();
         }

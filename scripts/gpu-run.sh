@@ -10,7 +10,9 @@
 # BASE (that tree's bench executable, e.g. built with `cargo bench --no-run --bench NAME` there)
 # and .device/benches/NAME alternating ROUNDS times (default 3), each run with FILTER.
 # With `anchors`: torch's attention, grouped GEMM and FP8 GEMM (cuBLASLt) beside which the attn,
-# moe and gemv benches are read (scripts/anchors/: each checked against its float32 reference first, then timed).
+# moe and gemv benches are read (scripts/anchors/: each checked against its float32 reference first, then timed);
+# with MAMBA_SRC (a checkout of state-spaces/mamba) also mamba's Triton state update and gated
+# norm, beside which the ssm and norm benches are read.
 OUT=${OUT:-.device/out}; mkdir -p "$OUT"
 set -o pipefail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -28,6 +30,11 @@ if [ "$1" = anchors ]; then
     echo "=== anchor $a"
     python3 scripts/anchors/$a.py --check && python3 scripts/anchors/$a.py 2>&1 | tee $OUT/anchor-$a.log
   done
+  if [ -n "$MAMBA_SRC" ]; then
+    echo "=== anchor mamba"
+    python3 scripts/anchors/mamba.py --mamba "$MAMBA_SRC" --check &&
+      python3 scripts/anchors/mamba.py --mamba "$MAMBA_SRC" 2>&1 | tee $OUT/anchor-mamba.log
+  fi
   exit
 fi
 if [ "$1" = serve ]; then

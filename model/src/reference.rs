@@ -10,7 +10,7 @@ use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::nvfp4::NVFP4_BLOCK;
 use host::cpu::quant::E4M3_MAX;
-use host::cpu::router::{Routing, route};
+use host::cpu::router::{Routing, margin, route};
 use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
 
@@ -146,9 +146,20 @@ pub struct Reference {
 }
 
 /// One sequence's recurrent state: per layer, the conv and SSM states (Mamba) or the keys and
-/// values so far (attention).
+/// values so far (attention); and how near the last step's routing was to another.
 pub struct RefState {
     layers: Vec<LayerState>,
+    router_margin: f64,
+}
+
+impl RefState {
+    /// The smallest router margin ([`host::cpu::router::margin`]) of the last step's MoE
+    /// layers (infinity without any): below the noise of a backend's bf16 activations, that
+    /// backend may route the step's token otherwise, and its logits then differ by more than
+    /// noise.
+    pub fn router_margin(&self) -> f64 {
+        self.router_margin
+    }
 }
 
 enum LayerState {
@@ -266,7 +277,7 @@ impl Reference {
                 _ => LayerState::Stateless,
             })
             .collect();
-        RefState { layers }
+        RefState { layers, router_margin: f64::INFINITY }
     }
 
     /// Feeds one token and returns the logits for the next.
@@ -280,11 +291,16 @@ impl Reference {
             )));
         }
         let mut h = self.embeddings[t * hidden..(t + 1) * hidden].to_vec();
+        state.router_margin = f64::INFINITY;
         for ((norm_w, mix), ls) in self.layers.iter().zip(&mut state.layers) {
             let x = norm::rms_norm(&h, norm_w, hidden, eps);
             let out = match (mix, ls) {
                 (Mix::Mamba(m), LayerState::Mamba { conv, ssm }) => m.step(&x, conv, ssm, eps),
-                (Mix::Moe(m), _) => m.step(&x),
+                (Mix::Moe(m), _) => {
+                    let (out, margin) = m.step(&x);
+                    state.router_margin = state.router_margin.min(margin);
+                    out
+                }
                 (Mix::Attention { q, k, v, o }, LayerState::Attention { keys, values }) => {
                     let a = self.config.attention.as_ref().expect("attention layers come with attention settings");
                     keys.push(k.apply(&x));
@@ -328,16 +344,17 @@ impl MambaRef {
 }
 
 impl MoeRef {
-    /// Routed experts weighted by the router, plus the shared expert.
-    fn step(&self, x: &[f64]) -> Vec<f64> {
+    /// Routed experts weighted by the router, plus the shared expert; and the router's margin.
+    fn step(&self, x: &[f64]) -> (Vec<f64>, f64) {
         let mut out = match &self.shared {
             Some(s) => mlp_apply(s, x),
             None => vec![0.0; x.len()],
         };
-        for (e, w) in route(&self.gate.apply(x), &self.bias, &self.routing) {
+        let logits = self.gate.apply(x);
+        for (e, w) in route(&logits, &self.bias, &self.routing) {
             let y = mlp_apply(&self.experts[e], x);
             out.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
         }
-        out
+        (out, margin(&logits, &self.bias, &self.routing))
     }
 }

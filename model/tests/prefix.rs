@@ -9,7 +9,7 @@ use model::cpu::Cpu;
 const CPU: NewBackend<Cpu> = &Cpu::default;
 /// The CPU's scan is token by token whatever the split: the same logits, no flip but at an
 /// exact tie.
-const EXACT: Case<Cpu> = Case { backend: CPU, tie: 0.0 };
+const EXACT: Case<Cpu> = Case { backend: CPU, tie: 0.0, router_tie: 0.0 };
 
 /// The CPU's split prefill stores the SSM state in f32 midway, its whole prefill carries it in
 /// f64 (tests/model_cpu.rs): within 1e-2.

@@ -26,9 +26,17 @@ fn top_k(scores: &[f64], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Routes one token: returns (expert, weight) pairs, the highest selection score first.
-/// `bias` is the e_score_correction_bias (zeros when the checkpoint has none).
-pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
+/// A token's selection: the sigmoid scores `s`, the selection scores `s + bias` of the kept
+/// groups' experts (the others -inf), the chosen experts (the highest first), and the gap
+/// between the weakest kept group and the best dropped one (infinity where none is dropped).
+struct Selection {
+    s: Vec<f64>,
+    masked: Vec<f64>,
+    chosen: Vec<usize>,
+    group_gap: f64,
+}
+
+fn select(logits: &[f64], bias: &[f64], r: &Routing) -> Selection {
     let e = logits.len();
     let s: Vec<f64> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
     let sel: Vec<f64> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
@@ -40,8 +48,18 @@ pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
         })
         .collect();
     let kept = top_k(&group_score, r.topk_group);
+    let weakest_kept = kept.iter().map(|&g| group_score[g]).fold(f64::INFINITY, f64::min);
+    let best_dropped =
+        (0..r.n_group).filter(|g| !kept.contains(g)).map(|g| group_score[g]).fold(f64::NEG_INFINITY, f64::max);
     let masked: Vec<f64> = (0..e).map(|i| if kept.contains(&(i / per)) { sel[i] } else { f64::NEG_INFINITY }).collect();
     let chosen = top_k(&masked, r.top_k);
+    Selection { s, masked, chosen, group_gap: weakest_kept - best_dropped }
+}
+
+/// Routes one token: returns (expert, weight) pairs, the highest selection score first.
+/// `bias` is the e_score_correction_bias (zeros when the checkpoint has none).
+pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
+    let Selection { s, chosen, .. } = select(logits, bias, r);
     let total: f64 = chosen.iter().map(|&i| s[i]).sum();
     chosen
         .into_iter()
@@ -50,4 +68,19 @@ pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
             (i, w * r.scaling)
         })
         .collect()
+}
+
+/// How near a token's choice of experts is to another: the smaller of the gap between its
+/// last chosen expert's selection score and the best left out (of the kept groups) and, where
+/// groups are dropped, the gap between the weakest kept group's score and the best dropped
+/// one's. No one selection score moved by less changes the choice; with one group, moving the
+/// best left out by more does (with groups dropped the margin is a lower bound). Infinity
+/// where every expert is chosen. A backend whose rounding moves the scores by about the
+/// margin may choose otherwise: a near-tie, not an error.
+pub fn margin(logits: &[f64], bias: &[f64], r: &Routing) -> f64 {
+    let Selection { masked, chosen, group_gap, .. } = select(logits, bias, r);
+    let last = chosen.last().map_or(f64::INFINITY, |&i| masked[i]);
+    let left_out =
+        (0..masked.len()).filter(|i| !chosen.contains(i)).map(|i| masked[i]).fold(f64::NEG_INFINITY, f64::max);
+    (last - left_out).min(group_gap)
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::experts::NANO;
-use host::cpu::router::{Routing, margin, route};
+use host::cpu::router::{Routing, margin, route, route_otherwise};
 use nemotron_rs::{Rng, assert_close};
 
 fn logit(p: f64) -> f64 {
@@ -65,8 +65,8 @@ fn groups_limit_the_selection() {
 
 /// The router's margin: no one selection score moved (through the bias, which moves it
 /// exactly) by just under it changes the choice, and the best expert left out moved up by just
-/// over it does; with groups dropped, the first still holds. Random logits, one group and
-/// eight groups keeping four, 400 tokens.
+/// over it does, to `route_otherwise`'s choice; with groups dropped, the first still holds.
+/// Random logits, one group and eight groups keeping four, 400 tokens.
 #[test]
 fn margin_is_how_far_the_choice_is_from_changing() {
     let mut rng = Rng::new(52);
@@ -99,6 +99,15 @@ fn margin_is_how_far_the_choice_is_from_changing() {
             let mut b = bias.clone();
             b[best_out.unwrap()] += 1.001 * m;
             assert_ne!(picks(&b), chosen, "token {t}: the best left out moved past the margin {m}");
+            // route_otherwise is that choice, weighed as route weighs it (the bias only selects).
+            let sorted = |mut v: Vec<(usize, f64)>| {
+                v.sort_by_key(|c| c.0);
+                v
+            };
+            let (got, want) = (sorted(route_otherwise(&logits, &bias, &r)), sorted(route(&logits, &b, &r)));
+            assert_eq!(got.iter().map(|c| c.0).collect::<Vec<_>>(), want.iter().map(|c| c.0).collect::<Vec<_>>());
+            let weights = |v: &[(usize, f64)]| v.iter().map(|c| c.1).collect::<Vec<_>>();
+            assert_close(&format!("token {t}: weights"), &weights(&got), &weights(&want), 0.0, 1e-12);
             flipped += 1;
         }
     }

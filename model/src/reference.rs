@@ -10,7 +10,7 @@ use half::bf16;
 use host::cpu::conv1d::ConvRef;
 use host::cpu::nvfp4::NVFP4_BLOCK;
 use host::cpu::quant::E4M3_MAX;
-use host::cpu::router::{Routing, margin, route};
+use host::cpu::router::{Routing, margin, route, route_otherwise};
 use host::cpu::ssm::{SsmRef, Token};
 use host::cpu::{attn, norm};
 
@@ -147,21 +147,24 @@ pub struct Reference {
 
 /// One sequence's recurrent state: per layer, the conv and SSM states (Mamba) or the keys and
 /// values so far (attention); and how near the last step's routing was to another.
+#[derive(Clone)]
 pub struct RefState {
     layers: Vec<LayerState>,
-    router_margin: f64,
+    /// The smallest router margin of the last step and its layer.
+    nearest: (f64, Option<usize>),
 }
 
 impl RefState {
     /// The smallest router margin ([`host::cpu::router::margin`]) of the last step's MoE
-    /// layers (infinity without any): below the noise of a backend's bf16 activations, that
-    /// backend may route the step's token otherwise, and its logits then differ by more than
-    /// noise.
+    /// layers (infinity without any): near the noise of a backend's bf16 activations, that
+    /// backend may route the step's token otherwise ([`Reference::step_routed_otherwise`]),
+    /// and its logits then differ by more than noise.
     pub fn router_margin(&self) -> f64 {
-        self.router_margin
+        self.nearest.0
     }
 }
 
+#[derive(Clone)]
 enum LayerState {
     Mamba { conv: Vec<f64>, ssm: Vec<f64> },
     Attention { keys: Vec<Vec<f64>>, values: Vec<Vec<f64>> },
@@ -277,11 +280,28 @@ impl Reference {
                 _ => LayerState::Stateless,
             })
             .collect();
-        RefState { layers, router_margin: f64::INFINITY }
+        RefState { layers, nearest: (f64::INFINITY, None) }
     }
 
     /// Feeds one token and returns the logits for the next.
     pub fn step(&self, state: &mut RefState, token: u32) -> Result<Vec<f64>> {
+        self.step_with(state, token, None)
+    }
+
+    /// As [`Reference::step`], but the MoE layer nearest to routing the token otherwise (the
+    /// smallest margin) routes it so ([`host::cpu::router::route_otherwise`]): what a backend
+    /// computes whose rounding tipped that near-tie. As `step` without MoE layers.
+    pub fn step_routed_otherwise(&self, state: &mut RefState, token: u32) -> Result<Vec<f64>> {
+        let mut probe = state.clone();
+        self.step(&mut probe, token)?;
+        // The layers before the nearest one see the same inputs either way, so its margin,
+        // found by the plain step, is the one the flipped step tips.
+        self.step_with(state, token, probe.nearest.1)
+    }
+
+    /// A step whose MoE layer `otherwise` (an index of the model's layers) routes the token
+    /// otherwise.
+    fn step_with(&self, state: &mut RefState, token: u32, otherwise: Option<usize>) -> Result<Vec<f64>> {
         let (hidden, eps) = (self.config.hidden_size, f64::from(self.config.norm_eps));
         let t = token as usize;
         if t >= self.config.vocab_size {
@@ -291,14 +311,16 @@ impl Reference {
             )));
         }
         let mut h = self.embeddings[t * hidden..(t + 1) * hidden].to_vec();
-        state.router_margin = f64::INFINITY;
-        for ((norm_w, mix), ls) in self.layers.iter().zip(&mut state.layers) {
+        state.nearest = (f64::INFINITY, None);
+        for (l, ((norm_w, mix), ls)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let x = norm::rms_norm(&h, norm_w, hidden, eps);
             let out = match (mix, ls) {
                 (Mix::Mamba(m), LayerState::Mamba { conv, ssm }) => m.step(&x, conv, ssm, eps),
                 (Mix::Moe(m), _) => {
-                    let (out, margin) = m.step(&x);
-                    state.router_margin = state.router_margin.min(margin);
+                    let (out, margin) = m.step(&x, otherwise == Some(l));
+                    if margin < state.nearest.0 {
+                        state.nearest = (margin, Some(l));
+                    }
                     out
                 }
                 (Mix::Attention { q, k, v, o }, LayerState::Attention { keys, values }) => {
@@ -344,14 +366,16 @@ impl MambaRef {
 }
 
 impl MoeRef {
-    /// Routed experts weighted by the router, plus the shared expert; and the router's margin.
-    fn step(&self, x: &[f64]) -> (Vec<f64>, f64) {
+    /// Routed experts weighted by the router (`otherwise`: [`route_otherwise`]), plus the
+    /// shared expert; and the router's margin.
+    fn step(&self, x: &[f64], otherwise: bool) -> (Vec<f64>, f64) {
         let mut out = match &self.shared {
             Some(s) => mlp_apply(s, x),
             None => vec![0.0; x.len()],
         };
         let logits = self.gate.apply(x);
-        for (e, w) in route(&logits, &self.bias, &self.routing) {
+        let routed = if otherwise { route_otherwise } else { route };
+        for (e, w) in routed(&logits, &self.bias, &self.routing) {
             let y = mlp_apply(&self.experts[e], x);
             out.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
         }

@@ -18,6 +18,13 @@ fn cpu_restored_state_continues_as_the_saved_slot_would() {
     restored_state_continues_as_the_saved_slot_would(CPU, 1e-2);
 }
 
+/// The router near-tie check the CUDA comparisons use, on the CPU: it takes the flip the
+/// reference explains and nothing near it.
+#[test]
+fn router_near_ties_are_checked() {
+    router_near_ties_are_checked_against_the_reference(Case { backend: CPU, tie: 0.05, router_tie: 2e-3 });
+}
+
 #[test]
 fn cpu_conversations_restore_each_turn() {
     conversations_restore_each_turn(EXACT);

@@ -56,10 +56,9 @@ fn select(logits: &[f64], bias: &[f64], r: &Routing) -> Selection {
     Selection { s, masked, chosen, group_gap: weakest_kept - best_dropped }
 }
 
-/// Routes one token: returns (expert, weight) pairs, the highest selection score first.
-/// `bias` is the e_score_correction_bias (zeros when the checkpoint has none).
-pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
-    let Selection { s, chosen, .. } = select(logits, bias, r);
+/// The chosen experts with their weights: `s` over the chosen ones' sum when
+/// `norm_topk_prob`, times the scaling.
+fn weighed(s: &[f64], chosen: Vec<usize>, r: &Routing) -> Vec<(usize, f64)> {
     let total: f64 = chosen.iter().map(|&i| s[i]).sum();
     chosen
         .into_iter()
@@ -68,6 +67,33 @@ pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
             (i, w * r.scaling)
         })
         .collect()
+}
+
+/// The best expert of the kept groups left out of `chosen` (the lowest index on ties; none
+/// where all are chosen).
+fn best_left_out(masked: &[f64], chosen: &[usize]) -> Option<usize> {
+    (0..masked.len())
+        .filter(|i| !chosen.contains(i) && masked[*i] > f64::NEG_INFINITY)
+        .max_by(|&a, &b| masked[a].total_cmp(&masked[b]).then(b.cmp(&a)))
+}
+
+/// Routes one token: returns (expert, weight) pairs, the highest selection score first.
+/// `bias` is the e_score_correction_bias (zeros when the checkpoint has none).
+pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
+    let Selection { s, chosen, .. } = select(logits, bias, r);
+    weighed(&s, chosen, r)
+}
+
+/// The routing next to [`route`]'s: its last chosen expert replaced by the best left out of
+/// the kept groups (the swap [`margin`] measures), weighed as `route` weighs; `route`'s own
+/// where every expert of the kept groups is chosen. What a backend whose rounding tips a
+/// near-tie computes.
+pub fn route_otherwise(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
+    let Selection { s, masked, mut chosen, .. } = select(logits, bias, r);
+    if let (Some(out), Some(last)) = (best_left_out(&masked, &chosen), chosen.last_mut()) {
+        *last = out;
+    }
+    weighed(&s, chosen, r)
 }
 
 /// How near a token's choice of experts is to another: the smaller of the gap between its
@@ -80,7 +106,6 @@ pub fn route(logits: &[f64], bias: &[f64], r: &Routing) -> Vec<(usize, f64)> {
 pub fn margin(logits: &[f64], bias: &[f64], r: &Routing) -> f64 {
     let Selection { masked, chosen, group_gap, .. } = select(logits, bias, r);
     let last = chosen.last().map_or(f64::INFINITY, |&i| masked[i]);
-    let left_out =
-        (0..masked.len()).filter(|i| !chosen.contains(i)).map(|i| masked[i]).fold(f64::NEG_INFINITY, f64::max);
+    let left_out = best_left_out(&masked, &chosen).map_or(f64::NEG_INFINITY, |i| masked[i]);
     (last - left_out).min(group_gap)
 }

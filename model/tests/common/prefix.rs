@@ -165,7 +165,8 @@ pub struct Case<'a, B> {
     pub tie: f32,
     /// 0 where the paths compute the same logits; on CUDA the router margin (of the exact
     /// reference, [`model::reference::RefState::router_margin`]) below which the two paths'
-    /// bf16 noise may route the flipped token's step to other experts.
+    /// noise may route the flipped token's step to other experts ([`agree`] then checks that
+    /// it did).
     pub router_tie: f64,
 }
 
@@ -179,9 +180,11 @@ impl<B> Copy for Case<'_, B> {}
 
 /// `got` (with the cache) gives `want`'s tokens (without it), but for a flip at a near-tie: at
 /// the first token they differ, each engine's runner-up is the other's pick, within
-/// `case.tie` of its own pick (their log-probabilities' gap, which is their logits'), or the
-/// exact reference's router, fed the prompt and the tokens before, was within
-/// `case.router_tie` of routing that step otherwise. Returns the tokens that agree.
+/// `case.tie` of its own pick (their log-probabilities' gap, which is their logits'); or the
+/// exact reference, fed the prompt and the tokens before, routes that step within
+/// `case.router_tie` of routing it otherwise, and each engine's two likeliest tokens are
+/// within `case.tie` of the reference's log-probabilities, one engine's routed as the
+/// reference routes, the other's routed otherwise. Returns the tokens that agree.
 fn agree<B: Backend>(case: Case<B>, prompt: &[u32], got: &Answer, want: &Answer) -> usize {
     let what = format!("a prompt of {} tokens ({} restored)", prompt.len(), got.restored);
     assert_eq!(got.tokens.len(), want.tokens.len(), "{what}");
@@ -193,27 +196,86 @@ fn agree<B: Backend>(case: Case<B>, prompt: &[u32], got: &Answer, want: &Answer)
         println!("{what}: a near-tie");
         return i;
     }
-    let margin =
-        if case.router_tie > 0.0 { router_margin(&[prompt, &got.tokens[..i]].concat()) } else { f64::INFINITY };
+    assert!(case.router_tie > 0.0, "{what}: not a near-tie (within {})", case.tie);
+    let (routed, otherwise, margin) = both_routings(&[prompt, &got.tokens[..i]].concat());
+    let near = |top: &[(u32, f32)], lp: &[f64]| {
+        top.iter().all(|&(t, l)| (f64::from(l) - lp[t as usize]).abs() <= f64::from(case.tie))
+    };
+    let (g, w) = (&got.top[i], &want.top[i]);
+    let explained = (near(w, &routed) && near(g, &otherwise)) || (near(g, &routed) && near(w, &otherwise));
+    let at = |lp: &[f64]| [a, b].map(|t| (t, lp[t as usize] as f32));
     assert!(
-        margin < case.router_tie,
-        "{what}: not a near-tie (within {}), nor the router's (margin {margin:.2e}, within {:.0e})",
+        margin < case.router_tie && explained,
+        "{what}: not a near-tie (within {}), nor the router's (margin {margin:.2e}, within {:.0e}; the \
+         reference routed {:?}, otherwise {:?})",
         case.tie,
-        case.router_tie
+        case.router_tie,
+        at(&routed),
+        at(&otherwise)
     );
-    println!("{what}: a near-tie of the router (margin {margin:.2e})");
+    println!("{what}: a near-tie of the router (margin {margin:.2e}; routed otherwise {:?})", at(&otherwise));
     i
 }
 
-/// The exact reference's router margin at the last of `tokens` (fed from the start).
-fn router_margin(tokens: &[u32]) -> f64 {
+/// The exact reference's log-probabilities after `tokens` (fed from the start), routed as it
+/// routes and with its router nearest to a tie routing the last token otherwise; and that
+/// router's margin.
+fn both_routings(tokens: &[u32]) -> (Vec<f64>, Vec<f64>, f64) {
     let (config, ck) = open();
     let reference = Reference::new(&config, &Layout::new(&config, &ck).unwrap()).unwrap();
+    let (last, before) = tokens.split_last().unwrap();
     let mut state = reference.new_state();
-    for &t in tokens {
+    for &t in before {
         reference.step(&mut state, t).unwrap();
     }
-    state.router_margin()
+    let mut flipped = state.clone();
+    let log_softmax = |l: Vec<f64>| {
+        let top = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = top + l.iter().map(|x| (x - top).exp()).sum::<f64>().ln();
+        l.iter().map(|x| x - lse).collect::<Vec<f64>>()
+    };
+    let routed = log_softmax(reference.step(&mut state, *last).unwrap());
+    let otherwise = log_softmax(reference.step_routed_otherwise(&mut flipped, *last).unwrap());
+    (routed, otherwise, state.router_margin())
+}
+
+/// [`agree`]'s router near-tie on the flip the H100 saw (the eviction check's prompt of 306
+/// tokens, its fourth token; `case` as on CUDA): answers made of the exact reference's two
+/// routings of that step (each one's two likeliest tokens and log-probabilities) are taken
+/// either way round, and refused with one log-probability 0.1 off or a router tie under the
+/// step's margin. Returns the answers compared.
+pub fn router_near_ties_are_checked_against_the_reference<B: Backend>(case: Case<B>) -> usize {
+    let mut rng = Rng::new(400);
+    let a = tokens(&mut rng, 300);
+    let prompt: Vec<u32> = a.iter().copied().chain([5, 6, 7, 5, 6, 7]).collect();
+    let top2 = |lp: &[f64]| {
+        let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+        idx.sort_by(|&x, &y| lp[y as usize].total_cmp(&lp[x as usize]));
+        idx[..2].iter().map(|&t| (t, lp[t as usize] as f32)).collect::<Vec<_>>()
+    };
+    // The reference's greedy tokens, then its two routings of the fourth one's step.
+    let mut fed = prompt.clone();
+    for _ in 0..3 {
+        let pick = top2(&both_routings(&fed).0)[0].0;
+        fed.push(pick);
+    }
+    let (routed, otherwise, margin) = both_routings(&fed);
+    assert!(margin < case.router_tie, "the step's margin {margin}");
+    let answer = |lp: &[f64], shift: f32| {
+        let mut top = vec![vec![]; 3];
+        top.push(top2(lp).into_iter().map(|(t, l)| (t, l + shift)).collect());
+        Answer { tokens: fed[prompt.len()..].iter().copied().chain([top[3][0].0]).collect(), top, restored: 300 }
+    };
+    let (got, want) = (answer(&otherwise, 0.0), answer(&routed, 0.0));
+    assert_ne!(got.tokens[3], want.tokens[3], "the routings pick the same token");
+    assert_eq!(agree(case, &prompt, &got, &want), 3);
+    assert_eq!(agree(case, &prompt, &want, &got), 3);
+    let refused = |case: Case<B>, got: &Answer| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agree(case, &prompt, got, &want))).is_err()
+    };
+    assert!(refused(case, &answer(&otherwise, 0.1)), "a log-probability 0.1 off");
+    assert!(refused(Case { router_tie: margin / 2.0, ..case }, &got), "a router tie under the margin");
+    4
 }
 
 /// Serves `prompt` on the engine with the cache and on the one without: the same tokens

@@ -14,11 +14,11 @@ use model::engine::{Engine, Event, RequestId, RequestParams};
 use model::layout::Layout;
 use model::model::Model;
 use model::prefix::PrefixSettings;
-use model::reference::Reference;
+use model::reference::{RefState, Reference};
 use model::sampling::SamplingParams;
 use nemotron_rs::{Rng, assert_close};
 
-use super::open;
+use super::{argmax, open};
 
 /// Makes a fresh backend.
 pub type NewBackend<'a, B> = &'a dyn Fn() -> B;
@@ -197,7 +197,10 @@ fn agree<B: Backend>(case: Case<B>, prompt: &[u32], got: &Answer, want: &Answer)
         return i;
     }
     assert!(case.router_tie > 0.0, "{what}: not a near-tie (within {})", case.tie);
-    let (routed, otherwise, margin) = both_routings(&[prompt, &got.tokens[..i]].concat());
+    let reference = fixture_reference();
+    let tokens = [prompt, &got.tokens[..i]].concat();
+    let (last, before) = tokens.split_last().unwrap();
+    let (routed, otherwise, margin) = both_routings(&reference, fed(&reference, before), *last);
     let near = |top: &[(u32, f32)], lp: &[f64]| {
         top.iter().all(|&(t, l)| (f64::from(l) - lp[t as usize]).abs() <= f64::from(case.tie))
     };
@@ -217,25 +220,32 @@ fn agree<B: Backend>(case: Case<B>, prompt: &[u32], got: &Answer, want: &Answer)
     i
 }
 
-/// The exact reference's log-probabilities after `tokens` (fed from the start), routed as it
-/// routes and with its router nearest to a tie routing the last token otherwise; and that
-/// router's margin.
-fn both_routings(tokens: &[u32]) -> (Vec<f64>, Vec<f64>, f64) {
+/// The fixture's exact reference.
+fn fixture_reference() -> Reference {
     let (config, ck) = open();
-    let reference = Reference::new(&config, &Layout::new(&config, &ck).unwrap()).unwrap();
-    let (last, before) = tokens.split_last().unwrap();
+    Reference::new(&config, &Layout::new(&config, &ck).unwrap()).unwrap()
+}
+
+/// The reference's state after `tokens`, fed from the start.
+fn fed(reference: &Reference, tokens: &[u32]) -> RefState {
     let mut state = reference.new_state();
-    for &t in before {
+    for &t in tokens {
         reference.step(&mut state, t).unwrap();
     }
+    state
+}
+
+/// The reference's log-probabilities after `state` is fed `last`, routed as it routes and with
+/// its router nearest to a tie routing `last` otherwise; and that router's margin.
+fn both_routings(reference: &Reference, mut state: RefState, last: u32) -> (Vec<f64>, Vec<f64>, f64) {
     let mut flipped = state.clone();
     let log_softmax = |l: Vec<f64>| {
         let top = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = top + l.iter().map(|x| (x - top).exp()).sum::<f64>().ln();
         l.iter().map(|x| x - lse).collect::<Vec<f64>>()
     };
-    let routed = log_softmax(reference.step(&mut state, *last).unwrap());
-    let otherwise = log_softmax(reference.step_routed_otherwise(&mut flipped, *last).unwrap());
+    let routed = log_softmax(reference.step(&mut state, last).unwrap());
+    let otherwise = log_softmax(reference.step_routed_otherwise(&mut flipped, last).unwrap());
     (routed, otherwise, state.router_margin())
 }
 
@@ -254,17 +264,20 @@ pub fn router_near_ties_are_checked_against_the_reference<B: Backend>(case: Case
         idx[..2].iter().map(|&t| (t, lp[t as usize] as f32)).collect::<Vec<_>>()
     };
     // The reference's greedy tokens, then its two routings of the fourth one's step.
-    let mut fed = prompt.clone();
+    let reference = fixture_reference();
+    let (&prompt_last, before) = prompt.split_last().unwrap();
+    let (mut state, mut last, mut picks) = (fed(&reference, before), prompt_last, vec![]);
     for _ in 0..3 {
-        let pick = top2(&both_routings(&fed).0)[0].0;
-        fed.push(pick);
+        let logits = reference.step(&mut state, last).unwrap();
+        last = argmax(&logits);
+        picks.push(last);
     }
-    let (routed, otherwise, margin) = both_routings(&fed);
+    let (routed, otherwise, margin) = both_routings(&reference, state, last);
     assert!(margin < case.router_tie, "the step's margin {margin}");
     let answer = |lp: &[f64], shift: f32| {
         let mut top = vec![vec![]; 3];
         top.push(top2(lp).into_iter().map(|(t, l)| (t, l + shift)).collect());
-        Answer { tokens: fed[prompt.len()..].iter().copied().chain([top[3][0].0]).collect(), top, restored: 300 }
+        Answer { tokens: picks.iter().copied().chain([top[3][0].0]).collect(), top, restored: 300 }
     };
     let (got, want) = (answer(&otherwise, 0.0), answer(&routed, 0.0));
     assert_ne!(got.tokens[3], want.tokens[3], "the routings pick the same token");

@@ -134,8 +134,7 @@ mod kernels {
                 // Every load of this thread's chunks first (x, add, z), so they are all in
                 // flight at once: a store in between (the residual's, or to css) would order
                 // the next chunk's loads after it. (w waits for the end: loaded here too, its
-                // registers made the kernels spill at the 64 a block of 1024 threads allows;
-                // asked into L1 here instead, which takes no register past its address.)
+                // registers made the kernels spill at the 64 a block of 1024 threads allows.)
                 let (mut xr, mut ar, mut zr) = ([[0u32; 4]; J], [[0u32; 4]; J], [[0u32; 4]; J]);
                 for j in 0..J {
                     let k = chunk(j);
@@ -148,7 +147,6 @@ mod kernels {
                         if !self.z.is_null() {
                             zr[j] = load8_raw(self.z, c0, width);
                         }
-                        prefetch_l1(self.w.wrapping_add(c0));
                     }
                 }
                 for (j, uj) in u.iter_mut().enumerate() {

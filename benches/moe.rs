@@ -8,7 +8,9 @@
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
 //!   (which reads the offsets back), by the grouped GEMM (each of its tiles, `wgmma` where the
 //!   GPU has it), by the FP8 expert kernel (the warp mode at one token, tensor cores from two;
-//!   its quantization inside) and by the FP8 grouped GEMM (its quantizations included), each
+//!   its quantization inside), by the NVFP4 expert kernel, by the FP8 grouped GEMM (its quantizations included) and, where
+//!   the GPU has `wgmma`, by the NVFP4 grouped GEMM from the codes and by NVFP4 dequantized to
+//!   bf16 then the bf16 grouped GEMM (the dequantization included), each
 //!   timed with events around one call, median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`)
 //!   and, for the expert kernels, the share of the copy bandwidth that reading the routed
 //!   experts' weights once in that time is.
@@ -91,19 +93,37 @@ enum Path {
     Grouped(Tiles),
     /// The FP8 grouped GEMM, static input scales (each projection's rows quantized first).
     GroupedFp8(Tiles),
+    /// The NVFP4 expert kernel (weight-only, the tensor cores where the experts average two
+    /// rows or more).
+    KernelNvfp4,
+    /// The NVFP4 grouped GEMM on `wgmma`, from the codes.
+    GroupedNvfp4,
+    /// NVFP4 dequantized to bf16 (both projections), then the bf16 grouped GEMM on `wgmma`.
+    DequantizedNvfp4,
 }
 
 impl Path {
-    const ALL: [Path; 8] = [
+    const ALL: [Path; 11] = [
         Path::Kernel,
         Path::KernelFp8,
+        Path::KernelNvfp4,
         Path::Cublas,
         Path::Grouped(Tiles::Narrow),
         Path::Grouped(Tiles::Wide),
         Path::Grouped(Tiles::Wgmma),
         Path::GroupedFp8(Tiles::Narrow),
         Path::GroupedFp8(Tiles::Wgmma),
+        Path::GroupedNvfp4,
+        Path::DequantizedNvfp4,
     ];
+
+    /// Whether the path needs the `wgmma` kernels.
+    fn wgmma(self) -> bool {
+        matches!(
+            self,
+            Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma) | Path::GroupedNvfp4 | Path::DequantizedNvfp4
+        )
+    }
 
     fn label(self) -> String {
         match self {
@@ -112,6 +132,9 @@ impl Path {
             Path::Cublas => "cuBLASLt per expert".into(),
             Path::Grouped(t) => format!("grouped {t:?}"),
             Path::GroupedFp8(t) => format!("grouped FP8 {t:?}"),
+            Path::KernelNvfp4 => "NVFP4 expert kernel".into(),
+            Path::GroupedNvfp4 => "grouped NVFP4 Wgmma".into(),
+            Path::DequantizedNvfp4 => "NVFP4 to bf16, Wgmma".into(),
         }
     }
 }
@@ -122,7 +145,7 @@ fn bench_layer(
     rng: &mut Rng,
     cuda: &Cuda,
     w: &MoeWeights<Cuda>,
-    (up, fp8): (&host::CudaSlice<bf16>, ExpertWeights<'_>),
+    (up, fp8, nvfp4): (&host::CudaSlice<bf16>, ExpertWeights<'_>, [ExpertWeights<'_>; 2]),
 ) {
     let gpu = &b.gpu;
     let (c, (hidden, n_exp, top_k, inter, shared_inter)) = (&nano.c, nano.sizes());
@@ -160,14 +183,13 @@ fn bench_layer(
         let flops = 4.0 * (batch * top_k * inter * hidden) as f64;
         // The up projections' weights stand in for the down projections too (the same size).
         let mlp = ExpertMlp { up, down: up, inter, hidden };
+        let fp4 = ExpertMlp { up: nvfp4[0], down: nvfp4[1], inter, hidden };
         // The expert kernels are the paths up to 32 and 64 rows (EXPERT_KERNEL_MAX_ROWS,
         // FP8_EXPERT_KERNEL_MAX_ROWS); past 1024 they only take time.
-        let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[2..] };
+        let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[3..] };
         let active = gpu.download(d.active_count()).unwrap()[0] as usize;
         let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
-        for &path in
-            paths.iter().filter(|p| wgmma || !matches!(p, Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma)))
-        {
+        for &path in paths.iter().filter(|p| wgmma || !p.wgmma()) {
             let bf16 = ExpertMlp { up: ExpertWeights::Bf16(up), down: ExpertWeights::Bf16(up), inter, hidden };
             let (med, p10, p90) = b.calls_us(|| match path {
                 Path::Cublas => experts_mlp_gemm(gpu, &d, &x, mlp, &mut out),
@@ -180,19 +202,32 @@ fn bench_layer(
                 Path::KernelFp8 => {
                     experts_mlp(gpu, &d, &x, ExpertMlp { up: fp8, down: fp8, inter, hidden }, 0, &mut out)
                 }
+                Path::KernelNvfp4 => experts_mlp(gpu, &d, &x, fp4, 0, &mut out),
+                Path::GroupedNvfp4 => experts_mlp_grouped_as(gpu, &d, &x, fp4, Tiles::Wgmma, &mut out),
+                Path::DequantizedNvfp4 => {
+                    // SAFETY: to_bf16 writes every value before the grouped GEMM reads it.
+                    let (mut u, mut dn) = unsafe {
+                        (gpu.scratch::<bf16>(n_exp * inter * hidden)?, gpu.scratch::<bf16>(n_exp * inter * hidden)?)
+                    };
+                    host::nvfp4::to_bf16(gpu, nvfp4[0], n_exp, (inter, hidden), &mut *u)?;
+                    host::nvfp4::to_bf16(gpu, nvfp4[1], n_exp, (hidden, inter), &mut *dn)?;
+                    let w = ExpertMlp { up: ExpertWeights::Bf16(&u), down: ExpertWeights::Bf16(&dn), inter, hidden };
+                    experts_mlp_grouped_as(gpu, &d, &x, w, Tiles::Wgmma, &mut out)
+                }
             });
             // The routed experts' weights read once (the expert kernels read no more).
             let elem = match path {
-                Path::Kernel => 2,
-                Path::KernelFp8 => 1,
-                _ => 0,
+                Path::Kernel => 2.0,
+                Path::KernelFp8 => 1.0,
+                Path::KernelNvfp4 => 0.5625,
+                _ => 0.0,
             };
-            let copy = (elem * 2 * active * inter * hidden) as f64 / (med * 1e-6) / b.copy_bytes_per_s * 100.0;
+            let copy = elem * (2 * active * inter * hidden) as f64 / (med * 1e-6) / b.copy_bytes_per_s * 100.0;
             println!(
                 "moe/{name} {:<20} {med:9.1} us (median of 11, p10 {p10:.1}, p90 {p90:.1}) {:6.1} TFLOP/s{}",
                 path.label(),
                 flops / (med * 1e-6) / 1e12,
-                if elem > 0 { format!(", {active} experts: {copy:5.1}% of copy") } else { String::new() },
+                if elem > 0.0 { format!(", {active} experts: {copy:5.1}% of copy") } else { String::new() },
             );
         }
     }
@@ -227,7 +262,12 @@ fn benches(_: &mut Criterion) {
     let codes = b.gpu.zeros::<u8>(n_exp * inter * hidden).unwrap();
     let ones = b.gpu.upload(&vec![1.0f32; n_exp]).unwrap();
     let fp8 = ExpertWeights::Fp8 { codes: &codes, w_scale: &ones, in_scale: Some(&ones) };
-    bench_layer(&b, &nano, &mut rng, &cuda, &w, (&up, fp8));
+    // NVFP4 experts: zero codes and block scales, unit per-tensor scales.
+    let row_bytes = |k| n_exp * host::nvfp4::row_bytes(k);
+    let fp4_rows =
+        [b.gpu.zeros::<u8>(inter * row_bytes(hidden)).unwrap(), b.gpu.zeros::<u8>(hidden * row_bytes(inter)).unwrap()];
+    let nvfp4 = fp4_rows.each_ref().map(|rows| ExpertWeights::Nvfp4 { rows, global: &ones });
+    bench_layer(&b, &nano, &mut rng, &cuda, &w, (&up, fp8, nvfp4));
 }
 
 criterion_group!(moe, benches);

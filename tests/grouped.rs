@@ -1,6 +1,6 @@
 //! The tensor-core GEMM family (kernels-gpu/src/grouped.rs: grouped and dense layouts) against
 //! f64 references (`#[ignore]`d: needs a GPU): the grouped GEMM of routed experts at Nano's
-//! sizes with a skewed routing, in bf16 and FP8; the one-matrix GEMM of many rows in bf16 and
+//! sizes with a skewed routing, in bf16, FP8 and NVFP4 (weight-only, on `wgmma`); the one-matrix GEMM of many rows in bf16 and
 //! FP8 (beside cuBLASLt's FP8 GEMM).
 
 mod common;
@@ -9,10 +9,10 @@ use common::experts::{Fp8Experts, expert_reference, grouped_tiles};
 use half::bf16;
 use host::cpu::gemm::linear;
 use host::gemv::{Proj, Weights};
-use host::grouped::{Fp8Rows, Tiles, experts_mlp_grouped_as, gemm, grouped_fp8, linear_fp8_as};
+use host::grouped::{Fp8Rows, Tiles, experts_mlp_grouped_as, gemm, grouped_fp8, grouped_nvfp4, linear_fp8_as};
 use host::moe::{Dispatch, ExpertMlp, ExpertWeights, dispatch};
 use host::quant::{Source, quant_rows};
-use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, to_f64, w8a8};
+use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, nvfp4_weights, to_f64, w8a8};
 
 /// Routing choices that leave expert 0 without rows, give expert 1 one (token 0's) and
 /// expert 2 every token (many tiles); the other choices distinct, from experts 3 on.
@@ -156,6 +156,104 @@ fn gpu_fp8_grouped_experts_match_reference() {
         }
     }
     println!("FP8 grouped experts: {compared} values compared");
+}
+
+/// The NVFP4 grouped GEMM on `wgmma` (`grouped_nvfp4`: the codes made bf16 in shared memory,
+/// the per-tensor scale on the sums) against the exact NVFP4 values in f64, at Nano's expert
+/// sizes with 16 experts and the skewed routing (an expert without rows, one with one, one
+/// with every token: three 128-row tiles, the last partial) and at a small shape whose n is not
+/// a multiple of the 256-column tile, on a sample of the grouped rows (expert 1's, the first
+/// and last 16 of expert 2's, every 7th): the up projection's hidden rows (relu^2 rounded as
+/// the kernel rounds it) and the MLP's output from the reference's own hidden rows, so a
+/// hidden value one bf16 step from a rounding boundary moves neither check. Then its
+/// refusals: k not a multiple of 64, bf16 weights, NVFP4 on other tiles. Where the PTX has no
+/// `wgmma` (not sm_90a) only that the MLP refuses NVFP4 weights undequantized.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_nvfp4_grouped_experts_match_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::new(102);
+    let wgmma = gpu.arch() == host::Arch::Sm90a;
+    assert_eq!(gpu.has(host::Kernel::MoeGroupedWgmmaNvfp4), wgmma, "wgmma kernels on {:?}", gpu.arch());
+    let (mut compared, mut expected) = (0, 0);
+    for (hidden, inter, e, k, rows) in [(2688, 1856, 16, 6, 300), (192, 320, 5, 2, 70)] {
+        let (up_rows, up_g, up_v) = nvfp4_weights(&mut rng, e, inter, hidden);
+        let (down_rows, down_g, down_v) = nvfp4_weights(&mut rng, e, hidden, inter);
+        let dev = [up_rows, down_rows].map(|r| gpu.upload(&r).unwrap());
+        let dg = [up_g, down_g].map(|g| gpu.upload(&g).unwrap());
+        let up = Weights::Nvfp4 { rows: &dev[0], global: &dg[0] };
+        let down = Weights::Nvfp4 { rows: &dev[1], global: &dg[1] };
+        let x = rng.bf16_rows(rows, hidden);
+        let idx = skewed_choices(&mut rng, rows, k, e);
+        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
+        dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+        assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        let (dx, entries) = (gpu.upload(&x).unwrap(), rows * k);
+        let mlp = ExpertMlp { up, down, inter, hidden };
+        let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
+        if !wgmma {
+            let err = experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wide, &mut out).unwrap_err().to_string();
+            assert!(err.contains("dequantize them first"), "{err}");
+            println!("NVFP4 grouped GEMM: no wgmma on {:?}, refused undequantized", gpu.arch());
+            return;
+        }
+        experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wgmma, &mut out).unwrap();
+        let out = to_f64(&gpu.download(&out).unwrap());
+        let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
+        grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: up, n: inter, k: hidden, relu2: true }, &mut h).unwrap();
+        let h = to_f64(&gpu.download(&h).unwrap());
+        let dot = |w: &[f64], x: &[f64]| -> Vec<f64> {
+            w.chunks(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+        };
+        let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
+        let (mut got, mut want, mut got_h, mut want_h, mut sampled) = (vec![], vec![], vec![], vec![], 0);
+        for ex in 0..e {
+            let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+            let (u, dn) =
+                (&up_v[ex * inter * hidden..][..inter * hidden], &down_v[ex * hidden * inter..][..hidden * inter]);
+            for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
+                let xj = to_f64(&x[token[j] as usize * hidden..][..hidden]);
+                let hj: Vec<f64> = dot(u, &xj)
+                    .into_iter()
+                    .map(|v| bf16::from_f64(bf16::from_f64(v).to_f64().max(0.0).powi(2)).to_f64())
+                    .collect();
+                got_h.extend_from_slice(&h[j * inter..][..inter]);
+                want.extend(dot(dn, &hj));
+                want_h.extend(hj);
+                got.extend_from_slice(&out[j * hidden..][..hidden]);
+                sampled += 1;
+            }
+        }
+        let label = format!("NVFP4 grouped experts hidden {hidden} inter {inter} rows {rows}");
+        // f32 sums of exact products against f64, one bf16 rounding (relu^2 doubles the
+        // relative error of its rounded input); the output from the reference's hidden rows
+        // is within the kernel's hidden rows' error of ours.
+        let n_h = assert_close(&format!("{label}, hidden rows"), &got_h, &want_h, 1e-3, 1.0 / 32.0);
+        let n = assert_close(&label, &got, &want, 4e-3, 1.0 / 64.0);
+        assert_eq!((n_h, n), (sampled * inter, sampled * hidden));
+        println!("{label}: {} values compared ({sampled} grouped rows)", n + n_h);
+        compared += n + n_h;
+        expected += sampled * (inter + hidden);
+    }
+    assert_eq!(compared, expected);
+    // Refusals: k not whole stages of 64, bf16 weights, NVFP4 on other tiles.
+    let (rows_b, g, _) = nvfp4_weights(&mut rng, 2, 64, 80);
+    let (dr, dg) = (gpu.upload(&rows_b).unwrap(), gpu.upload(&g).unwrap());
+    let mut d = Dispatch::new(&gpu, 2, 1, 4).unwrap();
+    dispatch(&gpu, &gpu.upload(&[0i32, 1, 0, 1]).unwrap(), &mut d).unwrap();
+    let dx = gpu.upload(&rng.bf16_rows(4, 80)).unwrap();
+    let mut y = gpu.zeros::<bf16>(4 * 64).unwrap();
+    let w = Weights::Nvfp4 { rows: &dr, global: &dg };
+    let err = grouped_nvfp4(&gpu, &d, &dx, true, Proj { w, n: 64, k: 80, relu2: false }, &mut y).unwrap_err();
+    assert!(err.to_string().contains("a positive multiple of 64"), "{err}");
+    let bf = gpu.zeros::<bf16>(2 * 64 * 128).unwrap();
+    let err = grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: Weights::Bf16(&bf), n: 64, k: 128, relu2: false }, &mut y)
+        .unwrap_err();
+    assert!(err.to_string().contains("NVFP4 weights"), "{err}");
+    let mlp = ExpertMlp { up: w, down: w, inter: 64, hidden: 80 };
+    let err = experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wide, &mut y).unwrap_err();
+    assert!(err.to_string().contains("dequantize them first"), "{err}");
 }
 
 /// The FP8 linear layer of many rows on tensor cores against W8A8 in f64: ours

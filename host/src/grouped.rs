@@ -5,8 +5,8 @@
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::grouped::{
-    GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedParams, WGMMA_M, WGMMA_N,
-    grouped_m_tiles,
+    GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedNvfp4Params,
+    GroupedParams, WGMMA_M, WGMMA_N, grouped_m_tiles,
 };
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
@@ -125,6 +125,25 @@ unsafe fn launch_tiles<P: KernelParams>(gpu: &Gpu, s: Shape<P>, m_tiles: u32, n:
     unsafe { gpu.launch(Grid::new(s.entry, (m_tiles, n.div_ceil(s.n as usize) as u32, 1)), params) }
 }
 
+/// Checks a grouped launch's operand addresses ([`check_aligned`]: `a`, `w`, `out`) and
+/// launches `s` over the row tiles a dispatch like `d` can need.
+///
+/// # Safety
+/// `params` satisfies the kernel's contract for `d` and these tiles.
+unsafe fn launch_grouped<P: KernelParams>(
+    gpu: &Gpu,
+    (c, s): (Check, Shape<P>),
+    d: &Dispatch,
+    n: usize,
+    params: P,
+    (a, w, out): (u64, u64, u64),
+) -> Result<()> {
+    check_aligned(c, (a, w, out))?;
+    let m_tiles = grouped_m_tiles(d.entries() as u32, d.experts() as u32, s.m);
+    // SAFETY: the caller's contract; the addresses aligned.
+    unsafe { launch_tiles(gpu, s, m_tiles, n, params) }
+}
+
 /// One projection `p` of every expert with rows in `d`, one launch: grouped row j of expert e
 /// gets `out[j] = f(a_j W_eᵀ)`, `a_j` row `token[j]` of `a` when `by_token` (the layer input),
 /// row j otherwise (grouped rows); `p.w [experts, n, k]`. `n` and `k` multiples of 8. No
@@ -155,11 +174,10 @@ pub fn grouped(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let m_tiles = grouped_m_tiles(entries as u32, experts as u32, shape.m);
+    let addrs = (params.a as u64, params.w as u64, params.out as u64);
     // SAFETY: extents checked above; the dispatch's tokens are below the rows it was made for
     // (which `a` holds where by_token) and its offsets cover `entries`; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
+    unsafe { launch_grouped(gpu, (c, shape), d, p.n, params, addrs) }
 }
 
 /// Checks `n` and `k`: positive multiples of 8 (`k` of `k_multiple`: whole 16-byte chunks of a
@@ -205,6 +223,60 @@ fn fp8_weights(
     }
 }
 
+/// Multiple of k the NVFP4 grouped GEMM takes: whole stages of 64 weights (Nano's 2688 and
+/// 1856 are).
+pub const NVFP4_GROUPED_K_MULTIPLE: usize = 64;
+
+/// One NVFP4 projection `p` (weight-only) of every expert with rows in `d` on `wgmma`, one
+/// launch (`moe_grouped_wgmma_nvfp4`, sm_90a only: [`Gpu::has`]): grouped row j of expert e
+/// gets `out[j] = f(a_j W_eᵀ)` with `W_e` the expert's exact NVFP4 values (the codes made bf16
+/// in shared memory, each times its block scale exactly; the per-tensor scale on the f32 sums),
+/// `a_j` as [`grouped`] takes it. `n` a multiple of 8, `k` of [`NVFP4_GROUPED_K_MULTIPLE`]. No
+/// synchronization.
+pub fn grouped_nvfp4(
+    gpu: &Gpu,
+    d: &Dispatch,
+    a: &impl DevicePtr<bf16>,
+    by_token: bool,
+    p: Proj<Weights<'_>>,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let shape = Tiles::Wgmma.shape(entry::MOE_GROUPED_WGMMA_NVFP4);
+    let args = gpu.args(shape.entry);
+    let c = args.check();
+    d.check_filled(shape.entry.name())?;
+    check_nk(c, (p.n, p.k), NVFP4_GROUPED_K_MULTIPLE)?;
+    let (entries, experts) = (d.entries(), d.experts());
+    let (w, global) = match p.w {
+        Weights::Nvfp4 { .. } => p.w.args(&args, experts, (p.n, p.k)).map(|(w, global, _)| (w, global))?,
+        Weights::Bf16(_) | Weights::Fp8 { .. } => {
+            return Err(Error::Shape {
+                kernel: c.0,
+                arg: "w",
+                expected: "NVFP4 weights".into(),
+                got: "bf16 or FP8 weights".into(),
+            });
+        }
+    };
+    let params = GroupedNvfp4Params {
+        a: args.input("a", a, Len::AtLeast(if by_token { d.rows() } else { entries } * p.k))?,
+        token: if by_token { args.input("token", d.token(), Len::Any)? } else { std::ptr::null() },
+        w,
+        global,
+        offsets: args.input("offsets", d.offsets(), Len::Any)?,
+        out: args.output("out", out, Len::Exactly(entries * p.n))?,
+        experts: experts as u32,
+        n: p.n as u32,
+        k: p.k as u32,
+        relu2: u32::from(p.relu2),
+    };
+    let addrs = (params.a as u64, params.w as u64, params.out as u64);
+    // SAFETY: extents checked above (the experts' rows of row_bytes(k), a multiple of 16, so
+    // every row 16-byte aligned from an aligned start); the dispatch's tokens are below the
+    // rows it was made for and its offsets cover `entries`; out is `&mut`.
+    unsafe { launch_grouped(gpu, (c, shape), d, p.n, params, addrs) }
+}
+
 /// The FP8 codes of an FP8 product's input rows and their scales ([`quant_rows`]).
 pub struct Fp8Rows<'a, Q: DevicePtr<u8>, S: DevicePtr<f32>> {
     pub codes: &'a Q,
@@ -243,11 +315,10 @@ pub fn grouped_fp8(
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let m_tiles = grouped_m_tiles(entries as u32, experts as u32, shape.m);
+    let addrs = (params.a as u64, params.w as u64, params.out as u64);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
+    unsafe { launch_grouped(gpu, (c, shape), d, p.n, params, addrs) }
 }
 
 /// A bf16 linear layer `p` over `rows` rows of `x` on tensor cores, one launch: `out [rows,
@@ -318,7 +389,8 @@ pub fn gemm_fp8(
 /// cores: the up projection with relu^2 into a hidden buffer `[entries, inter]`, then the down
 /// projection into `out [entries, hidden]`. `x [rows, hidden]` the layer input. bf16 weights:
 /// two launches; FP8 weights (W8A8, both projections): each projection's input quantized
-/// first ([`quant_rows`], with the projection's static scales or per row), four launches.
+/// first ([`quant_rows`], with the projection's static scales or per row), four launches;
+/// NVFP4 weights (both projections, `wgmma` tiles only): two launches of [`grouped_nvfp4`].
 /// Tiles as [`Tiles::for_grouped`] (FP8: narrow for wide). No synchronization: the path for
 /// many rows.
 pub fn experts_mlp_grouped(
@@ -371,11 +443,15 @@ pub fn experts_mlp_grouped_as(
             quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, down_in, &mut q2, &mut s2)?;
             grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, tiles, out)
         }
+        (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) if tiles == Tiles::Wgmma => {
+            grouped_nvfp4(gpu, d, x, true, up, &mut h)?;
+            grouped_nvfp4(gpu, d, &h, false, down, out)
+        }
         _ => Err(Error::Shape {
             kernel: Kernel::MoeGroupedFp8.name(),
             arg: "down",
-            expected: "bf16 or FP8 weights, the up and down projections of one kind".into(),
-            got: "NVFP4 weights (dequantize them first: nvfp4::to_bf16), or kinds mixed".into(),
+            expected: "bf16, FP8 or (on wgmma tiles) NVFP4 weights, the up and down projections of one kind".into(),
+            got: "NVFP4 weights on other tiles (dequantize them first: nvfp4::to_bf16), or kinds mixed".into(),
         }),
     }
 }

@@ -17,6 +17,12 @@
 //!   products are exact in f32; the sums f32). On sm_90 ptxas runs that instruction as two
 //!   f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers: the wide tiles
 //!   spill, so FP8 has none); sm_120 and later have it natively.
+//! - NVFP4 weights, weight-only ([`GroupedNvfp4Params`]: `moe_grouped_wgmma_nvfp4`, sm_90a): `a`
+//!   bf16 as above, W each expert's rows in [`crate::nvfp4`]'s layout (e2m1 codes, e4m3 block
+//!   scales) with a per-tensor scale `g_e`; `out[j] = f((a_j · B_eᵀ) 2^9 g_e)`, `B_e` each code
+//!   times its block scale times 2^-9 as bf16 (exact: at most 6 significant bits, the form of
+//!   `crate::qgemv`'s tensor-core mat-vec), made in shared memory from the staged codes
+//!   (the weights are read as codes, never as bf16 from global memory).
 //!
 //! # Work split
 //! The grid is `(m tiles, n tiles)`: each expert's rows in tiles of m = [`GROUPED_M`] rows
@@ -65,6 +71,28 @@ pub const fn wgmma_smem_bytes() -> u32 {
     1024 + WGMMA_STAGES * (WGMMA_M + WGMMA_N) * crate::wgmma::STAGE_ROW_BYTES + 8
 }
 
+/// Bytes of each weight row's codes and block scales a stage of `moe_grouped_wgmma_nvfp4`
+/// stages: [`crate::wgmma::STAGE_ROW_BYTES`] / 2 = 64 weights, 32 bytes of codes and 4 scales.
+pub const NVFP4_STAGE_ROW_BYTES: u32 = 36;
+
+/// Where the parts of `moe_grouped_wgmma_nvfp4`'s dynamic shared memory start, from its first
+/// 1024-byte aligned byte: the stages' A tiles (`WGMMA_M` rows of 128 bytes each), two bf16 B
+/// tiles (`WGMMA_N` rows of 128 bytes: the stage being multiplied and the one before), the
+/// stages' codes and scales (`WGMMA_N` rows of [`NVFP4_STAGE_ROW_BYTES`] each), the block's
+/// expert and first row (8 bytes).
+pub const fn wgmma_nvfp4_layout() -> [u32; 4] {
+    let row = crate::wgmma::STAGE_ROW_BYTES;
+    let b = WGMMA_STAGES * WGMMA_M * row;
+    let raw = b + 2 * WGMMA_N * row;
+    [0, b, raw, raw + WGMMA_STAGES * WGMMA_N * NVFP4_STAGE_ROW_BYTES]
+}
+
+/// Dynamic shared memory of `moe_grouped_wgmma_nvfp4`: room to align to 1024 bytes, then
+/// [`wgmma_nvfp4_layout`]'s parts.
+pub const fn wgmma_nvfp4_smem_bytes() -> u32 {
+    1024 + wgmma_nvfp4_layout()[3] + 8
+}
+
 /// One grouped bf16 projection.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -104,6 +132,30 @@ pub struct GroupedFp8Params {
     pub out: *mut u16,
     pub experts: u32,
     pub n: u32,
+    pub k: u32,
+    /// 1: `f = relu(bf16(.))^2`; 0: the identity.
+    pub relu2: u32,
+}
+
+/// One grouped NVFP4 projection (weight-only), the module docs' NVFP4 operands.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GroupedNvfp4Params {
+    /// Rows of `k` bf16: grouped row j's input at `a + (token[j] or j) * k`.
+    pub a: *const u16,
+    /// `[entries]` grouped row -> its token; null: `a` holds the grouped rows themselves.
+    pub token: *const u32,
+    /// `experts * n` rows of [`crate::nvfp4::row_bytes`]`(k)` bytes.
+    pub w: *const u8,
+    /// `[experts]` the per-tensor scales.
+    pub global: *const f32,
+    /// `[experts + 1]`.
+    pub offsets: *const u32,
+    /// `[entries, n]`.
+    pub out: *mut u16,
+    pub experts: u32,
+    pub n: u32,
+    /// A multiple of 64 (whole stages of codes).
     pub k: u32,
     /// 1: `f = relu(bf16(.))^2`; 0: the identity.
     pub relu2: u32,
@@ -151,6 +203,8 @@ pub struct GemmFp8Params {
 unsafe impl KernelParams for GroupedParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for GroupedFp8Params {}
+// SAFETY: as above.
+unsafe impl KernelParams for GroupedNvfp4Params {}
 // SAFETY: as above.
 unsafe impl KernelParams for GemmParams {}
 // SAFETY: as above.

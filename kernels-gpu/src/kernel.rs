@@ -240,6 +240,9 @@ kernels! {
     /// As `MoeGroupedFp8`, 128 x 256 tiles on `wgmma` (sm_90a
     /// PTX only).
     MOE_GROUPED_WGMMA_FP8 = MoeGroupedWgmmaFp8("moe_grouped_wgmma_fp8", grouped::GroupedFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
+    /// As `MoeGroupedWgmma`, NVFP4 weights made bf16 in shared memory (weight-only; sm_90a
+    /// PTX only).
+    MOE_GROUPED_WGMMA_NVFP4 = MoeGroupedWgmmaNvfp4("moe_grouped_wgmma_nvfp4", grouped::GroupedNvfp4Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_nvfp4_smem_bytes())),
     /// A bf16 linear layer of many rows on tensor cores.
     GEMM_BF16 = GemmBf16("gemm_bf16", grouped::GemmParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NARROW_SMEM_BYTES)),
     /// As `GemmBf16`, tiles of 128 rows.
@@ -287,7 +290,14 @@ impl Kernel {
 
     /// Whether the kernel runs on `wgmma` (warpgroup matrix products, sm_90a only).
     pub const fn needs_wgmma(self) -> bool {
-        matches!(self, Kernel::MoeGroupedWgmma | Kernel::MoeGroupedWgmmaFp8 | Kernel::GemmWgmma | Kernel::GemmWgmmaFp8)
+        matches!(
+            self,
+            Kernel::MoeGroupedWgmma
+                | Kernel::MoeGroupedWgmmaFp8
+                | Kernel::MoeGroupedWgmmaNvfp4
+                | Kernel::GemmWgmma
+                | Kernel::GemmWgmmaFp8
+        )
     }
 
     /// Whether the kernel issues its first loads before it waits on the kernel before it

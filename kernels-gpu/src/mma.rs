@@ -272,6 +272,67 @@ mod device {
         }
     }
 
+    /// As [`copy16`] for the 4 bytes at `src` (`cp.async.ca`: the 16-byte form bypasses L1,
+    /// this one may not). This and the shared-memory accesses below serve the NVFP4 grouped
+    /// GEMM, in the sm_90a PTX only.
+    ///
+    /// # Safety
+    /// `dst` 4 bytes of the block's shared memory, 4-byte aligned; with `ok`, `src` 4 readable
+    /// bytes of global memory, 4-byte aligned.
+    #[cfg(target_feature = "sm_90a")]
+    #[inline(always)]
+    pub unsafe fn copy4(dst: u32, src: *const u8, ok: bool) {
+        // SAFETY: guaranteed by the caller; source size 0 where not ok.
+        unsafe {
+            asm!("cp.async.ca.shared.global [{d}], [{s}], 4, {n};", d = in(reg32) dst, s = in(reg64) src,
+                 n = in(reg32) if ok { 4u32 } else { 0 }, options(nostack))
+        }
+    }
+
+    /// The 16 bytes at shared address `at` as four words.
+    ///
+    /// # Safety
+    /// `at` 16 bytes of the block's shared memory, 16-byte aligned.
+    #[cfg(target_feature = "sm_90a")]
+    #[inline(always)]
+    pub unsafe fn lds16(at: u32) -> [u32; 4] {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            asm!("ld.shared.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];", a = out(reg32) a, b = out(reg32) b,
+                 c = out(reg32) c, d = out(reg32) d, p = in(reg32) at, options(readonly, nostack))
+        };
+        [a, b, c, d]
+    }
+
+    /// The word at shared address `at`.
+    ///
+    /// # Safety
+    /// `at` 4 bytes of the block's shared memory, 4-byte aligned.
+    #[cfg(target_feature = "sm_90a")]
+    #[inline(always)]
+    pub unsafe fn lds4(at: u32) -> u32 {
+        let v: u32;
+        // SAFETY: guaranteed by the caller.
+        unsafe { asm!("ld.shared.u32 {v}, [{p}];", v = out(reg32) v, p = in(reg32) at, options(readonly, nostack)) };
+        v
+    }
+
+    /// Stores four words as the 16 bytes at shared address `at`.
+    ///
+    /// # Safety
+    /// `at` 16 bytes of the block's shared memory, 16-byte aligned, no other thread's access
+    /// to them unordered with this one.
+    #[cfg(target_feature = "sm_90a")]
+    #[inline(always)]
+    pub unsafe fn sts16(at: u32, v: [u32; 4]) {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            asm!("st.shared.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};", p = in(reg32) at, a = in(reg32) v[0],
+                 b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], options(nostack))
+        }
+    }
+
     /// Waits for this thread's `cp.async` copies, then the block's barrier: every tile staged
     /// before it is readable by every thread after it. Call it in uniform flow.
     #[inline(always)]

@@ -156,7 +156,7 @@ mod device {
     /// stays below bf16's largest power of two, 2^127), and 2^9 its complement in the sums:
     /// 2^117 times the codes' 2^-126.
     const FP4_SCALE_UP: f32 = f32::from_bits((127 + 117) << 23);
-    const FP4_SUM_SCALE: f32 = 512.0;
+    pub const FP4_SUM_SCALE: f32 = 512.0;
 
     impl TcWeights for Nvfp4 {
         type Half = Fp4Half;
@@ -235,7 +235,7 @@ mod device {
     /// The two e4m3 block scales of `pair` (the first in the low byte) times 2^117 as bf16
     /// pairs of one value each (exact: an e4m3 value has four significant bits).
     #[inline(always)]
-    fn fp4_scales(pair: u16) -> [u32; 2] {
+    pub fn fp4_scales(pair: u16) -> [u32; 2] {
         let (a, b) = e4m3x2_to_f32(pair);
         [f32x2_to_bf16x2(a * FP4_SCALE_UP, a * FP4_SCALE_UP), f32x2_to_bf16x2(b * FP4_SCALE_UP, b * FP4_SCALE_UP)]
     }
@@ -261,6 +261,17 @@ mod device {
             };
         }
         out
+    }
+
+    /// [`fp4_pairs`] of eight codes in order: pair i codes `(2i, 2i + 1)`, the four words eight
+    /// consecutive weights of a row as bf16 (times 2^-9, exactly). The codes' nibbles are first
+    /// put in the order `0 2 4 6 1 3 5 7` (the middle two of each half swapped, then the middle
+    /// two bytes), which pairs `(i, i + 4)` take in order. (The NVFP4 grouped GEMM's, sm_90a.)
+    #[cfg(target_feature = "sm_90a")]
+    #[inline(always)]
+    pub fn fp4_in_order(codes: u32, scale: u32) -> [u32; 4] {
+        let t = (codes ^ (codes >> 4)) & 0x00f0_00f0;
+        fp4_pairs(prmt(codes ^ t ^ (t << 4), 0, 0x3120), scale)
     }
 
     /// A block's weight rows of one matrix: the first at `w`, each next `stride` bytes on,

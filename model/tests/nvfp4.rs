@@ -392,7 +392,8 @@ fn the_weights_agree_with_the_declaration() {
 ///   tensor-core mat-vec, from the codes), a 40-token prompt in a second slot (the dense
 ///   projections past the gemv's rows: their weights dequantized to bf16, rounded once, for
 ///   cuBLASLt; the experts still on the tensor-core mat-vec) and an 80-token one in a third
-///   (the experts past the expert kernel's rows: the bf16 grouped GEMM), their logits within
+///   (the experts past the expert kernel's rows: dequantized for the bf16 grouped GEMM, the
+///   fixture's sizes not being multiples of 64 as the NVFP4 grouped GEMM's are), their logits within
 ///   the band of bf16-rounded weights; then 16 decode
 ///   steps after the 80 fed the CPU's greedy tokens, whose states carry the prefill's bf16
 ///   weights: the largest gap printed, the greedy tokens mostly the same.

@@ -5,6 +5,9 @@ use super::*;
 use crate::device::*;
 use crate::mma::{Tile, acc_col, acc_row, commit, copy16, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
 
+#[cfg(target_feature = "sm_90a")]
+mod wgmma;
+
 /// What a launch of the generic kernel multiplies, from any of the params structs (byte
 /// pointers; the absent parts null, which the entry points fix at compile time).
 #[derive(Clone, Copy)]
@@ -52,43 +55,6 @@ pub unsafe extern "ptx-kernel" fn moe_grouped_m128_bf16(p: GroupedParams) {
 pub unsafe extern "ptx-kernel" fn moe_grouped_fp8(p: GroupedFp8Params) {
     // SAFETY: the launch contract is the caller's.
     unsafe { grouped::<true, 2, GROUPED_K_BYTES>(fp8_job(p)) }
-}
-
-/// Grouped bf16 projection on `wgmma`, [`GroupedParams`]: [`WGMMA_M`] x [`WGMMA_N`] tiles.
-/// Grid `(grouped_m_tiles(entries, experts, WGMMA_M), ceil(n / WGMMA_N))`, block
-/// [`GROUPED_BLOCK`] (two warpgroups), dynamic shared memory [`wgmma_smem_bytes`];
-/// sm_90a only.
-#[cfg(target_feature = "sm_90a")]
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_bf16(p: GroupedParams) {
-    // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<false>(bf16_job(p)) }
-}
-
-/// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step).
-#[cfg(target_feature = "sm_90a")]
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: GroupedFp8Params) {
-    // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<true>(fp8_job(p)) }
-}
-
-/// bf16 product of rows by one matrix on `wgmma`, [`GemmParams`]: grid `(ceil(rows /
-/// WGMMA_M), ceil(n / WGMMA_N))`, block and shared memory as `moe_grouped_wgmma_bf16`'s;
-/// sm_90a only.
-#[cfg(target_feature = "sm_90a")]
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
-    // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<false>(gemm_bf16_job(p)) }
-}
-
-/// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
-#[cfg(target_feature = "sm_90a")]
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
-    // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<true>(gemm_job(p)) }
 }
 
 /// bf16 product of rows by one matrix, [`GemmParams`]. Grid `(ceil(rows / GROUPED_M),
@@ -325,127 +291,6 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
                     let col = wn + 8 * jj as u32 + acc_col(lane, 0);
                     if col < cols {
                         let (v0, v1) = (t[2 * h as usize], t[2 * h as usize + 1]);
-                        let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
-                        let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
-                        st(j.out.wrapping_add(at) as *mut u32, 0, v);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The `wgmma` grouped kernel: a block's [`WGMMA_M`] x [`WGMMA_N`] tile, warpgroup g its rows
-/// `64 g .. + 64`, k through a ring of [`WGMMA_STAGES`] stages of 128 bytes of every row
-/// (swizzled tiles, `cp.async` by all 256 threads, 4 chunks of A and 8 of B each), each
-/// stage's products one [`mma_stage`] a warpgroup (waited for before the next barrier, so
-/// the stage loaded after that barrier, the one read before it, is free). The loads run
-/// three stages ahead of the products.
-///
-/// # Safety
-/// As [`grouped`], with this kernel's grid and shared memory.
-#[cfg(target_feature = "sm_90a")]
-#[inline(always)]
-unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
-    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, acc_col, acc_row, fence_async_shared, mma_stage};
-    grid_dependency_wait();
-    let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
-    let (g, wi) = (w / 4, w % 4);
-    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, WGMMA_N * STAGE_ROW_BYTES);
-    let base = smem_addr(0);
-    let pad = base.next_multiple_of(1024) - base;
-    let found = dyn_smem_f32().wrapping_add(((pad + WGMMA_STAGES * (a_bytes + b_bytes)) / 4) as usize) as *mut u32;
-    let stage_tiles = |s: u32| {
-        let at = base + pad + s * (a_bytes + b_bytes);
-        (SwizzledTile { addr: at }, SwizzledTile { addr: at + a_bytes })
-    };
-    // SAFETY: as the doc says; the stages (1024-byte aligned) and the two words fit in the
-    // shared memory; each stage's copies are complete, fenced to the async proxy and
-    // published by the barrier before any warpgroup's products read it, and reloaded only
-    // after the barrier that follows every warpgroup's wait for those products.
-    unsafe {
-        let (e, m0) = block_tile(&j, WGMMA_M, found);
-        if e == u32::MAX {
-            return;
-        }
-        let (lo, end) = if j.offsets.is_null() {
-            (m0, j.rows)
-        } else {
-            (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
-        };
-        if lo >= end {
-            return;
-        }
-        let rows = (end - lo).min(WGMMA_M);
-        let n0 = block_y() * WGMMA_N;
-        let cols = (j.n - n0).min(WGMMA_N);
-        let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
-        // This thread's 16-byte chunks of a stage: chunk c of rows `r + 32 i` (4 of A, 8
-        // of B), the sources' rows fixed for the whole product.
-        let (r, c) = (tid / 8, tid % 8);
-        let mut a_src = [j.a; 4];
-        let mut a_ok = [false; 4];
-        for i in 0..4 {
-            let ar = r + 32 * i as u32;
-            a_ok[i] = ar < rows;
-            if a_ok[i] {
-                let row = if j.token.is_null() { (lo + ar) as usize } else { ld(j.token, (lo + ar) as usize) as usize };
-                a_src[i] = j.a.wrapping_add(row * kb + 16 * c as usize);
-            }
-        }
-        let b_src = j.w.wrapping_add((e as usize * j.n as usize + (n0 + r) as usize) * kb + 16 * c as usize);
-        let steps = (kb as u32).div_ceil(STAGE_ROW_BYTES);
-        let load = |step: u32| {
-            if step < steps {
-                let (at, bt) = stage_tiles(step % WGMMA_STAGES);
-                let k0 = step * STAGE_ROW_BYTES;
-                let in_k = k0 + 16 * c < kb as u32;
-                let off = k0 as usize;
-                for i in 0..4 {
-                    let ok = a_ok[i] && in_k;
-                    let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
-                    copy16(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
-                }
-                for i in 0..8 {
-                    let br = r + 32 * i as u32;
-                    let ok = br < cols && in_k;
-                    let src = b_src.wrapping_add(off + 32 * i * kb);
-                    copy16(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
-                }
-            }
-            commit();
-        };
-        for s in 0..WGMMA_STAGES - 1 {
-            load(s);
-        }
-        let mut acc = [[0.0f32; 64]; 2];
-        for step in 0..steps {
-            // Stage `step` in: this thread's copies done and fenced, then everyone's.
-            core::arch::asm!("cp.async.wait_group {n};", n = const WGMMA_STAGES - 2, options(nostack));
-            fence_async_shared();
-            sync_threads();
-            load(step + WGMMA_STAGES - 1);
-            let (at, bt) = stage_tiles(step % WGMMA_STAGES);
-            let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
-            let b: [[u64; 4]; 2] =
-                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
-            mma_stage::<FP8>(&mut acc, a, b);
-        }
-        let relu2 = j.relu2 != 0;
-        let f = |v: f32| relu2_if(v, relu2);
-        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
-        for rh in 0..2u32 {
-            let row = 64 * g + acc_row(wi, lane, 2 * rh);
-            if row >= rows {
-                continue;
-            }
-            let s = if j.a_scale.is_null() { 1.0 } else { ws * ld(j.a_scale, (lo + row) as usize) };
-            for (h, half) in acc.iter().enumerate() {
-                for q in 0..16u32 {
-                    let i = 4 * q + 2 * rh;
-                    let col = 128 * h as u32 + acc_col(lane, i);
-                    if col < cols {
-                        let (v0, v1) = (half[i as usize], half[i as usize + 1]);
                         let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
                         let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
                         st(j.out.wrapping_add(at) as *mut u32, 0, v);

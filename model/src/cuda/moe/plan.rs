@@ -4,6 +4,7 @@
 //! paths switch in the table below, each measured where it is defined. The executor
 //! (`CudaExperts::execute`) runs the plan's parts: route, dispatch, experts, combine.
 
+use host::grouped::NVFP4_GROUPED_K_MULTIPLE;
 use host::moe::{MAX_EXPERTS, MAX_TOP_K};
 
 /// Most rows of a bf16 MoE layer that go through the expert kernel rather than a GEMM: the
@@ -24,8 +25,12 @@ pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
 
 /// Most rows of an NVFP4 MoE layer that go through the expert kernels (weight-only, from the
 /// codes: the warp mode, or the tensor cores where the experts average two rows or more,
-/// `host::gemv::NVFP4_TC_MIN_ROWS`); more dequantize every expert to bf16 and take bf16's path
-/// past its expert kernel.
+/// `host::gemv::NVFP4_TC_MIN_ROWS`); more take the NVFP4 grouped GEMM on `wgmma`
+/// (`host::grouped::grouped_nvfp4`, the codes made bf16 in shared memory) where the GPU has it
+/// and the sizes are multiples of `host::grouped::NVFP4_GROUPED_K_MULTIPLE`, else dequantize
+/// every expert to bf16 and take bf16's path past its expert kernel. The routed experts alone
+/// (`cargo bench --bench moe -- experts/b`, an H100, Nano sizes): the expert kernel 685.1 us at
+/// 64 rows against 821.2 by the NVFP4 grouped GEMM, 1227.5 against 847.1 at 256.
 pub const NVFP4_EXPERT_KERNEL_MAX_ROWS: usize = 64;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
@@ -115,8 +120,8 @@ pub enum ExpertPath {
     Choices,
     /// Dispatched; each active expert's projections by the expert kernel of its format.
     ExpertKernel,
-    /// Dispatched; the grouped GEMM on tensor cores (bf16 or FP8; NVFP4 dequantized to bf16
-    /// into a temporary first).
+    /// Dispatched; the grouped GEMM on tensor cores (bf16, FP8, or NVFP4 on `wgmma` from its
+    /// codes; NVFP4 dequantized to bf16 into a temporary first where `dequantize`).
     Grouped { dequantize: bool },
     /// Dispatched; a cuBLASLt GEMM pair per expert (bf16, or NVFP4 dequantized first).
     PerExpertGemm { dequantize: bool },
@@ -153,7 +158,10 @@ impl MoePlan {
         let experts = match k.format {
             _ if rows <= CHOICES_MAX_ROWS => ExpertPath::Choices,
             Format::Bf16 if rows > EXPERT_KERNEL_MAX_ROWS => bf16(false),
-            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => bf16(true),
+            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => match k.wgmma && sized(NVFP4_GROUPED_K_MULTIPLE) {
+                true => ExpertPath::Grouped { dequantize: false },
+                false => bf16(true),
+            },
             Format::Fp8 if rows > FP8_EXPERT_KERNEL_MAX_ROWS && pieces == 0 && sized(16) => {
                 ExpertPath::Grouped { dequantize: false }
             }
@@ -219,10 +227,14 @@ mod tests {
         let nvfp4 = paths(&nano(Format::Nvfp4, true), &rows);
         let mut want = vec![(Mlp, Choices)];
         want.extend([(Mlp, ExpertKernel); 4]);
-        want.extend([(Mlp, Grouped { dequantize: true }); 3]);
+        want.extend([(Mlp, grouped); 3]);
         assert_eq!(nvfp4, want);
-        let nvfp4 = paths(&nano(Format::Nvfp4, false), &[8192, 8193]);
-        assert_eq!(nvfp4, [(Mlp, Grouped { dequantize: true }), (Mlp, PerExpertGemm { dequantize: true })]);
+        let nvfp4 = paths(&nano(Format::Nvfp4, false), &[65, 8192, 8193]);
+        let dequantized = (Mlp, Grouped { dequantize: true });
+        assert_eq!(nvfp4, [dequantized, dequantized, (Mlp, PerExpertGemm { dequantize: true })]);
+        // Sizes the NVFP4 grouped GEMM does not take (k a multiple of 64) are dequantized.
+        let odd = MoeKind { inter: 1856 + 16, ..nano(Format::Nvfp4, true) };
+        assert_eq!(MoePlan::new(&odd, 65).experts, Grouped { dequantize: true });
     }
 
     /// Up and down projections of different formats run per choice at one row, else by the

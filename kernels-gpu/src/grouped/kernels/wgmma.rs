@@ -1,0 +1,313 @@
+//! The `wgmma` kernels of the tensor-core GEMM family (sm_90a PTX only): the grouped and
+//! one-matrix products on warpgroup matrix products, bf16, FP8 and NVFP4 (weight-only). The
+//! launch parameters and sizes are in `../../grouped.rs`; the block's tile lookup and the
+//! [`Job`] they run are the parent's.
+
+use super::*;
+
+/// Grouped bf16 projection on `wgmma`, [`GroupedParams`]: [`WGMMA_M`] x [`WGMMA_N`] tiles.
+/// Grid `(grouped_m_tiles(entries, experts, WGMMA_M), ceil(n / WGMMA_N))`, block
+/// [`GROUPED_BLOCK`] (two warpgroups), dynamic shared memory [`wgmma_smem_bytes`];
+/// sm_90a only.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_bf16(p: GroupedParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<false>(bf16_job(p)) }
+}
+
+/// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step).
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: GroupedFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<true>(fp8_job(p)) }
+}
+
+/// Grouped NVFP4 projection on `wgmma` (weight-only), [`GroupedNvfp4Params`]: grid and block
+/// as `moe_grouped_wgmma_bf16`'s, dynamic shared memory [`wgmma_nvfp4_smem_bytes`]; sm_90a
+/// only.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_nvfp4(p: GroupedNvfp4Params) {
+    let job = Job::plain(p.a as *const u8, p.w, p.out, (0, p.n, p.k, p.relu2));
+    let job = Job { token: p.token, w_scale: p.global, offsets: p.offsets, experts: p.experts, ..job };
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma_nvfp4(job) }
+}
+
+/// bf16 product of rows by one matrix on `wgmma`, [`GemmParams`]: grid `(ceil(rows /
+/// WGMMA_M), ceil(n / WGMMA_N))`, block and shared memory as `moe_grouped_wgmma_bf16`'s;
+/// sm_90a only.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<false>(gemm_bf16_job(p)) }
+}
+
+/// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_wgmma::<true>(gemm_job(p)) }
+}
+
+/// A `wgmma` block's output tile: its matrix `e`, its first row `lo` in the grouped order and
+/// `rows` real rows from there, its first column `n0` and `cols` real columns.
+struct WgmmaTile {
+    e: u32,
+    lo: u32,
+    rows: u32,
+    n0: u32,
+    cols: u32,
+}
+
+impl WgmmaTile {
+    /// Block (x, y)'s tile, or None where it has none (every thread gets the same answer: a
+    /// barrier inside, call it in uniform flow).
+    ///
+    /// # Safety
+    /// As [`block_tile`].
+    #[inline(always)]
+    unsafe fn of_block(j: &Job, found: *mut u32) -> Option<WgmmaTile> {
+        // SAFETY: forwarded.
+        unsafe {
+            let (e, m0) = block_tile(j, WGMMA_M, found);
+            if e == u32::MAX {
+                return None;
+            }
+            let (lo, end) = if j.offsets.is_null() {
+                (m0, j.rows)
+            } else {
+                (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+            };
+            if lo >= end {
+                return None;
+            }
+            let n0 = block_y() * WGMMA_N;
+            Some(WgmmaTile { e, lo, rows: (end - lo).min(WGMMA_M), n0, cols: (j.n - n0).min(WGMMA_N) })
+        }
+    }
+
+    /// This thread's rows of A to stage, rows `r + 32 i` of the tile (i < 4): each one's
+    /// address of 16-byte chunk `c` (`kb` bytes a row; `j.a` for rows past the tile's) and
+    /// whether it is real.
+    ///
+    /// # Safety
+    /// `j.token` (where given) readable at the tile's rows.
+    #[inline(always)]
+    unsafe fn a_rows(&self, j: &Job, kb: usize, (r, c): (u32, u32)) -> ([*const u8; 4], [bool; 4]) {
+        let mut src = [j.a; 4];
+        let mut ok = [false; 4];
+        for i in 0..4 {
+            let ar = r + 32 * i as u32;
+            ok[i] = ar < self.rows;
+            if ok[i] {
+                let at = (self.lo + ar) as usize;
+                // SAFETY: forwarded.
+                let row = if j.token.is_null() { at } else { unsafe { ld(j.token, at) as usize } };
+                src[i] = j.a.wrapping_add(row * kb + 16 * c as usize);
+            }
+        }
+        (src, ok)
+    }
+
+    /// Stores this thread's accumulators of the tile: `f(v s)` rounded to bf16, `s` the
+    /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
+    ///
+    /// # Safety
+    /// `j.out` and `j.a_scale` (where given) hold the tile's rows.
+    #[inline(always)]
+    unsafe fn store(&self, j: &Job, acc: &[[f32; 64]; 2], ws: f32) {
+        use crate::wgmma::{acc_col, acc_row};
+        let (w, lane) = (warp_id(), lane_id());
+        let relu2 = j.relu2 != 0;
+        let f = |v: f32| relu2_if(v, relu2);
+        for rh in 0..2u32 {
+            let row = 64 * (w / 4) + acc_row(w % 4, lane, 2 * rh);
+            if row >= self.rows {
+                continue;
+            }
+            // SAFETY: forwarded (row is one of the tile's).
+            let s = if j.a_scale.is_null() { ws } else { ws * unsafe { ld(j.a_scale, (self.lo + row) as usize) } };
+            for (h, half) in acc.iter().enumerate() {
+                for q in 0..16u32 {
+                    let i = 4 * q + 2 * rh;
+                    let col = 128 * h as u32 + acc_col(lane, i);
+                    if col < self.cols {
+                        let v = pack(f(half[i as usize] * s), f(half[i as usize + 1] * s));
+                        let at = (self.lo + row) as usize * j.n as usize + (self.n0 + col) as usize;
+                        // SAFETY: forwarded (the tile's row and column).
+                        unsafe { st(j.out.wrapping_add(at) as *mut u32, 0, v) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The `wgmma` grouped kernel: a block's [`WGMMA_M`] x [`WGMMA_N`] tile, warpgroup g its rows
+/// `64 g .. + 64`, k through a ring of [`WGMMA_STAGES`] stages of 128 bytes of every row
+/// (swizzled tiles, `cp.async` by all 256 threads, 4 chunks of A and 8 of B each), each
+/// stage's products one [`mma_stage`] a warpgroup (waited for before the next barrier, so
+/// the stage loaded after that barrier, the one read before it, is free). The loads run
+/// three stages ahead of the products.
+///
+/// # Safety
+/// As [`grouped`], with this kernel's grid and shared memory.
+#[inline(always)]
+unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, fence_async_shared, mma_stage};
+    grid_dependency_wait();
+    let tid = thread_x();
+    let g = warp_id() / 4;
+    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, WGMMA_N * STAGE_ROW_BYTES);
+    let base = smem_addr(0);
+    let pad = base.next_multiple_of(1024) - base;
+    let found = dyn_smem_f32().wrapping_add(((pad + WGMMA_STAGES * (a_bytes + b_bytes)) / 4) as usize) as *mut u32;
+    let stage_tiles = |s: u32| {
+        let at = base + pad + s * (a_bytes + b_bytes);
+        (SwizzledTile { addr: at }, SwizzledTile { addr: at + a_bytes })
+    };
+    // SAFETY: as the doc says; the stages (1024-byte aligned) and the two words fit in the
+    // shared memory; each stage's copies are complete, fenced to the async proxy and
+    // published by the barrier before any warpgroup's products read it, and reloaded only
+    // after the barrier that follows every warpgroup's wait for those products.
+    unsafe {
+        let Some(t) = WgmmaTile::of_block(&j, found) else { return };
+        let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
+        // This thread's 16-byte chunks of a stage: chunk c of rows `r + 32 i` (4 of A, 8
+        // of B), the sources' rows fixed for the whole product.
+        let (r, c) = (tid / 8, tid % 8);
+        let (a_src, a_ok) = t.a_rows(&j, kb, (r, c));
+        let b_src = j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + r) as usize) * kb + 16 * c as usize);
+        let steps = (kb as u32).div_ceil(STAGE_ROW_BYTES);
+        let load = |step: u32| {
+            if step < steps {
+                let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+                let k0 = step * STAGE_ROW_BYTES;
+                let in_k = k0 + 16 * c < kb as u32;
+                let off = k0 as usize;
+                for i in 0..4 {
+                    let ok = a_ok[i] && in_k;
+                    let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
+                    copy16(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
+                }
+                for i in 0..8 {
+                    let br = r + 32 * i as u32;
+                    let ok = br < t.cols && in_k;
+                    let src = b_src.wrapping_add(off + 32 * i * kb);
+                    copy16(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
+                }
+            }
+            commit();
+        };
+        for s in 0..WGMMA_STAGES - 1 {
+            load(s);
+        }
+        let mut acc = [[0.0f32; 64]; 2];
+        for step in 0..steps {
+            // Stage `step` in: this thread's copies done and fenced, then everyone's.
+            core::arch::asm!("cp.async.wait_group {n};", n = const WGMMA_STAGES - 2, options(nostack));
+            fence_async_shared();
+            sync_threads();
+            load(step + WGMMA_STAGES - 1);
+            let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+            let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
+            let b: [[u64; 4]; 2] =
+                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
+            mma_stage::<FP8>(&mut acc, a, b);
+        }
+        t.store(&j, &acc, if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) });
+    }
+}
+
+/// The NVFP4 `wgmma` grouped kernel: as [`grouped_wgmma`] for bf16, but B's stage is staged
+/// as codes and scales ([`NVFP4_STAGE_ROW_BYTES`] of each weight row: thread t copies row t's
+/// two 16-byte chunks of codes and its 4 scales) and made into bf16 by the thread that copied
+/// it ([`fp4_in_order`]: each code times its block scale times 2^-9, exact) in one of two B
+/// tiles, so a stage needs one barrier: after it this thread's copies of the stage are done, it
+/// writes B tile `step % 2` (last read by the products two stages back, which every warpgroup
+/// waited for before the last barrier), fences, and the barrier publishes A and B; then the
+/// next loads (into the ring slot the products before the barrier read) and the products.
+/// The sums times 2^9 and the matrix's per-tensor scale.
+///
+/// # Safety
+/// As [`grouped`] with [`GroupedNvfp4Params`]' contract (k a multiple of 64, the weight rows
+/// 16-byte aligned), this kernel's grid and shared memory.
+#[inline(always)]
+unsafe fn grouped_wgmma_nvfp4(j: Job) {
+    use crate::mma::{copy4, lds4, lds16, sts16};
+    use crate::qgemv::{FP4_SUM_SCALE, fp4_in_order, fp4_scales};
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, fence_async_shared, mma_stage};
+    grid_dependency_wait();
+    let tid = thread_x();
+    let g = warp_id() / 4;
+    let (a_bytes, b_bytes, raw_bytes) =
+        (WGMMA_M * STAGE_ROW_BYTES, WGMMA_N * STAGE_ROW_BYTES, WGMMA_N * NVFP4_STAGE_ROW_BYTES);
+    let base = smem_addr(0);
+    let pad = base.next_multiple_of(1024) - base;
+    let [a_at, b_at, raw_at, words] = wgmma_nvfp4_layout().map(|at| base + pad + at);
+    let a_tile = |s: u32| SwizzledTile { addr: a_at + s * a_bytes };
+    let b_tile = |s: u32| SwizzledTile { addr: b_at + s * b_bytes };
+    let raw = |s: u32| raw_at + s * raw_bytes;
+    let found = dyn_smem_f32().wrapping_add(((words - base) / 4) as usize) as *mut u32;
+    // SAFETY: as the doc says; the tiles (1024-byte aligned), the ring and the two words fit in
+    // the shared memory; each stage's A copies and B tile are complete, fenced to the async
+    // proxy and published by the barrier before any warpgroup's products read them; a ring
+    // slot is reloaded, and a B tile rewritten, only after the barrier that follows every
+    // warpgroup's wait for the products that read it; a thread reads only the codes and
+    // scales it copied itself, after its own wait.
+    unsafe {
+        let Some(t) = WgmmaTile::of_block(&j, found) else { return };
+        let (r, c) = (tid / 8, tid % 8);
+        let (a_src, a_ok) = t.a_rows(&j, 2 * j.k as usize, (r, c));
+        // Weight row t.n0 + tid: its codes, then its scales.
+        let w_ok = tid < t.cols;
+        let row_bytes = crate::nvfp4::row_bytes(j.k as usize);
+        let w_row = j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + tid) as usize) * row_bytes);
+        let steps = j.k / 64;
+        let load = |step: u32| {
+            if step < steps {
+                let s = step % WGMMA_STAGES;
+                let off = (step * STAGE_ROW_BYTES) as usize;
+                for i in 0..4 {
+                    let src = if a_ok[i] { a_src[i].wrapping_add(off) } else { j.a };
+                    copy16(a_tile(s).chunk(r + 32 * i as u32, c), src as *const u16, a_ok[i]);
+                }
+                let codes = w_row.wrapping_add(32 * step as usize);
+                for h in 0..2 {
+                    let src = if w_ok { codes.wrapping_add(16 * h as usize) } else { j.w };
+                    copy16(raw(s) + 16 * (WGMMA_N * h + tid), src as *const u16, w_ok);
+                }
+                let scales = w_row.wrapping_add(j.k as usize / 2 + 4 * step as usize);
+                copy4(raw(s) + 32 * WGMMA_N + 4 * tid, if w_ok { scales } else { j.w }, w_ok);
+            }
+            commit();
+        };
+        for s in 0..WGMMA_STAGES - 1 {
+            load(s);
+        }
+        let mut acc = [[0.0f32; 64]; 2];
+        for step in 0..steps {
+            core::arch::asm!("cp.async.wait_group {n};", n = const WGMMA_STAGES - 2, options(nostack));
+            let (rs, bt) = (raw(step % WGMMA_STAGES), b_tile(step % 2));
+            let codes = [lds16(rs + 16 * tid), lds16(rs + 16 * (WGMMA_N + tid))];
+            let scales = lds4(rs + 32 * WGMMA_N + 4 * tid);
+            for pair in 0..2u32 {
+                // Blocks 2 pair and 2 pair + 1: 32 weights, chunks 4 pair .. 4 pair + 4.
+                let s = fp4_scales((scales >> (16 * pair)) as u16);
+                for q in 0..4u32 {
+                    let v = fp4_in_order(codes[pair as usize][q as usize], s[q as usize / 2]);
+                    sts16(bt.chunk(tid, 4 * pair + q), v);
+                }
+            }
+            fence_async_shared();
+            sync_threads();
+            load(step + WGMMA_STAGES - 1);
+            let at = a_tile(step % WGMMA_STAGES);
+            let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
+            let b: [[u64; 4]; 2] =
+                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
+            mma_stage::<false>(&mut acc, a, b);
+        }
+        t.store(&j, &acc, ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
+    }
+}

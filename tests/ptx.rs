@@ -119,6 +119,26 @@ fn arch_selection_by_compute_capability() {
     }
 }
 
+/// The kernels whose fixed shared memory is more than a block of the sm_12x family may have
+/// (101376 bytes, 99 KiB: DGX Spark's sm_121a; sm_90, sm_100 and sm_110 blocks have 232448)
+/// are those the host runs only where `Gpu::fits` says they fit, with another path
+/// elsewhere: the 128-row grouped GEMM tiles (`Tiles::for_grouped` takes the 64-row ones;
+/// `gemm_m128_bf16` runs only where a caller asks for those tiles) and the flash attention
+/// kernels (`host::attn::attention` takes the row kernel). A kernel that grows past the limit
+/// must join them, with its fallback.
+#[test]
+fn kernels_too_big_for_sm12x_blocks_have_fallbacks() {
+    const SM12X_BLOCK_SMEM: u32 = 101376;
+    let mut big: Vec<Kernel> = Kernel::ALL
+        .iter()
+        .copied()
+        .filter(|k| k.in_arch("sm_121a") && matches!(k.smem(), host::Smem::Fixed(b) if b > SM12X_BLOCK_SMEM))
+        .collect();
+    big.sort_by_key(|k| k.name());
+    let want = [Kernel::AttnFlash, Kernel::AttnFlashD128, Kernel::GemmWideBf16, Kernel::MoeGroupedWide];
+    assert_eq!(big, want);
+}
+
 /// The `wgmma` kernels' asm blocks stand once each in their entries (the compiler may not copy
 /// or split them: each holds a fence, products, their commit and the wait for them, and the
 /// whole warpgroup must run it together): bf16 (and NVFP4, its codes made bf16) one block of 8

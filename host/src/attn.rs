@@ -144,7 +144,7 @@ pub struct Qkv<'a> {
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
 /// launches, or one where each row has a slot of its own (decode rows); the second is the
 /// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
-/// channels, the row kernel for wider ones. The row kernel splits each row's keys over blocks
+/// channels where a block may have its shared memory ([`Gpu::fits`]), else the row kernel. The row kernel splits each row's keys over blocks
 /// in a cache of more than `MIN_SPLIT_KEYS` positions ([`split_keys`]), and a combine launch
 /// merges the parts.
 pub fn attention(
@@ -195,11 +195,13 @@ pub fn attention(
         splits: 1,
         partial: std::ptr::null_mut(),
     };
-    // Prefill rows take the flash kernel where their heads fit it: its arguments and grid
-    // checked before anything launches.
+    // Prefill rows take the flash kernel where their heads fit it and a block may have its
+    // shared memory (`Gpu::fits`: not on the sm_12x family): its arguments and grid checked
+    // before anything launches.
+    let flash_kernel = if s.head_dim.div_ceil(16) == 8 { entry::ATTN_FLASH_D128 } else { entry::ATTN_FLASH };
     let flash = match &rows.tiles {
-        Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
-            let kf = if s.head_dim.div_ceil(16) == 8 { entry::ATTN_FLASH_D128 } else { entry::ATTN_FLASH };
+        Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize && gpu.fits(flash_kernel.kernel) => {
+            let kf = flash_kernel;
             let aligned = |a: u64| a.is_multiple_of(16);
             let vec = s.head_dim.is_multiple_of(8)
                 && q_stride.is_multiple_of(8)

@@ -42,13 +42,21 @@ struct Shape<P> {
 
 impl Tiles {
     /// The tiles the grouped projections run on here: `wgmma` where the GPU has it, else the
-    /// 128-row tiles (FP8 takes the 64-row ones for those). On the H200 (`cargo bench --bench
+    /// 128-row tiles where a block may have their shared memory ([`Gpu::fits`]: not on the
+    /// sm_12x family), else the 64-row ones (FP8 takes the 64-row ones for the 128-row
+    /// ones). On the H200 (`cargo bench --bench
     /// moe -- experts/b`, Nano's 128 experts of 1856 x 2688, top-6, both projections) `wgmma`
     /// was the fastest at every size from 16 rows (419.4 us; 128-row tiles 467.5, 64-row
     /// 567.0) to 16384 (4673.3 us; 6725.4, 11096.5), and without it the 128-row tiles beat the
     /// 64-row ones at every size as well.
     pub fn for_grouped(gpu: &Gpu) -> Tiles {
-        if gpu.has(Kernel::MoeGroupedWgmma) { Tiles::Wgmma } else { Tiles::Wide }
+        if gpu.has(Kernel::MoeGroupedWgmma) {
+            Tiles::Wgmma
+        } else if gpu.fits(Kernel::MoeGroupedWide) {
+            Tiles::Wide
+        } else {
+            Tiles::Narrow
+        }
     }
 
     /// `entry` on these tiles.

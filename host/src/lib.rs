@@ -45,4 +45,4 @@ pub use args::{Elem, Rows};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr};
 pub use error::{Error, Result};
 pub use gpu::{Arch, Buffer, Gpu, Graph, Launch, Stamp, Timeline, UPLOAD_STAGE_BYTES};
-pub use kernels_gpu::Kernel;
+pub use kernels_gpu::{Kernel, Smem};

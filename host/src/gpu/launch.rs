@@ -51,6 +51,19 @@ impl Gpu {
         self.functions[kernel as usize].is_some()
     }
 
+    /// Whether this device runs `kernel` as it is built: its PTX has it ([`Gpu::has`]) and a
+    /// block may have the shared memory it always takes (`Smem::Fixed`). A block of the sm_12x
+    /// family (DGX Spark's sm_121a) has at most 99 KiB where sm_90 and sm_100 blocks have 227
+    /// KiB, so the 128-row grouped GEMM tiles (108 KiB) and the flash attention kernel (136
+    /// KiB) do not fit there; their callers take another path where this says no.
+    pub fn fits(&self, kernel: Kernel) -> bool {
+        self.has(kernel)
+            && match kernel.smem() {
+                Smem::Fixed(bytes) => bytes <= self.max_smem(kernel),
+                Smem::PerLaunch => true,
+            }
+    }
+
     /// Most bytes of dynamic shared memory a block of `kernel` can have on this device.
     pub(crate) fn max_smem(&self, kernel: Kernel) -> u32 {
         self.max_smem[kernel as usize]

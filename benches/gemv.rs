@@ -61,8 +61,11 @@ fn main() {
     }
     // FP8: zero codes (the products' time does not depend on the values), unit scales.
     let one = gpu.upload(&[1.0f32]).unwrap();
-    let mut dense_tiles = vec![Tiles::Narrow, Tiles::Wide];
-    dense_tiles.extend(gpu.has(host::Kernel::GemmWgmma).then_some(Tiles::Wgmma));
+    let wide = gpu.fits(host::Kernel::GemmWideBf16).then_some(Tiles::Wide);
+    let dense_tiles: Vec<Tiles> = [Some(Tiles::Narrow), wide, gpu.has(host::Kernel::GemmWgmma).then_some(Tiles::Wgmma)]
+        .into_iter()
+        .flatten()
+        .collect();
     for (name, n, k) in shapes.into_iter().filter(|&(name, ..)| name != "lm_head") {
         let (codes, wb) = (gpu.zeros::<u8>(n * k).unwrap(), gpu.zeros::<bf16>(n * k).unwrap());
         let w = Weights::Fp8 { codes: &codes, w_scale: &one, in_scale: Some(&one) };

@@ -8,12 +8,13 @@
 //! - `experts/b*`: the routed experts alone by the expert kernel, by per-expert cuBLASLt GEMMs
 //!   (which reads the offsets back), by the grouped GEMM (each of its tiles, `wgmma` where the
 //!   GPU has it), by the FP8 expert kernel (the warp mode at one token, tensor cores from two;
-//!   its quantization inside), by the NVFP4 expert kernel, by the FP8 grouped GEMM (its quantizations included) and, where
-//!   the GPU has `wgmma`, by the NVFP4 grouped GEMM from the codes and by NVFP4 dequantized to
-//!   bf16 then the bf16 grouped GEMM (the dequantization included), each
-//!   timed with events around one call, median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`)
-//!   and, for the expert kernels, the share of the copy bandwidth that reading the routed
-//!   experts' weights once in that time is.
+//!   its quantization inside), by the NVFP4 expert kernel, by the FP8 grouped GEMM (its
+//!   quantizations included), by the NVFP4 grouped GEMM from the codes (64-row tiles, and
+//!   `wgmma`) and, where the GPU has `wgmma`, by NVFP4 dequantized to bf16 then the bf16
+//!   grouped GEMM (the dequantization included), each timed with events around one call,
+//!   median of 11, with the TFLOP/s of the two projections (`4 entries inter hidden`) and, for
+//!   the expert kernels, the share of the copy bandwidth that reading the routed experts'
+//!   weights once in that time is.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use half::bf16;
@@ -96,14 +97,14 @@ enum Path {
     /// The NVFP4 expert kernel (weight-only, the tensor cores where the experts average two
     /// rows or more).
     KernelNvfp4,
-    /// The NVFP4 grouped GEMM on `wgmma`, from the codes.
-    GroupedNvfp4,
+    /// The NVFP4 grouped GEMM, from the codes.
+    GroupedNvfp4(Tiles),
     /// NVFP4 dequantized to bf16 (both projections), then the bf16 grouped GEMM on `wgmma`.
     DequantizedNvfp4,
 }
 
 impl Path {
-    const ALL: [Path; 11] = [
+    const ALL: [Path; 12] = [
         Path::Kernel,
         Path::KernelFp8,
         Path::KernelNvfp4,
@@ -113,7 +114,8 @@ impl Path {
         Path::Grouped(Tiles::Wgmma),
         Path::GroupedFp8(Tiles::Narrow),
         Path::GroupedFp8(Tiles::Wgmma),
-        Path::GroupedNvfp4,
+        Path::GroupedNvfp4(Tiles::Narrow),
+        Path::GroupedNvfp4(Tiles::Wgmma),
         Path::DequantizedNvfp4,
     ];
 
@@ -121,7 +123,10 @@ impl Path {
     fn wgmma(self) -> bool {
         matches!(
             self,
-            Path::Grouped(Tiles::Wgmma) | Path::GroupedFp8(Tiles::Wgmma) | Path::GroupedNvfp4 | Path::DequantizedNvfp4
+            Path::Grouped(Tiles::Wgmma)
+                | Path::GroupedFp8(Tiles::Wgmma)
+                | Path::GroupedNvfp4(Tiles::Wgmma)
+                | Path::DequantizedNvfp4
         )
     }
 
@@ -133,7 +138,7 @@ impl Path {
             Path::Grouped(t) => format!("grouped {t:?}"),
             Path::GroupedFp8(t) => format!("grouped FP8 {t:?}"),
             Path::KernelNvfp4 => "NVFP4 expert kernel".into(),
-            Path::GroupedNvfp4 => "grouped NVFP4 Wgmma".into(),
+            Path::GroupedNvfp4(t) => format!("grouped NVFP4 {t:?}"),
             Path::DequantizedNvfp4 => "NVFP4 to bf16, Wgmma".into(),
         }
     }
@@ -189,7 +194,10 @@ fn bench_layer(
         let paths: &[Path] = if batch <= 1024 { &Path::ALL } else { &Path::ALL[3..] };
         let active = gpu.download(d.active_count()).unwrap()[0] as usize;
         let wgmma = gpu.has(Kernel::MoeGroupedWgmma);
-        for &path in paths.iter().filter(|p| wgmma || !p.wgmma()) {
+        let wide = gpu.fits(Kernel::MoeGroupedWide);
+        for &path in
+            paths.iter().filter(|p| (wgmma || !p.wgmma()) && (wide || !matches!(p, Path::Grouped(Tiles::Wide))))
+        {
             let bf16 = ExpertMlp { up: ExpertWeights::Bf16(up), down: ExpertWeights::Bf16(up), inter, hidden };
             let (med, p10, p90) = b.calls_us(|| match path {
                 Path::Cublas => experts_mlp_gemm(gpu, &d, &x, mlp, &mut out),
@@ -203,7 +211,7 @@ fn bench_layer(
                     experts_mlp(gpu, &d, &x, ExpertMlp { up: fp8, down: fp8, inter, hidden }, 0, &mut out)
                 }
                 Path::KernelNvfp4 => experts_mlp(gpu, &d, &x, fp4, 0, &mut out),
-                Path::GroupedNvfp4 => experts_mlp_grouped_as(gpu, &d, &x, fp4, Tiles::Wgmma, &mut out),
+                Path::GroupedNvfp4(tiles) => experts_mlp_grouped_as(gpu, &d, &x, fp4, tiles, &mut out),
                 Path::DequantizedNvfp4 => {
                     // SAFETY: to_bf16 writes every value before the grouped GEMM reads it.
                     let (mut u, mut dn) = unsafe {

@@ -139,11 +139,12 @@ fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
 /// staging of some blocks overlaps the products of others; the FP8 and NVFP4 tensor-core mat-vecs two, so an SM
 /// holds 16 warps of weight loads. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(Kernel, u32); 27] = [
+const LAUNCH_BOUNDS: [(Kernel, u32); 28] = [
     (Kernel::MoeRouteTc, 2),
     (Kernel::MoeGroupedWide, 2),
     (Kernel::MoeGrouped, 2),
     (Kernel::MoeGroupedFp8, 2),
+    (Kernel::MoeGroupedNvfp4, 2),
     (Kernel::MoeGroupedWgmma, 1),
     (Kernel::MoeGroupedWgmmaFp8, 1),
     (Kernel::MoeGroupedWgmmaNvfp4, 1),

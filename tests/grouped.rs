@@ -1,7 +1,7 @@
 //! The tensor-core GEMM family (kernels-gpu/src/grouped.rs: grouped and dense layouts) against
 //! f64 references (`#[ignore]`d: needs a GPU): the grouped GEMM of routed experts at Nano's
-//! sizes with a skewed routing, in bf16, FP8 and NVFP4 (weight-only, on `wgmma`); the one-matrix GEMM of many rows in bf16 and
-//! FP8 (beside cuBLASLt's FP8 GEMM).
+//! sizes with a skewed routing, in bf16, FP8 and NVFP4 (weight-only); the one-matrix GEMM of
+//! many rows in bf16 and FP8 (beside cuBLASLt's FP8 GEMM).
 
 mod common;
 
@@ -158,16 +158,16 @@ fn gpu_fp8_grouped_experts_match_reference() {
     println!("FP8 grouped experts: {compared} values compared");
 }
 
-/// The NVFP4 grouped GEMM on `wgmma` (`grouped_nvfp4`: the codes made bf16 in shared memory,
-/// the per-tensor scale on the sums) against the exact NVFP4 values in f64, at Nano's expert
-/// sizes with 16 experts and the skewed routing (an expert without rows, one with one, one
-/// with every token: three 128-row tiles, the last partial) and at a small shape whose n is not
-/// a multiple of the 256-column tile, on a sample of the grouped rows (expert 1's, the first
-/// and last 16 of expert 2's, every 7th): the up projection's hidden rows (relu^2 rounded as
-/// the kernel rounds it) and the MLP's output from the reference's own hidden rows, so a
-/// hidden value one bf16 step from a rounding boundary moves neither check. Then its
-/// refusals: k not a multiple of 64, bf16 weights, NVFP4 on other tiles. Where the PTX has no
-/// `wgmma` (not sm_90a) only that the MLP refuses NVFP4 weights undequantized.
+/// The NVFP4 grouped GEMM (`grouped_nvfp4`: the codes made bf16 in shared memory, the
+/// per-tensor scale on the sums), on `mma.sync` (64-row tiles) and, where the PTX is sm_90a, on
+/// `wgmma`, against the exact NVFP4 values in f64, at Nano's expert sizes with 16 experts and
+/// the skewed routing (an expert without rows, one with one, one with every token: several row
+/// tiles, the last partial) and at a small shape whose n is not a multiple of the 128- or
+/// 256-column tile, on a sample of the grouped rows (expert 1's, the first and last 16 of
+/// expert 2's, every 7th): the up projection's hidden rows (relu^2 rounded as the kernel rounds
+/// it) and the MLP's output from the reference's own hidden rows, so a hidden value one bf16
+/// step from a rounding boundary moves neither check. Then its refusals: k not a multiple of
+/// 64, bf16 weights, the 128-row tiles.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_nvfp4_grouped_experts_match_reference() {
@@ -175,6 +175,7 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
     let mut rng = Rng::new(102);
     let wgmma = gpu.arch() == host::Arch::Sm90a;
     assert_eq!(gpu.has(host::Kernel::MoeGroupedWgmmaNvfp4), wgmma, "wgmma kernels on {:?}", gpu.arch());
+    let tiles: Vec<Tiles> = [Tiles::Narrow].into_iter().chain(wgmma.then_some(Tiles::Wgmma)).collect();
     let (mut compared, mut expected) = (0, 0);
     for (hidden, inter, e, k, rows) in [(2688, 1856, 16, 6, 300), (192, 320, 5, 2, 70)] {
         let (up_rows, up_g, up_v) = nvfp4_weights(&mut rng, e, inter, hidden);
@@ -190,24 +191,12 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
         let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
         assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
         let (dx, entries) = (gpu.upload(&x).unwrap(), rows * k);
-        let mlp = ExpertMlp { up, down, inter, hidden };
-        let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
-        if !wgmma {
-            let err = experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wide, &mut out).unwrap_err().to_string();
-            assert!(err.contains("dequantize them first"), "{err}");
-            println!("NVFP4 grouped GEMM: no wgmma on {:?}, refused undequantized", gpu.arch());
-            return;
-        }
-        experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wgmma, &mut out).unwrap();
-        let out = to_f64(&gpu.download(&out).unwrap());
-        let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
-        grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: up, n: inter, k: hidden, relu2: true }, &mut h).unwrap();
-        let h = to_f64(&gpu.download(&h).unwrap());
         let dot = |w: &[f64], x: &[f64]| -> Vec<f64> {
             w.chunks(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
         };
+        // The reference of the sampled grouped rows: hidden rows and outputs.
         let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
-        let (mut got, mut want, mut got_h, mut want_h, mut sampled) = (vec![], vec![], vec![], vec![], 0);
+        let (mut sample, mut want, mut want_h) = (vec![], vec![], vec![]);
         for ex in 0..e {
             let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
             let (u, dn) =
@@ -218,26 +207,34 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
                     .into_iter()
                     .map(|v| bf16::from_f64(bf16::from_f64(v).to_f64().max(0.0).powi(2)).to_f64())
                     .collect();
-                got_h.extend_from_slice(&h[j * inter..][..inter]);
                 want.extend(dot(dn, &hj));
                 want_h.extend(hj);
-                got.extend_from_slice(&out[j * hidden..][..hidden]);
-                sampled += 1;
+                sample.push(j);
             }
         }
-        let label = format!("NVFP4 grouped experts hidden {hidden} inter {inter} rows {rows}");
-        // f32 sums of exact products against f64, one bf16 rounding (relu^2 doubles the
-        // relative error of its rounded input); the output from the reference's hidden rows
-        // is within the kernel's hidden rows' error of ours.
-        let n_h = assert_close(&format!("{label}, hidden rows"), &got_h, &want_h, 1e-3, 1.0 / 32.0);
-        let n = assert_close(&label, &got, &want, 4e-3, 1.0 / 64.0);
-        assert_eq!((n_h, n), (sampled * inter, sampled * hidden));
-        println!("{label}: {} values compared ({sampled} grouped rows)", n + n_h);
-        compared += n + n_h;
-        expected += sampled * (inter + hidden);
+        for &t in &tiles {
+            let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
+            experts_mlp_grouped_as(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
+            let out = to_f64(&gpu.download(&out).unwrap());
+            let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
+            grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: up, n: inter, k: hidden, relu2: true }, t, &mut h).unwrap();
+            let h = to_f64(&gpu.download(&h).unwrap());
+            let got_h: Vec<f64> = sample.iter().flat_map(|&j| h[j * inter..][..inter].to_vec()).collect();
+            let got: Vec<f64> = sample.iter().flat_map(|&j| out[j * hidden..][..hidden].to_vec()).collect();
+            let label = format!("NVFP4 grouped experts ({t:?}) hidden {hidden} inter {inter} rows {rows}");
+            // f32 sums of exact products against f64, one bf16 rounding (relu^2 doubles the
+            // relative error of its rounded input); the output from the reference's hidden
+            // rows is within the kernel's hidden rows' error of ours.
+            let n_h = assert_close(&format!("{label}, hidden rows"), &got_h, &want_h, 1e-3, 1.0 / 32.0);
+            let n = assert_close(&label, &got, &want, 4e-3, 1.0 / 64.0);
+            assert_eq!((n_h, n), (sample.len() * inter, sample.len() * hidden));
+            println!("{label}: {} values compared ({} grouped rows)", n + n_h, sample.len());
+            compared += n + n_h;
+            expected += sample.len() * (inter + hidden);
+        }
     }
     assert_eq!(compared, expected);
-    // Refusals: k not whole stages of 64, bf16 weights, NVFP4 on other tiles.
+    // Refusals: k not whole stages of 64, bf16 weights, the 128-row tiles.
     let (rows_b, g, _) = nvfp4_weights(&mut rng, 2, 64, 80);
     let (dr, dg) = (gpu.upload(&rows_b).unwrap(), gpu.upload(&g).unwrap());
     let mut d = Dispatch::new(&gpu, 2, 1, 4).unwrap();
@@ -245,15 +242,16 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
     let dx = gpu.upload(&rng.bf16_rows(4, 80)).unwrap();
     let mut y = gpu.zeros::<bf16>(4 * 64).unwrap();
     let w = Weights::Nvfp4 { rows: &dr, global: &dg };
-    let err = grouped_nvfp4(&gpu, &d, &dx, true, Proj { w, n: 64, k: 80, relu2: false }, &mut y).unwrap_err();
+    let p = Proj { w, n: 64, k: 80, relu2: false };
+    let err = grouped_nvfp4(&gpu, &d, &dx, true, p, Tiles::Narrow, &mut y).unwrap_err();
     assert!(err.to_string().contains("a positive multiple of 64"), "{err}");
     let bf = gpu.zeros::<bf16>(2 * 64 * 128).unwrap();
-    let err = grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: Weights::Bf16(&bf), n: 64, k: 128, relu2: false }, &mut y)
-        .unwrap_err();
+    let p = Proj { w: Weights::Bf16(&bf), n: 64, k: 128, relu2: false };
+    let err = grouped_nvfp4(&gpu, &d, &dx, true, p, Tiles::Narrow, &mut y).unwrap_err();
     assert!(err.to_string().contains("NVFP4 weights"), "{err}");
     let mlp = ExpertMlp { up: w, down: w, inter: 64, hidden: 80 };
     let err = experts_mlp_grouped_as(&gpu, &d, &dx, mlp, Tiles::Wide, &mut y).unwrap_err();
-    assert!(err.to_string().contains("dequantize them first"), "{err}");
+    assert!(err.to_string().contains("Narrow or Wgmma tiles for NVFP4"), "{err}");
 }
 
 /// The FP8 linear layer of many rows on tensor cores against W8A8 in f64: ours
@@ -373,12 +371,12 @@ fn gpu_gemm_matches_reference() {
     assert_eq!(compared, expected);
 }
 
-/// The one-matrix GEMM's tiles this GPU runs: the `wgmma` ones where its PTX is sm_90a
-/// (compute capability 9.0, the H200), where they must be present.
+/// The one-matrix GEMM's tiles this GPU runs: the 128-row ones where a block may have their
+/// shared memory (`Gpu::fits`), the `wgmma` ones where its PTX is sm_90a (compute capability
+/// 9.0, the H200), where they must be present.
 fn dense_tiles(gpu: &host::Gpu) -> Vec<Tiles> {
     let wgmma = gpu.arch() == host::Arch::Sm90a;
     assert_eq!(gpu.has(host::Kernel::GemmWgmma), wgmma, "wgmma kernels on {:?}", gpu.arch());
-    let mut tiles = vec![Tiles::Narrow, Tiles::Wide];
-    tiles.extend(wgmma.then_some(Tiles::Wgmma));
-    tiles
+    let wide = gpu.fits(host::Kernel::GemmWideBf16).then_some(Tiles::Wide);
+    [Some(Tiles::Narrow), wide, wgmma.then_some(Tiles::Wgmma)].into_iter().flatten().collect()
 }

@@ -144,9 +144,9 @@ pub struct Qkv<'a> {
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
 /// launches, or one where each row has a slot of its own (decode rows); the second is the
 /// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
-/// channels where a block may have its shared memory ([`Gpu::fits`]), else the row kernel. The row kernel splits each row's keys over blocks
-/// in a cache of more than `MIN_SPLIT_KEYS` positions ([`split_keys`]), and a combine launch
-/// merges the parts.
+/// channels where a block may have its shared memory ([`Gpu::fits`]), else the row kernel.
+/// The row kernel splits each row's keys over blocks in a cache of more than
+/// `MIN_SPLIT_KEYS` positions ([`split_keys`]), and a combine launch merges the parts.
 pub fn attention(
     gpu: &Gpu,
     s: AttnShape,

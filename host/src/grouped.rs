@@ -21,15 +21,15 @@ use crate::quant::{Source, quant_rows};
 /// The grouped kernels' output tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tiles {
-    /// 64 x 128 on `mma.sync` (`moe_grouped_bf16`, `moe_grouped_fp8`, `gemm_bf16`,
-    /// `gemm_fp8`).
+    /// 64 x 128 on `mma.sync` (`moe_grouped_bf16`, `moe_grouped_fp8`, `moe_grouped_nvfp4`,
+    /// `gemm_bf16`, `gemm_fp8`).
     Narrow,
     /// 128 x 128, k staged 64 at a time (`moe_grouped_m128_bf16`, `gemm_m128_bf16`; bf16
     /// only): each input and weight tile read half as often per product, more rows wasted in
     /// an expert's last tile.
     Wide,
-    /// 128 x 256 on `wgmma` (`moe_grouped_wgmma_bf16`, `moe_grouped_wgmma_fp8`; grouped
-    /// only, sm_90a only: [`Gpu::has`]).
+    /// 128 x 256 on `wgmma` (`moe_grouped_wgmma_bf16`, `_fp8`, `_nvfp4`, `gemm_wgmma_bf16`,
+    /// `_fp8`; sm_90a only: [`Gpu::has`]).
     Wgmma,
 }
 
@@ -83,7 +83,7 @@ impl Tiles {
         match self {
             Tiles::Narrow => Ok(self.shape(entry::MOE_GROUPED_FP8)),
             Tiles::Wgmma => Ok(self.shape(entry::MOE_GROUPED_WGMMA_FP8)),
-            Tiles::Wide => Err(no_wide_fp8(Kernel::MoeGroupedFp8)),
+            Tiles::Wide => Err(no_wide(Kernel::MoeGroupedFp8, "FP8")),
         }
     }
 
@@ -101,7 +101,16 @@ impl Tiles {
         match self {
             Tiles::Narrow => Ok(self.shape(entry::GEMM_FP8)),
             Tiles::Wgmma => Ok(self.shape(entry::GEMM_WGMMA_FP8)),
-            Tiles::Wide => Err(no_wide_fp8(Kernel::GemmFp8)),
+            Tiles::Wide => Err(no_wide(Kernel::GemmFp8, "FP8")),
+        }
+    }
+
+    /// The grouped kernel of these tiles for NVFP4 weights (no 128-row tiles).
+    fn grouped_nvfp4(self) -> Result<Shape<GroupedNvfp4Params>> {
+        match self {
+            Tiles::Narrow => Ok(self.shape(entry::MOE_GROUPED_NVFP4)),
+            Tiles::Wgmma => Ok(self.shape(entry::MOE_GROUPED_WGMMA_NVFP4)),
+            Tiles::Wide => Err(no_wide(Kernel::MoeGroupedNvfp4, "NVFP4")),
         }
     }
 
@@ -112,12 +121,12 @@ impl Tiles {
     }
 }
 
-/// The FP8 kernels have no 128-row tiles.
-fn no_wide_fp8(kernel: Kernel) -> Error {
+/// The FP8 and NVFP4 kernels have no 128-row tiles.
+fn no_wide(kernel: Kernel, format: &str) -> Error {
     Error::Shape {
         kernel: kernel.name(),
         arg: "tiles",
-        expected: "Narrow or Wgmma tiles for FP8".into(),
+        expected: format!("Narrow or Wgmma tiles for {format}"),
         got: "Wide".into(),
     }
 }
@@ -235,10 +244,11 @@ fn fp8_weights(
 /// 1856 are).
 pub const NVFP4_GROUPED_K_MULTIPLE: usize = 64;
 
-/// One NVFP4 projection `p` (weight-only) of every expert with rows in `d` on `wgmma`, one
-/// launch (`moe_grouped_wgmma_nvfp4`, sm_90a only: [`Gpu::has`]): grouped row j of expert e
-/// gets `out[j] = f(a_j W_eᵀ)` with `W_e` the expert's exact NVFP4 values (the codes made bf16
-/// in shared memory, each times its block scale exactly; the per-tensor scale on the f32 sums),
+/// One NVFP4 projection `p` (weight-only) of every expert with rows in `d`, one launch on
+/// `tiles` ([`Tiles::Narrow`]: `moe_grouped_nvfp4` on `mma.sync`, any GPU; [`Tiles::Wgmma`]:
+/// `moe_grouped_wgmma_nvfp4`, sm_90a only, [`Gpu::has`]): grouped row j of expert e gets
+/// `out[j] = f(a_j W_eᵀ)` with `W_e` the expert's exact NVFP4 values (the codes made bf16 in
+/// shared memory, each times its block scale exactly; the per-tensor scale on the f32 sums),
 /// `a_j` as [`grouped`] takes it. `n` a multiple of 8, `k` of [`NVFP4_GROUPED_K_MULTIPLE`]. No
 /// synchronization.
 pub fn grouped_nvfp4(
@@ -247,9 +257,10 @@ pub fn grouped_nvfp4(
     a: &impl DevicePtr<bf16>,
     by_token: bool,
     p: Proj<Weights<'_>>,
+    tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let shape = Tiles::Wgmma.shape(entry::MOE_GROUPED_WGMMA_NVFP4);
+    let shape = tiles.grouped_nvfp4()?;
     let args = gpu.args(shape.entry);
     let c = args.check();
     d.check_filled(shape.entry.name())?;
@@ -398,8 +409,8 @@ pub fn gemm_fp8(
 /// projection into `out [entries, hidden]`. `x [rows, hidden]` the layer input. bf16 weights:
 /// two launches; FP8 weights (W8A8, both projections): each projection's input quantized
 /// first ([`quant_rows`], with the projection's static scales or per row), four launches;
-/// NVFP4 weights (both projections, `wgmma` tiles only): two launches of [`grouped_nvfp4`].
-/// Tiles as [`Tiles::for_grouped`] (FP8: narrow for wide). No synchronization: the path for
+/// NVFP4 weights (both projections, weight-only): two launches of [`grouped_nvfp4`]. Tiles as
+/// [`Tiles::for_grouped`] (FP8 and NVFP4: narrow for wide). No synchronization: the path for
 /// many rows.
 pub fn experts_mlp_grouped(
     gpu: &Gpu,
@@ -409,7 +420,7 @@ pub fn experts_mlp_grouped(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let tiles = match (Tiles::for_grouped(gpu), mlp.up) {
-        (Tiles::Wide, Weights::Fp8 { .. }) => Tiles::Narrow,
+        (Tiles::Wide, Weights::Fp8 { .. } | Weights::Nvfp4 { .. }) => Tiles::Narrow,
         (tiles, _) => tiles,
     };
     experts_mlp_grouped_as(gpu, d, x, mlp, tiles, out)
@@ -451,15 +462,15 @@ pub fn experts_mlp_grouped_as(
             quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, down_in, &mut q2, &mut s2)?;
             grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, tiles, out)
         }
-        (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) if tiles == Tiles::Wgmma => {
-            grouped_nvfp4(gpu, d, x, true, up, &mut h)?;
-            grouped_nvfp4(gpu, d, &h, false, down, out)
+        (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) => {
+            grouped_nvfp4(gpu, d, x, true, up, tiles, &mut h)?;
+            grouped_nvfp4(gpu, d, &h, false, down, tiles, out)
         }
         _ => Err(Error::Shape {
             kernel: Kernel::MoeGroupedFp8.name(),
             arg: "down",
-            expected: "bf16, FP8 or (on wgmma tiles) NVFP4 weights, the up and down projections of one kind".into(),
-            got: "NVFP4 weights on other tiles (dequantize them first: nvfp4::to_bf16), or kinds mixed".into(),
+            expected: "bf16, FP8 or NVFP4 weights, the up and down projections of one kind".into(),
+            got: "kinds mixed".into(),
         }),
     }
 }
@@ -521,7 +532,7 @@ mod tests {
     }
 
     #[test]
-    fn fp8_has_no_wide_tiles_and_dense_tiles_match_grouped() {
+    fn fp8_and_nvfp4_have_no_wide_tiles_and_dense_tiles_match_grouped() {
         assert_eq!(arg_of(Tiles::Wide.grouped_fp8().map(|_| ())), "tiles");
         assert_eq!(arg_of(Tiles::Wide.dense_fp8().map(|_| ())), "tiles");
         let smem = |k: Kernel| k.smem();
@@ -536,5 +547,13 @@ mod tests {
         }
         let w = Tiles::Wgmma.grouped_fp8().unwrap();
         assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N));
+        // NVFP4: no 128-row tiles either; the narrow kernel of the bf16 one's tile, within a
+        // sm_12x block's shared memory.
+        assert_eq!(arg_of(Tiles::Wide.grouped_nvfp4().map(|_| ())), "tiles");
+        let n = Tiles::Narrow.grouped_nvfp4().unwrap();
+        assert_eq!((n.entry.kernel, n.m, n.n), (Kernel::MoeGroupedNvfp4, GROUPED_M, GROUPED_N));
+        assert_eq!(smem(n.entry.kernel), kernels_gpu::Smem::Fixed(79880));
+        let w = Tiles::Wgmma.grouped_nvfp4().unwrap();
+        assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaNvfp4, WGMMA_M, WGMMA_N));
     }
 }

@@ -17,7 +17,8 @@
 //!   products are exact in f32; the sums f32). On sm_90 ptxas runs that instruction as two
 //!   f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers: the wide tiles
 //!   spill, so FP8 has none); sm_120 and later have it natively.
-//! - NVFP4 weights, weight-only ([`GroupedNvfp4Params`]: `moe_grouped_wgmma_nvfp4`, sm_90a): `a`
+//! - NVFP4 weights, weight-only ([`GroupedNvfp4Params`]: `moe_grouped_wgmma_nvfp4` on sm_90a,
+//!   `moe_grouped_nvfp4` on `mma.sync` with the 64-row tiles and 64 weights a stage): `a`
 //!   bf16 as above, W each expert's rows in [`crate::nvfp4`]'s layout (e2m1 codes, e4m3 block
 //!   scales) with a per-tensor scale `g_e`; `out[j] = f((a_j · B_eᵀ) 2^9 g_e)`, `B_e` each code
 //!   times its block scale times 2^-9 as bf16 (exact: at most 6 significant bits, the form of
@@ -92,6 +93,30 @@ pub const fn wgmma_nvfp4_layout() -> [u32; 4] {
 pub const fn wgmma_nvfp4_smem_bytes() -> u32 {
     1024 + wgmma_nvfp4_layout()[3] + 8
 }
+
+/// Bytes each thread of `moe_grouped_nvfp4` stages of a weight row a stage: 16 bytes of codes
+/// (32 weights, half of the stage's 64) and the row's 4 block scales of the stage.
+pub const NVFP4_THREAD_STAGE_BYTES: u32 = 20;
+
+/// Where the parts of `moe_grouped_nvfp4`'s dynamic shared memory start: the stages' A tiles
+/// ([`GROUPED_M`] rows of 64 bf16), two bf16 B tiles ([`GROUPED_N`] rows of 64), the stages'
+/// codes and scales ([`NVFP4_THREAD_STAGE_BYTES`] a thread), the block's expert and first row
+/// (8 bytes).
+pub const fn nvfp4_layout() -> [u32; 4] {
+    let b = GROUPED_STAGES * tile_bytes(GROUPED_M, 64);
+    let raw = b + 2 * tile_bytes(GROUPED_N, 64);
+    [0, b, raw, raw + GROUPED_STAGES * GROUPED_BLOCK * NVFP4_THREAD_STAGE_BYTES]
+}
+
+/// Dynamic shared memory of `moe_grouped_nvfp4` ([`nvfp4_layout`]'s parts): 79880 bytes, within
+/// the 99 KiB a block of the sm_12x family may have.
+pub const NVFP4_SMEM_BYTES: u32 = nvfp4_layout()[3] + 8;
+
+// The NVFP4 kernels' staging: thread t of `moe_grouped_wgmma_nvfp4` owns B row t (32 bytes of
+// codes and 4 scales a stage of 64 weights), thread t of `moe_grouped_nvfp4` half t % 2 of B
+// row t / 2, each A row's stage is 128 bytes (8 chunks of 16).
+const _: () = assert!(GROUPED_BLOCK == WGMMA_N && NVFP4_STAGE_ROW_BYTES == 64 / 2 + 64 / 16);
+const _: () = assert!(GROUPED_BLOCK == 2 * GROUPED_N && GROUPED_M == 2 * (GROUPED_BLOCK / 8));
 
 /// One grouped bf16 projection.
 #[repr(C)]

@@ -237,6 +237,8 @@ kernels! {
     /// As `MoeGrouped`, 128 x 256 tiles on `wgmma` (sm_90a PTX
     /// only).
     MOE_GROUPED_WGMMA = MoeGroupedWgmma("moe_grouped_wgmma_bf16", grouped::GroupedParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
+    /// As `MoeGrouped`, NVFP4 weights made bf16 in shared memory (weight-only).
+    MOE_GROUPED_NVFP4 = MoeGroupedNvfp4("moe_grouped_nvfp4", grouped::GroupedNvfp4Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NVFP4_SMEM_BYTES)),
     /// As `MoeGroupedFp8`, 128 x 256 tiles on `wgmma` (sm_90a
     /// PTX only).
     MOE_GROUPED_WGMMA_FP8 = MoeGroupedWgmmaFp8("moe_grouped_wgmma_fp8", grouped::GroupedFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),

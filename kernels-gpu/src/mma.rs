@@ -273,13 +273,11 @@ mod device {
     }
 
     /// As [`copy16`] for the 4 bytes at `src` (`cp.async.ca`: the 16-byte form bypasses L1,
-    /// this one may not). This and the shared-memory accesses below serve the NVFP4 grouped
-    /// GEMM, in the sm_90a PTX only.
+    /// this one may not).
     ///
     /// # Safety
     /// `dst` 4 bytes of the block's shared memory, 4-byte aligned; with `ok`, `src` 4 readable
     /// bytes of global memory, 4-byte aligned.
-    #[cfg(target_feature = "sm_90a")]
     #[inline(always)]
     pub unsafe fn copy4(dst: u32, src: *const u8, ok: bool) {
         // SAFETY: guaranteed by the caller; source size 0 where not ok.
@@ -293,7 +291,6 @@ mod device {
     ///
     /// # Safety
     /// `at` 16 bytes of the block's shared memory, 16-byte aligned.
-    #[cfg(target_feature = "sm_90a")]
     #[inline(always)]
     pub unsafe fn lds16(at: u32) -> [u32; 4] {
         let (a, b, c, d): (u32, u32, u32, u32);
@@ -309,7 +306,6 @@ mod device {
     ///
     /// # Safety
     /// `at` 4 bytes of the block's shared memory, 4-byte aligned.
-    #[cfg(target_feature = "sm_90a")]
     #[inline(always)]
     pub unsafe fn lds4(at: u32) -> u32 {
         let v: u32;
@@ -323,7 +319,6 @@ mod device {
     /// # Safety
     /// `at` 16 bytes of the block's shared memory, 16-byte aligned, no other thread's access
     /// to them unordered with this one.
-    #[cfg(target_feature = "sm_90a")]
     #[inline(always)]
     pub unsafe fn sts16(at: u32, v: [u32; 4]) {
         // SAFETY: guaranteed by the caller.

@@ -266,8 +266,7 @@ mod device {
     /// [`fp4_pairs`] of eight codes in order: pair i codes `(2i, 2i + 1)`, the four words eight
     /// consecutive weights of a row as bf16 (times 2^-9, exactly). The codes' nibbles are first
     /// put in the order `0 2 4 6 1 3 5 7` (the middle two of each half swapped, then the middle
-    /// two bytes), which pairs `(i, i + 4)` take in order. (The NVFP4 grouped GEMM's, sm_90a.)
-    #[cfg(target_feature = "sm_90a")]
+    /// two bytes), which pairs `(i, i + 4)` take in order.
     #[inline(always)]
     pub fn fp4_in_order(codes: u32, scale: u32) -> [u32; 4] {
         let t = (codes ^ (codes >> 4)) & 0x00f0_00f0;

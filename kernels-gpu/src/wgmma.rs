@@ -68,7 +68,7 @@ mod device {
         }
     }
 
-    /// Makes this thread's writes to shared memory (here: completed `cp.async` copies) visible
+    /// Makes this thread's writes to shared memory (completed `cp.async` copies, stores) visible
     /// to the async proxy `wgmma` reads through; before the barrier that publishes them.
     #[inline(always)]
     pub fn fence_async_shared() {

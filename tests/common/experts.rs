@@ -23,12 +23,14 @@ pub fn expert_reference(x: &[f64], up: &[f64], down: &[f64], inter: usize) -> Ve
     down.chunks(inter).map(|row| row.iter().zip(&h).map(|(a, b)| a * b).sum()).collect()
 }
 
-/// The grouped GEMM's tiles this GPU runs (FP8: no wide ones): the `wgmma` ones where its
-/// PTX is sm_90a (compute capability 9.0, the H200), where they must be present.
+/// The grouped GEMM's tiles this GPU runs (FP8: no wide ones; those only where a block may
+/// have their shared memory, `Gpu::fits`): the `wgmma` ones where its PTX is sm_90a (compute
+/// capability 9.0, the H200), where they must be present.
 pub fn grouped_tiles(gpu: &host::Gpu, fp8: bool) -> Vec<Tiles> {
     let wgmma = gpu.arch() == host::Arch::Sm90a;
     assert_eq!(gpu.has(host::Kernel::MoeGroupedWgmma), wgmma, "wgmma kernels on {:?}", gpu.arch());
-    let mut tiles = if fp8 { vec![Tiles::Narrow] } else { vec![Tiles::Narrow, Tiles::Wide] };
+    let wide = !fp8 && gpu.fits(host::Kernel::MoeGroupedWide);
+    let mut tiles: Vec<Tiles> = [Tiles::Narrow].into_iter().chain(wide.then_some(Tiles::Wide)).collect();
     tiles.extend(wgmma.then_some(Tiles::Wgmma));
     tiles
 }

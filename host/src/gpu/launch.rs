@@ -55,7 +55,9 @@ impl Gpu {
     /// block may have the shared memory it always takes (`Smem::Fixed`). A block of the sm_12x
     /// family (DGX Spark's sm_121a) has at most 99 KiB where sm_90 and sm_100 blocks have 227
     /// KiB, so the 128-row grouped GEMM tiles (108 KiB) and the flash attention kernel (136
-    /// KiB) do not fit there; their callers take another path where this says no.
+    /// KiB) do not fit there; their callers take another path where this says no. A kernel
+    /// whose shared memory each launch sizes (`Smem::PerLaunch`) fits here: its launcher
+    /// checks the size it asks for.
     pub fn fits(&self, kernel: Kernel) -> bool {
         self.has(kernel)
             && match kernel.smem() {

@@ -49,6 +49,14 @@ pub unsafe extern "ptx-kernel" fn moe_grouped_m128_bf16(p: GroupedParams) {
     unsafe { grouped::<false, 4, GROUPED_K_BYTES_WIDE>(bf16_job(p)) }
 }
 
+/// Grouped NVFP4 projection (weight-only), [`GroupedNvfp4Params`], on `mma.sync`: grid and
+/// block as `moe_grouped_bf16`'s, dynamic shared memory [`NVFP4_SMEM_BYTES`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_grouped_nvfp4(p: GroupedNvfp4Params) {
+    // SAFETY: the launch contract is the caller's.
+    unsafe { grouped_nvfp4(nvfp4_job(p)) }
+}
+
 /// Grouped FP8 projection, [`GroupedFp8Params`]; grid, block and shared memory as
 /// `moe_grouped_bf16`'s.
 #[unsafe(no_mangle)]
@@ -116,6 +124,12 @@ fn fp8_job(p: GroupedFp8Params) -> Job {
 }
 
 #[inline(always)]
+fn nvfp4_job(p: GroupedNvfp4Params) -> Job {
+    let job = Job::plain(p.a as *const u8, p.w, p.out, (0, p.n, p.k, p.relu2));
+    Job { token: p.token, w_scale: p.global, offsets: p.offsets, experts: p.experts, ..job }
+}
+
+#[inline(always)]
 fn gemm_bf16_job(p: GemmParams) -> Job {
     Job::plain(p.a as *const u8, p.w as *const u8, p.out, (p.rows, p.n, p.k, p.relu2))
 }
@@ -173,6 +187,132 @@ unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
     }
 }
 
+/// A block's output tile: its matrix `e`, its first row `lo` in the grouped order and `rows`
+/// real rows from there, its first column `n0` and `cols` real columns.
+struct BlockTile {
+    e: u32,
+    lo: u32,
+    rows: u32,
+    n0: u32,
+    cols: u32,
+}
+
+impl BlockTile {
+    /// Block (x, y)'s tile of `bm` x `bn`, or None where it has none (every thread gets the
+    /// same answer: a barrier inside, call it in uniform flow).
+    ///
+    /// # Safety
+    /// As [`block_tile`].
+    #[inline(always)]
+    unsafe fn of_block(j: &Job, (bm, bn): (u32, u32), found: *mut u32) -> Option<BlockTile> {
+        // SAFETY: forwarded.
+        unsafe {
+            let (e, m0) = block_tile(j, bm, found);
+            if e == u32::MAX {
+                return None;
+            }
+            let (lo, end) = if j.offsets.is_null() {
+                (m0, j.rows)
+            } else {
+                (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
+            };
+            if lo >= end {
+                return None;
+            }
+            let n0 = block_y() * bn;
+            Some(BlockTile { e, lo, rows: (end - lo).min(bm), n0, cols: (j.n - n0).min(bn) })
+        }
+    }
+
+    /// This thread's rows of A to stage, rows `r + rpp i` of the tile (i below `passes`, at
+    /// most 4): each one's address at byte `c` (`kb` bytes a row; `j.a` for rows past the
+    /// tile's) and whether it is real.
+    ///
+    /// # Safety
+    /// `j.token` (where given) readable at the tile's rows.
+    #[inline(always)]
+    unsafe fn a_rows(
+        &self,
+        j: &Job,
+        kb: usize,
+        (r, rpp, c): (u32, u32, u32),
+        passes: usize,
+    ) -> ([*const u8; 4], [bool; 4]) {
+        let mut src = [j.a; 4];
+        let mut ok = [false; 4];
+        for i in 0..passes {
+            let ar = r + rpp * i as u32;
+            ok[i] = ar < self.rows;
+            if ok[i] {
+                let at = (self.lo + ar) as usize;
+                // SAFETY: forwarded.
+                let row = if j.token.is_null() { at } else { unsafe { ld(j.token, at) as usize } };
+                src[i] = j.a.wrapping_add(row * kb + c as usize);
+            }
+        }
+        (src, ok)
+    }
+
+    /// Stores this thread's `mma.sync` accumulators of the tile (warp rows from `wm`, columns
+    /// from `wn`, `MT` 16-row tiles of four 8-column ones): `f(v s)` rounded to bf16, `s` the
+    /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
+    ///
+    /// # Safety
+    /// `j.out` and `j.a_scale` (where given) hold the tile's rows.
+    #[inline(always)]
+    unsafe fn store_mma<const MT: usize>(&self, j: &Job, acc: &[[[f32; 4]; 4]; MT], (wm, wn): (u32, u32), ws: f32) {
+        let lane = lane_id();
+        let relu2 = j.relu2 != 0;
+        let f = |v: f32| relu2_if(v, relu2);
+        for (i, tiles) in acc.iter().enumerate() {
+            for h in 0..2 {
+                let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
+                if row >= self.rows {
+                    continue;
+                }
+                // SAFETY: forwarded (row is one of the tile's).
+                let s = if j.a_scale.is_null() { ws } else { ws * unsafe { ld(j.a_scale, (self.lo + row) as usize) } };
+                for (jj, t) in tiles.iter().enumerate() {
+                    let col = wn + 8 * jj as u32 + acc_col(lane, 0);
+                    if col < self.cols {
+                        let v = pack(f(t[2 * h as usize] * s), f(t[2 * h as usize + 1] * s));
+                        let at = (self.lo + row) as usize * j.n as usize + (self.n0 + col) as usize;
+                        // SAFETY: forwarded (the tile's row and column).
+                        unsafe { st(j.out.wrapping_add(at) as *mut u32, 0, v) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One mma step's products of a warp: `MT` A fragments (rows `wm + 16 i`) against B's columns
+/// `wn .. wn + 32`, k16 step `ks` of the stage's tiles (32 bytes of k: 16 bf16 or 32 e4m3).
+///
+/// # Safety
+/// The tiles hold the stage, written before a barrier this warp passed.
+#[inline(always)]
+unsafe fn mma_step<const FP8: bool, const MT: usize>(
+    acc: &mut [[[f32; 4]; 4]; MT],
+    (at, bt): (Tile, Tile),
+    (wm, wn): (u32, u32),
+    ks: u32,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        let a: [[u32; 4]; MT] = core::array::from_fn(|i| at.a(wm + 16 * i as u32, 16 * ks));
+        for jj in 0..2 {
+            let b = bt.b_nk(16 * ks, wn + 16 * jj);
+            for (i, a) in a.iter().enumerate() {
+                for h in 0..2 {
+                    let t = &mut acc[i][2 * jj as usize + h];
+                    if FP8 { mma_e4m3(t, *a, b[h]) } else { mma(t, *a, b[h]) }
+                }
+            }
+        }
+    }
+}
+
 /// The grouped kernel: tiles of `32 MT` rows (each warp `MT` 16-row tiles of them) staging
 /// `BKB` bytes of each row's k at a time, e4m3 operands where `FP8` (else bf16).
 ///
@@ -184,7 +324,7 @@ unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
 unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
     grid_dependency_wait();
     let bm = 32 * MT as u32;
-    let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
+    let (tid, w) = (thread_x(), warp_id());
     // The tiles' columns in bf16 units (two e4m3 codes each).
     let (a_bytes, b_bytes) = (tile_bytes(bm, BKB / 2), tile_bytes(GROUPED_N, BKB / 2));
     let found = dyn_smem_f32().wrapping_add((GROUPED_STAGES * (a_bytes + b_bytes) / 4) as usize) as *mut u32;
@@ -197,21 +337,7 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
     // `staged_but` separates each stage's loads from its reads, and stage s is reloaded
     // only after the barrier that follows every warp's reads of it.
     unsafe {
-        let (e, m0) = block_tile(&j, bm, found);
-        if e == u32::MAX {
-            return;
-        }
-        let (lo, end) = if j.offsets.is_null() {
-            (m0, j.rows)
-        } else {
-            (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
-        };
-        if lo >= end {
-            return;
-        }
-        let rows = (end - lo).min(bm);
-        let n0 = block_y() * GROUPED_N;
-        let cols = (j.n - n0).min(GROUPED_N);
+        let Some(t) = BlockTile::of_block(&j, (bm, GROUPED_N), found) else { return };
         // A row's bytes (every row of a and w starts 16-byte aligned).
         let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
         // This thread's 16-byte chunks of a stage: rows `r + rpp i` (A rows below bm, B rows
@@ -220,17 +346,8 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
         let per_row = BKB / 16;
         let (rpp, r, c) = (GROUPED_BLOCK / per_row, tid / per_row, 16 * (tid % per_row));
         let (a_passes, b_passes) = ((bm / rpp) as usize, (GROUPED_N / rpp) as usize);
-        let mut a_src = [j.a; 4];
-        let mut a_ok = [false; 4];
-        for i in 0..a_passes {
-            let ar = r + rpp * i as u32;
-            a_ok[i] = ar < rows;
-            if a_ok[i] {
-                let row = if j.token.is_null() { (lo + ar) as usize } else { ld(j.token, (lo + ar) as usize) as usize };
-                a_src[i] = j.a.wrapping_add(row * kb + c as usize);
-            }
-        }
-        let b_src = j.w.wrapping_add((e as usize * j.n as usize + (n0 + r) as usize) * kb + c as usize);
+        let (a_src, a_ok) = t.a_rows(&j, kb, (r, rpp, c), a_passes);
+        let b_src = j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + r) as usize) * kb + c as usize);
         let steps = (kb as u32).div_ceil(BKB);
         // Tile addresses in bf16 units: byte c is unit c / 2.
         let cu = c / 2;
@@ -247,7 +364,7 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
                 }
                 for i in 0..b_passes {
                     let br = r + rpp * i as u32;
-                    let ok = br < cols && in_k;
+                    let ok = br < t.cols && in_k;
                     let src = b_src.wrapping_add(off + i * rpp as usize * kb);
                     copy16(bt.at(br, cu), if ok { src } else { j.w } as *const u16, ok);
                 }
@@ -257,46 +374,98 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
         for s in 0..GROUPED_STAGES - 1 {
             load(s);
         }
-        let (wm, wn) = (16 * MT as u32 * (w / 4), 32 * (w % 4));
+        let warp_at = (16 * MT as u32 * (w / 4), 32 * (w % 4));
         let mut acc = [[[0.0f32; 4]; 4]; MT];
         for step in 0..steps {
             staged_but::<{ GROUPED_STAGES - 2 }>();
             load(step + GROUPED_STAGES - 1);
-            let (at, bt) = stage_tiles(step % GROUPED_STAGES);
-            // 32 bytes of k an mma step: 16 bf16 units of the tiles.
             for ks in 0..BKB / 32 {
-                let a: [[u32; 4]; MT] = core::array::from_fn(|i| at.a(wm + 16 * i as u32, 16 * ks));
-                for jj in 0..2 {
-                    let b = bt.b_nk(16 * ks, wn + 16 * jj);
-                    for (i, a) in a.iter().enumerate() {
-                        for h in 0..2 {
-                            let t = &mut acc[i][2 * jj as usize + h];
-                            if FP8 { mma_e4m3(t, *a, b[h]) } else { mma(t, *a, b[h]) }
-                        }
-                    }
-                }
+                mma_step::<FP8, MT>(&mut acc, stage_tiles(step % GROUPED_STAGES), warp_at, ks);
             }
         }
-        let relu2 = j.relu2 != 0;
-        let f = |v: f32| relu2_if(v, relu2);
-        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, e as usize) };
-        for (i, tiles) in acc.iter().enumerate() {
-            for h in 0..2 {
-                let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
-                if row >= rows {
-                    continue;
+        t.store_mma(&j, &acc, warp_at, if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) });
+    }
+}
+
+/// The NVFP4 grouped kernel on `mma.sync`: as [`grouped`] with 64-row tiles (each warp two
+/// 16-row tiles) and 64 weights of k a stage, but B staged as codes and scales (thread t copies
+/// 16 bytes of weight row t / 2's codes, half t % 2 of the stage's 32, and the row's 4 block
+/// scales of the stage) and made bf16 by the thread that copied them ([`fp4_in_order`]: each
+/// code times its block scale times 2^-9, exact) into one of two B tiles, so a stage needs one
+/// barrier: after its own copies of the stage are done a thread writes B tile `step % 2` (last
+/// read by the products two stages back, which every warp finished before the last barrier),
+/// and the barrier publishes A and B; then the next loads (into the ring slot the products
+/// before the barrier read) and the products. The sums times 2^9 and the matrix's per-tensor
+/// scale.
+///
+/// # Safety
+/// As [`grouped`] with [`GroupedNvfp4Params`]' contract (k a multiple of 64, the weight rows
+/// 16-byte aligned), this kernel's grid and shared memory.
+#[inline(always)]
+unsafe fn grouped_nvfp4(j: Job) {
+    use crate::mma::{copy4, lds4, lds16, sts16};
+    use crate::qgemv::{FP4_SUM_SCALE, fp4_in_order, fp4_scales};
+    const MT: usize = 2;
+    grid_dependency_wait();
+    let (tid, w) = (thread_x(), warp_id());
+    let (a_bytes, b_bytes) = (tile_bytes(GROUPED_M, 64), tile_bytes(GROUPED_N, 64));
+    let [a_at, b_at, raw_at, words] = nvfp4_layout();
+    let stride = tile_stride(64);
+    let a_tile = |s: u32| Tile { addr: smem_addr(a_at + s * a_bytes), stride };
+    let b_tile = |s: u32| Tile { addr: smem_addr(b_at + s * b_bytes), stride };
+    let raw = |s: u32| smem_addr(raw_at + s * GROUPED_BLOCK * NVFP4_THREAD_STAGE_BYTES);
+    let found = dyn_smem_f32().wrapping_add((words / 4) as usize) as *mut u32;
+    // SAFETY: as the doc says; the tiles, the ring and the two words fit in the shared memory;
+    // each stage's A copies and B tile are complete and published by the barrier before any
+    // warp's products read them; a ring slot is reloaded, and a B tile rewritten, only after
+    // the barrier that follows every warp's products that read it; a thread reads only the
+    // codes and scales it copied itself, after its own wait.
+    unsafe {
+        let Some(t) = BlockTile::of_block(&j, (GROUPED_M, GROUPED_N), found) else { return };
+        // A: 16-byte chunk tid % 8 of rows tid / 8 and tid / 8 + 32 (128 bytes a row a stage).
+        let (r, c) = (tid / 8, 16 * (tid % 8));
+        let (a_src, a_ok) = t.a_rows(&j, 2 * j.k as usize, (r, 32, c), 2);
+        // B: half `bh` of weight row `br`.
+        let (br, bh) = (tid / 2, tid % 2);
+        let w_ok = br < t.cols;
+        let row_bytes = crate::nvfp4::row_bytes(j.k as usize);
+        let w_row = j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + br) as usize) * row_bytes);
+        let steps = j.k / 64;
+        let load = |step: u32| {
+            if step < steps {
+                let s = step % GROUPED_STAGES;
+                let off = 128 * step as usize;
+                for i in 0..2 {
+                    let src = if a_ok[i] { a_src[i].wrapping_add(off) } else { j.a };
+                    copy16(a_tile(s).at(r + 32 * i as u32, c / 2), src as *const u16, a_ok[i]);
                 }
-                let s = if j.a_scale.is_null() { 1.0 } else { ws * ld(j.a_scale, (lo + row) as usize) };
-                for (jj, t) in tiles.iter().enumerate() {
-                    let col = wn + 8 * jj as u32 + acc_col(lane, 0);
-                    if col < cols {
-                        let (v0, v1) = (t[2 * h as usize], t[2 * h as usize + 1]);
-                        let v = if j.a_scale.is_null() { pack(f(v0), f(v1)) } else { pack(f(v0 * s), f(v1 * s)) };
-                        let at = (lo + row) as usize * j.n as usize + (n0 + col) as usize;
-                        st(j.out.wrapping_add(at) as *mut u32, 0, v);
-                    }
-                }
+                let codes = w_row.wrapping_add(32 * step as usize + 16 * bh as usize);
+                copy16(raw(s) + 16 * tid, if w_ok { codes } else { j.w } as *const u16, w_ok);
+                let scales = w_row.wrapping_add(j.k as usize / 2 + 4 * step as usize);
+                copy4(raw(s) + 16 * GROUPED_BLOCK + 4 * tid, if w_ok { scales } else { j.w }, w_ok);
+            }
+            commit();
+        };
+        for s in 0..GROUPED_STAGES - 1 {
+            load(s);
+        }
+        let warp_at = (16 * MT as u32 * (w / 4), 32 * (w % 4));
+        let mut acc = [[[0.0f32; 4]; 4]; MT];
+        for step in 0..steps {
+            core::arch::asm!("cp.async.wait_group {n};", n = const GROUPED_STAGES - 2, options(nostack));
+            let (rs, bt) = (raw(step % GROUPED_STAGES), b_tile(step % 2));
+            let codes = lds16(rs + 16 * tid);
+            // Blocks 2 bh and 2 bh + 1 of the stage's four: this thread's 32 weights.
+            let s = fp4_scales((lds4(rs + 16 * GROUPED_BLOCK + 4 * tid) >> (16 * bh)) as u16);
+            for q in 0..4u32 {
+                sts16(bt.at(br, 32 * bh + 8 * q), fp4_in_order(codes[q as usize], s[q as usize / 2]));
+            }
+            sync_threads();
+            load(step + GROUPED_STAGES - 1);
+            for ks in 0..4 {
+                mma_step::<false, MT>(&mut acc, (a_tile(step % GROUPED_STAGES), bt), warp_at, ks);
             }
         }
+        t.store_mma(&j, &acc, warp_at, ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
     }
 }

@@ -49,73 +49,14 @@ pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
     unsafe { grouped_wgmma::<true>(gemm_job(p)) }
 }
 
-/// A `wgmma` block's output tile: its matrix `e`, its first row `lo` in the grouped order and
-/// `rows` real rows from there, its first column `n0` and `cols` real columns.
-struct WgmmaTile {
-    e: u32,
-    lo: u32,
-    rows: u32,
-    n0: u32,
-    cols: u32,
-}
-
-impl WgmmaTile {
-    /// Block (x, y)'s tile, or None where it has none (every thread gets the same answer: a
-    /// barrier inside, call it in uniform flow).
-    ///
-    /// # Safety
-    /// As [`block_tile`].
-    #[inline(always)]
-    unsafe fn of_block(j: &Job, found: *mut u32) -> Option<WgmmaTile> {
-        // SAFETY: forwarded.
-        unsafe {
-            let (e, m0) = block_tile(j, WGMMA_M, found);
-            if e == u32::MAX {
-                return None;
-            }
-            let (lo, end) = if j.offsets.is_null() {
-                (m0, j.rows)
-            } else {
-                (ld(j.offsets, e as usize) + m0, ld(j.offsets, e as usize + 1))
-            };
-            if lo >= end {
-                return None;
-            }
-            let n0 = block_y() * WGMMA_N;
-            Some(WgmmaTile { e, lo, rows: (end - lo).min(WGMMA_M), n0, cols: (j.n - n0).min(WGMMA_N) })
-        }
-    }
-
-    /// This thread's rows of A to stage, rows `r + 32 i` of the tile (i < 4): each one's
-    /// address of 16-byte chunk `c` (`kb` bytes a row; `j.a` for rows past the tile's) and
-    /// whether it is real.
-    ///
-    /// # Safety
-    /// `j.token` (where given) readable at the tile's rows.
-    #[inline(always)]
-    unsafe fn a_rows(&self, j: &Job, kb: usize, (r, c): (u32, u32)) -> ([*const u8; 4], [bool; 4]) {
-        let mut src = [j.a; 4];
-        let mut ok = [false; 4];
-        for i in 0..4 {
-            let ar = r + 32 * i as u32;
-            ok[i] = ar < self.rows;
-            if ok[i] {
-                let at = (self.lo + ar) as usize;
-                // SAFETY: forwarded.
-                let row = if j.token.is_null() { at } else { unsafe { ld(j.token, at) as usize } };
-                src[i] = j.a.wrapping_add(row * kb + 16 * c as usize);
-            }
-        }
-        (src, ok)
-    }
-
+impl BlockTile {
     /// Stores this thread's accumulators of the tile: `f(v s)` rounded to bf16, `s` the
     /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
     ///
     /// # Safety
     /// `j.out` and `j.a_scale` (where given) hold the tile's rows.
     #[inline(always)]
-    unsafe fn store(&self, j: &Job, acc: &[[f32; 64]; 2], ws: f32) {
+    unsafe fn store_wgmma(&self, j: &Job, acc: &[[f32; 64]; 2], ws: f32) {
         use crate::wgmma::{acc_col, acc_row};
         let (w, lane) = (warp_id(), lane_id());
         let relu2 = j.relu2 != 0;
@@ -171,12 +112,12 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
     // published by the barrier before any warpgroup's products read it, and reloaded only
     // after the barrier that follows every warpgroup's wait for those products.
     unsafe {
-        let Some(t) = WgmmaTile::of_block(&j, found) else { return };
+        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, WGMMA_N), found) else { return };
         let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
         // This thread's 16-byte chunks of a stage: chunk c of rows `r + 32 i` (4 of A, 8
         // of B), the sources' rows fixed for the whole product.
         let (r, c) = (tid / 8, tid % 8);
-        let (a_src, a_ok) = t.a_rows(&j, kb, (r, c));
+        let (a_src, a_ok) = t.a_rows(&j, kb, (r, 32, 16 * c), 4);
         let b_src = j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + r) as usize) * kb + 16 * c as usize);
         let steps = (kb as u32).div_ceil(STAGE_ROW_BYTES);
         let load = |step: u32| {
@@ -215,7 +156,7 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
                 core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
             mma_stage::<FP8>(&mut acc, a, b);
         }
-        t.store(&j, &acc, if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) });
+        t.store_wgmma(&j, &acc, if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) });
     }
 }
 
@@ -256,9 +197,9 @@ unsafe fn grouped_wgmma_nvfp4(j: Job) {
     // warpgroup's wait for the products that read it; a thread reads only the codes and
     // scales it copied itself, after its own wait.
     unsafe {
-        let Some(t) = WgmmaTile::of_block(&j, found) else { return };
+        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, WGMMA_N), found) else { return };
         let (r, c) = (tid / 8, tid % 8);
-        let (a_src, a_ok) = t.a_rows(&j, 2 * j.k as usize, (r, c));
+        let (a_src, a_ok) = t.a_rows(&j, 2 * j.k as usize, (r, 32, 16 * c), 4);
         // Weight row t.n0 + tid: its codes, then its scales.
         let w_ok = tid < t.cols;
         let row_bytes = crate::nvfp4::row_bytes(j.k as usize);
@@ -308,6 +249,6 @@ unsafe fn grouped_wgmma_nvfp4(j: Job) {
                 core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
             mma_stage::<false>(&mut acc, a, b);
         }
-        t.store(&j, &acc, ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
+        t.store_wgmma(&j, &acc, ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
     }
 }

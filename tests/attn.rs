@@ -10,7 +10,7 @@
 
 use half::bf16;
 use host::Rows;
-use host::attn::{AttnRows, AttnShape, Qkv, attention, flash_tiles};
+use host::attn::{AttnRows, AttnShape, FlashKeys, Qkv, attention, attention_with, flash_tiles};
 use host::cpu::attn::attend;
 use kernels_gpu::attn::{ATTN_BLOCK, MAX_SPLITS, MIN_SPLIT_KEYS, smem_bytes, split_keys};
 use kernels_gpu::flash::{FLASH_MAX_HEAD_DIM, FLASH_ROWS, FlashTile};
@@ -228,7 +228,8 @@ fn flash_tiles_follow_the_runs() {
     assert_eq!(want.iter().map(|t| t.rows).sum::<u32>() as usize, slots.len());
 }
 
-/// Prefills through the flash kernel against the reference at NemotronH's geometry: fresh
+/// Prefills through the flash kernel against the reference at NemotronH's geometry, with 64
+/// and with 32 keys a tile (the kernels for sm_12x blocks; both where they fit): fresh
 /// sequences of 1, 127, 128, 129 and 4096 tokens, and ones continuing a cached prefix (128 after
 /// 37, 1000 after 200) in one call; every row of the short ones and a sample of the long ones
 /// compared, with queries large enough that the softmax is peaked.
@@ -240,10 +241,16 @@ fn gpu_flash_attention_prefills() {
     let s = AttnShape { heads: 32, kv_heads: 2, head_dim: 128, max_len: 4200 };
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let mut compared = 0;
-    for seqs in [
+    let keys = match FlashKeys::fitting(&gpu) {
+        Some(FlashKeys::K64) => vec![FlashKeys::K64, FlashKeys::K32],
+        Some(FlashKeys::K32) => vec![FlashKeys::K32],
+        None => panic!("no flash kernel fits a block of {:?}", gpu.arch()),
+    };
+    let seqs = [
         vec![(0i32, 0u32, 1usize), (1, 0, 127), (2, 0, 128), (3, 0, 129), (4, 37, 128), (5, 200, 1000)],
         vec![(1, 0, 4096)],
-    ] {
+    ];
+    for (seqs, flash) in seqs.iter().flat_map(|s| keys.iter().map(move |&f| (s.clone(), f))) {
         let slots_n = 6;
         let (slots, pos) = rows_of(&seqs);
         let rows = slots.len();
@@ -256,7 +263,7 @@ fn gpu_flash_attention_prefills() {
         let mut out = gpu.upload(&vec![POISON_BF16; rows * qw]).unwrap();
         let arows = AttnRows::new(&gpu, &slots, &pos, slots_n, s.max_len).unwrap();
         let qkv = Qkv { q: Rows::new(&dq, rows, qw), k: Rows::new(&dk, rows, kw), v: Rows::new(&dv, rows, kw) };
-        attention(&gpu, s, qkv, &mut dkc, &mut dvc, &arows, &mut out).unwrap();
+        attention_with(&gpu, s, qkv, (&mut dkc, &mut dvc), &arows, Some(flash), &mut out).unwrap();
         let got = to_f64(&gpu.download(&out).unwrap());
         write_rows((&mut kc, &mut vc), (&k, &v), (&slots, &pos), s);
         let mut row0 = 0;
@@ -275,7 +282,7 @@ fn gpu_flash_attention_prefills() {
                 mag.extend(m);
                 g.extend_from_slice(&got[r * qw..][..qw]);
             }
-            let label = format!("flash attention, {n} rows after {p0} cached");
+            let label = format!("flash attention ({flash:?}), {n} rows after {p0} cached");
             compared += assert_band(&label, &g, &want, &mag, band(true));
             row0 += n;
         }

@@ -124,8 +124,8 @@ fn arch_selection_by_compute_capability() {
 /// are those the host runs only where `Gpu::fits` says they fit, with another path
 /// elsewhere: the 128-row grouped GEMM tiles (`Tiles::for_grouped` takes the 64-row ones;
 /// `gemm_m128_bf16` runs only where a caller asks for those tiles) and the flash attention
-/// kernels (`host::attn::attention` takes the row kernel). A kernel that grows past the limit
-/// must join them, with its fallback.
+/// kernels of 64 keys a tile (`host::attn::attention` takes those of 32, 87040 bytes). A kernel
+/// that grows past the limit must join them, with its fallback.
 #[test]
 fn kernels_too_big_for_sm12x_blocks_have_fallbacks() {
     const SM12X_BLOCK_SMEM: u32 = 101376;

@@ -140,12 +140,39 @@ pub struct Qkv<'a> {
     pub v: Rows<'a>,
 }
 
+/// Keys the flash kernel stages at a time: 64, or 32 (`attn_flash_k32_bf16` and its
+/// 128-channel form) where a block's shared memory cannot hold 64's (the sm_12x family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKeys {
+    K64,
+    K32,
+}
+
+impl FlashKeys {
+    /// The most keys a block of this GPU holds ([`Gpu::fits`]), or None: no flash kernel fits.
+    pub fn fitting(gpu: &Gpu) -> Option<FlashKeys> {
+        [FlashKeys::K64, FlashKeys::K32]
+            .into_iter()
+            .find(|f| gpu.fits(f.kernel(true).kernel) && gpu.fits(f.kernel(false).kernel))
+    }
+
+    /// The kernel of these keys for heads of 113 to 128 channels (`d128`) or any other.
+    fn kernel(self, d128: bool) -> kernels_gpu::Entry<FlashParams> {
+        match (self, d128) {
+            (FlashKeys::K64, true) => entry::ATTN_FLASH_D128,
+            (FlashKeys::K64, false) => entry::ATTN_FLASH,
+            (FlashKeys::K32, true) => entry::ATTN_FLASH_K32_D128,
+            (FlashKeys::K32, false) => entry::ATTN_FLASH_K32,
+        }
+    }
+}
+
 /// Writes each row's `k`, `v` into the caches at its slot and position (`rows`), then attends
 /// each row's query over its slot's keys `0..=pos`; `out [rows, heads * head_dim]`. Two
 /// launches, or one where each row has a slot of its own (decode rows); the second is the
 /// flash kernel (query tiles on tensor cores) for heads of up to [`FLASH_MAX_HEAD_DIM`]
-/// channels where a block may have its shared memory ([`Gpu::fits`]), else the row kernel.
-/// The row kernel splits each row's keys over blocks in a cache of more than
+/// channels, with the most keys a block of this GPU holds ([`FlashKeys::fitting`]), else the
+/// row kernel. The row kernel splits each row's keys over blocks in a cache of more than
 /// `MIN_SPLIT_KEYS` positions ([`split_keys`]), and a combine launch merges the parts.
 pub fn attention(
     gpu: &Gpu,
@@ -154,6 +181,19 @@ pub fn attention(
     k_cache: &mut CudaSlice<bf16>,
     v_cache: &mut CudaSlice<bf16>,
     rows: &AttnRows,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    attention_with(gpu, s, qkv, (k_cache, v_cache), rows, FlashKeys::fitting(gpu), out)
+}
+
+/// [`attention`] with the flash kernel's keys given (None: the row kernel for prefill rows too).
+pub fn attention_with(
+    gpu: &Gpu,
+    s: AttnShape,
+    qkv: Qkv,
+    (k_cache, v_cache): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    rows: &AttnRows,
+    flash_keys: Option<FlashKeys>,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let kn = entry::ATTN;
@@ -195,13 +235,11 @@ pub fn attention(
         splits: 1,
         partial: std::ptr::null_mut(),
     };
-    // Prefill rows take the flash kernel where their heads fit it and a block may have its
-    // shared memory (`Gpu::fits`: not on the sm_12x family): its arguments and grid checked
-    // before anything launches.
-    let flash_kernel = if s.head_dim.div_ceil(16) == 8 { entry::ATTN_FLASH_D128 } else { entry::ATTN_FLASH };
-    let flash = match &rows.tiles {
-        Some(tiles) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize && gpu.fits(flash_kernel.kernel) => {
-            let kf = flash_kernel;
+    // Prefill rows take the flash kernel of the keys given where their heads fit it: its
+    // arguments and grid checked before anything launches.
+    let flash = match (&rows.tiles, flash_keys) {
+        (Some(tiles), Some(keys)) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
+            let kf = keys.kernel(s.head_dim.div_ceil(16) == 8);
             let aligned = |a: u64| a.is_multiple_of(16);
             let vec = s.head_dim.is_multiple_of(8)
                 && q_stride.is_multiple_of(8)

@@ -31,6 +31,10 @@ pub const FLASH_BLOCK: u32 = 256;
 pub const FLASH_ROWS: u32 = 128;
 /// Keys staged at a time.
 pub const FLASH_KEYS: u32 = 64;
+/// Keys staged at a time by the kernels for small blocks (`attn_flash_k32_bf16`,
+/// `attn_flash_k32_d128_bf16`): their shared memory, [`flash_smem_bytes`]`(32)`, fits the 99 KiB
+/// of an sm_12x block (DGX Spark), where 64 keys' does not.
+pub const FLASH_KEYS_SMALL: u32 = 32;
 /// Widest head the kernel takes (its Q fragments and output accumulators live in registers).
 pub const FLASH_MAX_HEAD_DIM: u32 = 128;
 
@@ -76,9 +80,10 @@ unsafe impl KernelParams for FlashParams {}
 /// lets one barrier a key tile keep both apart (see the kernel).
 pub const FLASH_BUFFERS: u32 = 3;
 
-/// Dynamic shared memory of `attn_flash_bf16`: the Q tile and the buffers of K and V tiles.
-pub const fn flash_smem_bytes() -> u32 {
-    tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM) + 2 * FLASH_BUFFERS * tile_bytes(FLASH_KEYS, FLASH_MAX_HEAD_DIM)
+/// Dynamic shared memory of the flash kernels staging `keys` keys at a time: the Q tile and the
+/// buffers of K and V tiles (139264 bytes at [`FLASH_KEYS`], 87040 at [`FLASH_KEYS_SMALL`]).
+pub const fn flash_smem_bytes(keys: u32) -> u32 {
+    tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM) + 2 * FLASH_BUFFERS * tile_bytes(keys, FLASH_MAX_HEAD_DIM)
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -89,8 +94,9 @@ mod kernels {
 
     /// k steps (16 channels each) of the widest head.
     const DK: usize = (FLASH_MAX_HEAD_DIM / 16) as usize;
-    /// 16 x 8 score tiles of a key tile.
+    /// 16 x 8 score tiles of a key tile of [`FLASH_KEYS`] and of [`FLASH_KEYS_SMALL`].
     const NS: usize = (FLASH_KEYS / 8) as usize;
+    const NS_SMALL: usize = (FLASH_KEYS_SMALL / 8) as usize;
 
     /// `v` reduced by `f` pairwise (a tree: independent operations side by side).
     #[inline(always)]
@@ -107,28 +113,45 @@ mod kernels {
 
     /// Flash attention, [`FlashParams`], heads of 113 to 128 channels (eight k steps, known
     /// when compiled). Grid `(tiles * heads)`, block [`FLASH_BLOCK`], dynamic shared memory
-    /// [`flash_smem_bytes`]; the module docs say what a block does.
+    /// [`flash_smem_bytes`]`(FLASH_KEYS)`; the module docs say what a block does.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_flash_d128_bf16(p: FlashParams) {
         // SAFETY: the launch contract is the caller's.
-        unsafe { flash::<true>(p) }
+        unsafe { flash::<true, NS>(p) }
     }
 
     /// As `attn_flash_d128_bf16`, for any head up to [`FLASH_MAX_HEAD_DIM`] channels.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn attn_flash_bf16(p: FlashParams) {
         // SAFETY: the launch contract is the caller's.
-        unsafe { flash::<false>(p) }
+        unsafe { flash::<false, NS>(p) }
     }
 
-    /// The flash kernel; with `EIGHT_STEPS` the head's k steps are [`DK`] (no run-time bound
-    /// between the products, so they schedule as one block of code).
+    /// As `attn_flash_d128_bf16`, [`FLASH_KEYS_SMALL`] keys at a time (dynamic shared memory
+    /// [`flash_smem_bytes`]`(FLASH_KEYS_SMALL)`).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn attn_flash_k32_d128_bf16(p: FlashParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { flash::<true, NS_SMALL>(p) }
+    }
+
+    /// As `attn_flash_bf16`, [`FLASH_KEYS_SMALL`] keys at a time (dynamic shared memory
+    /// [`flash_smem_bytes`]`(FLASH_KEYS_SMALL)`).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "ptx-kernel" fn attn_flash_k32_bf16(p: FlashParams) {
+        // SAFETY: the launch contract is the caller's.
+        unsafe { flash::<false, NS_SMALL>(p) }
+    }
+
+    /// The flash kernel over key tiles of `8 S` keys (`S` a power of two); with `EIGHT_STEPS`
+    /// the head's k steps are [`DK`] (no run-time bound between the products, so they schedule
+    /// as one block of code).
     ///
     /// # Safety
     /// The launch contract of host/src/attn.rs: tiles inside the rows and the caches, head_dim
     /// <= FLASH_MAX_HEAD_DIM (and above 112 with `EIGHT_STEPS`), vec only where aligned.
     #[inline(always)]
-    unsafe fn flash<const EIGHT_STEPS: bool>(p: FlashParams) {
+    unsafe fn flash<const EIGHT_STEPS: bool, const S: usize>(p: FlashParams) {
         grid_dependency_wait();
         let (t, h) = (block_x() / p.heads, block_x() % p.heads);
         let (tid, w, lane) = (thread_x(), warp_id(), lane_id());
@@ -138,7 +161,8 @@ mod kernels {
         let kvh = h / (p.heads / p.kv_heads);
         let vec = p.vec != 0;
         let stride = tile_stride(FLASH_MAX_HEAD_DIM);
-        let (qsize, kvsize) = (tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM), tile_bytes(FLASH_KEYS, FLASH_MAX_HEAD_DIM));
+        let keys = 8 * S as u32;
+        let (qsize, kvsize) = (tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM), tile_bytes(keys, FLASH_MAX_HEAD_DIM));
         let qt = Tile { addr: smem_addr(0), stride };
         // Key and value tiles of buffer b.
         let kv_tiles = |b: u32| {
@@ -166,25 +190,25 @@ mod kernels {
             let (row_at, step) = (cr as usize * kw + cc as usize, 16 * kw);
             let stage_keys = |jt: u32| {
                 let (kt, vt) = kv_tiles(jt % FLASH_BUFFERS);
-                let j0 = jt * FLASH_KEYS;
-                let valid = (n_keys - j0).min(FLASH_KEYS);
+                let j0 = jt * keys;
+                let valid = (n_keys - j0).min(keys);
                 let (ks, vs) = (k_at.wrapping_add(j0 as usize * kw), v_at.wrapping_add(j0 as usize * kw));
                 if vec {
-                    for i in 0..FLASH_KEYS * 16 / FLASH_BLOCK {
+                    for i in 0..keys * 16 / FLASH_BLOCK {
                         let r = cr + 16 * i;
                         let (ok, at) = (r < valid && cc < d, row_at + i as usize * step);
                         copy16(kt.at(r, cc), if ok { ks.wrapping_add(at) } else { ks }, ok);
                         copy16(vt.at(r, cc), if ok { vs.wrapping_add(at) } else { vs }, ok);
                     }
                 } else {
-                    stage(kt, FLASH_KEYS, ks, kw, valid);
-                    stage(vt, FLASH_KEYS, vs, kw, valid);
+                    stage(kt, keys, ks, kw, valid);
+                    stage(vt, keys, vs, kw, valid);
                 }
                 commit();
             };
             stage(qt, FLASH_ROWS, q, p.q_stride as usize, tile.rows);
             stage_keys(0);
-            let key_tiles = n_keys.div_ceil(FLASH_KEYS);
+            let key_tiles = n_keys.div_ceil(keys);
             // This lane's two rows (accumulator elements 0, 1 and 2, 3): their positions.
             let first = tile.pos0 + 16 * w;
             let row_pos = [first + lane / 4, first + lane / 4 + 8];
@@ -206,15 +230,15 @@ mod kernels {
                     }
                 }
                 let (kt, vt) = kv_tiles(jt % FLASH_BUFFERS);
-                let j0 = jt * FLASH_KEYS;
+                let j0 = jt * keys;
                 // Warp-uniform: whether any of the warp's rows sees a key of this tile, and
                 // whether some key of it lies past one of the warp's rows.
                 if j0 <= first + 15 {
-                    let diagonal = j0 + FLASH_KEYS > first;
-                    let mut s = [[0.0f32; 4]; NS];
+                    let diagonal = j0 + keys > first;
+                    let mut s = [[0.0f32; 4]; S];
                     for (kk, f) in qf.iter().enumerate() {
                         if kk < dk {
-                            for np in 0..NS / 2 {
+                            for np in 0..S / 2 {
                                 let b = kt.b_nk(16 * kk as u32, 16 * np as u32);
                                 mma(&mut s[2 * np], *f, b[0]);
                                 mma(&mut s[2 * np + 1], *f, b[1]);
@@ -234,7 +258,7 @@ mod kernels {
                     for r in 0..2 {
                         // The four lanes of a quad hold a row's 64 (unscaled) scores.
                         let mx =
-                            tree(core::array::from_fn::<f32, NS, _>(|nt| fmax(s[nt][2 * r], s[nt][2 * r + 1])), fmax);
+                            tree(core::array::from_fn::<f32, S, _>(|nt| fmax(s[nt][2 * r], s[nt][2 * r + 1])), fmax);
                         let mx = fmax(mx, warp_read(mx, lane ^ 1));
                         let mx = fmax(mx, warp_read(mx, lane ^ 2));
                         // m in units of the scaled scores, log2 e folded in: 2^(scale s - m).
@@ -246,16 +270,14 @@ mod kernels {
                             c[2 * r + 1] = exp2_fast(fma(c[2 * r + 1], scale, -new));
                         }
                         let sum =
-                            tree(core::array::from_fn::<f32, NS, _>(|nt| s[nt][2 * r] + s[nt][2 * r + 1]), |a, b| {
-                                a + b
-                            });
+                            tree(core::array::from_fn::<f32, S, _>(|nt| s[nt][2 * r] + s[nt][2 * r + 1]), |a, b| a + b);
                         l[r] = l[r] * alpha + sum;
                         for c in o.iter_mut() {
                             c[2 * r] *= alpha;
                             c[2 * r + 1] *= alpha;
                         }
                     }
-                    for kk in 0..NS / 2 {
+                    for kk in 0..S / 2 {
                         let a = acc_to_a(s[2 * kk], s[2 * kk + 1]);
                         for dp in 0..DK {
                             if dp < dk {

@@ -174,9 +174,13 @@ kernels! {
     /// The parts of a split `Attn` merged into the output.
     ATTN_COMBINE = AttnCombine("attn_combine_bf16", attn::AttnParams, Threads::Fixed(attn::ATTN_BLOCK), Smem::Fixed(0)),
     /// Causal attention of many rows over the cache, on tensor cores.
-    ATTN_FLASH = AttnFlash("attn_flash_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes())),
+    ATTN_FLASH = AttnFlash("attn_flash_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS))),
     /// As `AttnFlash`, heads of 113 to 128 channels.
-    ATTN_FLASH_D128 = AttnFlashD128("attn_flash_d128_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes())),
+    ATTN_FLASH_D128 = AttnFlashD128("attn_flash_d128_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS))),
+    /// As `AttnFlash`, 32 keys at a time: within an sm_12x block's shared memory.
+    ATTN_FLASH_K32 = AttnFlashK32("attn_flash_k32_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS_SMALL))),
+    /// As `AttnFlashD128`, 32 keys at a time.
+    ATTN_FLASH_K32_D128 = AttnFlashK32D128("attn_flash_k32_d128_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS_SMALL))),
     /// A bf16 linear layer at few rows, a warp per weight row pair, its
     /// first weights loading before it waits on the kernel before.
     GEMV = Gemv("gemv_bf16", gemv::DenseParams, Threads::Fixed(gemv::WARP_BLOCK), Smem::Fixed(0)),

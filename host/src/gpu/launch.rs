@@ -54,8 +54,9 @@ impl Gpu {
     /// Whether this device runs `kernel` as it is built: its PTX has it ([`Gpu::has`]) and a
     /// block may have the shared memory it always takes (`Smem::Fixed`). A block of the sm_12x
     /// family (DGX Spark's sm_121a) has at most 99 KiB where sm_90 and sm_100 blocks have 227
-    /// KiB, so the 128-row grouped GEMM tiles (108 KiB) and the flash attention kernel (136
-    /// KiB) do not fit there; their callers take another path where this says no. A kernel
+    /// KiB, so the 128-row grouped GEMM tiles (108 KiB) and the flash attention kernels of 64
+    /// keys a tile (136 KiB) do not fit there; their callers take another path where this says
+    /// no (the 64-row tiles, the flash kernels of 32 keys). A kernel
     /// whose shared memory each launch sizes (`Smem::PerLaunch`) fits here: its launcher
     /// checks the size it asks for.
     pub fn fits(&self, kernel: Kernel) -> bool {

@@ -1,6 +1,7 @@
 //! `cargo bench --bench attn`: causal attention of a prefill at NemotronH's geometry (32 query
 //! heads, 2 kv heads, head_dim 128): one fresh sequence of 512/4096/16384 tokens, the cache write
-//! and the flash kernel. Criterion's throughput line is tokens/s; the report line gives TFLOP/s
+//! and the flash kernel (`prefill-k32/`: its 32-key tiles, the sm_12x form, where it fits).
+//! Criterion's throughput line is tokens/s; the report line gives TFLOP/s
 //! of the causal products (`4 heads head_dim n (n + 1) / 2`: scores and values, the masked half
 //! not counted). Then decode rows: `b` rows, each in a slot of its own at position `ctx - 1` of
 //! a cache of `ctx` positions (its keys split over blocks past 512 positions, then the combine
@@ -9,7 +10,7 @@
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use host::Rows;
-use host::attn::{AttnRows, AttnShape, Qkv, attention};
+use host::attn::{AttnRows, AttnShape, FlashKeys, Qkv, attention, attention_with};
 use nemotron_rs::{BenchGpu, Rng};
 use std::time::Duration;
 
@@ -19,8 +20,11 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::new(12);
     let mut group = c.benchmark_group("attn");
     group.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(300));
-    for n in [512usize, 4096, 16384] {
-        let name = format!("prefill/32x2x128/t{n}");
+    let fitting = FlashKeys::fitting(gpu);
+    let flash = [(FlashKeys::K64, "prefill"), (FlashKeys::K32, "prefill-k32")];
+    let flash = flash.into_iter().filter(|&(f, _)| fitting == Some(FlashKeys::K64) || fitting == Some(f));
+    for ((keys, kind), n) in flash.flat_map(|f| [512usize, 4096, 16384].map(|n| (f, n))) {
+        let name = format!("{kind}/32x2x128/t{n}");
         if !BenchGpu::selected(&name) {
             continue;
         }
@@ -40,7 +44,7 @@ fn benches(c: &mut Criterion) {
         let mut launch = |i: usize| {
             let (kc, vc) = &mut caches[i];
             let qkv = Qkv { q: Rows::new(&q[i], n, qw), k: Rows::new(&k[i], n, kw), v: Rows::new(&v[i], n, kw) };
-            attention(gpu, s, qkv, kc, vc, &rows, &mut out[i])
+            attention_with(gpu, s, qkv, (kc, vc), &rows, Some(keys), &mut out[i])
         };
         let timed = b.capture(sets, &mut launch);
         timed.report_flops(&format!("attn/{name}"), 4.0 * (qw * n) as f64 * (n + 1) as f64 / 2.0);

@@ -14,21 +14,47 @@ use host::moe::{Dispatch, ExpertMlp, ExpertWeights, dispatch};
 use host::quant::{Source, quant_rows};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, nvfp4_weights, to_f64, w8a8};
 
-/// Routing choices that leave expert 0 without rows, give expert 1 one (token 0's) and
-/// expert 2 every token (many tiles); the other choices distinct, from experts 3 on.
-fn skewed_choices(rng: &mut Rng, rows: usize, k: usize, e: usize) -> Vec<i32> {
-    let mut idx = Vec::with_capacity(rows * k);
-    for t in 0..rows {
-        let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
-        while picks.len() < k {
-            let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
-            if !picks.contains(&c) {
-                picks.push(c);
+/// A dispatch of `rows` tokens' top-`k` choices of `e` experts that leaves expert 0 without
+/// rows, gives expert 1 one (token 0's) and expert 2 every token (many tiles), the other
+/// choices distinct, from experts 3 on; its offsets and tokens read back (the skew checked).
+struct Skewed {
+    d: Dispatch,
+    offsets: Vec<u32>,
+    token: Vec<u32>,
+}
+
+impl Skewed {
+    fn new(gpu: &host::Gpu, rng: &mut Rng, (rows, k, e): (usize, usize, usize)) -> Skewed {
+        let mut idx = Vec::with_capacity(rows * k);
+        for t in 0..rows {
+            let mut picks = vec![2i32, if t == 0 { 1 } else { 3 + (t % (e - 3)) as i32 }];
+            while picks.len() < k {
+                let c = 3 + (rng.next_u64() % (e as u64 - 3)) as i32;
+                if !picks.contains(&c) {
+                    picks.push(c);
+                }
             }
+            idx.extend(picks);
         }
-        idx.extend(picks);
+        let mut d = Dispatch::new(gpu, e, k, rows).unwrap();
+        dispatch(gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
+        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
+        assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        Skewed { d, offsets, token }
     }
-    idx
+
+    /// The grouped rows a test compares, by expert: expert 1's, the first and last `edge` of
+    /// expert 2's, every `every`th.
+    fn sample(&self, every: usize, edge: usize) -> Vec<Vec<usize>> {
+        let (lo2, hi2) = (self.offsets[2] as usize, self.offsets[3] as usize);
+        let edge_of_2 = |j: usize| j < lo2 + edge || j + edge >= hi2;
+        (0..self.offsets.len() - 1)
+            .map(|ex| {
+                let (lo, hi) = (self.offsets[ex] as usize, self.offsets[ex + 1] as usize);
+                (lo..hi).filter(|&j| j % every == 0 || ex == 1 || (ex == 2 && edge_of_2(j))).collect()
+            })
+            .collect()
+    }
 }
 
 /// The grouped GEMM at Nemotron-3 Nano's sizes (128 experts of 2688 x 1856, top-6) with a
@@ -44,28 +70,21 @@ fn gpu_grouped_experts_at_nano_size() {
     let up = rng.bf16s(e * inter * hidden, -(3.0 / hidden as f64).sqrt(), (3.0 / hidden as f64).sqrt());
     let down = rng.bf16s(e * hidden * inter, -(3.0 / inter as f64).sqrt(), (3.0 / inter as f64).sqrt());
     let x = rng.bf16s(rows * hidden, -1.0, 1.0);
-    let idx = skewed_choices(&mut rng, rows, k, e);
+    let skewed = Skewed::new(&gpu, &mut rng, (rows, k, e));
+    let (d, token) = (&skewed.d, &skewed.token);
     let (dup, ddown, dx) = (gpu.upload(&up).unwrap(), gpu.upload(&down).unwrap(), gpu.upload(&x).unwrap());
-    let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
-    dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-    let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
-    assert_eq!((offsets[1] - offsets[0], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
     let tiles = grouped_tiles(&gpu, false);
     let w = ExpertMlp { up: ExpertWeights::Bf16(&dup), down: ExpertWeights::Bf16(&ddown), inter, hidden };
     let outs: Vec<Vec<f64>> = tiles
         .iter()
         .map(|&t| {
             let mut out = gpu.upload(&vec![POISON_BF16; rows * k * hidden]).unwrap();
-            experts_mlp_grouped_as(&gpu, &d, &dx, w, t, &mut out).unwrap();
+            experts_mlp_grouped_as(&gpu, d, &dx, w, t, &mut out).unwrap();
             to_f64(&gpu.download(&out).unwrap())
         })
         .collect();
-    let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
     let (mut got, mut want, mut sampled) = (vec![Vec::new(); tiles.len()], Vec::new(), 0);
-    for ex in 0..e {
-        let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
-        let sample: Vec<usize> =
-            (lo..hi).filter(|&j| j % 31 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 64 || j + 64 >= hi2))).collect();
+    for (ex, sample) in skewed.sample(31, 64).into_iter().enumerate() {
         if sample.is_empty() {
             continue;
         }
@@ -113,29 +132,24 @@ fn gpu_fp8_grouped_experts_match_reference() {
     {
         let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), up_static);
         let x = rng.bf16_rows(rows, hidden);
-        let idx = skewed_choices(&mut rng, rows, k, e);
-        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
-        dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
-        assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        let skewed = Skewed::new(&gpu, &mut rng, (rows, k, e));
+        let (d, token) = (&skewed.d, &skewed.token);
         let (up, down) = ex8.weights();
         let (dx, entries) = (gpu.upload(&x).unwrap(), rows * k);
         let up_in = ex8.dev[0].2.as_ref();
         for t in grouped_tiles(&gpu, true) {
             let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
-            experts_mlp_grouped_as(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
+            experts_mlp_grouped_as(&gpu, d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
             let out = to_f64(&gpu.download(&out).unwrap());
             let (mut q, mut s) = (gpu.zeros::<u8>(entries * hidden).unwrap(), gpu.zeros::<f32>(entries).unwrap());
-            quant_rows(&gpu, hidden, &dx, Source::Grouped { d: &d, by_token: true }, up_in, &mut q, &mut s).unwrap();
+            quant_rows(&gpu, hidden, &dx, Source::Grouped { d, by_token: true }, up_in, &mut q, &mut s).unwrap();
             let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
             let up_proj = Proj { w: up, n: inter, k: hidden, relu2: true };
-            grouped_fp8(&gpu, &d, Fp8Rows { codes: &q, scales: &s }, up_proj, t, &mut h).unwrap();
+            grouped_fp8(&gpu, d, Fp8Rows { codes: &q, scales: &s }, up_proj, t, &mut h).unwrap();
             let h = to_f64(&gpu.download(&h).unwrap());
-            let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
             let (mut got, mut want, mut got_h, mut want_h, mut sampled) = (vec![], vec![], vec![], vec![], 0);
-            for ex in 0..e {
-                let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
-                for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
+            for (ex, rows_of_ex) in skewed.sample(7, 16).into_iter().enumerate() {
+                for j in rows_of_ex {
                     let hj = &h[j * inter..][..inter];
                     want_h.extend(ex8.up(ex, &to_f64(&x[token[j] as usize * hidden..][..hidden])));
                     got_h.extend_from_slice(hj);
@@ -185,23 +199,18 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
         let up = Weights::Nvfp4 { rows: &dev[0], global: &dg[0] };
         let down = Weights::Nvfp4 { rows: &dev[1], global: &dg[1] };
         let x = rng.bf16_rows(rows, hidden);
-        let idx = skewed_choices(&mut rng, rows, k, e);
-        let mut d = Dispatch::new(&gpu, e, k, rows).unwrap();
-        dispatch(&gpu, &gpu.upload(&idx).unwrap(), &mut d).unwrap();
-        let (offsets, token) = (gpu.download(d.offsets()).unwrap(), gpu.download(d.token()).unwrap());
-        assert_eq!((offsets[1], offsets[2] - offsets[1], offsets[3] - offsets[2]), (0, 1, rows as u32));
+        let skewed = Skewed::new(&gpu, &mut rng, (rows, k, e));
+        let (d, token) = (&skewed.d, &skewed.token);
         let (dx, entries) = (gpu.upload(&x).unwrap(), rows * k);
         let dot = |w: &[f64], x: &[f64]| -> Vec<f64> {
             w.chunks(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
         };
         // The reference of the sampled grouped rows: hidden rows and outputs.
-        let (lo2, hi2) = (offsets[2] as usize, offsets[3] as usize);
         let (mut sample, mut want, mut want_h) = (vec![], vec![], vec![]);
-        for ex in 0..e {
-            let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+        for (ex, rows_of_ex) in skewed.sample(7, 16).into_iter().enumerate() {
             let (u, dn) =
                 (&up_v[ex * inter * hidden..][..inter * hidden], &down_v[ex * hidden * inter..][..hidden * inter]);
-            for j in (lo..hi).filter(|&j| j % 7 == 0 || ex == 1 || (ex == 2 && (j < lo2 + 16 || j + 16 >= hi2))) {
+            for j in rows_of_ex {
                 let xj = to_f64(&x[token[j] as usize * hidden..][..hidden]);
                 let hj: Vec<f64> = dot(u, &xj)
                     .into_iter()
@@ -214,10 +223,10 @@ fn gpu_nvfp4_grouped_experts_match_reference() {
         }
         for &t in &tiles {
             let mut out = gpu.upload(&vec![POISON_BF16; entries * hidden]).unwrap();
-            experts_mlp_grouped_as(&gpu, &d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
+            experts_mlp_grouped_as(&gpu, d, &dx, ExpertMlp { up, down, inter, hidden }, t, &mut out).unwrap();
             let out = to_f64(&gpu.download(&out).unwrap());
             let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
-            grouped_nvfp4(&gpu, &d, &dx, true, Proj { w: up, n: inter, k: hidden, relu2: true }, t, &mut h).unwrap();
+            grouped_nvfp4(&gpu, d, &dx, true, Proj { w: up, n: inter, k: hidden, relu2: true }, t, &mut h).unwrap();
             let h = to_f64(&gpu.download(&h).unwrap());
             let got_h: Vec<f64> = sample.iter().flat_map(|&j| h[j * inter..][..inter].to_vec()).collect();
             let got: Vec<f64> = sample.iter().flat_map(|&j| out[j * hidden..][..hidden].to_vec()).collect();

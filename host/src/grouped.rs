@@ -266,17 +266,8 @@ pub fn grouped_nvfp4(
     d.check_filled(shape.entry.name())?;
     check_nk(c, (p.n, p.k), NVFP4_GROUPED_K_MULTIPLE)?;
     let (entries, experts) = (d.entries(), d.experts());
-    let (w, global) = match p.w {
-        Weights::Nvfp4 { .. } => p.w.args(&args, experts, (p.n, p.k)).map(|(w, global, _)| (w, global))?,
-        Weights::Bf16(_) | Weights::Fp8 { .. } => {
-            return Err(Error::Shape {
-                kernel: c.0,
-                arg: "w",
-                expected: "NVFP4 weights".into(),
-                got: "bf16 or FP8 weights".into(),
-            });
-        }
-    };
+    c.that("w", matches!(p.w, Weights::Nvfp4 { .. }), "NVFP4 weights", "bf16 or FP8 weights")?;
+    let (w, global, _) = p.w.args(&args, experts, (p.n, p.k))?;
     let params = GroupedNvfp4Params {
         a: args.input("a", a, Len::AtLeast(if by_token { d.rows() } else { entries } * p.k))?,
         token: if by_token { args.input("token", d.token(), Len::Any)? } else { std::ptr::null() },

@@ -235,7 +235,7 @@ mod device {
     /// The two e4m3 block scales of `pair` (the first in the low byte) times 2^117 as bf16
     /// pairs of one value each (exact: an e4m3 value has four significant bits).
     #[inline(always)]
-    pub fn fp4_scales(pair: u16) -> [u32; 2] {
+    fn fp4_scales(pair: u16) -> [u32; 2] {
         let (a, b) = e4m3x2_to_f32(pair);
         [f32x2_to_bf16x2(a * FP4_SCALE_UP, a * FP4_SCALE_UP), f32x2_to_bf16x2(b * FP4_SCALE_UP, b * FP4_SCALE_UP)]
     }
@@ -268,9 +268,19 @@ mod device {
     /// put in the order `0 2 4 6 1 3 5 7` (the middle two of each half swapped, then the middle
     /// two bytes), which pairs `(i, i + 4)` take in order.
     #[inline(always)]
-    pub fn fp4_in_order(codes: u32, scale: u32) -> [u32; 4] {
+    fn fp4_in_order(codes: u32, scale: u32) -> [u32; 4] {
         let t = (codes ^ (codes >> 4)) & 0x00f0_00f0;
         fp4_pairs(prmt(codes ^ t ^ (t << 4), 0, 0x3120), scale)
+    }
+
+    /// 32 consecutive weights of a row, their 16 code bytes as four words and the e4m3 scales of
+    /// their two blocks (the first in the low byte), as four chunks of 8 bf16 in order
+    /// ([`fp4_in_order`]: each value times 2^-9, exactly): the B tiles the NVFP4 grouped GEMMs
+    /// make in shared memory.
+    #[inline(always)]
+    pub fn fp4_chunks(codes: [u32; 4], scales: u16) -> [[u32; 4]; 4] {
+        let s = fp4_scales(scales);
+        core::array::from_fn(|q| fp4_in_order(codes[q], s[q / 2]))
     }
 
     /// A block's weight rows of one matrix: the first at `w`, each next `stride` bytes on,

@@ -404,7 +404,7 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
 #[inline(always)]
 unsafe fn grouped_nvfp4(j: Job) {
     use crate::mma::{copy4, lds4, lds16, sts16};
-    use crate::qgemv::{FP4_SUM_SCALE, fp4_in_order, fp4_scales};
+    use crate::qgemv::{FP4_SUM_SCALE, fp4_chunks};
     const MT: usize = 2;
     grid_dependency_wait();
     let (tid, w) = (thread_x(), warp_id());
@@ -456,9 +456,9 @@ unsafe fn grouped_nvfp4(j: Job) {
             let (rs, bt) = (raw(step % GROUPED_STAGES), b_tile(step % 2));
             let codes = lds16(rs + 16 * tid);
             // Blocks 2 bh and 2 bh + 1 of the stage's four: this thread's 32 weights.
-            let s = fp4_scales((lds4(rs + 16 * GROUPED_BLOCK + 4 * tid) >> (16 * bh)) as u16);
-            for q in 0..4u32 {
-                sts16(bt.at(br, 32 * bh + 8 * q), fp4_in_order(codes[q as usize], s[q as usize / 2]));
+            let v = fp4_chunks(codes, (lds4(rs + 16 * GROUPED_BLOCK + 4 * tid) >> (16 * bh)) as u16);
+            for (q, v) in v.into_iter().enumerate() {
+                sts16(bt.at(br, 32 * bh + 8 * q as u32), v);
             }
             sync_threads();
             load(step + GROUPED_STAGES - 1);

@@ -176,7 +176,7 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
 #[inline(always)]
 unsafe fn grouped_wgmma_nvfp4(j: Job) {
     use crate::mma::{copy4, lds4, lds16, sts16};
-    use crate::qgemv::{FP4_SUM_SCALE, fp4_in_order, fp4_scales};
+    use crate::qgemv::{FP4_SUM_SCALE, fp4_chunks};
     use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, fence_async_shared, mma_stage};
     grid_dependency_wait();
     let tid = thread_x();
@@ -234,10 +234,9 @@ unsafe fn grouped_wgmma_nvfp4(j: Job) {
             let scales = lds4(rs + 32 * WGMMA_N + 4 * tid);
             for pair in 0..2u32 {
                 // Blocks 2 pair and 2 pair + 1: 32 weights, chunks 4 pair .. 4 pair + 4.
-                let s = fp4_scales((scales >> (16 * pair)) as u16);
-                for q in 0..4u32 {
-                    let v = fp4_in_order(codes[pair as usize][q as usize], s[q as usize / 2]);
-                    sts16(bt.chunk(tid, 4 * pair + q), v);
+                let v = fp4_chunks(codes[pair as usize], (scales >> (16 * pair)) as u16);
+                for (q, v) in v.into_iter().enumerate() {
+                    sts16(bt.chunk(tid, 4 * pair + q as u32), v);
                 }
             }
             fence_async_shared();

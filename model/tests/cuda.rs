@@ -11,10 +11,10 @@ use model::config::{Config, MoeConfig};
 use model::cpu::Cpu;
 use model::cuda::Cuda;
 use model::layout::Layout;
-use model::layout::{Linear, Mlp};
+use model::layout::{Linear, Mlp, Nvfp4Scales};
 use model::model::Model;
 use model::synthetic::write_checkpoint;
-use model::weights::Checkpoint;
+use model::weights::{Checkpoint, Dtype, Tensor};
 use nemotron_rs::{Rng, assert_close, to_f64};
 
 /// Mamba layers at NemotronH's head geometry (64-wide heads, state 128, 4 heads per group
@@ -194,11 +194,53 @@ fn cuda_backend_long_prompts_and_many_decode_steps() {
     println!("long prompts + 100 decode steps: {compared} logits compared, worst gap {worst:.3e}");
 }
 
-/// bf16 weights `[n, k]` uniform in +-sqrt(3 / k) (unit-variance outputs for unit inputs), as
-/// little-endian bytes.
-fn weight_bytes(rng: &mut Rng, n: usize, k: usize) -> Vec<u8> {
+/// bf16 weights `[n, k]` uniform in +-sqrt(3 / k) (unit-variance outputs for unit inputs).
+fn weight_values(rng: &mut Rng, n: usize, k: usize) -> Vec<bf16> {
     let a = (3.0 / k as f64).sqrt();
-    rng.bf16s(n * k, -a, a).iter().flat_map(|v| v.to_le_bytes()).collect()
+    rng.bf16s(n * k, -a, a)
+}
+
+/// A weight `[n, k]` of [`weight_values`] held in memory: bf16, or NVFP4 as ModelOpt rounds it
+/// (`host::cpu::nvfp4::quantize`: the codes `[n, k / 2]`, the e4m3 block scales `[n, k / 16]`,
+/// the per-tensor scale).
+struct Held {
+    shape: [usize; 2],
+    bytes: Vec<u8>,
+    nvfp4: Option<(Vec<u8>, [usize; 2], f32)>,
+}
+
+impl Held {
+    fn new(rng: &mut Rng, n: usize, k: usize, nvfp4: bool) -> Held {
+        let v = weight_values(rng, n, k);
+        if !nvfp4 {
+            return Held { shape: [n, k], bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(), nvfp4: None };
+        }
+        let q = host::cpu::nvfp4::quantize(&v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>(), n, k);
+        Held { shape: [n, k / 2], bytes: q.packed, nvfp4: Some((q.block, [n, k / 16], q.global)) }
+    }
+
+    fn linear<'a>(&'a self, name: &'a str) -> Linear<'a> {
+        let Some((block, block_shape, global)) = &self.nvfp4 else {
+            return Linear::bf16(name, &self.shape, &self.bytes);
+        };
+        let tensor = |dtype, shape: &'a [usize], bytes: &'a [u8]| Tensor {
+            name,
+            path: std::path::Path::new("memory"),
+            dtype,
+            shape,
+            bytes,
+        };
+        Linear {
+            weight: tensor(Dtype::U8, &self.shape, &self.bytes),
+            bias: None,
+            fp8: None,
+            nvfp4: Some(Nvfp4Scales {
+                block: tensor(Dtype::F8E4M3, block_shape, block),
+                global: *global,
+                input_scale: None,
+            }),
+        }
+    }
 }
 
 /// A MoE layer's weights uploaded to a backend.
@@ -224,33 +266,42 @@ fn moe_weights<B: Backend>(b: &B, gate: &[bf16], bias: &[f32], experts: &[Mlp], 
 fn cuda_moe_layer_at_nano_sizes() {
     let nano = Config::from_json(include_str!("../assets/nano-30b-a3b.json")).unwrap();
     let c = nano.moe.unwrap();
-    let mut compared = check_moe_layer(&c, nano.hidden_size, &[1, 7, 64, 1024]);
+    let mut compared = check_moe_layer(&c, nano.hidden_size, &[1, 7, 64, 1024], false);
     let small = MoeConfig { experts: 16, top_k: 4, intermediate: 96, shared_intermediate: Some(160), ..c.clone() };
-    compared += check_moe_layer(&small, 256, &[1, 7, 100]);
+    compared += check_moe_layer(&small, 256, &[1, 7, 100], false);
     let wide_top_k = MoeConfig { experts: 32, top_k: 15, intermediate: 32, shared_intermediate: Some(96), ..c.clone() };
-    compared += check_moe_layer(&wide_top_k, 256, &[1, 3]);
+    compared += check_moe_layer(&wide_top_k, 256, &[1, 3], false);
     let many = MoeConfig { experts: 255, top_k: 6, intermediate: 32, shared_intermediate: Some(64), ..c };
-    compared += check_moe_layer(&many, 256, &[1, 3]);
+    compared += check_moe_layer(&many, 256, &[1, 3], false);
     println!("MoE layers: {compared} values compared");
 }
 
-/// The MoE layer `c` on the CUDA backend against the CPU backend at each batch of `batches`:
-/// the values compared.
-fn check_moe_layer(c: &MoeConfig, hidden: usize, batches: &[usize]) -> usize {
+/// As `cuda_moe_layer_at_nano_sizes` with the routed and shared experts in NVFP4 (NVIDIA's
+/// Nano recipe), both backends weight-only from the codes (the CPU's products exact): batch 1
+/// (per choice), 7 (the expert kernel on tensor cores), 512 (the NVFP4 grouped GEMM on the
+/// 64-row tiles) and 4096 (on `wgmma` on sm_90a, the 64-row tiles elsewhere); the shared
+/// expert past 32 rows dequantized to bf16 for cuBLASLt (2^-9 relative).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_nvfp4_moe_layer_at_nano_sizes() {
+    let nano = Config::from_json(include_str!("../assets/nano-30b-a3b.json")).unwrap();
+    let compared = check_moe_layer(&nano.moe.unwrap(), nano.hidden_size, &[1, 7, 512, 4096], true);
+    assert_eq!(compared, (1 + 7 + 64 + 64) * nano.hidden_size);
+    println!("NVFP4 MoE layer: {compared} values compared");
+}
+
+/// The MoE layer `c` (bf16, or NVFP4 where `nvfp4`) on the CUDA backend against the CPU
+/// backend at each batch of `batches`: the values compared.
+fn check_moe_layer(c: &MoeConfig, hidden: usize, batches: &[usize], nvfp4: bool) -> usize {
     let (inter, n_exp) = (c.intermediate, c.experts);
     let shared_inter = c.shared_intermediate.unwrap();
     let mut rng = Rng::new(95);
-    let (up_shape, down_shape) = ([inter, hidden], [hidden, inter]);
-    let bytes: Vec<(Vec<u8>, Vec<u8>)> =
-        (0..n_exp).map(|_| (weight_bytes(&mut rng, inter, hidden), weight_bytes(&mut rng, hidden, inter))).collect();
-    let experts: Vec<Mlp> = bytes
-        .iter()
-        .map(|(u, d)| Mlp { up: Linear::bf16("up", &up_shape, u), down: Linear::bf16("down", &down_shape, d) })
+    let held: Vec<(Held, Held)> = (0..n_exp)
+        .map(|_| (Held::new(&mut rng, inter, hidden, nvfp4), Held::new(&mut rng, hidden, inter, nvfp4)))
         .collect();
-    let (su_shape, sd_shape) = ([shared_inter, hidden], [hidden, shared_inter]);
-    let (su, sd) = (weight_bytes(&mut rng, shared_inter, hidden), weight_bytes(&mut rng, hidden, shared_inter));
-    let shared =
-        Mlp { up: Linear::bf16("shared up", &su_shape, &su), down: Linear::bf16("shared down", &sd_shape, &sd) };
+    let experts: Vec<Mlp> = held.iter().map(|(u, d)| Mlp { up: u.linear("up"), down: d.linear("down") }).collect();
+    let (su, sd) = (Held::new(&mut rng, shared_inter, hidden, nvfp4), Held::new(&mut rng, hidden, shared_inter, nvfp4));
+    let shared = Mlp { up: su.linear("shared up"), down: sd.linear("shared down") };
     let gate = rng.bf16s(n_exp * hidden, -0.05, 0.05);
     let bias: Vec<f32> = (0..n_exp).map(|_| rng.uniform(-0.02, 0.02) as f32).collect();
     let cuda = Cuda::new(0).unwrap();
@@ -258,7 +309,7 @@ fn check_moe_layer(c: &MoeConfig, hidden: usize, batches: &[usize]) -> usize {
         moe_weights(&Cpu::default(), &gate, &bias, &experts, &shared),
         moe_weights(&cuda, &gate, &bias, &experts, &shared),
     );
-    drop(bytes);
+    drop(held);
     let mut compared = 0;
     let mut worst = 0.0f64;
     for &rows in batches {

@@ -8,7 +8,7 @@
 //! [`GROUPED_MAX_ROWS`], per-expert cuBLASLt GEMMs).
 
 use half::bf16;
-use host::grouped::{Tiles, experts_mlp_grouped};
+use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};
 use host::moe::{
     Appended, Choices, Dispatch, ExpertMlp, ExpertWeights, Picks, SharedExpert, combine, dispatch, experts_mlp,
     experts_mlp_choices, experts_mlp_choices_after, experts_mlp_gemm,
@@ -232,6 +232,7 @@ impl CudaExperts {
         let mlp = ExpertMlp { up, down, inter: self.inter, hidden };
         match (plan.experts, mlp) {
             (ExpertPath::Grouped { .. }, mlp) => experts_mlp_grouped(g, &d, &xv, mlp, &mut grouped)?,
+            (ExpertPath::GroupedNarrow, mlp) => experts_mlp_grouped_as(g, &d, &xv, mlp, Tiles::Narrow, &mut grouped)?,
             (ExpertPath::ExpertKernel, mlp) => experts_mlp(g, &d, &xv, mlp, pieces, &mut grouped)?,
             (
                 ExpertPath::PerExpertGemm { .. },

@@ -25,13 +25,23 @@ pub const FP8_EXPERT_KERNEL_MAX_ROWS: usize = 1;
 
 /// Most rows of an NVFP4 MoE layer that go through the expert kernels (weight-only, from the
 /// codes: the warp mode, or the tensor cores where the experts average two rows or more,
-/// `host::gemv::NVFP4_TC_MIN_ROWS`); more take the NVFP4 grouped GEMM on `wgmma`
-/// (`host::grouped::grouped_nvfp4`, the codes made bf16 in shared memory) where the GPU has it
-/// and the sizes are multiples of `host::grouped::NVFP4_GROUPED_K_MULTIPLE`, else dequantize
-/// every expert to bf16 and take bf16's path past its expert kernel. The routed experts alone
-/// (`cargo bench --bench moe -- experts/b`, an H100, Nano sizes): the expert kernel 685.1 us at
-/// 64 rows against 821.2 by the NVFP4 grouped GEMM, 1227.5 against 847.1 at 256.
+/// `host::gemv::NVFP4_TC_MIN_ROWS`); more take the NVFP4 grouped GEMM (`host::grouped::grouped_nvfp4`,
+/// the codes made bf16 in shared memory) where the sizes are multiples of
+/// `host::grouped::NVFP4_GROUPED_K_MULTIPLE`: on `wgmma` past [`NVFP4_NARROW_MAX_ROWS`] where
+/// the GPU has it, else on the 64-row `mma.sync` tiles up to [`GROUPED_MAX_ROWS`] (past them,
+/// and for other sizes, every expert dequantized to bf16 for bf16's path). The routed experts
+/// alone (`cargo bench --bench moe -- experts/b`, an H100, Nano sizes): the expert kernel 685.1
+/// us at 64 rows against 821.2 by the NVFP4 grouped GEMM on `wgmma`, 1229.2 against 742.5 on
+/// the 64-row tiles at 256.
 pub const NVFP4_EXPERT_KERNEL_MAX_ROWS: usize = 64;
+
+/// Most rows of an NVFP4 MoE layer whose experts take the NVFP4 grouped GEMM on the 64-row
+/// `mma.sync` tiles where the GPU also has the `wgmma` one: the experts' weights read a few
+/// times each, the smaller tiles waste fewer products. The routed experts alone (`cargo bench
+/// --bench moe -- experts/b`, an H100, Nano sizes, one lease): the 64-row tiles 742.5 us at 256
+/// rows against 840.2 on `wgmma`, 752.3 against 848.0 at 512, 825.9 against 839.0 at 1024,
+/// 2558.6 against 1691.4 at 4096.
+pub const NVFP4_NARROW_MAX_ROWS: usize = 1024;
 
 /// Most rows of a bf16 MoE layer whose experts run as the grouped GEMM on `mma.sync` where the
 /// GPU has no `wgmma` kernels; more go through per-expert cuBLASLt GEMMs. Where it has them
@@ -120,9 +130,13 @@ pub enum ExpertPath {
     Choices,
     /// Dispatched; each active expert's projections by the expert kernel of its format.
     ExpertKernel,
-    /// Dispatched; the grouped GEMM on tensor cores (bf16, FP8, or NVFP4 on `wgmma` from its
-    /// codes; NVFP4 dequantized to bf16 into a temporary first where `dequantize`).
+    /// Dispatched; the grouped GEMM on tensor cores, on the GPU's fastest tiles
+    /// (`host::grouped::experts_mlp_grouped`: bf16, FP8, or NVFP4 from its codes; NVFP4
+    /// dequantized to bf16 into a temporary first where `dequantize`).
     Grouped { dequantize: bool },
+    /// Dispatched; the NVFP4 grouped GEMM from the codes on the 64-row `mma.sync` tiles where
+    /// the GPU also has `wgmma` ([`NVFP4_NARROW_MAX_ROWS`]).
+    GroupedNarrow,
     /// Dispatched; a cuBLASLt GEMM pair per expert (bf16, or NVFP4 dequantized first).
     PerExpertGemm { dequantize: bool },
 }
@@ -158,10 +172,13 @@ impl MoePlan {
         let experts = match k.format {
             _ if rows <= CHOICES_MAX_ROWS => ExpertPath::Choices,
             Format::Bf16 if rows > EXPERT_KERNEL_MAX_ROWS => bf16(false),
-            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => match k.wgmma && sized(NVFP4_GROUPED_K_MULTIPLE) {
-                true => ExpertPath::Grouped { dequantize: false },
-                false => bf16(true),
-            },
+            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => {
+                match ((rows <= GROUPED_MAX_ROWS || k.wgmma) && sized(NVFP4_GROUPED_K_MULTIPLE), k.wgmma) {
+                    (true, true) if rows <= NVFP4_NARROW_MAX_ROWS => ExpertPath::GroupedNarrow,
+                    (true, _) => ExpertPath::Grouped { dequantize: false },
+                    (false, _) => bf16(true),
+                }
+            }
             Format::Fp8 if rows > FP8_EXPERT_KERNEL_MAX_ROWS && pieces == 0 && sized(16) => {
                 ExpertPath::Grouped { dequantize: false }
             }
@@ -181,7 +198,7 @@ impl MoePlan {
 
 #[cfg(test)]
 mod tests {
-    use super::ExpertPath::{Choices, ExpertKernel, Grouped, PerExpertGemm};
+    use super::ExpertPath::{Choices, ExpertKernel, Grouped, GroupedNarrow, PerExpertGemm};
     use super::*;
 
     #[test]
@@ -224,14 +241,15 @@ mod tests {
         assert_eq!(bf16(false), [&want[..], &[(PiecesGemm, PerExpertGemm { dequantize: false })]].concat());
         let fp8 = paths(&nano(Format::Fp8, false), &rows);
         assert_eq!(fp8, [&[(Mlp, Choices)][..], &[(Mlp, grouped); 7]].concat());
-        let nvfp4 = paths(&nano(Format::Nvfp4, true), &rows);
+        let nvfp4_rows = [1, 2, 32, 33, 64, 65, 1024, 1025, 8192, 8193];
+        let nvfp4 = paths(&nano(Format::Nvfp4, true), &nvfp4_rows);
         let mut want = vec![(Mlp, Choices)];
         want.extend([(Mlp, ExpertKernel); 4]);
+        want.extend([(Mlp, GroupedNarrow); 2]);
         want.extend([(Mlp, grouped); 3]);
         assert_eq!(nvfp4, want);
-        let nvfp4 = paths(&nano(Format::Nvfp4, false), &[65, 8192, 8193]);
-        let dequantized = (Mlp, Grouped { dequantize: true });
-        assert_eq!(nvfp4, [dequantized, dequantized, (Mlp, PerExpertGemm { dequantize: true })]);
+        let nvfp4 = paths(&nano(Format::Nvfp4, false), &[65, 1025, 8192, 8193]);
+        assert_eq!(nvfp4, [(Mlp, grouped), (Mlp, grouped), (Mlp, grouped), (Mlp, PerExpertGemm { dequantize: true })]);
         // Sizes the NVFP4 grouped GEMM does not take (k a multiple of 64) are dequantized.
         let odd = MoeKind { inter: 1856 + 16, ..nano(Format::Nvfp4, true) };
         assert_eq!(MoePlan::new(&odd, 65).experts, Grouped { dequantize: true });

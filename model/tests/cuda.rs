@@ -278,7 +278,7 @@ fn cuda_moe_layer_at_nano_sizes() {
 
 /// As `cuda_moe_layer_at_nano_sizes` with the routed and shared experts in NVFP4 (NVIDIA's
 /// Nano recipe), both backends weight-only from the codes (the CPU's products exact): batch 1
-/// (per choice), 7 (the expert kernel on tensor cores), 512 (the NVFP4 grouped GEMM on the
+/// (per choice), 7 (the expert kernel), 512 (the NVFP4 grouped GEMM on the
 /// 64-row tiles) and 4096 (on `wgmma` on sm_90a, the 64-row tiles elsewhere); the shared
 /// expert past 32 rows dequantized to bf16 for cuBLASLt (2^-9 relative).
 #[test]

@@ -4,7 +4,8 @@
 //! path a step takes is `plan.rs`'s ([`MoePlan`], with the row counts where the paths
 //! switch: per routing choice up to [`CHOICES_MAX_ROWS`], the expert kernel up to
 //! [`EXPERT_KERNEL_MAX_ROWS`] (FP8 [`FP8_EXPERT_KERNEL_MAX_ROWS`], NVFP4
-//! [`NVFP4_EXPERT_KERNEL_MAX_ROWS`]), then the grouped GEMM or, without `wgmma` past
+//! [`NVFP4_EXPERT_KERNEL_MAX_ROWS`]), then the grouped GEMM (NVFP4 on the 64-row tiles up to
+//! [`NVFP4_NARROW_MAX_ROWS`] where there is `wgmma`) or, without `wgmma` past
 //! [`GROUPED_MAX_ROWS`], per-expert cuBLASLt GEMMs).
 
 use half::bf16;
@@ -20,7 +21,7 @@ mod plan;
 
 pub use plan::{
     CHOICES_MAX_ROWS, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
-    NVFP4_EXPERT_KERNEL_MAX_ROWS, SHARED_PIECES_MAX_ROWS,
+    NVFP4_EXPERT_KERNEL_MAX_ROWS, NVFP4_NARROW_MAX_ROWS, SHARED_PIECES_MAX_ROWS,
 };
 use plan::{ExpertPath, Format, MoeKind, MoePlan, SharedForm, SharedPath, shared_pieces};
 

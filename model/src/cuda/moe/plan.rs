@@ -163,22 +163,22 @@ impl MoePlan {
             SharedForm::Pieces(_) => SharedPath::PiecesGemm,
         };
         let sized = |m: usize| k.inter.is_multiple_of(m) && k.hidden.is_multiple_of(m);
-        // bf16's GEMMs: the grouped GEMM on `wgmma` at any row count, on `mma.sync` up to
-        // GROUPED_MAX_ROWS, else per expert.
-        let bf16 = |dequantize| match (rows <= GROUPED_MAX_ROWS || k.wgmma) && sized(8) {
+        // Whether a grouped GEMM whose sizes must be multiples of `m` takes the rows: on `wgmma`
+        // at any row count, on `mma.sync` up to GROUPED_MAX_ROWS.
+        let grouped = |m: usize| (rows <= GROUPED_MAX_ROWS || k.wgmma) && sized(m);
+        // bf16's GEMMs: the grouped GEMM where it takes the rows, else per expert.
+        let bf16 = |dequantize| match grouped(8) {
             true => ExpertPath::Grouped { dequantize },
             false => ExpertPath::PerExpertGemm { dequantize },
         };
         let experts = match k.format {
             _ if rows <= CHOICES_MAX_ROWS => ExpertPath::Choices,
             Format::Bf16 if rows > EXPERT_KERNEL_MAX_ROWS => bf16(false),
-            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => {
-                match ((rows <= GROUPED_MAX_ROWS || k.wgmma) && sized(NVFP4_GROUPED_K_MULTIPLE), k.wgmma) {
-                    (true, true) if rows <= NVFP4_NARROW_MAX_ROWS => ExpertPath::GroupedNarrow,
-                    (true, _) => ExpertPath::Grouped { dequantize: false },
-                    (false, _) => bf16(true),
-                }
-            }
+            Format::Nvfp4 if rows > NVFP4_EXPERT_KERNEL_MAX_ROWS => match grouped(NVFP4_GROUPED_K_MULTIPLE) {
+                true if k.wgmma && rows <= NVFP4_NARROW_MAX_ROWS => ExpertPath::GroupedNarrow,
+                true => ExpertPath::Grouped { dequantize: false },
+                false => bf16(true),
+            },
             Format::Fp8 if rows > FP8_EXPERT_KERNEL_MAX_ROWS && pieces == 0 && sized(16) => {
                 ExpertPath::Grouped { dequantize: false }
             }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The arches whose PTX the host embeds, by `-C target-cpu` name.
-pub const ARCHES: [&str; 4] = ["sm_90", "sm_90a", "sm_110", "sm_121a"];
+pub const ARCHES: [&str; 4] = ["sm_90", "sm_90a", "sm_110a", "sm_121a"];
 
 /// Environment a parent cargo (or clippy, or rustup) sets that must not leak into the device
 /// build: a stable parent's `RUSTC` or `RUSTUP_TOOLCHAIN` would run the device build on stable.
@@ -53,12 +53,17 @@ pub fn build_ptx(workspace: &Path, target_dir: &Path, arch: &str) -> Result<Path
     // their loops fully unrolled, past LLVM's default threshold (else the array lives in local
     // memory: `cargo xtask ptx` fails on any stack frame or spill).
     // The FP8 tensor-core products (`mma.sync` m16n8k32 e4m3) need PTX ISA 8.4, above what
-    // rustc emits for sm_90 and sm_90a by default (its sm_110 and sm_121a PTX are newer).
+    // rustc emits for sm_90 and sm_90a by default (its sm_110a and sm_121a PTX are newer).
     let isa = if arch.starts_with("sm_90") { "\x1f-Ctarget-feature=+ptx84" } else { "" };
     // The block-scaled FP4 kernels only where the arch has the instruction (rustc reports no
     // target feature past sm_90a to `cfg`).
     let fp4 = if kernels_gpu::block_scaled_fp4(arch) { "\x1f--cfg\x1fblock_scaled_fp4" } else { "" };
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}{isa}{fp4}\x1f-Cllvm-args=-unroll-threshold=4000"));
+    // Likewise the fifth-generation tensor-core (`tcgen05`) kernels.
+    let tc = if kernels_gpu::has_tcgen05(arch) { "\x1f--cfg\x1ftcgen05" } else { "" };
+    cmd.env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!("-Ctarget-cpu={arch}{isa}{fp4}{tc}\x1f-Cllvm-args=-unroll-threshold=4000"),
+    );
     let output = cmd.output().map_err(|e| format!("cannot run cargo for the {arch} PTX build: {e}"))?;
     if !output.status.success() {
         return Err(format!(

@@ -14,7 +14,8 @@ fn every_arch_declares_its_target() {
 }
 
 /// Each arch's PTX holds exactly the kernels `Kernel::in_arch` gives it: the `wgmma` ones on
-/// sm_90a alone, the block-scaled FP4 ones on sm_121a alone, the others everywhere.
+/// sm_90a alone, the block-scaled FP4 ones on sm_121a alone, the `tcgen05` one on sm_110a
+/// alone, the others everywhere.
 #[test]
 fn every_kernel_is_an_entry_of_its_arches() {
     let mut checked = 0;
@@ -35,6 +36,8 @@ fn every_kernel_is_an_entry_of_its_arches() {
             Some("sm_90a")
         } else if k.needs_block_scaled_fp4() {
             Some("sm_121a")
+        } else if k.needs_tcgen05() {
+            Some("sm_110a")
         } else {
             None
         };
@@ -44,7 +47,11 @@ fn every_kernel_is_an_entry_of_its_arches() {
         }
     }
     let special = |f: fn(Kernel) -> bool| Kernel::ALL.iter().filter(|&&k| f(k)).count();
-    assert!(special(Kernel::needs_wgmma) > 0 && special(Kernel::needs_block_scaled_fp4) > 0);
+    assert!(
+        [Kernel::needs_wgmma, Kernel::needs_block_scaled_fp4, Kernel::needs_tcgen05]
+            .into_iter()
+            .all(|f| special(f) > 0)
+    );
 }
 
 #[test]
@@ -92,7 +99,7 @@ fn ptxas_assembles_every_arch() {
 #[test]
 fn arch_selection_by_compute_capability() {
     assert_eq!(Arch::for_compute_capability(9, 0).unwrap(), Arch::Sm90a);
-    assert_eq!(Arch::for_compute_capability(11, 0).unwrap(), Arch::Sm110);
+    assert_eq!(Arch::for_compute_capability(11, 0).unwrap(), Arch::Sm110a);
     assert_eq!(Arch::for_compute_capability(12, 1).unwrap(), Arch::Sm121a);
     // Newer or other >= 9.0 devices get the forward-compatible sm_90 PTX.
     assert_eq!(Arch::for_compute_capability(9, 1).unwrap(), Arch::Sm90);
@@ -104,7 +111,7 @@ fn arch_selection_by_compute_capability() {
     assert_eq!(Arch::named("sm_90", 12, 1).unwrap(), Arch::Sm90);
     assert_eq!(Arch::named("sm_90a", 9, 0).unwrap(), Arch::Sm90a);
     for (name, major, minor) in
-        [("sm_90a", 10, 0), ("sm_90a", 9, 1), ("sm_110", 9, 0), ("sm_121a", 12, 0), ("sm_80", 9, 0)]
+        [("sm_90a", 10, 0), ("sm_90a", 9, 1), ("sm_110a", 9, 0), ("sm_121a", 12, 0), ("sm_80", 9, 0)]
     {
         let err = Arch::named(name, major, minor).unwrap_err();
         assert!(matches!(err, host::Error::ArchRefused { .. }), "{name} on {major}.{minor}: {err}");
@@ -120,7 +127,7 @@ fn arch_selection_by_compute_capability() {
 }
 
 /// The kernels whose fixed shared memory is more than a block of the sm_12x family may have
-/// (101376 bytes, 99 KiB: DGX Spark's sm_121a; sm_90, sm_100 and sm_110 blocks have 232448)
+/// (101376 bytes, 99 KiB: DGX Spark's sm_121a; sm_90, sm_100 and sm_110a blocks have 232448)
 /// are those the host runs only where `Gpu::fits` says they fit, with another path
 /// elsewhere: the 128-row grouped GEMM tiles (`Tiles::for_grouped` takes the 64-row ones;
 /// `gemm_m128_bf16` runs only where a caller asks for those tiles) and the flash attention

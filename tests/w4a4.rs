@@ -1,11 +1,12 @@
 //! The W4A4 NVFP4 family (kernels-gpu/src/w4a4.rs). On the CPU: the block-scaled FP4 `mma`
 //! emulated from the PTX ISA's description of its operands, fed by the kernel's own fragment
-//! loaders, equals the plain product (no GPU of the sm_120a family is at hand to run it); the
-//! activations' quantization from hand-worked blocks and the nearest-code property. On a GPU
-//! (`#[ignore]`d): the quantization kernel bit for bit against the CPU's, and the linear layer
-//! against the exact product: with the instruction emulated by the warp on every GPU (the
-//! kernel's loads, guards and output), on the instruction where the PTX has it (sm_121a),
-//! refused by name elsewhere.
+//! loaders, equals the plain product (no GPU of the sm_120a family is at hand to run it), and
+//! so does the `tcgen05` kernel's block, emulated likewise (w4a4/tcgen05.rs: no GPU of the
+//! sm_100a family either); the activations' quantization from hand-worked blocks and the
+//! nearest-code property. On a GPU (`#[ignore]`d): the quantization kernel bit for bit against
+//! the CPU's, and the linear layer against the exact product: with the instruction emulated by
+//! the warp on every GPU (the kernel's loads, guards and output), on the instructions where
+//! the PTX has them (sm_121a, sm_110a), refused by name elsewhere.
 
 use half::bf16;
 use host::cpu::nvfp4::E2M1;
@@ -224,6 +225,7 @@ fn gpu_linear_matches_the_product() {
     let gpu = gpu();
     let mut rng = Rng::new(47);
     let mut compared = 0;
+    let native = gpu.has(Kernel::GemmNvfp4W4a4) || gpu.has(Kernel::GemmNvfp4W4a4Tcgen05);
     // Nano's q, in_proj at 37 rows, an expert's up projection, n and m not multiples of the
     // block's 64, one k step.
     let cases = [(1, 4096, 2688), (37, 10304, 2688), (64, 1856, 2688), (130, 72, 128), (5, 9, 64)];
@@ -241,7 +243,7 @@ fn gpu_linear_matches_the_product() {
         for p in [Product::Emulated, Product::Native] {
             let mut y = gpu.upload(&vec![POISON_BF16; m * n]).unwrap();
             let run = linear(&gpu, &a, Weights::Nvfp4 { rows: &dw, global: &dg }, (m, n, k), scale, p, &mut y);
-            if p == Product::Native && !gpu.has(Kernel::GemmNvfp4W4a4) {
+            if p == Product::Native && !native {
                 let err = run.unwrap_err().to_string();
                 assert!(err.contains("gemm_nvfp4_w4a4") && err.contains("sm_121a"), "{err}");
                 println!("{m} x {n} x {k}: native refused on {}: {err}", gpu.arch().name());
@@ -254,6 +256,9 @@ fn gpu_linear_matches_the_product() {
             compared += assert_band(&label, &to_f64(&gpu.download(&y).unwrap()), &want, &mag, (0.0, 1.0 / 256.0, 1e-5));
         }
     }
-    let runs = if gpu.has(Kernel::GemmNvfp4W4a4) { 2 } else { 1 };
+    let runs = if native { 2 } else { 1 };
     assert_eq!(compared, runs * cases.iter().map(|&(m, n, _)| m * n).sum::<usize>());
 }
+
+#[path = "w4a4/tcgen05.rs"]
+mod tcgen05;

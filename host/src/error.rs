@@ -18,7 +18,7 @@ pub enum Error {
     #[error("{kernel}: argument `{arg}`: expected {expected}, got {got}")]
     Shape { kernel: &'static str, arg: &'static str, expected: String, got: String },
     #[error(
-        "unsupported GPU: compute capability {major}.{minor}; the kernels need 9.0 or newer (PTX is embedded for sm_90, sm_90a, sm_110 and sm_121a)"
+        "unsupported GPU: compute capability {major}.{minor}; the kernels need 9.0 or newer (PTX is embedded for sm_90, sm_90a, sm_110a and sm_121a)"
     )]
     UnsupportedArch { major: i32, minor: i32 },
     #[error("the CUDA driver (version {driver}) cannot load {arch} PTX (ISA {isa}): update the NVIDIA driver")]
@@ -30,7 +30,7 @@ pub enum Error {
     #[error("kernel `{kernel}` is not in this GPU's PTX ({arch}): it needs {needs}; callers check `Gpu::has`")]
     NotInArch { kernel: &'static str, arch: &'static str, needs: &'static str },
     #[error(
-        "NEMO_ARCH={name}: not a PTX this build has that runs on a device of compute capability {major}.{minor} (sm_90 runs on 9.0 and newer; sm_90a, sm_110, sm_121a each on its own)"
+        "NEMO_ARCH={name}: not a PTX this build has that runs on a device of compute capability {major}.{minor} (sm_90 runs on 9.0 and newer; sm_90a, sm_110a, sm_121a each on its own)"
     )]
     ArchRefused { name: String, major: i32, minor: i32 },
     #[error("{0} inside a CUDA graph capture: the graph would replay it with stale host data")]

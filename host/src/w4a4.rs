@@ -1,13 +1,15 @@
 //! Launchers of the W4A4 NVFP4 family (kernels-gpu/src/w4a4.rs; reference: cpu/w4a4.rs): rows
 //! of activations quantized to NVFP4 with a layer's static input scale ([`quantize`], every
 //! arch), and the linear layer on block-scaled FP4 tensor cores ([`linear`], where the GPU's
-//! PTX has it: sm_121a; elsewhere [`crate::Error::NotInArch`]).
+//! PTX has them: sm_121a's `mma.sync`, sm_110a's `tcgen05`; elsewhere
+//! [`crate::Error::NotInArch`]).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::entry;
 use kernels_gpu::quant::MAX_GRID;
+use kernels_gpu::tcgen05::{TC_M, TC_N};
 use kernels_gpu::w4a4::{BLOCK, GEMM_COLS, GEMM_ROWS, GemmParams, MMA_K, QuantizeParams, row_bytes};
+use kernels_gpu::{Kernel, entry};
 
 use crate::args::{Len, Rows};
 use crate::check::{Check, MAX_ELEMS};
@@ -51,8 +53,9 @@ pub fn quantize(gpu: &Gpu, x: Rows<'_>, scale: f32, out: &mut impl DevicePtrMut<
 /// How [`linear`] forms its products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Product {
-    /// The block-scaled FP4 `mma` (`gemm_nvfp4_w4a4`): only where the GPU's PTX has it
-    /// (`Gpu::has`; sm_121a).
+    /// The block-scaled FP4 tensor cores where the GPU's PTX has them (`Gpu::has`): the
+    /// `mma.sync` of `gemm_nvfp4_w4a4` (sm_121a), else `tcgen05` (`gemm_nvfp4_w4a4_tcgen05`,
+    /// sm_110a).
     Native,
     /// The same kernel with the instruction emulated by the warp through shared memory
     /// (`gemm_nvfp4_w4a4_emulated`, every arch, many times slower): the test of its data path
@@ -72,9 +75,12 @@ pub fn linear(
     product: Product,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let kern = match product {
-        Product::Native => entry::GEMM_NVFP4_W4A4,
-        Product::Emulated => entry::GEMM_NVFP4_W4A4_EMULATED,
+    let (kern, (rows, cols)) = match product {
+        Product::Native if !gpu.has(Kernel::GemmNvfp4W4a4) && gpu.has(Kernel::GemmNvfp4W4a4Tcgen05) => {
+            (entry::GEMM_NVFP4_W4A4_TCGEN05, (TC_M, TC_N))
+        }
+        Product::Native => (entry::GEMM_NVFP4_W4A4, (GEMM_ROWS, GEMM_COLS)),
+        Product::Emulated => (entry::GEMM_NVFP4_W4A4_EMULATED, (GEMM_ROWS, GEMM_COLS)),
     };
     let args = gpu.args(kern);
     let c = args.check();
@@ -84,7 +90,7 @@ pub fn linear(
     c.count("n * k", MAX_ELEMS, n * k)?;
     c.count("m * n", MAX_ELEMS, m * n)?;
     c.that("m", m > 0 && n > 0, "at least a row and a column", format!("{m} x {n}"))?;
-    c.count("m", usize::from(u16::MAX) * GEMM_ROWS as usize, m)?;
+    c.count("m", usize::from(u16::MAX) * rows as usize, m)?;
     check_scale(c, scale)?;
     let (w_ptr, global, _) = w.args(&args, 1, (n, k))?;
     let a = args.input("a", a, Len::Exactly(m * row_bytes(k)))?;
@@ -100,7 +106,7 @@ pub fn linear(
         n: n as u32,
         k: k as u32,
     };
-    let grid = ((n as u32).div_ceil(GEMM_COLS), (m as u32).div_ceil(GEMM_ROWS), 1);
+    let grid = ((n as u32).div_ceil(cols), (m as u32).div_ceil(rows), 1);
     // SAFETY: a holds m rows and w n rows of row_bytes(k), global one scale, y m * n; k a
     // multiple of 64; m * n below 2^31.
     unsafe { gpu.launch(Grid::new(kern, grid), p) }

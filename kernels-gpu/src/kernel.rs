@@ -262,6 +262,9 @@ kernels! {
     /// An NVFP4 linear layer of NVFP4 activations (W4A4) on block-scaled FP4 tensor cores
     /// (sm_121a PTX only).
     GEMM_NVFP4_W4A4 = GemmNvfp4W4a4("gemm_nvfp4_w4a4", w4a4::GemmParams, Threads::Fixed(w4a4::GEMM_BLOCK), Smem::Fixed(0)),
+    /// As `GemmNvfp4W4a4` on the fifth-generation tensor cores (`tcgen05`: sm_110a's PTX only),
+    /// 128 x 128 tiles.
+    GEMM_NVFP4_W4A4_TCGEN05 = GemmNvfp4W4a4Tcgen05("gemm_nvfp4_w4a4_tcgen05", w4a4::GemmParams, Threads::Fixed(tcgen05::TC_BLOCK), Smem::Fixed(tcgen05::tc_smem_bytes())),
     /// As `GemmNvfp4W4a4`, the product emulated by the warp through shared memory (every arch:
     /// the GPU test of its data path).
     GEMM_NVFP4_W4A4_EMULATED = GemmNvfp4W4a4Emulated("gemm_nvfp4_w4a4_emulated", w4a4::GemmParams, Threads::Fixed(w4a4::GEMM_BLOCK), Smem::Fixed(0)),
@@ -277,16 +280,25 @@ kernels! {
 
 impl Kernel {
     /// Whether the entry is in the PTX built for `arch` (`-C target-cpu`): the `wgmma`
-    /// kernels exist in the sm_90a PTX only and the block-scaled FP4 one in sm_121a's
-    /// (arch-specific instructions), every other kernel in every arch's.
+    /// kernels exist in the sm_90a PTX only, the block-scaled FP4 one in sm_121a's and the
+    /// `tcgen05` one in sm_110a's (arch-specific instructions), every other kernel in every
+    /// arch's.
     pub const fn in_arch(self, arch: &str) -> bool {
         if self.needs_wgmma() {
             matches!(arch.as_bytes(), b"sm_90a")
         } else if self.needs_block_scaled_fp4() {
             block_scaled_fp4(arch)
+        } else if self.needs_tcgen05() {
+            has_tcgen05(arch)
         } else {
             true
         }
+    }
+
+    /// Whether the kernel runs on the fifth-generation tensor cores (`tcgen05`, the sm_100a
+    /// family).
+    pub const fn needs_tcgen05(self) -> bool {
+        matches!(self, Kernel::GemmNvfp4W4a4Tcgen05)
     }
 
     /// Whether the kernel runs on the block-scaled FP4 `mma.sync` (the sm_120a family).
@@ -334,4 +346,11 @@ impl Kernel {
 /// block_scaled_fp4`, host's ptx_build.rs).
 pub const fn block_scaled_fp4(arch: &str) -> bool {
     matches!(arch.as_bytes(), b"sm_121a")
+}
+
+/// Whether `arch` (`-C target-cpu`) has the fifth-generation tensor cores (`tcgen05`): of the
+/// arches built, sm_110a. Its PTX build compiles those kernels (`--cfg tcgen05`, host's
+/// ptx_build.rs).
+pub const fn has_tcgen05(arch: &str) -> bool {
+    matches!(arch.as_bytes(), b"sm_110a")
 }

@@ -39,10 +39,11 @@ pub mod router;
 pub mod sample;
 pub mod ssd;
 pub mod ssm;
+pub mod tcgen05;
 pub mod w4a4;
 pub mod wgmma;
 
-pub use kernel::{Entry, Kernel, Smem, Threads, block_scaled_fp4, entry};
+pub use kernel::{Entry, Kernel, Smem, Threads, block_scaled_fp4, entry, has_tcgen05};
 
 /// Elements in one chunk: the unit of a 16-byte bf16 load, and what a thread converts at once.
 pub const VEC: u32 = 8;
@@ -54,6 +55,14 @@ pub const MAX_BLOCK: u32 = 1024;
 pub const MAX_ROW_WIDTH: u32 = VEC * CHUNKS_PER_THREAD * MAX_BLOCK;
 /// Floats of shared memory a block reduction uses (one per warp of the largest block).
 pub const REDUCE_SMEM_FLOATS: u32 = MAX_BLOCK / 32;
+
+/// Byte offset of 16-byte chunk `c` (0..8) of row `r` in a tile of 128-byte rows in the
+/// 128-byte swizzle the tensor cores read (`wgmma`, `tcgen05`): the chunk sits at chunk
+/// `c ^ (r % 8)` of its row (the pattern repeats every 8 rows, 1024 bytes, from a 1024-byte
+/// aligned tile).
+pub const fn swizzle_128(r: u32, c: u32) -> u32 {
+    128 * r + ((c ^ (r % 8)) << 4)
+}
 
 /// Chunks of a row of `width` elements.
 pub const fn chunks(width: u32) -> u32 {

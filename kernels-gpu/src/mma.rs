@@ -2,7 +2,7 @@
 //! and its FP8 form `m16n8k32` (e4m3 inputs, `mma_e4m3`), `ldmatrix` fragment loads from
 //! shared memory and `cp.async` staging, through inline PTX. The bf16 forms exist on sm_80 and
 //! later, the e4m3 one on sm_89 and later (PTX ISA 8.4: the sm_90 build asks rustc for it), so
-//! every arch's PTX (sm_90, sm_110, sm_121a) has them.
+//! every arch's PTX (sm_90, sm_110a, sm_121a) has them.
 //!
 //! # Fragments
 //! One `mma` multiplies a 16x16 A block by a 16x8 B block into a 16x8 f32 accumulator, each

@@ -109,6 +109,9 @@ pub struct GemmParams {
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.
 unsafe impl KernelParams for GemmParams {}
 
+#[cfg(all(target_arch = "nvptx64", tcgen05))]
+mod tmem;
+
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;

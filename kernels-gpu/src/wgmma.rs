@@ -46,7 +46,8 @@ mod device {
     use super::*;
     use core::arch::asm;
 
-    /// A tile of 128-byte rows in the 128-byte swizzle, at a 1024-byte aligned shared address.
+    /// A tile of 128-byte rows in the 128-byte swizzle ([`crate::swizzle_128`]), at a
+    /// 1024-byte aligned shared address.
     #[derive(Clone, Copy)]
     pub struct SwizzledTile {
         pub addr: u32,
@@ -56,7 +57,7 @@ mod device {
         /// Shared address of 16-byte chunk `c` (0..8) of row `r`.
         #[inline(always)]
         pub fn chunk(self, r: u32, c: u32) -> u32 {
-            self.addr + r * STAGE_ROW_BYTES + ((c ^ (r % 8)) << 4)
+            self.addr + crate::swizzle_128(r, c)
         }
 
         /// The descriptor of the tile from row `r0` (a multiple of 8), at byte `kb` (a multiple
@@ -66,14 +67,6 @@ mod device {
             let start = u64::from((self.addr + r0 * STAGE_ROW_BYTES + kb) >> 4) & 0x3fff;
             start | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
         }
-    }
-
-    /// Makes this thread's writes to shared memory (completed `cp.async` copies, stores) visible
-    /// to the async proxy `wgmma` reads through; before the barrier that publishes them.
-    #[inline(always)]
-    pub fn fence_async_shared() {
-        // SAFETY: no operands.
-        unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
     }
 
     /// The positional operand list `{first}, {rest}...` of the macro below.

@@ -1,5 +1,5 @@
 //! `cargo xtask <command>`:
-//! - `ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
+//! - `ptx --arch <sm_90|sm_90a|sm_110a|sm_121a|all> [--out DIR]`: build the kernels to PTX, check the
 //!   `.target` and every entry, assemble with ptxas 13.x, print registers / spills / shared
 //!   memory per kernel, and write `DIR/<arch>.ptx` (default `target/ptx/out`);
 //! - `generate ARGS...`: the model crate's `generate` CLI (release build), e.g.
@@ -39,7 +39,7 @@ fn main() -> Result<()> {
                 }
             }
             let arch =
-                arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all>")?;
+                arch.context("missing --arch; usage: cargo xtask ptx --arch <sm_90|sm_90a|sm_110a|sm_121a|all>")?;
             let arches: Vec<&str> = match arch.as_str() {
                 "all" => ptx_build::ARCHES.to_vec(),
                 a if ptx_build::ARCHES.contains(&a) => vec![a],
@@ -86,9 +86,10 @@ fn main() -> Result<()> {
                 ],
             ]
             .concat();
-            // With the arch-specific block-scaled FP4 kernels (kernels-gpu's `block_scaled_fp4`
-            // cfg), which only sm_121a's PTX build compiles otherwise.
-            let fp4 = [("CARGO_ENCODED_RUSTFLAGS", PathBuf::from("--cfg\x1fblock_scaled_fp4"))];
+            // With the arch-specific block-scaled FP4 and `tcgen05` kernels (kernels-gpu's
+            // `block_scaled_fp4` and `tcgen05` cfgs), which only sm_121a's and sm_110a's PTX
+            // builds compile otherwise.
+            let fp4 = [("CARGO_ENCODED_RUSTFLAGS", PathBuf::from("--cfg\x1fblock_scaled_fp4\x1f--cfg\x1ftcgen05"))];
             cargo(&workspace, &device, std::iter::empty(), &fp4)?;
             // The crate outside the workspace (outside/: it has a workspace of its own).
             cargo(
@@ -107,7 +108,7 @@ fn main() -> Result<()> {
             bundle(&workspace, &out)
         }
         _ => bail!(
-            "usage: cargo xtask <ptx --arch <sm_90|sm_90a|sm_110|sm_121a|all> [--out DIR] | test [ARGS] | generate ARGS | serve ARGS | lint | bundle [--out DIR]>"
+            "usage: cargo xtask <ptx --arch <sm_90|sm_90a|sm_110a|sm_121a|all> [--out DIR] | test [ARGS] | generate ARGS | serve ARGS | lint | bundle [--out DIR]>"
         ),
     }
 }

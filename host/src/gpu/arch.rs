@@ -13,21 +13,21 @@ pub enum Arch {
     /// (`wgmma`); PTX ISA 8.4.
     Sm90a,
     /// Jetson Thor: compute capability 11.0; PTX ISA 9.0.
-    Sm110,
+    Sm110a,
     /// DGX Spark GB10: compute capability 12.1, arch-specific features; PTX ISA 8.8.
     Sm121a,
 }
 
 impl Arch {
     /// Every embedded arch.
-    pub const ALL: [Arch; 4] = [Arch::Sm90, Arch::Sm90a, Arch::Sm110, Arch::Sm121a];
+    pub const ALL: [Arch; 4] = [Arch::Sm90, Arch::Sm90a, Arch::Sm110a, Arch::Sm121a];
 
     /// The `-C target-cpu` / `.target` name.
     pub const fn name(self) -> &'static str {
         match self {
             Arch::Sm90 => "sm_90",
             Arch::Sm90a => "sm_90a",
-            Arch::Sm110 => "sm_110",
+            Arch::Sm110a => "sm_110a",
             Arch::Sm121a => "sm_121a",
         }
     }
@@ -36,7 +36,7 @@ impl Arch {
     pub const fn ptx_isa(self) -> &'static str {
         match self {
             Arch::Sm90 | Arch::Sm90a => "8.4",
-            Arch::Sm110 => "9.0",
+            Arch::Sm110a => "9.0",
             Arch::Sm121a => "8.8",
         }
     }
@@ -46,7 +46,7 @@ impl Arch {
         match self {
             Arch::Sm90 => include_str!(concat!(env!("OUT_DIR"), "/sm_90.ptx")),
             Arch::Sm90a => include_str!(concat!(env!("OUT_DIR"), "/sm_90a.ptx")),
-            Arch::Sm110 => include_str!(concat!(env!("OUT_DIR"), "/sm_110.ptx")),
+            Arch::Sm110a => include_str!(concat!(env!("OUT_DIR"), "/sm_110a.ptx")),
             Arch::Sm121a => include_str!(concat!(env!("OUT_DIR"), "/sm_121a.ptx")),
         }
     }
@@ -77,7 +77,7 @@ impl Arch {
         match self {
             Arch::Sm90 => major >= 9,
             Arch::Sm90a => (major, minor) == (9, 0),
-            Arch::Sm110 => (major, minor) == (11, 0),
+            Arch::Sm110a => (major, minor) == (11, 0),
             Arch::Sm121a => (major, minor) == (12, 1),
         }
     }
@@ -91,7 +91,7 @@ impl Arch {
     pub fn for_compute_capability(major: i32, minor: i32) -> Result<Arch> {
         match (major, minor) {
             (9, 0) => Ok(Arch::Sm90a),
-            (11, 0) => Ok(Arch::Sm110),
+            (11, 0) => Ok(Arch::Sm110a),
             (12, 1) => Ok(Arch::Sm121a),
             (m, _) if m >= 9 => Ok(Arch::Sm90),
             _ => Err(Error::UnsupportedArch { major, minor }),

@@ -85,7 +85,13 @@ impl Gpu {
         let f = self.functions[kernel as usize].as_ref().ok_or(Error::NotInArch {
             kernel: kernel.name(),
             arch: self.arch.name(),
-            needs: if kernel.needs_wgmma() { "sm_90a (`wgmma`)" } else { "sm_121a (block-scaled FP4 `mma`)" },
+            needs: if kernel.needs_wgmma() {
+                "sm_90a (`wgmma`)"
+            } else if kernel.needs_tcgen05() {
+                "sm_110a (`tcgen05`)"
+            } else {
+                "sm_121a (block-scaled FP4 `mma`)"
+            },
         })?;
         if self.capturing.load(Ordering::Relaxed)
             && let Ok(mut k) = self.captured.lock()

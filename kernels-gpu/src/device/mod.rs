@@ -1,6 +1,6 @@
 //! The one module that talks to the hardware: thread ids, warp shuffles, barriers, dynamic shared
-//! memory, bf16 and FP8 conversions, fast exp. Kernels use only these wrappers, through
-//! `use crate::device::*;`: every submodule's items are re-exported here (each submodule's doc
+//! memory, bf16 and FP8 conversions, fast exp, the async proxy's tiles and mbarriers. Kernels
+//! use only these wrappers, through `use crate::device::*;`: every submodule's items are re-exported here (each submodule's doc
 //! says what it holds), and this file holds `trap`.
 
 mod chunks;
@@ -9,6 +9,9 @@ mod convert;
 mod ids;
 mod math;
 mod memory;
+// The arches with tensor cores that read through the async proxy.
+#[cfg(any(target_feature = "sm_90a", tcgen05))]
+mod proxy;
 mod smem;
 mod state;
 mod sync;
@@ -24,6 +27,8 @@ pub use self::convert::*;
 pub use self::ids::*;
 pub use self::math::*;
 pub use self::memory::*;
+#[cfg(any(target_feature = "sm_90a", tcgen05))]
+pub use self::proxy::*;
 pub use self::smem::*;
 pub use self::state::*;
 pub use self::sync::*;

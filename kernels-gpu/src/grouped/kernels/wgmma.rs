@@ -95,7 +95,7 @@ impl BlockTile {
 /// As [`grouped`], with this kernel's grid and shared memory.
 #[inline(always)]
 unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
-    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, fence_async_shared, mma_stage};
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_stage};
     grid_dependency_wait();
     let tid = thread_x();
     let g = warp_id() / 4;
@@ -177,7 +177,7 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
 unsafe fn grouped_wgmma_nvfp4(j: Job) {
     use crate::mma::{copy4, lds4, lds16, sts16};
     use crate::qgemv::{FP4_SUM_SCALE, fp4_chunks};
-    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, fence_async_shared, mma_stage};
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_stage};
     grid_dependency_wait();
     let tid = thread_x();
     let g = warp_id() / 4;

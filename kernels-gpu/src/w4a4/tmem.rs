@@ -13,7 +13,10 @@ use crate::tcgen05::*;
 /// stage's rows and scales (`cp.async`: 8 chunks of A's rows and 8 of B's by
 /// [`tile_copy`], row `t`'s four scale words of each), thread 0 issues the stage's scale
 /// copies and products and commits them to the stage's mbarrier; the next stage's copies run
-/// meanwhile, into the other slot once its products are done. Warp w writes rows `32 w ..`.
+/// meanwhile, into the other slot once its products are done. Warp w writes rows `32 w ..`,
+/// a thread its row's columns one at a time (a first form: a shared-memory transpose would
+/// make the stores whole lines). Three blocks' shared memory fits an SM, two blocks' TMEM
+/// ([`TMEM_COLS`] of 512): a third waits in its allocation until one of them ends.
 ///
 /// # Safety
 /// The launch contract of [`GemmParams`] (checked by host/src/w4a4.rs).

@@ -64,6 +64,15 @@ pub const fn swizzle_128(r: u32, c: u32) -> u32 {
     128 * r + ((c ^ (r % 8)) << 4)
 }
 
+/// The shared-memory matrix descriptor of a K-major tile in [`swizzle_128`]'s layout from
+/// shared address `addr` (a row's start plus a multiple of 32 for a later k step), in
+/// `wgmma`'s form: start address / 16 (bits 0-13), leading offset 1 (unused with this
+/// swizzle), stride offset 1024 / 16 (bits 32-45: 8 rows to the next 8), the 128-byte swizzle
+/// (bit 62). `tcgen05`'s form adds bit 46 ([`tcgen05::smem_desc`]).
+pub const fn swizzle_128_desc(addr: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
 /// Chunks of a row of `width` elements.
 pub const fn chunks(width: u32) -> u32 {
     width.div_ceil(VEC)

@@ -71,11 +71,10 @@ pub const IDESC: u32 = idesc(TC_M, TC_N);
 
 /// The shared-memory descriptor (the sm_100 form) of a tile of 128-byte rows in the 128-byte
 /// swizzle from shared address `addr` (a row's start, the tile 1024-byte aligned, plus a
-/// multiple of 32 for a later k step): start address / 16 (bits 0-13), leading offset 1
-/// (unused with this swizzle), stride offset 1024 / 16 (bits 32-45: 8 rows to the next 8),
-/// the fixed bit 46, swizzle mode 2 (128 bytes, bits 61-63).
+/// multiple of 32 for a later k step): `wgmma`'s ([`crate::swizzle_128_desc`]) with the
+/// fixed bit 46 set (its swizzle mode 2 in bits 61-63 is `wgmma`'s mode 1 in bits 62-63).
 pub const fn smem_desc(addr: u32) -> u64 {
-    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 46) | (2 << 61)
+    crate::swizzle_128_desc(addr) | (1 << 46)
 }
 
 /// The shared-memory descriptor of a scale chunk at `addr` (16-byte aligned), no swizzle:

@@ -64,8 +64,7 @@ mod device {
         /// of 32) of its rows.
         #[inline(always)]
         pub fn desc(self, r0: u32, kb: u32) -> u64 {
-            let start = u64::from((self.addr + r0 * STAGE_ROW_BYTES + kb) >> 4) & 0x3fff;
-            start | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+            crate::swizzle_128_desc(self.addr + r0 * STAGE_ROW_BYTES + kb)
         }
     }
 

@@ -161,8 +161,8 @@ fn block(a: &[u8], w: &[u8], (m, n, k): (usize, usize, usize), (m0, n0): (usize,
         let slot = (step % TC_STAGES as usize) as u32;
         let st = slot as usize * STAGE_BYTES as usize;
         let (kb, mmas) = (step * STAGE_K as usize / 2, ((k - step * STAGE_K as usize) / 64).min(4));
-        for (rows, r0, at, src) in [(m, m0, 0, a), (n, n0, 1, w)] {
-            let tile = st + stage_offsets(0)[at] as usize;
+        for (rows, r0, operand, src) in [(m, m0, 0, a), (n, n0, 1, w)] {
+            let tile = st + stage_offsets(0)[operand] as usize;
             for t in 0..TC_BLOCK {
                 for i in 0..8 {
                     let (r, c) = tile_copy(t, i);
@@ -174,7 +174,7 @@ fn block(a: &[u8], w: &[u8], (m, n, k): (usize, usize, usize), (m0, n0): (usize,
                 }
                 let t = t as usize;
                 for j in 0..4 {
-                    let to = st + (stage_offsets(j)[2 + at] + scale_offset(t as u32)) as usize;
+                    let to = st + (stage_offsets(j)[2 + operand] + scale_offset(t as u32)) as usize;
                     let from = (r0 + t) * bytes + k / 2 + step * STAGE_K as usize / 16 + 4 * j as usize;
                     let ok = r0 + t < rows && (j as usize) < mmas;
                     b.smem[to..to + 4].copy_from_slice(if ok { &src[from..from + 4] } else { &[0; 4] });

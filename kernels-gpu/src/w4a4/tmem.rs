@@ -59,8 +59,8 @@ pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4_tcgen05(p: GemmParams) {
             if step < steps {
                 let st = stage(step % TC_STAGES);
                 let (kb, n_mma) = (step * STAGE_K / 2, mmas(step));
-                for (rows, r0, at, src) in [(p.m, m0, 0, p.a), (p.n, n0, 1, p.w)] {
-                    let tile = st + stage_offsets(0)[at];
+                for (rows, r0, operand, src) in [(p.m, m0, 0, p.a), (p.n, n0, 1, p.w)] {
+                    let tile = st + stage_offsets(0)[operand];
                     for i in 0..8 {
                         let (r, c) = tile_copy(tid, i);
                         let ok = r0 + r < rows && kb + 16 * c < p.k / 2;
@@ -71,7 +71,7 @@ pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4_tcgen05(p: GemmParams) {
                         src.wrapping_add((r0 + tid) as usize * bytes + (p.k / 2 + step * STAGE_K / 16) as usize);
                     for j in 0..4 {
                         let ok = r0 + tid < rows && j < n_mma;
-                        let chunk = st + stage_offsets(j)[2 + at];
+                        let chunk = st + stage_offsets(j)[2 + operand];
                         copy4(
                             chunk + scale_offset(tid),
                             if ok { scales.wrapping_add(4 * j as usize) } else { src },
@@ -85,9 +85,10 @@ pub unsafe extern "ptx-kernel" fn gemm_nvfp4_w4a4_tcgen05(p: GemmParams) {
         load(0);
         for step in 0..steps {
             let s = step % TC_STAGES;
-            if step >= 1 && step + 1 < steps {
-                // The other slot's last products (stage step - 1) are done.
-                mbar_wait(done(1 - s), ((step - 1) / TC_STAGES) % 2);
+            if step + 1 >= TC_STAGES && step + 1 < steps {
+                // The products of the stage last in the slot stage step + 1 fills are done.
+                let prev = step + 1 - TC_STAGES;
+                mbar_wait(done(prev % TC_STAGES), (prev / TC_STAGES) % 2);
             }
             load(step + 1);
             core::arch::asm!("cp.async.wait_group 1;", options(nostack));

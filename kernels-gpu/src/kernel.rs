@@ -149,9 +149,9 @@ kernels! {
     /// Causal conv1d prefill final states.
     CONV_FWD_STATE = ConvFwdState("conv1d_fwd_state_bf16", conv1d::ConvFwdParams, Threads::Fixed(conv1d::CONV_BLOCK), Smem::Fixed(0)),
     /// Selective state update, f32 state.
-    SSM_UPDATE_F32 = SsmUpdateF32("ssm_update_f32", ssm::SsmUpdateParams<f32>, Threads::Fixed(32 * ssm::SSM_WARPS), Smem::Fixed(0)),
+    SSM_UPDATE_F32 = SsmUpdateF32("ssm_update_f32", ssm::SsmUpdateParams<f32>, Threads::Fixed(32 * ssm::SSM_WARPS), Smem::Fixed(ssm::ssm_smem_bytes(4))),
     /// Selective state update, bf16 state.
-    SSM_UPDATE_BF16 = SsmUpdateBf16("ssm_update_bf16", ssm::SsmUpdateParams<u16>, Threads::Fixed(32 * ssm::SSM_WARPS), Smem::Fixed(0)),
+    SSM_UPDATE_BF16 = SsmUpdateBf16("ssm_update_bf16", ssm::SsmUpdateParams<u16>, Threads::Fixed(32 * ssm::SSM_WARPS), Smem::Fixed(ssm::ssm_smem_bytes(2))),
     /// Chunk cumsum and per-chunk states of the chunked scan.
     SSD_CHUNK_STATE = SsdChunkState("ssd_chunk_state_f32", ssd::SsdParams, Threads::Fixed(ssd::SSD_STATE_BLOCK), Smem::PerLaunch),
     /// State passing, f32 state cache.

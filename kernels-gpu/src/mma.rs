@@ -287,6 +287,42 @@ mod device {
         }
     }
 
+    /// As [`copy16`] for the 8 bytes at `src`, always read (`cp.async.ca`, as [`copy4`]).
+    ///
+    /// # Safety
+    /// `dst` 8 bytes of the block's shared memory, 8-byte aligned; `src` 8 readable bytes of
+    /// global memory, 8-byte aligned.
+    #[inline(always)]
+    pub unsafe fn copy8(dst: u32, src: *const u8) {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            asm!("cp.async.ca.shared.global [{d}], [{s}], 8;", d = in(reg32) dst, s = in(reg64) src, options(nostack))
+        }
+    }
+
+    /// Waits for this thread's `cp.async` copies (no barrier: for a thread that reads back
+    /// only what it copied itself).
+    #[inline(always)]
+    pub fn copied() {
+        // SAFETY: waits on this thread's own copies; no operands.
+        unsafe { asm!("cp.async.wait_all;", options(nostack)) };
+    }
+
+    /// The 8 bytes at shared address `at` as two words.
+    ///
+    /// # Safety
+    /// `at` 8 bytes of the block's shared memory, 8-byte aligned.
+    #[inline(always)]
+    pub unsafe fn lds8(at: u32) -> [u32; 2] {
+        let (a, b): (u32, u32);
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            asm!("ld.shared.v2.u32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b, p = in(reg32) at,
+                 options(readonly, nostack))
+        };
+        [a, b]
+    }
+
     /// The 16 bytes at shared address `at` as four words.
     ///
     /// # Safety
@@ -332,8 +368,7 @@ mod device {
     /// before it is readable by every thread after it. Call it in uniform flow.
     #[inline(always)]
     pub fn staged() {
-        // SAFETY: waits on this thread's own copies; no operands.
-        unsafe { asm!("cp.async.wait_all;", options(nostack)) };
+        copied();
         sync_threads();
     }
 

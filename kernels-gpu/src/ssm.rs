@@ -22,11 +22,17 @@
 use crate::KernelParams;
 
 /// Warps per block of the state update.
-pub const SSM_WARPS: u32 = 8;
-/// Head-dim rows `p` a warp of the state update takes.
-pub const SSM_ROWS: u32 = 4;
+pub const SSM_WARPS: u32 = 4;
+/// Head-dim rows `p` a warp of the state update takes: all their state loading at once (8 KB
+/// of f32 a warp at state size 128), so that a short-lived warp keeps enough bytes in flight.
+pub const SSM_ROWS: u32 = 16;
 /// Largest state size the update handles (each lane holds `state_size / 32` columns).
 pub const SSM_MAX_STATE: u32 = 512;
+/// Dynamic shared memory of a state-update block whose state elements take `elem_bytes`: a
+/// slot of four elements for each lane and row of each warp.
+pub const fn ssm_smem_bytes(elem_bytes: u32) -> u32 {
+    SSM_WARPS * SSM_ROWS * 32 * 4 * elem_bytes
+}
 
 /// The state's geometry and the time step's clamp, as every kernel of the state takes them
 /// (the state update, the chunked scan, the fused Mamba decode).
@@ -93,6 +99,7 @@ mod kernels {
     use super::*;
     use crate::conv1d::PAD_SLOT;
     use crate::device::*;
+    use crate::mma::{copied, copy8, copy16, lds8, lds16, smem_addr};
 
     const J: usize = (SSM_MAX_STATE / 128) as usize;
 
@@ -119,17 +126,64 @@ mod kernels {
         }
     }
 
+    /// How a lane stages its four state columns of a row in shared memory: one `cp.async` of
+    /// 16 (f32) or 8 (bf16) bytes, read back as f32.
+    trait Staged: StateElem {
+        /// # Safety
+        /// `at` the lane's slot of four elements in the block's shared memory; `src[0..4]`
+        /// readable, aligned to 4 elements.
+        unsafe fn stage4(at: u32, src: *const Self);
+        /// # Safety
+        /// `at` staged by this thread, its copies complete ([`copied`]).
+        unsafe fn staged4(at: u32) -> [f32; 4];
+    }
+
+    impl Staged for f32 {
+        #[inline(always)]
+        unsafe fn stage4(at: u32, src: *const f32) {
+            // SAFETY: forwarded.
+            unsafe { copy16(at, src as *const u16, true) }
+        }
+        #[inline(always)]
+        unsafe fn staged4(at: u32) -> [f32; 4] {
+            // SAFETY: forwarded.
+            unsafe { lds16(at) }.map(f32::from_bits)
+        }
+    }
+
+    impl Staged for u16 {
+        #[inline(always)]
+        unsafe fn stage4(at: u32, src: *const u16) {
+            // SAFETY: forwarded.
+            unsafe { copy8(at, src as *const u8) }
+        }
+        #[inline(always)]
+        unsafe fn staged4(at: u32) -> [f32; 4] {
+            // SAFETY: forwarded.
+            let [lo, hi] = unsafe { lds8(at) };
+            [
+                f32::from_bits(lo << 16),
+                f32::from_bits(lo & 0xffff_0000),
+                f32::from_bits(hi << 16),
+                f32::from_bits(hi & 0xffff_0000),
+            ]
+        }
+    }
+
     /// The state update for one (row, head) and [`SSM_ROWS`] rows `p` from `(block_x *
     /// SSM_WARPS + warp) * SSM_ROWS`, by the calling warp. Grid `(ceil(head_dim / (SSM_WARPS *
-    /// SSM_ROWS)), heads, batch)`, block `32 * SSM_WARPS`. The group's B and C columns and the
-    /// head's step are loaded once for the warp's rows (each row's warp loaded them before,
-    /// and a bf16 state then took as long as an f32 one: docs/PERFORMANCE.md), and in each
-    /// chunk of columns the rows' states are all loading before the first is updated.
+    /// SSM_ROWS)), heads, batch)`, block `32 * SSM_WARPS`, [`ssm_smem_bytes`] of its element of shared memory.
+    /// In each chunk of 128 columns every lane copies its four columns of all the warp's rows
+    /// into its own slots of shared memory (`cp.async`: the bytes in flight hold no registers,
+    /// so a warp that lives for one round trip keeps 8 KB of f32 state loading), waits for its
+    /// own copies, and updates the rows one after the other from there. The group's B and C
+    /// columns and the head's step are loaded once for the warp's rows, its rows' x and z one a
+    /// lane.
     #[inline(always)]
-    unsafe fn update<S: StateElem>(p: &SsmUpdateParams<S>) {
+    unsafe fn update<S: Staged>(p: &SsmUpdateParams<S>) {
         const R: usize = SSM_ROWS as usize;
-        let (b, h) = (block_z() as usize, block_y() as usize);
-        let p0 = ((block_x() * SSM_WARPS + warp_id()) * SSM_ROWS) as usize;
+        let (b, h, warp) = (block_z() as usize, block_y() as usize, warp_id());
+        let p0 = ((block_x() * SSM_WARPS + warp) * SSM_ROWS) as usize;
         let (hd, n) = (p.geo.head_dim as usize, p.geo.state_size as usize);
         if p0 >= hd {
             return;
@@ -138,49 +192,74 @@ mod kernels {
         let g = h / (p.geo.heads / p.geo.groups) as usize;
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst
-        // slots distinct, state_size % 4 == 0 (4-aligned columns); this warp alone touches
-        // state[slot, h, p0..p0 + rows, ..] and y[b, h, p0..p0 + rows].
+        // slots distinct, state_size % 4 == 0 (4-aligned columns), the state 16-byte aligned;
+        // this warp alone touches state[slot, h, p0..p0 + rows, ..] and y[b, h, p0..p0 + rows],
+        // each lane alone its slots of shared memory (four elements a row).
         unsafe {
             let slot = ld(p.cache_index, b);
             let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
             let row = |s: i32, pi: usize| ((s as usize * p.geo.heads as usize + h) * hd + pi) * n;
             let dt = ld(p.dt, b * p.dt_stride as usize + h);
             let (delta, da) = head_step(dt, ld(p.dt_bias, h), ld(p.a, h), p.geo);
-            let mut xv = [0.0f32; R];
-            // Every loop over the rows runs R times (unrolled: the arrays stay in registers),
-            // rows past head_dim skipped inside.
-            for (r, xv) in xv.iter_mut().enumerate() {
-                if r < rows {
-                    *xv = bf16_to_f32(ld(p.x, b * p.x_stride as usize + h * hd + p0 + r));
+            // Row p0 + lane's x and gate (lanes past the rows none), read by every lane below.
+            let (mut x_l, mut gate_l) = (0.0f32, 1.0f32);
+            if lane < rows {
+                let at = h * hd + p0 + lane;
+                x_l = bf16_to_f32(ld(p.x, b * p.x_stride as usize + at));
+                if !p.z.is_null() {
+                    gate_l = silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + at)));
                 }
             }
             let (bp, cp) =
                 (p.b.wrapping_add(b * p.b_stride as usize + g * n), p.c.wrapping_add(b * p.c_stride as usize + g * n));
-            // A chunk of 4 columns a lane at a time (128 a warp): its B and C once, every row's
-            // state loading before the first is updated.
+            // B's and C's four columns a lane as one 8-byte load each where the rows allow.
+            let vector = (bp as usize).is_multiple_of(8) && (cp as usize).is_multiple_of(8);
+            let slot_bytes = 4 * size_of::<S>() as u32;
+            let stage = smem_addr((warp as usize * R * 32 + lane) as u32 * slot_bytes);
             let mut acc = [0.0f32; R];
+            // Chunks of 4 columns a lane (128 a warp), every lane through every chunk (the
+            // shuffles below are the warp's), those past the state size idle.
             for j in 0..J {
-                let n0 = 4 * lane + 128 * j;
-                if n0 >= n {
+                if 128 * j >= n {
                     break;
                 }
-                let mut state = [[0.0f32; 4]; R];
-                for (r, s4) in state.iter_mut().enumerate() {
-                    if r < rows && slot != PAD_SLOT {
-                        *s4 = S::load4(p.state.wrapping_add(row(slot, p0 + r) + n0));
+                let n0 = 4 * lane + 128 * j;
+                let live = n0 < n;
+                let read = live && slot != PAD_SLOT;
+                // Row by row from the first row's address (as in the stores below), so no
+                // row's address is kept across the chunks.
+                let mut src = p.state.wrapping_add(row(slot, p0) + n0);
+                for r in 0..R {
+                    if r < rows && read {
+                        S::stage4(stage + (r * 32) as u32 * slot_bytes, src);
                     }
+                    src = src.wrapping_add(n);
                 }
-                let (bv, cv) = (|i| bf16_to_f32(ld(bp, n0 + i)), |i| bf16_to_f32(ld(cp, n0 + i)));
-                let (bv, cv): ([f32; 4], [f32; 4]) = (core::array::from_fn(bv), core::array::from_fn(cv));
-                for (r, (s4, acc)) in state.iter_mut().zip(&mut acc).enumerate() {
-                    cols4(s4, (da, delta * xv[r]), (|i| bv[i], |i| cv[i]), acc);
-                    if r < rows && dst != PAD_SLOT {
-                        S::store4(p.state.wrapping_add(row(dst, p0 + r) + n0), *s4);
+                let (mut bv, mut cv) = ([0.0f32; 4], [0.0f32; 4]);
+                if live {
+                    (bv, cv) = if vector {
+                        (<u16 as StateElem>::load4(bp.wrapping_add(n0)), <u16 as StateElem>::load4(cp.wrapping_add(n0)))
+                    } else {
+                        let (bv, cv) = (|i| bf16_to_f32(ld(bp, n0 + i)), |i| bf16_to_f32(ld(cp, n0 + i)));
+                        (core::array::from_fn(bv), core::array::from_fn(cv))
+                    };
+                }
+                copied();
+                let mut out = p.state.wrapping_add(row(dst, p0) + n0);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let xv = warp_read(x_l, r as u32);
+                    if r < rows && live {
+                        let mut s4 = if read { S::staged4(stage + (r * 32) as u32 * slot_bytes) } else { [0.0; 4] };
+                        cols4(&mut s4, (da, delta * xv), (|i| bv[i], |i| cv[i]), acc);
+                        if dst != PAD_SLOT {
+                            S::store4(out, s4);
+                        }
                     }
+                    out = out.wrapping_add(n);
                 }
             }
-            for (r, (&acc, &xv)) in acc.iter().zip(&xv).enumerate() {
-                let pi = p0 + r;
+            for (r, &acc) in acc.iter().enumerate() {
+                let (xv, gate) = (warp_read(x_l, r as u32), warp_read(gate_l, r as u32));
                 // Warp-uniform: rows is the warp's.
                 if r >= rows {
                     break;
@@ -189,11 +268,9 @@ mod kernels {
                 if !p.d.is_null() {
                     y += ld(p.d, h) * xv;
                 }
-                if !p.z.is_null() {
-                    y *= silu(bf16_to_f32(ld(p.z, b * p.z_stride as usize + h * hd + pi)));
-                }
+                y *= gate;
                 if lane == 0 {
-                    st(p.y, (b * p.geo.heads as usize + h) * hd + pi, f32_to_bf16(y));
+                    st(p.y, (b * p.geo.heads as usize + h) * hd + p0 + r, f32_to_bf16(y));
                 }
             }
         }

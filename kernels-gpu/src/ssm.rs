@@ -192,9 +192,10 @@ mod kernels {
         let g = h / (p.geo.heads / p.geo.groups) as usize;
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst
-        // slots distinct, state_size % 4 == 0 (4-aligned columns), the state 16-byte aligned;
-        // this warp alone touches state[slot, h, p0..p0 + rows, ..] and y[b, h, p0..p0 + rows],
-        // each lane alone its slots of shared memory (four elements a row).
+        // slots distinct, state_size % 4 == 0 (4-aligned columns), the state a whole
+        // allocation (16-byte aligned, as its 16-byte copies need); this warp alone touches
+        // state[slot, h, p0..p0 + rows, ..] and y[b, h, p0..p0 + rows], each lane alone its
+        // slots of shared memory (four elements a row).
         unsafe {
             let slot = ld(p.cache_index, b);
             let dst = if p.dst_index.is_null() { slot } else { ld(p.dst_index, b) };
@@ -228,7 +229,7 @@ mod kernels {
                 let read = live && slot != PAD_SLOT;
                 // Row by row from the first row's address (as in the stores below), so no
                 // row's address is kept across the chunks.
-                let mut src = p.state.wrapping_add(row(slot, p0) + n0);
+                let mut src = p.state.wrapping_add(if read { row(slot, p0) + n0 } else { 0 });
                 for r in 0..R {
                     if r < rows && read {
                         S::stage4(stage + (r * 32) as u32 * slot_bytes, src);
@@ -245,7 +246,7 @@ mod kernels {
                     };
                 }
                 copied();
-                let mut out = p.state.wrapping_add(row(dst, p0) + n0);
+                let mut out = p.state.wrapping_add(if dst == PAD_SLOT { 0 } else { row(dst, p0) + n0 });
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let xv = warp_read(x_l, r as u32);
                     if r < rows && live {

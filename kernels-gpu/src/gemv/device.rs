@@ -202,13 +202,15 @@ impl Chunk for Fp4 {
 
 /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
 /// `stride` bytes apart, `k` elements each) with `toks` (<= T) inputs `xs` (`k`
-/// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
-/// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
-/// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
-/// quantized to e4m3 with its token's `(scale, 1 / scale)`. Where the rows and inputs are
-/// aligned to whole chunks (k is a multiple of 8, so a chunk is wholly within k or wholly
-/// past it), each chunk is one unchecked load or zero; otherwise the loads check each
-/// element. Either way the same sums in the same order.
+/// bf16 each), thread `me` of `threads` sharing them: threads over chunks of
+/// [`Chunk::ELEMS`], U chunks of each row in flight, f32 sums (a fused multiply-add per
+/// product); the sum over the threads (in any fixed order) is the product. FP8 (`fp8`): each
+/// input chunk of 8 is first quantized to e4m3 with its token's `(scale, 1 / scale)`. Where
+/// the rows and inputs are aligned to whole chunks and k is a multiple of the chunk (so a
+/// chunk is wholly within k or wholly past it), each chunk is one unchecked load or zero;
+/// otherwise every load checks each element (FP8 at k = 8 mod 16, NVFP4 at k = 16 mod 32: no
+/// Nano shape; a checked chunk only where k cuts it took more registers in every kernel of
+/// the mode, 90 to 128 in `gemv_fp8`). Either way the same sums in the same order.
 ///
 /// # Safety
 /// The rows and inputs must be readable for `k` elements.

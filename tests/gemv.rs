@@ -55,8 +55,8 @@ fn gpu_gemv_fp8_matches_reference() {
     // and with per-token scales at 1 row (the warp mode), 5 and 8 rows (one pass of the
     // tensor-core kernel) and 9 (two), q at 8; odd shapes: n not a multiple of the 32 rows of a
     // block, k not of the 64-byte half step (k 2720: a half step of 32 bytes at the end, 16-byte
-    // loads; k 136: rows 8-byte aligned only, one 8-byte chunk at the end, and at one row the
-    // warp mode's checked loads: k not a multiple of its 16-code chunk), 17 rows (three passes, one row in the last).
+    // loads; k 136: rows 8-byte aligned only, one 8-byte chunk at the end, at one row through the
+    // warp mode too), 17 rows (three passes, one row in the last).
     let cases = [
         (1856, 2688, true, 1),
         (1856, 2688, false, 1),
@@ -90,11 +90,11 @@ fn gpu_gemv_fp8_matches_reference() {
 /// both kernels (`gemv` at one row takes the warp mode, from two the tensor cores; `gemv_tc`
 /// the tensor cores at every row count): Nano's shapes quantized as ModelOpt does (the expert
 /// up projection, in_proj, out_proj) at 1 to 17 rows (a pass of the tensor-core kernel is 8),
-/// with relu^2; k not a multiple of the warp mode's 1024-element pass (2688, 2720: a checked last
-/// pass) nor of the tensor-core kernel's 128-element half step (2720: 1360 code bytes); k 144
-/// (72 code bytes: a lane's 16-byte load half past k, one block scale of its two; at one row the
-/// warp mode's checked loads: k not a multiple of its 32-code chunk, as k 16); k of one block; n not a
-/// multiple of 16 (a block's rows partly past n).
+/// with relu^2; k not a multiple of the warp mode's 256-element pass (2688, 2720: a checked
+/// last pass) nor of the tensor-core kernel's 128-element half step (2720: 1360 code bytes); k
+/// 144 (72 code bytes: a lane's 16-byte load half past k, one block scale of its two; at one row
+/// through the warp mode too); k of one block; n not a multiple of 16 (a block's rows partly
+/// past n).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gemv_nvfp4_matches_reference() {

@@ -97,7 +97,7 @@ fn cases() -> Vec<Case> {
         Case { shape: clamp, batch: 5, gate_and_d: true, separate_dst: false },
         Case { shape: odd, batch: 3, gate_and_d: true, separate_dst: true },
         Case { shape: SsmShape::new(2, 3, 1, 260), batch: 2, gate_and_d: false, separate_dst: false },
-        Case { shape: SsmShape::new(3, 100, 1, 512), batch: 3, gate_and_d: true, separate_dst: true },
+        Case { shape: SsmShape::new(3, 100, 1, 512), batch: 5, gate_and_d: true, separate_dst: true },
     ]
 }
 

@@ -4,7 +4,9 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut, ValidAsZeroBits};
 use half::bf16;
 use kernels_gpu::ssd::SsdPassParams;
-use kernels_gpu::ssm::{SSM_MAX_STATE, SSM_ROWS, SSM_WARPS, SsmGeometry, SsmUpdateParams};
+use kernels_gpu::ssm::{
+    SSM_FEW_ROWS, SSM_MANY_ROWS_BATCH, SSM_MAX_STATE, SSM_ROWS, SSM_WARPS, SsmGeometry, SsmUpdateParams,
+};
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Elem, Len, Rows};
@@ -206,6 +208,7 @@ where
     let (c, c_stride) = a.rows("c", &inputs.c, (batch, gn))?;
     let (z, z_stride) = z.map_or(Ok((std::ptr::null(), 0)), |z| a.rows("z", &z, (batch, w)))?;
     let (dt_bias, a_log, d) = heads.args(&a, shape.heads)?;
+    let warp_rows = if batch >= SSM_MANY_ROWS_BATCH { SSM_ROWS } else { SSM_FEW_ROWS };
     let p = SsmUpdateParams::<T::Raw> {
         state: a.output("state", cache.state, Len::Exactly(shape.cache_len(a.check(), slots.num_slots())?))?,
         x,
@@ -220,6 +223,7 @@ where
         dst_index: a.opt_input("dst", cache.dst.map(|d| &d.dev), Len::Any)?,
         y: a.output("y", y, Len::Exactly(batch * w))?,
         batch: batch as u32,
+        warp_rows,
         geo: shape.geometry(),
         x_stride,
         dt_stride,
@@ -227,7 +231,7 @@ where
         c_stride,
         z_stride,
     };
-    let grid = (shape.head_dim.div_ceil((SSM_WARPS * SSM_ROWS) as usize) as u32, shape.heads as u32, batch as u32);
+    let grid = (shape.head_dim.div_ceil((SSM_WARPS * warp_rows) as usize) as u32, shape.heads as u32, batch as u32);
     // SAFETY: the shape checks and `Args` proved every input covers `batch` rows, the per-head
     // arrays `heads`, the cache `num_slots` slots; Slots holds PAD_SLOT or distinct in-range
     // slots and `check_dst` that no row writes a slot another reads; state_size % 4 == 0 keeps

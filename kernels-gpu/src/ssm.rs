@@ -13,19 +13,25 @@
 //! `groups * state_size`; every row has its own stride (they are slices of wider rows). `A`,
 //! `D`, `dt_bias` are f32 per head (A = -exp(A_log), computed at load).
 //!
-//! Work split: one warp per (row, head) and [`SSM_ROWS`] head-dim rows `p`: lane l holds
-//! state columns `4l + 128j` of each, its B and C columns and the head's step loaded once for
-//! them, every row's state loaded before any is updated; the warp sums each `S[p, :] . C`. So
-//! the state moves once through 16-byte (f32) or 8-byte (bf16) accesses, several rows' at a
-//! time a warp.
+//! Work split: one warp per (row, head) and [`SSM_ROWS`] head-dim rows `p` ([`SSM_FEW_ROWS`]
+//! for small batches): lane l holds state columns `4l + 128j` of each, its B and C columns and
+//! the head's step loaded once for them, every row's state staged in shared memory by
+//! `cp.async` before any is updated; the warp sums each `S[p, :] . C`. So the state moves once
+//! through 16-byte (f32) or 8-byte (bf16) accesses, all the warp's rows at a time.
 
 use crate::KernelParams;
 
 /// Warps per block of the state update.
 pub const SSM_WARPS: u32 = 4;
-/// Head-dim rows `p` a warp of the state update takes: all their state loading at once (8 KB
-/// of f32 a warp at state size 128), so that a short-lived warp keeps enough bytes in flight.
+/// Most head-dim rows `p` a warp of the state update takes ([`SsmUpdateParams::warp_rows`]):
+/// all their state loading at once (8 KB of f32 a warp at state size 128), so that a
+/// short-lived warp keeps enough bytes in flight.
 pub const SSM_ROWS: u32 = 16;
+/// Head-dim rows a warp takes below [`SSM_MANY_ROWS_BATCH`] rows of a batch: there
+/// [`SSM_ROWS`] a warp leaves most SMs idle (64 blocks for one row of Nano's 64 heads).
+pub const SSM_FEW_ROWS: u32 = 4;
+/// The batch from which a warp of the state update takes [`SSM_ROWS`] rows.
+pub const SSM_MANY_ROWS_BATCH: usize = 4;
 /// Largest state size the update handles (each lane holds `state_size / 32` columns).
 pub const SSM_MAX_STATE: u32 = 512;
 /// Dynamic shared memory of a state-update block whose state elements take `elem_bytes`: a
@@ -78,6 +84,8 @@ pub struct SsmUpdateParams<S> {
     /// `[batch, heads * head_dim]` bf16, written.
     pub y: *mut u16,
     pub batch: u32,
+    /// Head-dim rows a warp takes: [`SSM_ROWS`] or [`SSM_FEW_ROWS`].
+    pub warp_rows: u32,
     pub geo: SsmGeometry,
     pub x_stride: u32,
     pub dt_stride: u32,
@@ -170,9 +178,10 @@ mod kernels {
         }
     }
 
-    /// The state update for one (row, head) and [`SSM_ROWS`] rows `p` from `(block_x *
-    /// SSM_WARPS + warp) * SSM_ROWS`, by the calling warp. Grid `(ceil(head_dim / (SSM_WARPS *
-    /// SSM_ROWS)), heads, batch)`, block `32 * SSM_WARPS`, [`ssm_smem_bytes`] of its element of shared memory.
+    /// The state update for one (row, head) and `w = warp_rows` rows `p` from `(block_x *
+    /// SSM_WARPS + warp) * w`, by the calling warp. Grid `(ceil(head_dim / (SSM_WARPS * w)),
+    /// heads, batch)`, block `32 * SSM_WARPS`, [`ssm_smem_bytes`] of its element of shared
+    /// memory.
     /// In each chunk of 128 columns every lane copies its four columns of all the warp's rows
     /// into its own slots of shared memory (`cp.async`: the bytes in flight hold no registers,
     /// so a warp that lives for one round trip keeps 8 KB of f32 state loading), waits for its
@@ -183,12 +192,12 @@ mod kernels {
     unsafe fn update<S: Staged>(p: &SsmUpdateParams<S>) {
         const R: usize = SSM_ROWS as usize;
         let (b, h, warp) = (block_z() as usize, block_y() as usize, warp_id());
-        let p0 = ((block_x() * SSM_WARPS + warp) * SSM_ROWS) as usize;
+        let p0 = ((block_x() * SSM_WARPS + warp) * p.warp_rows) as usize;
         let (hd, n) = (p.geo.head_dim as usize, p.geo.state_size as usize);
         if p0 >= hd {
             return;
         }
-        let rows = (hd - p0).min(R);
+        let rows = (hd - p0).min(p.warp_rows as usize);
         let g = h / (p.geo.heads / p.geo.groups) as usize;
         let lane = lane_id() as usize;
         // SAFETY: launch contract checked by host/src/ssm.rs: rows, heads, slots in range, dst

@@ -129,6 +129,26 @@ pub unsafe fn load8_stream_whole(q: *const u16) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// Four bytes at `q` as [`load8_stream_whole`] loads (read-only path, not kept in L1): a
+/// chunk of 8 NVFP4 codes.
+///
+/// # Safety
+/// `q[0..4]` must be readable and `q` 4-byte aligned; nothing writes them while the kernel runs.
+#[inline(always)]
+pub unsafe fn load4_stream_whole(q: *const u8) -> u32 {
+    let v: u32;
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        asm!(
+            "ld.global.nc.L1::no_allocate.L2::256B.u32 {v}, [{q}];",
+            v = out(reg32) v,
+            q = in(reg64) q,
+            options(pure, readonly, nostack),
+        )
+    };
+    v
+}
+
 /// `q[0..4]` as raw pairs (element `2i` in the low half of word `i`), one 8-byte load.
 ///
 /// # Safety

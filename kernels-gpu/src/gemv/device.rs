@@ -4,14 +4,10 @@
 use super::*;
 use crate::device::*;
 
-/// A chunk of [`Chunk::ELEMS`] weights of one row (8 bf16, 16 e4m3 codes or 32 e2m1 codes
-/// with their two block scales: 16 bytes of weights a load whatever the format, so a pass of a
-/// warp moves as many bytes in each, and FP8 and NVFP4 rows take a half and a quarter of
-/// bf16's round trips), as loaded.
+/// A chunk of 8 weights of one row, as loaded: bf16 pairs, e4m3 codes, or e2m1 codes with
+/// their block's scale.
 pub trait Chunk: Copy {
     const ZERO: Self;
-    /// Weights a chunk holds: a multiple of 8, taken 8 at a time ([`Chunk::values`]).
-    const ELEMS: usize = 8;
     /// Bytes of a chunk's weights: the alignment [`Chunk::load_whole`] needs.
     const BYTES: usize;
     /// Whether each matrix has a weight scale ([`Operands::w_scale`]) that the sums are
@@ -20,21 +16,21 @@ pub trait Chunk: Copy {
     /// Bytes that `elems` weights take, whole rows of `k` (`elems` a multiple of k; NVFP4:
     /// a row its codes, block scales and padding, [`crate::nvfp4::row_bytes`]).
     fn bytes(elems: usize, k: usize) -> usize;
-    /// Elements `c..c + ELEMS` of the row at `w` (`k` elements; zero past k).
+    /// Elements `c..c + 8` of the row at `w` (`k` elements; zero past k).
     unsafe fn load(w: *const u8, c: usize, k: usize) -> Self;
-    /// Elements `c..c + ELEMS` of the row at `w` (`k` elements), all within it and aligned to
-    /// [`Chunk::BYTES`]: one load of the weights (NVFP4: and one of their scales), no checks.
+    /// Elements `c..c + 8` of the row at `w` (`k` elements), all within it and aligned to
+    /// [`Chunk::BYTES`]: one load of the weights (NVFP4: and one of their scale), no checks.
     unsafe fn load_whole(w: *const u8, c: usize, k: usize) -> Self;
-    /// Weights `8h..8h + 8` of the chunk as f32 (bf16 values, e4m3 code values, or e2m1
-    /// values times 2^-14), before [`Chunk::scale`].
-    fn values(self, h: usize) -> [f32; 8];
-    /// What the dot product of weights `8h..8h + 8` with the input is multiplied by before it
-    /// is added to the sum (NVFP4: their block scale times 2^14), where [`Chunk::SCALED`].
+    /// The weights as f32 (bf16 values, e4m3 code values, or e2m1 values times 2^-14),
+    /// before [`Chunk::scale`].
+    fn values(self) -> [f32; 8];
+    /// What the chunk's dot product with the input is multiplied by before it is added to
+    /// the sum (NVFP4: its block scale times 2^14), where [`Chunk::SCALED`].
     #[inline(always)]
-    fn scale(self, _h: usize) -> f32 {
+    fn scale(self) -> f32 {
         1.0
     }
-    /// Whether [`Chunk::scale`] applies: each 8 weights' products summed apart, then scaled
+    /// Whether [`Chunk::scale`] applies: each chunk's products summed apart, then scaled
     /// and added (else every product goes into the sum itself).
     const SCALED: bool = false;
 }
@@ -63,8 +59,8 @@ impl Chunk for Streamed {
         Streamed(unsafe { load8_stream_whole((w as *const u16).wrapping_add(c)) })
     }
     #[inline(always)]
-    fn values(self, _: usize) -> [f32; 8] {
-        raw8_values(self.0)
+    fn values(self) -> [f32; 8] {
+        self.0.values()
     }
 }
 
@@ -86,20 +82,14 @@ impl Chunk for [u32; 4] {
         unsafe { load8_raw_whole((w as *const u16).wrapping_add(c)) }
     }
     #[inline(always)]
-    fn values(self, _: usize) -> [f32; 8] {
+    fn values(self) -> [f32; 8] {
         raw8_values(self)
     }
 }
 
-/// Sixteen e4m3 codes of a row (element `c + i` in byte `i % 4` of word `i / 4`), loaded as
-/// `[u32; 4]` is (kept in L1: a dispatch's rows of one expert share them).
-#[derive(Clone, Copy)]
-pub struct E4m3x16([u32; 4]);
-
-impl Chunk for E4m3x16 {
-    const ZERO: Self = E4m3x16([0; 4]);
-    const ELEMS: usize = 16;
-    const BYTES: usize = 16;
+impl Chunk for u64 {
+    const ZERO: Self = 0;
+    const BYTES: usize = 8;
     const MATRIX_SCALE: bool = true;
     #[inline(always)]
     fn bytes(elems: usize, _: usize) -> usize {
@@ -107,52 +97,49 @@ impl Chunk for E4m3x16 {
     }
     #[inline(always)]
     unsafe fn load_whole(w: *const u8, c: usize, _: usize) -> Self {
-        // SAFETY: forwarded (the chunk within the row and 16-byte aligned).
-        E4m3x16(unsafe { load8_raw_whole(w.wrapping_add(c) as *const u16) })
+        // SAFETY: forwarded (the chunk within the row and 8-byte aligned).
+        unsafe { *(w.wrapping_add(c) as *const u64) }
     }
     #[inline(always)]
     unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-        // SAFETY: forwarded (w holds k codes); one load when whole and aligned.
+        // SAFETY: forwarded (w holds k codes); 8-byte loads when whole and aligned.
         unsafe {
-            if c + 16 <= k && (w.wrapping_add(c) as usize).is_multiple_of(16) {
+            if c + 8 <= k && (w.wrapping_add(c) as usize).is_multiple_of(8) {
                 Self::load_whole(w, c, k)
             } else {
-                let mut v = [0u32; 4];
-                for i in 0..16 {
+                let mut v = 0u64;
+                for i in 0..8 {
                     if c + i < k {
-                        v[i / 4] |= u32::from(ld(w, c + i)) << (8 * (i % 4));
+                        v |= u64::from(ld(w, c + i)) << (8 * i);
                     }
                 }
-                E4m3x16(v)
+                v
             }
         }
     }
     #[inline(always)]
-    fn values(self, h: usize) -> [f32; 8] {
+    fn values(self) -> [f32; 8] {
         let mut v = [0.0; 8];
         for i in 0..4 {
-            let word = self.0[2 * h + i / 2];
-            (v[2 * i], v[2 * i + 1]) = e4m3x2_to_f32((word >> (16 * (i % 2))) as u16);
+            (v[2 * i], v[2 * i + 1]) = e4m3x2_to_f32((self >> (16 * i)) as u16);
         }
         v
     }
 }
 
-/// Thirty-two NVFP4 weights (docs/MATH.md, "Checkpoint formats") of a row laid out as
-/// [`crate::nvfp4`] says (the row's codes, then its block scales): the 32 e2m1 codes
-/// (element `c + i` in bits `4(i % 8)..` of word `i / 8`) and the e4m3 scales of their two
-/// blocks (the first in the low byte). Loaded past L1: a launch reads each weight once per row
-/// of x, as [`Streamed`].
+/// Eight NVFP4 weights (docs/MATH.md, "Checkpoint formats") of a row laid out as
+/// [`crate::nvfp4`] says (the row's codes, then its block scales): the 8 e2m1 codes
+/// (element `c + i` in bits `4i..4i + 4`) and their block's e4m3 scale. Loaded past L1: a
+/// launch reads each weight once per row of x, as [`Streamed`].
 #[derive(Clone, Copy)]
 pub struct Fp4 {
-    codes: [u32; 4],
-    scales: u16,
+    codes: u32,
+    scale: u16,
 }
 
 impl Chunk for Fp4 {
-    const ZERO: Self = Fp4 { codes: [0; 4], scales: 0 };
-    const ELEMS: usize = 32;
-    const BYTES: usize = 16;
+    const ZERO: Self = Fp4 { codes: 0, scale: 0 };
+    const BYTES: usize = 4;
     const MATRIX_SCALE: bool = true;
     const SCALED: bool = true;
     #[inline(always)]
@@ -161,56 +148,49 @@ impl Chunk for Fp4 {
     }
     #[inline(always)]
     unsafe fn load(w: *const u8, c: usize, k: usize) -> Self {
-        // k is a multiple of 16 and c of 32: a chunk lies wholly within k, half within it (its
-        // first block) or wholly past it.
+        // k is a multiple of 16 and c of 8: a chunk lies wholly within k or wholly past it.
         if c >= k {
             return Self::ZERO;
         }
-        let blocks = if c + 32 <= k { 2 } else { 1 };
         // SAFETY: forwarded (w holds the row's k / 2 code bytes, then its scales).
         unsafe {
-            let mut v = Self::ZERO;
-            for b in 0..blocks {
-                for i in 0..8 {
-                    v.codes[i / 4 + 2 * b] |= u32::from(ld(w, c / 2 + 8 * b + i)) << (8 * (i % 4));
-                }
-                v.scales |= u16::from(ld(w, k / 2 + c / crate::nvfp4::BLOCK + b)) << (8 * b);
+            let mut codes = 0u32;
+            for i in 0..4 {
+                codes |= u32::from(ld(w, c / 2 + i)) << (8 * i);
             }
-            v
+            Fp4 { codes, scale: u16::from(ld(w, k / 2 + c / crate::nvfp4::BLOCK)) }
         }
     }
     #[inline(always)]
     unsafe fn load_whole(w: *const u8, c: usize, k: usize) -> Self {
-        // SAFETY: forwarded (the chunk's 16 code bytes within the row and 16-byte aligned, its
-        // two scales after the row's codes, 2-byte aligned: k / 2 and c / 16 even).
+        // SAFETY: forwarded (the chunk's 4 code bytes within the row and 4-byte aligned,
+        // its scale after the row's codes).
         unsafe {
             Fp4 {
-                codes: load8_stream_whole(w.wrapping_add(c / 2) as *const u16),
-                scales: ld(w.wrapping_add(k / 2 + c / crate::nvfp4::BLOCK) as *const u16, 0),
+                codes: load4_stream_whole(w.wrapping_add(c / 2)),
+                scale: u16::from(ld(w, k / 2 + c / crate::nvfp4::BLOCK)),
             }
         }
     }
     #[inline(always)]
-    fn values(self, h: usize) -> [f32; 8] {
-        e2m1x8_to_f32(self.codes[h])
+    fn values(self) -> [f32; 8] {
+        e2m1x8_to_f32(self.codes)
     }
     #[inline(always)]
-    fn scale(self, h: usize) -> f32 {
-        e4m3x2_to_f32(self.scales >> (8 * (h / 2))).0 * 16384.0
+    fn scale(self) -> f32 {
+        e4m3x2_to_f32(self.scale).0 * 16384.0
     }
 }
 
 /// This lane's share of the dot products of `rows` (<= R) weight rows (`w` the first,
 /// `stride` bytes apart, `k` elements each) with `toks` (<= T) inputs `xs` (`k`
-/// bf16 each), thread `me` of `threads` sharing them: threads over chunks of
-/// [`Chunk::ELEMS`], U chunks of each row in flight, f32 sums (a fused multiply-add per
-/// product); the sum over the threads (in any fixed order) is the product. FP8 (`fp8`): each
-/// input chunk of 8 is first quantized to e4m3 with its token's `(scale, 1 / scale)`. Where
-/// the rows and inputs are aligned to whole chunks and k is a multiple of the chunk (so a
-/// chunk is wholly within k or wholly past it), each chunk is one unchecked load or zero;
-/// otherwise every load checks each element (FP8 at k = 8 mod 16, NVFP4 at k = 16 mod 32: no
-/// Nano shape; a checked chunk only where k cuts it took more registers in every kernel of
-/// the mode, 90 to 128 in `gemv_fp8`). Either way the same sums in the same order.
+/// bf16 each), thread `me` of `threads` sharing them: threads over chunks of 8, U chunks of
+/// each row in flight, f32 sums (a fused multiply-add per product); the sum over the
+/// threads (in any fixed order) is the product. FP8 (`fp8`): each input chunk is first
+/// quantized to e4m3 with its token's `(scale, 1 / scale)`. Where the rows and inputs are
+/// aligned to whole chunks (k is a multiple of 8, so a chunk is wholly within k or wholly
+/// past it), each chunk is one unchecked load or zero; otherwise the loads check each
+/// element. Either way the same sums in the same order.
 ///
 /// # Safety
 /// The rows and inputs must be readable for `k` elements.
@@ -223,11 +203,10 @@ pub unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: us
     (k, fp8): (usize, bool),
     (me, threads): (usize, usize),
 ) -> [[f32; T]; R] {
-    let step = threads * W::ELEMS;
+    let step = threads * 8;
     let mut acc = [[0.0f32; T]; R];
-    let mut c = me * W::ELEMS;
-    let aligned = k.is_multiple_of(W::ELEMS)
-        && (w as usize).is_multiple_of(W::BYTES)
+    let mut c = me * 8;
+    let aligned = (w as usize).is_multiple_of(W::BYTES)
         && stride.is_multiple_of(W::BYTES)
         && xs.iter().all(|&x| (x as usize).is_multiple_of(16));
     let d = Dots { w, stride, rows, xs, toks, scale, k, fp8, step };
@@ -253,12 +232,12 @@ pub unsafe fn partial_dots<W: Chunk, const R: usize, const T: usize, const U: us
             // thread's chunk (`me` chunks before this one's) does: the same for every lane,
             // so a warp does not split into a whole pass for some lanes and a checked one
             // for the others, each its own round trip.
-            let last = if threads == 32 { (threads - 1 - me) * W::ELEMS } else { 0 };
+            let last = if threads == 32 { (threads - 1 - me) * 8 } else { 0 };
             while c + last + (U - 1) * step < k {
                 d.pass::<W, R, U, WHOLE, false>(c, &mut acc);
                 c += step * U;
             }
-            if c - me * W::ELEMS < k {
+            if c - me * 8 < k {
                 d.pass::<W, R, U, CHUNKS, false>(c, &mut acc);
             }
         } else {
@@ -331,34 +310,30 @@ impl<const T: usize> Dots<'_, T> {
             for (t, &x) in self.xs.iter().enumerate() {
                 if t < self.toks {
                     for u in 0..U {
-                        for h in 0..W::ELEMS / 8 {
-                            let at = c + u * step;
-                            let e = at + 8 * h;
-                            let mut xv = match MODE {
-                                ELEMENTS => load8_bf16(x, e, k),
-                                _ if whole(at) => raw8_values(load8_raw_whole(x.wrapping_add(e))),
-                                _ => [0.0; 8],
-                            };
-                            if self.fp8 {
-                                let (s, inv) = self.scale[t];
-                                for i in 0..4 {
-                                    let q =
-                                        f32x2_to_e4m3(div_rn_by(xv[2 * i + 1], s, inv), div_rn_by(xv[2 * i], s, inv));
-                                    (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
-                                }
+                        let at = c + u * step;
+                        let mut xv = match MODE {
+                            ELEMENTS => load8_bf16(x, at, k),
+                            _ if whole(at) => raw8_values(load8_raw_whole(x.wrapping_add(at))),
+                            _ => [0.0; 8],
+                        };
+                        if self.fp8 {
+                            let (s, inv) = self.scale[t];
+                            for i in 0..4 {
+                                let q = f32x2_to_e4m3(div_rn_by(xv[2 * i + 1], s, inv), div_rn_by(xv[2 * i], s, inv));
+                                (xv[2 * i], xv[2 * i + 1]) = e4m3x2_to_f32(q);
                             }
-                            for (acc, wv) in acc.iter_mut().zip(&wv) {
-                                let wf = wv[u].values(h);
-                                if W::SCALED {
-                                    let mut dot = 0.0f32;
-                                    for i in 0..8 {
-                                        dot = fma(wf[i], xv[i], dot);
-                                    }
-                                    acc[t] = fma(dot, wv[u].scale(h), acc[t]);
-                                } else {
-                                    for i in 0..8 {
-                                        acc[t] = fma(wf[i], xv[i], acc[t]);
-                                    }
+                        }
+                        for (acc, wv) in acc.iter_mut().zip(&wv) {
+                            let wf = wv[u].values();
+                            if W::SCALED {
+                                let mut dot = 0.0f32;
+                                for i in 0..8 {
+                                    dot = fma(wf[i], xv[i], dot);
+                                }
+                                acc[t] = fma(dot, wv[u].scale(), acc[t]);
+                            } else {
+                                for i in 0..8 {
+                                    acc[t] = fma(wf[i], xv[i], acc[t]);
                                 }
                             }
                         }
@@ -524,7 +499,7 @@ pub unsafe extern "ptx-kernel" fn gemv_bf16(p: DenseParams) {
 pub unsafe extern "ptx-kernel" fn gemv_fp8(p: DenseParams) {
     grid_dependency_wait();
     // SAFETY: launch contract checked by host/src/gemv.rs.
-    unsafe { dense_rows::<E4m3x16, false>(&p, true) }
+    unsafe { dense_rows::<u64, false>(&p, true) }
 }
 
 /// As [`gemv_bf16`], NVFP4 weights ([`Fp4`]: e2m1 codes with their block scales, laid

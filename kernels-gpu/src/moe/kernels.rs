@@ -4,7 +4,7 @@
 use super::*;
 use crate::EW_BLOCK;
 use crate::device::*;
-use crate::gemv::{Chunk, E4m3x16, Fp4, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
+use crate::gemv::{Chunk, Fp4, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
 use crate::qgemv::{Fp8, Nvfp4, QG_ROWS, TcRows, TcWeights, tc_tiles};
 
 /// Dispatch, [`DispatchParams`]. One block of [`DISPATCH_BLOCK`] threads, dynamic shared
@@ -156,7 +156,7 @@ pub unsafe extern "ptx-kernel" fn moe_expert_choices_bf16(p: ExpertParams) {
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_expert_choices_fp8(p: ExpertParams) {
     // SAFETY: forwarded launch contract.
-    unsafe { choice_rows::<E4m3x16>(&p, true) }
+    unsafe { choice_rows::<u64>(&p, true) }
 }
 
 /// As [`moe_expert_choices_bf16`], NVFP4 weights (weight-only, as
@@ -234,9 +234,9 @@ pub unsafe extern "ptx-kernel" fn moe_expert_combine_fp8(p: ExpertCombineParams)
     unsafe {
         if p.in_scale.is_null() {
             grid_dependency_wait();
-            expert_combine::<E4m3x16, false>(&p, true)
+            expert_combine::<u64, false>(&p, true)
         } else {
-            expert_combine::<E4m3x16, true>(&p, true)
+            expert_combine::<u64, true>(&p, true)
         }
     }
 }
@@ -331,7 +331,7 @@ pub unsafe extern "ptx-kernel" fn moe_expert_bf16(p: ExpertParams) {
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_expert_fp8(p: ExpertParams) {
     // SAFETY: forwarded launch contract (it waits on the kernel before).
-    unsafe { expert_rows::<E4m3x16>(p, true) }
+    unsafe { expert_rows::<u64>(p, true) }
 }
 
 /// Expert projection, NVFP4 weights (weight-only, as [`gemv_nvfp4`](crate::gemv)

@@ -168,13 +168,7 @@ mod kernels {
         #[inline(always)]
         unsafe fn staged4(at: u32) -> [f32; 4] {
             // SAFETY: forwarded.
-            let [lo, hi] = unsafe { lds8(at) };
-            [
-                f32::from_bits(lo << 16),
-                f32::from_bits(lo & 0xffff_0000),
-                f32::from_bits(hi << 16),
-                f32::from_bits(hi & 0xffff_0000),
-            ]
+            raw4_values(unsafe { lds8(at) })
         }
     }
 

@@ -1,6 +1,8 @@
 //! `cargo bench --bench attn`: causal attention of a prefill at NemotronH's geometry (32 query
 //! heads, 2 kv heads, head_dim 128): one fresh sequence of 512/4096/16384 tokens, the cache write
-//! and the flash kernel (`prefill-k32/`: its 32-key tiles, the sm_12x form, where it fits).
+//! and the flash kernel (`prefill/`: the one the model takes, on `wgmma` where the GPU has it;
+//! `prefill-k64/`: the `mma.sync` kernel of 64-key tiles; `prefill-k32/`: its 32-key tiles, the
+//! sm_12x form; each where it fits).
 //! Criterion's throughput line is tokens/s; the report line gives TFLOP/s
 //! of the causal products (`4 heads head_dim n (n + 1) / 2`: scores and values, the masked half
 //! not counted). Then decode rows: `b` rows, each in a slot of its own at position `ctx - 1` of
@@ -20,9 +22,8 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::new(12);
     let mut group = c.benchmark_group("attn");
     group.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(300));
-    let fitting = FlashKeys::fitting(gpu);
-    let flash = [(FlashKeys::K64, "prefill"), (FlashKeys::K32, "prefill-k32")];
-    let flash = flash.into_iter().filter(|&(f, _)| fitting == Some(FlashKeys::K64) || fitting == Some(f));
+    let flash = [(FlashKeys::Wgmma, "prefill"), (FlashKeys::K64, "prefill-k64"), (FlashKeys::K32, "prefill-k32")];
+    let flash = flash.into_iter().filter(|&(f, _)| f.fits(gpu));
     for ((keys, kind), n) in flash.flat_map(|f| [512usize, 4096, 16384].map(|n| (f, n))) {
         let name = format!("{kind}/32x2x128/t{n}");
         if !BenchGpu::selected(&name) {

@@ -144,7 +144,7 @@ fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
 /// staging of some blocks overlaps the products of others; the FP8 and NVFP4 tensor-core mat-vecs two, so an SM
 /// holds 16 warps of weight loads. The norms launch up to 1024
 /// threads (rows wider than 8192), so at most 64 registers.
-const LAUNCH_BOUNDS: [(Kernel, u32); 30] = [
+const LAUNCH_BOUNDS: [(Kernel, u32); 31] = [
     (Kernel::MoeRouteTc, 2),
     (Kernel::MoeGroupedWide, 2),
     (Kernel::MoeGrouped, 2),
@@ -162,6 +162,7 @@ const LAUNCH_BOUNDS: [(Kernel, u32); 30] = [
     (Kernel::AttnFlashD128, 1),
     (Kernel::AttnFlashK32, 1),
     (Kernel::AttnFlashK32D128, 1),
+    (Kernel::AttnFlashWgmma, 1),
     (Kernel::MambaDecode, 0),
     (Kernel::GemvTcFp8, 2),
     (Kernel::MoeExpertTcFp8, 2),

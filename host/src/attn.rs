@@ -140,29 +140,44 @@ pub struct Qkv<'a> {
     pub v: Rows<'a>,
 }
 
-/// Keys the flash kernel stages at a time: 64, or 32 (`attn_flash_k32_bf16` and its
-/// 128-channel form) where a block's shared memory cannot hold 64's (the sm_12x family).
+/// The flash kernels to run: `Wgmma` (sm_90a: `attn_flash_wgmma_d128_bf16` for heads of 128
+/// channels with q and the caches 16-byte aligned, 128 keys a tile; the 64-key kernels for
+/// other heads), or the `mma.sync` kernels staging 64 keys at a time, or 32
+/// (`attn_flash_k32_bf16` and its 128-channel form) where a block's shared memory cannot hold
+/// 64's (the sm_12x family).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKeys {
+    Wgmma,
     K64,
     K32,
 }
 
 impl FlashKeys {
-    /// The most keys a block of this GPU holds ([`Gpu::fits`]), or None: no flash kernel fits.
+    /// Every choice, the fastest first.
+    pub const ALL: [FlashKeys; 3] = [FlashKeys::Wgmma, FlashKeys::K64, FlashKeys::K32];
+
+    /// The first of [`FlashKeys::ALL`] this GPU runs ([`FlashKeys::fits`]), or None: no flash
+    /// kernel fits.
     pub fn fitting(gpu: &Gpu) -> Option<FlashKeys> {
-        [FlashKeys::K64, FlashKeys::K32]
-            .into_iter()
-            .find(|f| gpu.fits(f.kernel(true).kernel) && gpu.fits(f.kernel(false).kernel))
+        FlashKeys::ALL.into_iter().find(|f| f.fits(gpu))
     }
 
-    /// The kernel of these keys for heads of 113 to 128 channels (`d128`) or any other.
-    fn kernel(self, d128: bool) -> kernels_gpu::Entry<FlashParams> {
-        match (self, d128) {
-            (FlashKeys::K64, true) => entry::ATTN_FLASH_D128,
-            (FlashKeys::K64, false) => entry::ATTN_FLASH,
-            (FlashKeys::K32, true) => entry::ATTN_FLASH_K32_D128,
-            (FlashKeys::K32, false) => entry::ATTN_FLASH_K32,
+    /// Whether this GPU runs every kernel of this choice ([`Gpu::fits`]).
+    pub fn fits(self, gpu: &Gpu) -> bool {
+        [(128, true), (128, false), (64, false)].into_iter().all(|(d, vec)| gpu.fits(self.kernel(d, vec).kernel))
+    }
+
+    /// The kernel these keys take for heads of `head_dim` channels (`vec`: q and the caches
+    /// 16-byte aligned): `Wgmma`'s kernel for 128 aligned, the `mma.sync` kernels' `d128`
+    /// entries for 113 to 128, the generic ones otherwise.
+    fn kernel(self, head_dim: usize, vec: bool) -> kernels_gpu::Entry<FlashParams> {
+        let d128 = head_dim.div_ceil(16) == 8;
+        match self {
+            FlashKeys::Wgmma if head_dim == 128 && vec => entry::ATTN_FLASH_WGMMA,
+            FlashKeys::Wgmma | FlashKeys::K64 if d128 => entry::ATTN_FLASH_D128,
+            FlashKeys::Wgmma | FlashKeys::K64 => entry::ATTN_FLASH,
+            FlashKeys::K32 if d128 => entry::ATTN_FLASH_K32_D128,
+            FlashKeys::K32 => entry::ATTN_FLASH_K32,
         }
     }
 }
@@ -239,11 +254,11 @@ pub fn attention_with(
     // arguments and grid checked before anything launches.
     let flash = match (&rows.tiles, flash_keys) {
         (Some(tiles), Some(keys)) if s.head_dim <= FLASH_MAX_HEAD_DIM as usize => {
-            let kf = keys.kernel(s.head_dim.div_ceil(16) == 8);
             let aligned = |a: u64| a.is_multiple_of(16);
             let vec = s.head_dim.is_multiple_of(8)
                 && q_stride.is_multiple_of(8)
                 && [p.q as u64, p.k_cache as u64, p.v_cache as u64].into_iter().all(aligned);
+            let kf = keys.kernel(s.head_dim, vec);
             let f = FlashParams {
                 q: p.q,
                 q_stride: p.q_stride,

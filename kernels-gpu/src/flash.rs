@@ -86,6 +86,34 @@ pub const fn flash_smem_bytes(keys: u32) -> u32 {
     tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM) + 2 * FLASH_BUFFERS * tile_bytes(keys, FLASH_MAX_HEAD_DIM)
 }
 
+/// Threads of a block of the `wgmma` kernel: two warpgroups of 64 query rows.
+pub const FLASH_WGMMA_BLOCK: u32 = 256;
+/// Keys the `wgmma` kernel stages at a time.
+pub const FLASH_WGMMA_KEYS: u32 = 128;
+
+/// Dynamic shared memory of the `wgmma` kernel (`attn_flash_wgmma_d128_bf16`): room to align
+/// to 1024 bytes, the Q tile and two buffers of a K and a V tile, 256 bytes a row (164864).
+pub const fn flash_wgmma_smem_bytes() -> u32 {
+    1024 + 256 * (FLASH_ROWS + 4 * FLASH_WGMMA_KEYS)
+}
+
+/// `v` reduced by `f` pairwise (a tree: independent operations side by side).
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+fn tree<const N: usize>(mut v: [f32; N], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut n = N;
+    while n > 1 {
+        for i in 0..n / 2 {
+            v[i] = f(v[2 * i], v[2 * i + 1]);
+        }
+        n /= 2;
+    }
+    v[0]
+}
+
+#[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
+mod wgmma;
+
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
@@ -97,19 +125,6 @@ mod kernels {
     /// 16 x 8 score tiles of a key tile of [`FLASH_KEYS`] and of [`FLASH_KEYS_SMALL`].
     const NS: usize = (FLASH_KEYS / 8) as usize;
     const NS_SMALL: usize = (FLASH_KEYS_SMALL / 8) as usize;
-
-    /// `v` reduced by `f` pairwise (a tree: independent operations side by side).
-    #[inline(always)]
-    fn tree<const N: usize>(mut v: [f32; N], f: impl Fn(f32, f32) -> f32) -> f32 {
-        let mut n = N;
-        while n > 1 {
-            for i in 0..n / 2 {
-                v[i] = f(v[2 * i], v[2 * i + 1]);
-            }
-            n /= 2;
-        }
-        v[0]
-    }
 
     /// Flash attention, [`FlashParams`], heads of 113 to 128 channels (eight k steps, known
     /// when compiled). Grid `(tiles * heads)`, block [`FLASH_BLOCK`], dynamic shared memory

@@ -181,6 +181,9 @@ kernels! {
     ATTN_FLASH_K32 = AttnFlashK32("attn_flash_k32_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS_SMALL))),
     /// As `AttnFlashD128`, 32 keys at a time.
     ATTN_FLASH_K32_D128 = AttnFlashK32D128("attn_flash_k32_d128_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_BLOCK), Smem::Fixed(flash::flash_smem_bytes(flash::FLASH_KEYS_SMALL))),
+    /// As `AttnFlashD128` on `wgmma` (sm_90a PTX only), 128 keys at a time,
+    /// q and the caches 16-byte aligned.
+    ATTN_FLASH_WGMMA = AttnFlashWgmma("attn_flash_wgmma_d128_bf16", flash::FlashParams, Threads::Fixed(flash::FLASH_WGMMA_BLOCK), Smem::Fixed(flash::flash_wgmma_smem_bytes())),
     /// A bf16 linear layer at few rows, a warp per weight row pair, its
     /// first weights loading before it waits on the kernel before.
     GEMV = Gemv("gemv_bf16", gemv::DenseParams, Threads::Fixed(gemv::WARP_BLOCK), Smem::Fixed(0)),
@@ -315,6 +318,7 @@ impl Kernel {
                 | Kernel::MoeGroupedWgmmaNvfp4
                 | Kernel::GemmWgmma
                 | Kernel::GemmWgmmaFp8
+                | Kernel::AttnFlashWgmma
         )
     }
 

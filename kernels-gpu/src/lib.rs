@@ -73,6 +73,15 @@ pub const fn swizzle_128_desc(addr: u32) -> u64 {
     ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
 }
 
+/// The shared-memory matrix descriptor of an MN-major operand (a `wgmma` B read transposed:
+/// its rows run along k, each 128 bytes of n) in [`swizzle_128`]'s layout from shared address
+/// `addr` (a row's start, 1024-byte aligned): start address / 16, leading offset `panel` / 16
+/// (bits 16-29: the next 64 bf16 of n, a panel of rows of 128 bytes further on), stride offset
+/// 1024 / 16 (the next 8 rows of k), the 128-byte swizzle.
+pub const fn swizzle_128_desc_mn(addr: u32, panel: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | (((panel as u64 >> 4) & 0x3fff) << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
 /// Chunks of a row of `width` elements.
 pub const fn chunks(width: u32) -> u32 {
     width.div_ceil(VEC)

@@ -68,65 +68,43 @@ mod device {
         }
     }
 
-    /// The positional operand list `{first}, {rest}...` of the macro below.
-    macro_rules! regs {
-        ($first:literal $($i:literal)*) => { concat!("{", $first, "}" $(, ", {", $i, "}")*) };
-    }
-
-    /// One stage of a warpgroup's products (the module docs), as one asm block: `$acc` the two
-    /// 64-register accumulators, `$a` the 4 k steps' A descriptors, `$b` the two halves' 4
-    /// each; `$ins` the instruction, `$tail` its operands after scale-d.
-    macro_rules! stage {
-        ($acc:ident, $a:ident, $b:ident, $ins:literal, $tail:literal;
-         $($lo:literal)*; $($hi:literal)*) => {
-            asm!(
-                "{{",
-                ".reg .pred p;",
-                "setp.ne.b32 p, {one}, 0;",
-                "wgmma.fence.sync.aligned;",
-                concat!($ins, " {{", regs!($($lo)*), "}}, {a0}, {b00}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($hi)*), "}}, {a0}, {b10}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($lo)*), "}}, {a1}, {b01}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($hi)*), "}}, {a1}, {b11}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($lo)*), "}}, {a2}, {b02}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($hi)*), "}}, {a2}, {b12}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($lo)*), "}}, {a3}, {b03}, p, ", $tail, ";"),
-                concat!($ins, " {{", regs!($($hi)*), "}}, {a3}, {b13}, p, ", $tail, ";"),
-                "wgmma.commit_group.sync.aligned;",
-                "wgmma.wait_group.sync.aligned 0;",
-                "}}",
-                $(inout(reg32) $acc[0][$lo],)*
-                $(inout(reg32) $acc[1][$lo],)*
-                a0 = in(reg64) $a[0], a1 = in(reg64) $a[1], a2 = in(reg64) $a[2], a3 = in(reg64) $a[3],
-                b00 = in(reg64) $b[0][0], b01 = in(reg64) $b[0][1], b02 = in(reg64) $b[0][2], b03 = in(reg64) $b[0][3],
-                b10 = in(reg64) $b[1][0], b11 = in(reg64) $b[1][1], b12 = in(reg64) $b[1][2], b13 = in(reg64) $b[1][3],
-                one = in(reg32) 1u32,
-                options(nostack),
-            )
+    /// The first 64 accumulator registers of an asm block (its positional operands 0..64),
+    /// as a `wgmma` operand list.
+    macro_rules! d0 {
+        () => {
+            "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}"
         };
     }
 
-    /// One 64 x 128 half's products over one stage, e4m3, into fresh registers: the first of
-    /// the 4 k steps with scale-d 0 (`$t = A B`), the others accumulating, then their commit
-    /// and wait, as one asm block.
-    macro_rules! half_e4m3 {
-        ($t:ident, $a:ident, $b:ident; $($lo:literal)*) => {
+    /// Accumulator registers 64..128 (positional operands 64..128).
+    macro_rules! d1 {
+        () => {
+            "{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}"
+        };
+    }
+
+    /// One asm block of `wgmma` products: the fence, each step `[d a b p]` as `$ins {d}, a,
+    /// b, p, $tail;` (`d` the accumulators' list, [`d0!`] or [`d1!`]; `a`, `b` operands; `p`
+    /// scale-d: `p0` false, a product that overwrites, `p1` true, one that accumulates), then
+    /// their commit and the wait for them, so no instruction the compiler places can touch the
+    /// accumulators while the products are in flight. `$acc[i]` for each listed i are the
+    /// positional operands 0.., then the steps' operands: `$arr[j]` for each array and listed j,
+    /// in registers of class `$class`.
+    macro_rules! products {
+        ($ins:literal, $tail:literal; [$([$d:ident $a:literal $b:literal $p:literal])*];
+         [$($class:ident $arr:expr => [$($j:literal)*]),*]; $acc:ident [$($i:literal)*]) => {
             asm!(
                 "{{",
                 ".reg .pred p0, p1;",
                 "setp.ne.b32 p0, {zero}, 0;",
                 "setp.ne.b32 p1, {one}, 0;",
                 "wgmma.fence.sync.aligned;",
-                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a0}, {b0}, p0, 1, 1;"),
-                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a1}, {b1}, p1, 1, 1;"),
-                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a2}, {b2}, p1, 1, 1;"),
-                concat!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{", regs!($($lo)*), "}}, {a3}, {b3}, p1, 1, 1;"),
+                $(concat!($ins, " {{", $d!(), "}}, ", $a, ", ", $b, ", ", $p, ", ", $tail, ";"),)*
                 "wgmma.commit_group.sync.aligned;",
                 "wgmma.wait_group.sync.aligned 0;",
                 "}}",
-                $(inout(reg32) $t[$lo],)*
-                a0 = in(reg64) $a[0], a1 = in(reg64) $a[1], a2 = in(reg64) $a[2], a3 = in(reg64) $a[3],
-                b0 = in(reg64) $b[0], b1 = in(reg64) $b[1], b2 = in(reg64) $b[2], b3 = in(reg64) $b[3],
+                $(inout(reg32) $acc[$i],)*
+                $($(in($class) $arr[$j],)*)*
                 zero = in(reg32) 0u32,
                 one = in(reg32) 1u32,
                 options(nostack),
@@ -134,25 +112,10 @@ mod device {
         };
     }
 
-    /// [`half_e4m3!`] with the positional operand numbers of its 64 registers.
-    macro_rules! half_e4m3_regs {
+    /// [`products!`] with its accumulators `$acc[0..64]`.
+    macro_rules! products64 {
         ($($args:tt)*) => {
-            half_e4m3!($($args)*;
-                0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
-                32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63)
-        };
-    }
-
-    /// [`stage!`] with the accumulators' positional operand numbers: 0..64 the first half's,
-    /// 64..128 the second's.
-    macro_rules! stage_regs {
-        ($($args:tt)*) => {
-            stage!($($args)*;
-                0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
-                32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63;
-                64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95
-                96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120
-                121 122 123 124 125 126 127)
+            products!($($args)* [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63])
         };
     }
 
@@ -175,19 +138,89 @@ mod device {
         unsafe {
             if FP8 {
                 // Each half written out (not a loop), so the accumulators stay in registers.
-                let (mut t0, mut t1) = ([0.0f32; 64], [0.0f32; 64]);
-                let (b0, b1) = (b[0], b[1]);
-                half_e4m3_regs!(t0, a, b0);
-                for i in 0..64 {
-                    acc[0][i] += t0[i];
-                }
-                half_e4m3_regs!(t1, a, b1);
-                for i in 0..64 {
-                    acc[1][i] += t1[i];
+                for (h, half) in acc.iter_mut().enumerate() {
+                    let mut t = [0.0f32; 64];
+                    let bh = b[h];
+                    products64!("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "1, 1";
+                        [[d0 "{64}" "{68}" "p0"]
+                        [d0 "{65}" "{69}" "p1"]
+                        [d0 "{66}" "{70}" "p1"]
+                        [d0 "{67}" "{71}" "p1"]];
+                        [reg64 a => [0 1 2 3], reg64 bh => [0 1 2 3]];
+                        t);
+                    for i in 0..64 {
+                        half[i] += t[i];
+                    }
                 }
             } else {
-                stage_regs!(acc, a, b, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0")
+                // SAFETY: [[f32; 64]; 2] and [f32; 128] have the same layout.
+                let flat = &mut *(acc as *mut [[f32; 64]; 2] as *mut [f32; 128]);
+                products!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0";
+                    [[d0 "{128}" "{132}" "p1"]
+                    [d1 "{128}" "{136}" "p1"]
+                    [d0 "{129}" "{133}" "p1"]
+                    [d1 "{129}" "{137}" "p1"]
+                    [d0 "{130}" "{134}" "p1"]
+                    [d1 "{130}" "{138}" "p1"]
+                    [d0 "{131}" "{135}" "p1"]
+                    [d1 "{131}" "{139}" "p1"]];
+                    [reg64 a => [0 1 2 3], reg64 b[0] => [0 1 2 3], reg64 b[1] => [0 1 2 3]];
+                    flat [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127])
             }
+        }
+    }
+
+    /// `s = A B`: a warpgroup's 64 rows of A against B's 128 rows, over 8 bf16 k steps of 16
+    /// (a head of 128 channels), `a[kk]` and `b[kk]` the K-major descriptors of step kk;
+    /// `s` as the module docs' accumulators of one 64 x 128 half. Returns with the products
+    /// done.
+    ///
+    /// # Safety
+    /// As [`mma_stage`].
+    #[inline(always)]
+    pub unsafe fn products_k128(s: &mut [f32; 64], a: [u64; 8], b: [u64; 8]) {
+        // SAFETY: guaranteed by the caller; register operands only, the products waited for
+        // inside the block.
+        unsafe {
+            products64!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0";
+                [[d0 "{64}" "{72}" "p0"]
+                [d0 "{65}" "{73}" "p1"]
+                [d0 "{66}" "{74}" "p1"]
+                [d0 "{67}" "{75}" "p1"]
+                [d0 "{68}" "{76}" "p1"]
+                [d0 "{69}" "{77}" "p1"]
+                [d0 "{70}" "{78}" "p1"]
+                [d0 "{71}" "{79}" "p1"]];
+                [reg64 a => [0 1 2 3 4 5 6 7], reg64 b => [0 1 2 3 4 5 6 7]];
+                s)
+        }
+    }
+
+    /// `o += P B` over 8 bf16 k steps of 16 (128 of k), P from registers: `p[4 kk .. 4 kk + 4]`
+    /// step kk's fragment of the warpgroup's 64 rows (as `mma.sync`'s m16n8k16 A fragment of warp wi's
+    /// rows `16 wi ..`, which is the accumulators' layout of columns `16 kk .. + 16` rounded to
+    /// bf16), `b[kk]` the MN-major descriptor of B's rows `16 kk .. + 16` (k) by 128 columns
+    /// (n), read transposed. Returns with the products done.
+    ///
+    /// # Safety
+    /// As [`mma_stage`].
+    #[inline(always)]
+    pub unsafe fn products_regs_k128(o: &mut [f32; 64], p: &[u32; 32], b: [u64; 8]) {
+        // SAFETY: guaranteed by the caller; register operands only, the products waited for
+        // inside the block.
+        unsafe {
+            products64!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 1";
+                [[d0 "{{{64}, {65}, {66}, {67}}}" "{96}" "p1"]
+                [d0 "{{{68}, {69}, {70}, {71}}}" "{97}" "p1"]
+                [d0 "{{{72}, {73}, {74}, {75}}}" "{98}" "p1"]
+                [d0 "{{{76}, {77}, {78}, {79}}}" "{99}" "p1"]
+                [d0 "{{{80}, {81}, {82}, {83}}}" "{100}" "p1"]
+                [d0 "{{{84}, {85}, {86}, {87}}}" "{101}" "p1"]
+                [d0 "{{{88}, {89}, {90}, {91}}}" "{102}" "p1"]
+                [d0 "{{{92}, {93}, {94}, {95}}}" "{103}" "p1"]];
+                [reg32 p => [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31],
+                 reg64 b => [0 1 2 3 4 5 6 7]];
+                o)
         }
     }
 }

@@ -1,0 +1,178 @@
+//! The flash kernel on warpgroup matrix products (`wgmma`, sm_90a PTX only), heads of exactly
+//! 128 channels, q and the caches 16-byte aligned: the parent's math and work split (a block a
+//! query tile and head, [`FLASH_ROWS`] rows), in two warpgroups of 64 rows each and key tiles
+//! of [`FLASH_WGMMA_KEYS`].
+//!
+//! Shared memory (from a 1024-byte aligned byte): the Q tile, then two buffers of a K and a V
+//! tile. Each tile is rows of 256 bytes (128 bf16 channels) in two panels: channels `64 p ..
+//! 64 p + 64` of every row in panel p, rows of 128 bytes in [`crate::swizzle_128`]'s layout
+//! (the one every `wgmma` operand here is read in). Q and K are read K-major (k the channels),
+//! as the GEMMs' tiles; V is read MN-major (its rows run along k, the keys), the transposed
+//! form `wgmma` has for 16-bit operands ([`crate::swizzle_128_desc_mn`], the next 64 channels a
+//! panel further on), so no thread moves V's elements around.
+//!
+//! A key tile: each warpgroup computes its 64 x 128 scores `S = Q Kᵀ` (8 k steps over the
+//! channels, [`products_k128`]), masks the keys past each row's position on the diagonal,
+//! updates the running max and sum and rescales `O` exactly as the parent kernel, rounds `P`
+//! to bf16 in registers (the accumulators of 16 keys are step kk's A fragment as they are) and
+//! adds `P V` (8 k steps over the keys, [`products_regs_k128`]). The block's 256 threads copy
+//! the next key tile's K and V (`cp.async`, 16 bytes a copy) while the warpgroups compute this
+//! one; one barrier a key tile.
+
+use super::*;
+use crate::device::*;
+use crate::mma::{commit, copy16, pack, smem_addr};
+use crate::wgmma::{acc_col, acc_row, products_k128, products_regs_k128};
+use crate::{swizzle_128, swizzle_128_desc, swizzle_128_desc_mn};
+
+/// Bytes of one panel of a tile of `rows` rows (64 channels of each, 128 bytes a row).
+const fn panel(rows: u32) -> u32 {
+    rows * 128
+}
+
+/// Flash attention on `wgmma`, [`FlashParams`] with head_dim 128 and `vec` 1. Grid `(tiles *
+/// heads)`, block [`FLASH_WGMMA_BLOCK`], dynamic shared memory [`flash_wgmma_smem_bytes`];
+/// sm_90a only. The module docs say what a block does.
+///
+/// # Safety
+/// The parent's launch contract, with head_dim 128, q, q_stride and the caches 16-byte aligned.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
+    grid_dependency_wait();
+    let (t, h) = (block_x() / p.heads, block_x() % p.heads);
+    let tid = thread_x();
+    let (g, wi, lane) = (warp_id() / 4, warp_id() % 4, lane_id());
+    let kw = (p.kv_heads * 128) as usize;
+    let kvh = h / (p.heads / p.kv_heads);
+    let keys = FLASH_WGMMA_KEYS;
+    let base = smem_addr(0);
+    let q_at = base.next_multiple_of(1024);
+    let (qp, kp) = (panel(FLASH_ROWS), panel(keys));
+    // K and V tiles of buffer b (two panels each).
+    let kv_at = |b: u32| {
+        let at = q_at + 2 * qp + 4 * b * kp;
+        (at, at + 2 * kp)
+    };
+    let scale = p.scale * core::f32::consts::LOG2_E;
+    // This thread's 16-byte chunks of a tile: chunk c (panel c / 8, chunk c % 8 of its row) of
+    // rows `r + 16 i`.
+    let (r, c) = (tid / 16, tid % 16);
+    let chunk = |tile: u32, rows: u32, row: u32| tile + (c / 8) * panel(rows) + swizzle_128(row, c % 8);
+    // SAFETY: launch contract as the doc says; the tiles fit in flash_wgmma_smem_bytes (1024
+    // bytes of room to align them); each key tile's copies are waited for, fenced to the async
+    // proxy and published by the barrier before any warpgroup's products read them; the next
+    // tile is copied after that barrier into the buffer the tile before was read from, whose
+    // products every warpgroup waited for before reaching it.
+    unsafe {
+        let tile = ld(p.tiles, t as usize);
+        let n_keys = tile.pos0 + tile.rows;
+        let q = p.q.wrapping_add(tile.row0 as usize * p.q_stride as usize + (h * 128) as usize);
+        let cache = (tile.slot as usize * p.max_len as usize) * kw + (kvh * 128) as usize;
+        let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
+        for i in 0..FLASH_ROWS / 16 {
+            let row = r + 16 * i;
+            let ok = row < tile.rows;
+            let src = q.wrapping_add(row as usize * p.q_stride as usize + 8 * c as usize);
+            copy16(chunk(q_at, FLASH_ROWS, row), if ok { src } else { p.q }, ok);
+        }
+        let stage_keys = |jt: u32| {
+            let (kt, vt) = kv_at(jt % 2);
+            let j0 = jt * keys;
+            for i in 0..keys / 16 {
+                let row = r + 16 * i;
+                let ok = j0 + row < n_keys;
+                let at = (j0 + row) as usize * kw + 8 * c as usize;
+                copy16(chunk(kt, keys, row), if ok { k_at.wrapping_add(at) } else { k_at }, ok);
+                copy16(chunk(vt, keys, row), if ok { v_at.wrapping_add(at) } else { v_at }, ok);
+            }
+            commit();
+        };
+        stage_keys(0);
+        let key_tiles = n_keys.div_ceil(keys);
+        // The warpgroup's rows: `64 g ..`, those of this thread's accumulators 0, 1 and 2, 3
+        // at `acc_row`; positions from pos0.
+        let first = tile.pos0 + 64 * g;
+        let row_pos = [first + acc_row(wi, lane, 0), first + acc_row(wi, lane, 2)];
+        let active = 64 * g < tile.rows;
+        // The Q descriptors of the 8 k steps (channels 16 kk ..: panel kk / 4, 32 bytes a step).
+        let qd: [u64; 8] = core::array::from_fn(|kk| {
+            swizzle_128_desc(q_at + (kk as u32 / 4) * qp + 64 * g * 128 + 32 * (kk as u32 % 4))
+        });
+        let mut o = [0.0f32; 64];
+        let (mut m, mut l) = ([f32::NEG_INFINITY; 2], [0.0f32; 2]);
+        for jt in 0..key_tiles {
+            core::arch::asm!("cp.async.wait_group 0;", options(nostack));
+            fence_async_shared();
+            sync_threads();
+            if jt + 1 < key_tiles {
+                stage_keys(jt + 1);
+            }
+            let j0 = jt * keys;
+            // Warpgroup-uniform: whether any of its rows sees a key of this tile, and whether
+            // a key of it lies past one of its rows.
+            if !active || j0 > first + 63 {
+                continue;
+            }
+            let diagonal = j0 + keys - 1 > first;
+            let (kt, vt) = kv_at(jt % 2);
+            let kd: [u64; 8] =
+                core::array::from_fn(|kk| swizzle_128_desc(kt + (kk as u32 / 4) * kp + 32 * (kk as u32 % 4)));
+            let mut s = [0.0f32; 64];
+            products_k128(&mut s, qd, kd);
+            if diagonal {
+                for (i, v) in s.iter_mut().enumerate() {
+                    if j0 + acc_col(lane, i as u32) > row_pos[(i / 2) % 2] {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            for rh in 0..2 {
+                // The four lanes of a quad hold a row's 128 (unscaled) scores, 32 each.
+                let mx =
+                    tree(core::array::from_fn::<f32, 16, _>(|q| fmax(s[4 * q + 2 * rh], s[4 * q + 2 * rh + 1])), fmax);
+                let mx = fmax(mx, warp_read(mx, lane ^ 1));
+                let mx = fmax(mx, warp_read(mx, lane ^ 2));
+                let new = fmax(m[rh], mx * scale);
+                let alpha = exp2_fast(m[rh] - new);
+                m[rh] = new;
+                for q in 0..16 {
+                    for e in 0..2 {
+                        let i = 4 * q + 2 * rh + e;
+                        s[i] = exp2_fast(fma(s[i], scale, -new));
+                    }
+                }
+                let sum =
+                    tree(core::array::from_fn::<f32, 16, _>(|q| s[4 * q + 2 * rh] + s[4 * q + 2 * rh + 1]), |a, b| {
+                        a + b
+                    });
+                l[rh] = l[rh] * alpha + sum;
+                for q in 0..16 {
+                    o[4 * q + 2 * rh] *= alpha;
+                    o[4 * q + 2 * rh + 1] *= alpha;
+                }
+            }
+            // Keys 16 kk .. + 16: accumulators 8 kk .. 8 kk + 8 (columns 16 kk + 2 (lane % 4)
+            // and 8 further on, rows lane / 4 and 8 further on), in pairs: step kk's fragment
+            // is pairs 4 kk .. 4 kk + 4, as they are.
+            let pf: [u32; 32] = core::array::from_fn(|i| pack(s[2 * i], s[2 * i + 1]));
+            let vd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc_mn(vt + 16 * kk as u32 * 128, kp));
+            products_regs_k128(&mut o, &pf, vd);
+        }
+        if !active {
+            return;
+        }
+        let width = (p.heads * 128) as usize;
+        for rh in 0..2u32 {
+            let total = warp_sum_bits(l[rh as usize], 1, 2);
+            let row = 64 * g + acc_row(wi, lane, 2 * rh);
+            if row < tile.rows {
+                let at = (tile.row0 + row) as usize * width + (h * 128) as usize;
+                for q in 0..16u32 {
+                    let i = 4 * q + 2 * rh;
+                    let v = pack(o[i as usize] / total, o[i as usize + 1] / total);
+                    st(p.out.wrapping_add(at + acc_col(lane, i) as usize) as *mut u32, 0, v);
+                }
+            }
+        }
+    }
+}

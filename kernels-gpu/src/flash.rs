@@ -86,15 +86,19 @@ pub const fn flash_smem_bytes(keys: u32) -> u32 {
     tile_bytes(FLASH_ROWS, FLASH_MAX_HEAD_DIM) + 2 * FLASH_BUFFERS * tile_bytes(keys, FLASH_MAX_HEAD_DIM)
 }
 
-/// Threads of a block of the `wgmma` kernel: two warpgroups of 64 query rows.
-pub const FLASH_WGMMA_BLOCK: u32 = 256;
+/// Threads of a block of the `wgmma` kernel: two warpgroups of 64 query rows, then one that
+/// copies the key tiles.
+pub const FLASH_WGMMA_BLOCK: u32 = 384;
 /// Keys the `wgmma` kernel stages at a time.
 pub const FLASH_WGMMA_KEYS: u32 = 128;
+/// Key tiles in the `wgmma` kernel's ring.
+pub const FLASH_WGMMA_STAGES: u32 = 3;
 
 /// Dynamic shared memory of the `wgmma` kernel (`attn_flash_wgmma_d128_bf16`): room to align
-/// to 1024 bytes, the Q tile and two buffers of a K and a V tile, 256 bytes a row (164864).
+/// to 1024 bytes, the Q tile and the ring's K and V tiles, 256 bytes a row, then two mbarriers
+/// a stage (230448).
 pub const fn flash_wgmma_smem_bytes() -> u32 {
-    1024 + 256 * (FLASH_ROWS + 4 * FLASH_WGMMA_KEYS)
+    1024 + 256 * (FLASH_ROWS + 2 * FLASH_WGMMA_STAGES * FLASH_WGMMA_KEYS) + 16 * FLASH_WGMMA_STAGES
 }
 
 /// `v` reduced by `f` pairwise (a tree: independent operations side by side).

@@ -159,13 +159,6 @@ mod device {
         unsafe { asm!("tcgen05.fence::after_thread_sync;", options(nostack)) };
     }
 
-    /// Makes the block's mbarrier initializations visible to the tensor cores' arrivals.
-    #[inline(always)]
-    pub fn fence_mbar_init() {
-        // SAFETY: no operands.
-        unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
-    }
-
     /// Copies the scale chunk at shared address `chunk` to TMEM columns `tmem ..= tmem + 3`
     /// (the module docs).
     ///

@@ -68,6 +68,27 @@ mod device {
         }
     }
 
+    /// Sets the registers a thread of this warpgroup has to `N` (`setmaxnreg`, a multiple of 8
+    /// in 24..=256): lowered (`RAISE` false) for a warpgroup that needs few, returning them to
+    /// the block's pool, or raised, waiting until the pool has them. The block starts with the
+    /// count ptxas gave the entry (its `.maxntid`'s bound), which the warpgroups' counts must
+    /// not exceed together.
+    ///
+    /// # Safety
+    /// The whole warpgroup calls it in uniform flow; raised counts stay within what lowered ones
+    /// freed (or the raise waits forever).
+    #[inline(always)]
+    pub unsafe fn set_max_regs<const RAISE: bool, const N: u32>() {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            if RAISE {
+                asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack))
+            } else {
+                asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack))
+            }
+        }
+    }
+
     /// The first 64 accumulator registers of an asm block (its positional operands 0..64),
     /// as a `wgmma` operand list.
     macro_rules! d0 {

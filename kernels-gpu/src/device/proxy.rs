@@ -27,6 +27,64 @@ pub unsafe fn mbar_init(addr: u32, count: u32) {
     };
 }
 
+/// Makes this thread's mbarrier initializations visible to the arrivals that do not come from
+/// the block's threads' own instructions (the tensor cores', copies'), before the barrier that
+/// publishes them.
+#[inline(always)]
+pub fn fence_mbar_init() {
+    // SAFETY: no operands.
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
+}
+
+/// One arrival of this thread on the mbarrier at `addr` (release: this thread's writes before
+/// it are visible to a thread whose wait sees the phase complete).
+///
+/// # Safety
+/// `addr` an initialized mbarrier of the block whose current phase expects the arrival.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn mbar_arrive(addr: u32) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { asm!("mbarrier.arrive.release.cta.shared::cta.b64 _, [{a}];", a = in(reg32) addr, options(nostack)) };
+}
+
+/// One arrival on the mbarrier at `addr` for this warp, by one of its lanes (`elect.sync`):
+/// release, for what every lane did before a point the whole warp passed together (a
+/// `.sync.aligned` wait, say); no lane's id held for it.
+///
+/// # Safety
+/// As [`mbar_arrive`]; the whole warp calls it in uniform flow.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn mbar_arrive_warp(addr: u32) {
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred p;",
+            "elect.sync _|p, 0xffffffff;",
+            "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [{a}];",
+            "}}",
+            a = in(reg32) addr,
+            options(nostack),
+        )
+    };
+}
+
+/// One arrival on the mbarrier at `addr` once all of this thread's `cp.async` copies issued
+/// before have landed (`cp.async.mbarrier.arrive.noinc`: the arrival counts toward the
+/// phase's expected count), so a thread whose wait sees the phase complete reads them. The
+/// thread itself goes on at once.
+///
+/// # Safety
+/// As [`mbar_arrive`].
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn mbar_arrive_copies(addr: u32) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { asm!("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{a}];", a = in(reg32) addr, options(nostack)) };
+}
+
 /// Waits until the phase of parity `parity` of the mbarrier at `addr` has completed
 /// (acquire: what the arrivals released is visible after it). A fresh barrier counts its
 /// phase before 0, parity 1, as completed.

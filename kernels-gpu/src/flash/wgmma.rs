@@ -21,9 +21,14 @@
 
 use super::*;
 use crate::device::*;
-use crate::mma::{commit, copy16, pack, smem_addr};
-use crate::wgmma::{acc_col, acc_row, products_k128, products_regs_k128};
+use crate::mma::{copied, copy16, pack, smem_addr};
+use crate::wgmma::{acc_col, acc_row, products_k128, products_regs_k128, set_max_regs};
 use crate::{swizzle_128, swizzle_128_desc, swizzle_128_desc_mn};
+
+/// Registers (`setmaxnreg`) of a producer thread and of a consumer thread: 128 x 56 + 256 x
+/// 224 of the 65536 an SM has.
+const PRODUCER_REGS: u32 = 56;
+const CONSUMER_REGS: u32 = 224;
 
 /// Bytes of one panel of a tile of `rows` rows (64 channels of each, 128 bytes a row).
 const fn panel(rows: u32) -> u32 {
@@ -41,54 +46,85 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
     grid_dependency_wait();
     let (t, h) = (block_x() / p.heads, block_x() % p.heads);
     let tid = thread_x();
-    let (g, wi, lane) = (warp_id() / 4, warp_id() % 4, lane_id());
+    let (w, lane) = (warp_id(), lane_id());
+    let (g, wi) = (w / 4, w % 4);
     let kw = (p.kv_heads * 128) as usize;
     let kvh = h / (p.heads / p.kv_heads);
     let keys = FLASH_WGMMA_KEYS;
+    let stages = FLASH_WGMMA_STAGES;
     let base = smem_addr(0);
     let q_at = base.next_multiple_of(1024);
     let (qp, kp) = (panel(FLASH_ROWS), panel(keys));
-    // K and V tiles of buffer b (two panels each).
-    let kv_at = |b: u32| {
-        let at = q_at + 2 * qp + 4 * b * kp;
+    // K and V tiles of stage s (two panels each), then the mbarriers: full[s] (the producer's
+    // copies of a key tile landed), empty[s] (every consumer warp done reading it).
+    let kv_at = |s: u32| {
+        let at = q_at + 2 * qp + 4 * s * kp;
         (at, at + 2 * kp)
     };
+    let full = |s: u32| q_at + 2 * qp + 4 * stages * kp + 8 * s;
+    let empty = |s: u32| full(stages) + 8 * s;
     let scale = p.scale * core::f32::consts::LOG2_E;
-    // This thread's 16-byte chunks of a tile: chunk c (panel c / 8, chunk c % 8 of its row) of
-    // rows `r + 16 i`.
-    let (r, c) = (tid / 16, tid % 16);
-    let chunk = |tile: u32, rows: u32, row: u32| tile + (c / 8) * panel(rows) + swizzle_128(row, c % 8);
-    // SAFETY: launch contract as the doc says; the tiles fit in flash_wgmma_smem_bytes (1024
-    // bytes of room to align them); each key tile's copies are waited for, fenced to the async
-    // proxy and published by the barrier before any warpgroup's products read them; the next
-    // tile is copied after that barrier into the buffer the tile before was read from, whose
-    // products every warpgroup waited for before reaching it.
+    // Shared address of 16-byte chunk c (panel c / 8, chunk c % 8 of its row) of `row`.
+    let chunk = |tile: u32, rows: u32, row: u32, c: u32| tile + (c / 8) * panel(rows) + swizzle_128(row, c % 8);
+    // SAFETY: launch contract as the doc says; the tiles and mbarriers fit in
+    // flash_wgmma_smem_bytes (1024 bytes of room to align them); the mbarriers are initialized
+    // and published by the block barrier before any use; a key tile's copies are read only
+    // after its full phase completed and the reader's proxy fence, and copied again only after
+    // its empty phase (every consumer warp's products on it waited for) completed.
     unsafe {
+        if tid == 0 {
+            for s in 0..stages {
+                mbar_init(full(s), 128);
+                mbar_init(empty(s), 8);
+            }
+            fence_mbar_init();
+        }
         let tile = ld(p.tiles, t as usize);
         let n_keys = tile.pos0 + tile.rows;
-        let q = p.q.wrapping_add(tile.row0 as usize * p.q_stride as usize + (h * 128) as usize);
-        let cache = (tile.slot as usize * p.max_len as usize) * kw + (kvh * 128) as usize;
-        let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
-        for i in 0..FLASH_ROWS / 16 {
-            let row = r + 16 * i;
-            let ok = row < tile.rows;
-            let src = q.wrapping_add(row as usize * p.q_stride as usize + 8 * c as usize);
-            copy16(chunk(q_at, FLASH_ROWS, row), if ok { src } else { p.q }, ok);
-        }
-        let stage_keys = |jt: u32| {
-            let (kt, vt) = kv_at(jt % 2);
-            let j0 = jt * keys;
-            for i in 0..keys / 16 {
-                let row = r + 16 * i;
-                let ok = j0 + row < n_keys;
-                let at = (j0 + row) as usize * kw + 8 * c as usize;
-                copy16(chunk(kt, keys, row), if ok { k_at.wrapping_add(at) } else { k_at }, ok);
-                copy16(chunk(vt, keys, row), if ok { v_at.wrapping_add(at) } else { v_at }, ok);
-            }
-            commit();
-        };
-        stage_keys(0);
         let key_tiles = n_keys.div_ceil(keys);
+        // The consumers: thread tid copies chunk `tid % 16` of Q's rows `tid / 16 + 16 i`;
+        // the one barrier every thread passes (at this one instruction) publishes Q and the
+        // mbarriers.
+        if g < 2 {
+            let q = p.q.wrapping_add(tile.row0 as usize * p.q_stride as usize + (h * 128) as usize);
+            let (r, c) = (tid / 16, tid % 16);
+            for i in 0..FLASH_ROWS / 16 {
+                let row = r + 16 * i;
+                let ok = row < tile.rows;
+                let src = q.wrapping_add(row as usize * p.q_stride as usize + 8 * c as usize);
+                copy16(chunk(q_at, FLASH_ROWS, row, c), if ok { src } else { p.q }, ok);
+            }
+            copied();
+            fence_async_shared();
+        }
+        sync_threads();
+        if g == 2 {
+            // The producer warpgroup: thread 256 + i copies chunk `i % 16` of rows `i / 16 + 8
+            // j` of each key tile's K and V.
+            set_max_regs::<false, PRODUCER_REGS>();
+            let cache = (tile.slot as usize * p.max_len as usize) * kw + (kvh * 128) as usize;
+            let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
+            let (r, c) = ((tid - 256) / 16, tid % 16);
+            for jt in 0..key_tiles {
+                let s = jt % stages;
+                if jt >= stages {
+                    mbar_wait(empty(s), (jt / stages - 1) % 2);
+                }
+                let (kt, vt) = kv_at(s);
+                let j0 = jt * keys;
+                for i in 0..keys / 8 {
+                    let row = r + 8 * i;
+                    let ok = j0 + row < n_keys;
+                    let at = (j0 + row) as usize * kw + 8 * c as usize;
+                    copy16(chunk(kt, keys, row, c), if ok { k_at.wrapping_add(at) } else { k_at }, ok);
+                    copy16(chunk(vt, keys, row, c), if ok { v_at.wrapping_add(at) } else { v_at }, ok);
+                }
+                mbar_arrive_copies(full(s));
+            }
+            copied();
+            return;
+        }
+        set_max_regs::<true, CONSUMER_REGS>();
         // The warpgroup's rows: `64 g ..`, those of this thread's accumulators 0, 1 and 2, 3
         // at `acc_row`; positions from pos0.
         let first = tile.pos0 + 64 * g;
@@ -101,62 +137,16 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
         let mut o = [0.0f32; 64];
         let (mut m, mut l) = ([f32::NEG_INFINITY; 2], [0.0f32; 2]);
         for jt in 0..key_tiles {
-            core::arch::asm!("cp.async.wait_group 0;", options(nostack));
-            fence_async_shared();
-            sync_threads();
-            if jt + 1 < key_tiles {
-                stage_keys(jt + 1);
-            }
+            let s = jt % stages;
+            mbar_wait(full(s), (jt / stages) % 2);
             let j0 = jt * keys;
             // Warpgroup-uniform: whether any of its rows sees a key of this tile, and whether
             // a key of it lies past one of its rows.
-            if !active || j0 > first + 63 {
-                continue;
+            if active && j0 <= first + 63 {
+                fence_async_shared();
+                attend(&mut o, (&mut m, &mut l), qd, kv_at(s), (scale, j0, j0 + keys - 1 > first, row_pos));
             }
-            let diagonal = j0 + keys - 1 > first;
-            let (kt, vt) = kv_at(jt % 2);
-            let kd: [u64; 8] =
-                core::array::from_fn(|kk| swizzle_128_desc(kt + (kk as u32 / 4) * kp + 32 * (kk as u32 % 4)));
-            let mut s = [0.0f32; 64];
-            products_k128(&mut s, qd, kd);
-            if diagonal {
-                for (i, v) in s.iter_mut().enumerate() {
-                    if j0 + acc_col(lane, i as u32) > row_pos[(i / 2) % 2] {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            for rh in 0..2 {
-                // The four lanes of a quad hold a row's 128 (unscaled) scores, 32 each.
-                let mx =
-                    tree(core::array::from_fn::<f32, 16, _>(|q| fmax(s[4 * q + 2 * rh], s[4 * q + 2 * rh + 1])), fmax);
-                let mx = fmax(mx, warp_read(mx, lane ^ 1));
-                let mx = fmax(mx, warp_read(mx, lane ^ 2));
-                let new = fmax(m[rh], mx * scale);
-                let alpha = exp2_fast(m[rh] - new);
-                m[rh] = new;
-                for q in 0..16 {
-                    for e in 0..2 {
-                        let i = 4 * q + 2 * rh + e;
-                        s[i] = exp2_fast(fma(s[i], scale, -new));
-                    }
-                }
-                let sum =
-                    tree(core::array::from_fn::<f32, 16, _>(|q| s[4 * q + 2 * rh] + s[4 * q + 2 * rh + 1]), |a, b| {
-                        a + b
-                    });
-                l[rh] = l[rh] * alpha + sum;
-                for q in 0..16 {
-                    o[4 * q + 2 * rh] *= alpha;
-                    o[4 * q + 2 * rh + 1] *= alpha;
-                }
-            }
-            // Keys 16 kk .. + 16: accumulators 8 kk .. 8 kk + 8 (columns 16 kk + 2 (lane % 4)
-            // and 8 further on, rows lane / 4 and 8 further on), in pairs: step kk's fragment
-            // is pairs 4 kk .. 4 kk + 4, as they are.
-            let pf: [u32; 32] = core::array::from_fn(|i| pack(s[2 * i], s[2 * i + 1]));
-            let vd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc_mn(vt + 16 * kk as u32 * 128, kp));
-            products_regs_k128(&mut o, &pf, vd);
+            mbar_arrive_warp(empty(s));
         }
         if !active {
             return;
@@ -175,4 +165,63 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
             }
         }
     }
+}
+
+/// One key tile of a warpgroup (the module docs): its scores against the K tile at `kv.0`,
+/// masked past each row's position where `diagonal` (`j0` the tile's first key, `row_pos`
+/// this thread's two rows' positions), the running max `m` and sum `l` updated and `o`
+/// rescaled, then `o += P V` with the V tile at `kv.1`.
+///
+/// # Safety
+/// The whole warpgroup calls it in uniform flow, the tiles complete and fenced to the async
+/// proxy.
+#[inline(always)]
+unsafe fn attend(
+    o: &mut [f32; 64],
+    (m, l): (&mut [f32; 2], &mut [f32; 2]),
+    qd: [u64; 8],
+    (kt, vt): (u32, u32),
+    (scale, j0, diagonal, row_pos): (f32, u32, bool, [u32; 2]),
+) {
+    let lane = lane_id();
+    let kp = panel(FLASH_WGMMA_KEYS);
+    let kd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc(kt + (kk as u32 / 4) * kp + 32 * (kk as u32 % 4)));
+    let mut s = [0.0f32; 64];
+    // SAFETY: forwarded.
+    unsafe { products_k128(&mut s, qd, kd) };
+    if diagonal {
+        for (i, v) in s.iter_mut().enumerate() {
+            if j0 + acc_col(lane, i as u32) > row_pos[(i / 2) % 2] {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    for rh in 0..2 {
+        // The four lanes of a quad hold a row's 128 (unscaled) scores, 32 each.
+        let mx = tree(core::array::from_fn::<f32, 16, _>(|q| fmax(s[4 * q + 2 * rh], s[4 * q + 2 * rh + 1])), fmax);
+        let mx = fmax(mx, warp_read(mx, lane ^ 1));
+        let mx = fmax(mx, warp_read(mx, lane ^ 2));
+        let new = fmax(m[rh], mx * scale);
+        let alpha = exp2_fast(m[rh] - new);
+        m[rh] = new;
+        for q in 0..16 {
+            for e in 0..2 {
+                let i = 4 * q + 2 * rh + e;
+                s[i] = exp2_fast(fma(s[i], scale, -new));
+            }
+        }
+        let sum = tree(core::array::from_fn::<f32, 16, _>(|q| s[4 * q + 2 * rh] + s[4 * q + 2 * rh + 1]), |a, b| a + b);
+        l[rh] = l[rh] * alpha + sum;
+        for q in 0..16 {
+            o[4 * q + 2 * rh] *= alpha;
+            o[4 * q + 2 * rh + 1] *= alpha;
+        }
+    }
+    // Keys 16 kk .. + 16: accumulators 8 kk .. 8 kk + 8 (columns 16 kk + 2 (lane % 4) and 8
+    // further on, rows lane / 4 and 8 further on), in pairs: step kk's fragment is pairs
+    // 4 kk .. 4 kk + 4, as they are.
+    let pf: [u32; 32] = core::array::from_fn(|i| pack(s[2 * i], s[2 * i + 1]));
+    let vd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc_mn(vt + 16 * kk as u32 * 128, kp));
+    // SAFETY: forwarded.
+    unsafe { products_regs_k128(o, &pf, vd) };
 }

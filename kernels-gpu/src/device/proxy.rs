@@ -36,24 +36,13 @@ pub fn fence_mbar_init() {
     unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
 }
 
-/// One arrival of this thread on the mbarrier at `addr` (release: this thread's writes before
-/// it are visible to a thread whose wait sees the phase complete).
-///
-/// # Safety
-/// `addr` an initialized mbarrier of the block whose current phase expects the arrival.
-#[cfg(target_feature = "sm_90a")]
-#[inline(always)]
-pub unsafe fn mbar_arrive(addr: u32) {
-    // SAFETY: guaranteed by the caller.
-    unsafe { asm!("mbarrier.arrive.release.cta.shared::cta.b64 _, [{a}];", a = in(reg32) addr, options(nostack)) };
-}
-
 /// One arrival on the mbarrier at `addr` for this warp, by one of its lanes (`elect.sync`):
 /// release, for what every lane did before a point the whole warp passed together (a
 /// `.sync.aligned` wait, say); no lane's id held for it.
 ///
 /// # Safety
-/// As [`mbar_arrive`]; the whole warp calls it in uniform flow.
+/// `addr` an initialized mbarrier of the block whose current phase expects the arrival; the
+/// whole warp calls it in uniform flow.
 #[cfg(target_feature = "sm_90a")]
 #[inline(always)]
 pub unsafe fn mbar_arrive_warp(addr: u32) {
@@ -77,7 +66,7 @@ pub unsafe fn mbar_arrive_warp(addr: u32) {
 /// thread itself goes on at once.
 ///
 /// # Safety
-/// As [`mbar_arrive`].
+/// `addr` an initialized mbarrier of the block whose current phase expects the arrival.
 #[cfg(target_feature = "sm_90a")]
 #[inline(always)]
 pub unsafe fn mbar_arrive_copies(addr: u32) {

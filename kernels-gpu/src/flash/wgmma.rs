@@ -3,21 +3,26 @@
 //! query tile and head, [`FLASH_ROWS`] rows), in two warpgroups of 64 rows each and key tiles
 //! of [`FLASH_WGMMA_KEYS`].
 //!
-//! Shared memory (from a 1024-byte aligned byte): the Q tile, then two buffers of a K and a V
-//! tile. Each tile is rows of 256 bytes (128 bf16 channels) in two panels: channels `64 p ..
-//! 64 p + 64` of every row in panel p, rows of 128 bytes in [`crate::swizzle_128`]'s layout
-//! (the one every `wgmma` operand here is read in). Q and K are read K-major (k the channels),
-//! as the GEMMs' tiles; V is read MN-major (its rows run along k, the keys), the transposed
-//! form `wgmma` has for 16-bit operands ([`crate::swizzle_128_desc_mn`], the next 64 channels a
-//! panel further on), so no thread moves V's elements around.
+//! Shared memory (from a 1024-byte aligned byte): the Q tile, then a ring of
+//! [`FLASH_WGMMA_STAGES`] K and V tiles, then two mbarriers a stage. Each tile is rows of 256
+//! bytes (128 bf16 channels) in two panels: channels `64 p .. 64 p + 64` of every row in panel
+//! p, rows of 128 bytes in [`crate::swizzle_128`]'s layout (the one every `wgmma` operand here
+//! is read in). Q and K are read K-major (k the channels), as the GEMMs' tiles; V is read
+//! MN-major (its rows run along k, the keys), the transposed form `wgmma` has for 16-bit
+//! operands ([`crate::swizzle_128_desc_mn`], the next 64 channels a panel further on), so no
+//! thread moves V's elements around.
 //!
-//! A key tile: each warpgroup computes its 64 x 128 scores `S = Q Kᵀ` (8 k steps over the
-//! channels, [`products_k128`]), masks the keys past each row's position on the diagonal,
-//! updates the running max and sum and rescales `O` exactly as the parent kernel, rounds `P`
-//! to bf16 in registers (the accumulators of 16 keys are step kk's A fragment as they are) and
-//! adds `P V` (8 k steps over the keys, [`products_regs_k128`]). The block's 256 threads copy
-//! the next key tile's K and V (`cp.async`, 16 bytes a copy) while the warpgroups compute this
-//! one; one barrier a key tile.
+//! Three warpgroups: two consumers of 64 query rows each and a producer. The producer copies
+//! each key tile's K and V into the ring (`cp.async`, 16 bytes a copy) once every consumer warp
+//! is done with the tile that stage held (the stage's `empty` mbarrier), and its copies'
+//! landing completes the stage's `full` mbarrier (`cp.async.mbarrier.arrive.noinc`); the
+//! consumers wait for `full`, so neither waits for the other at a block barrier. A key tile of
+//! a consumer: its 64 x 128 scores `S = Q Kᵀ` (8 k steps over the channels,
+//! [`products_k128`]), the keys past each row's position masked on the diagonal, the running
+//! max and sum updated and `O` rescaled exactly as the parent kernel, `P` rounded to bf16 in
+//! registers (the accumulators of 16 keys are step kk's A fragment as they are) and `O += P V`
+//! (8 k steps over the keys, [`products_regs_k128`]). `setmaxnreg` gives the producer's
+//! registers to the consumers.
 
 use super::*;
 use crate::device::*;

@@ -140,19 +140,19 @@ fn gemm_job(p: GemmFp8Params) -> Job {
     Job { a_scale: p.a_scale, w_scale: p.w_scale, ..job }
 }
 
-/// Block x's matrix and first row in the grouped order, for tiles of `bm` rows: lane l of
+/// Row tile i's matrix and first row in the grouped order, for tiles of `bm` rows: lane l of
 /// warp 0 sums the tiles of experts `l per .. (l + 1) per`, a prefix sum over the lanes
-/// finds whose tiles hold block x; written to `found` (`u32::MAX` first: no tile). One
-/// matrix: matrix 0, rows from `bm x`. Every thread gets it (a barrier inside: call it in
+/// finds whose tiles hold tile i; written to `found` (`u32::MAX` first: no tile). One
+/// matrix: matrix 0, rows from `bm i`. Every thread gets it (a barrier inside: call it in
 /// uniform flow).
 ///
 /// # Safety
 /// `found` two words of the block's shared memory; `j.offsets` (where given) `experts + 1`
 /// readable offsets.
 #[inline(always)]
-unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
+unsafe fn block_tile(j: &Job, i: u32, bm: u32, found: *mut u32) -> (u32, u32) {
     if j.offsets.is_null() {
-        return (0, block_x() * bm);
+        return (0, i * bm);
     }
     let lane = lane_id();
     // SAFETY: as the doc says.
@@ -166,7 +166,7 @@ unsafe fn block_tile(j: &Job, bm: u32, found: *mut u32) -> (u32, u32) {
                 mine += tiles(e) as u64;
             }
             let end = warp_inclusive_sum_u64(mine);
-            let (i, mut at) = (block_x() as u64, end - mine);
+            let (i, mut at) = (i as u64, end - mine);
             if lane == 0 {
                 st(found, 0, u32::MAX);
             }
@@ -199,7 +199,12 @@ struct BlockTile {
 
 impl BlockTile {
     /// Block (x, y)'s tile of `bm` x `bn`, or None where it has none (every thread gets the
-    /// same answer: a barrier inside, call it in uniform flow).
+    /// same answer: a barrier inside, call it in uniform flow). One matrix: row tile x, column
+    /// tile y, so the blocks launched together (x first) share the column tile's weights.
+    /// Grouped: the blocks in launch order take every column tile of a row tile before the
+    /// next row tile (row tile `b / ny`, column tile `b % ny` of block `b = x + nx y`), so the
+    /// blocks resident together share an expert's weights and each row tile of A is read
+    /// once, not once a column tile (A outgrows L2 at thousands of rows).
     ///
     /// # Safety
     /// As [`block_tile`].
@@ -207,7 +212,13 @@ impl BlockTile {
     unsafe fn of_block(j: &Job, (bm, bn): (u32, u32), found: *mut u32) -> Option<BlockTile> {
         // SAFETY: forwarded.
         unsafe {
-            let (e, m0) = block_tile(j, bm, found);
+            let (i, col) = if j.offsets.is_null() {
+                (block_x(), block_y())
+            } else {
+                let b = block_x() + grid_dim_x() * block_y();
+                (b / grid_dim_y(), b % grid_dim_y())
+            };
+            let (e, m0) = block_tile(j, i, bm, found);
             if e == u32::MAX {
                 return None;
             }
@@ -219,7 +230,7 @@ impl BlockTile {
             if lo >= end {
                 return None;
             }
-            let n0 = block_y() * bn;
+            let n0 = col * bn;
             Some(BlockTile { e, lo, rows: (end - lo).min(bm), n0, cols: (j.n - n0).min(bn) })
         }
     }

@@ -115,6 +115,53 @@ fn tree<const N: usize>(mut v: [f32; N], f: impl Fn(f32, f32) -> f32) -> f32 {
     v[0]
 }
 
+/// A key tile's step of the online softmax for one thread's two rows, in the accumulator
+/// layout `mma.sync` m16n8 and `wgmma` share: element e of 8-key group nt of `s` (the scores)
+/// and of `o` (the outputs) lies on row half e / 2, column `8 nt + acc_col(lane, e)`. With
+/// `mask` (`(j0, row_pos)`: the tile's first key, the two rows' positions) the keys past a
+/// row's position are masked; then the running max `m` (in units of the scaled scores, log2 e
+/// folded in: weights `2^(scale s - m)`) and sum `l` updated, `o` rescaled, and the scores made
+/// those weights. The four lanes of a quad hold a row's scores.
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+fn online_softmax<const S: usize, const N: usize>(
+    s: &mut [[f32; 4]; S],
+    o: &mut [[f32; 4]; N],
+    (m, l): (&mut [f32; 2], &mut [f32; 2]),
+    scale: f32,
+    mask: Option<(u32, [u32; 2])>,
+) {
+    use crate::device::{exp2_fast, fma, fmax, lane_id, warp_read};
+    let lane = lane_id();
+    if let Some((j0, row_pos)) = mask {
+        for (nt, c) in s.iter_mut().enumerate() {
+            for (e, v) in c.iter_mut().enumerate() {
+                if j0 + 8 * nt as u32 + crate::mma::acc_col(lane, e as u32) > row_pos[e / 2] {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    for r in 0..2 {
+        let mx = tree(core::array::from_fn::<f32, S, _>(|nt| fmax(s[nt][2 * r], s[nt][2 * r + 1])), fmax);
+        let mx = fmax(mx, warp_read(mx, lane ^ 1));
+        let mx = fmax(mx, warp_read(mx, lane ^ 2));
+        let new = fmax(m[r], mx * scale);
+        let alpha = exp2_fast(m[r] - new);
+        m[r] = new;
+        for c in s.iter_mut() {
+            c[2 * r] = exp2_fast(fma(c[2 * r], scale, -new));
+            c[2 * r + 1] = exp2_fast(fma(c[2 * r + 1], scale, -new));
+        }
+        let sum = tree(core::array::from_fn::<f32, S, _>(|nt| s[nt][2 * r] + s[nt][2 * r + 1]), |a, b| a + b);
+        l[r] = l[r] * alpha + sum;
+        for c in o.iter_mut() {
+            c[2 * r] *= alpha;
+            c[2 * r + 1] *= alpha;
+        }
+    }
+}
+
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
 mod wgmma;
 
@@ -264,38 +311,7 @@ mod kernels {
                             }
                         }
                     }
-                    if diagonal {
-                        for (nt, c) in s.iter_mut().enumerate() {
-                            for (e, v) in c.iter_mut().enumerate() {
-                                let key = j0 + 8 * nt as u32 + 2 * (lane % 4) + e as u32 % 2;
-                                if key > row_pos[e / 2] {
-                                    *v = f32::NEG_INFINITY;
-                                }
-                            }
-                        }
-                    }
-                    for r in 0..2 {
-                        // The four lanes of a quad hold a row's 64 (unscaled) scores.
-                        let mx =
-                            tree(core::array::from_fn::<f32, S, _>(|nt| fmax(s[nt][2 * r], s[nt][2 * r + 1])), fmax);
-                        let mx = fmax(mx, warp_read(mx, lane ^ 1));
-                        let mx = fmax(mx, warp_read(mx, lane ^ 2));
-                        // m in units of the scaled scores, log2 e folded in: 2^(scale s - m).
-                        let new = fmax(m[r], mx * scale);
-                        let alpha = exp2_fast(m[r] - new);
-                        m[r] = new;
-                        for c in s.iter_mut() {
-                            c[2 * r] = exp2_fast(fma(c[2 * r], scale, -new));
-                            c[2 * r + 1] = exp2_fast(fma(c[2 * r + 1], scale, -new));
-                        }
-                        let sum =
-                            tree(core::array::from_fn::<f32, S, _>(|nt| s[nt][2 * r] + s[nt][2 * r + 1]), |a, b| a + b);
-                        l[r] = l[r] * alpha + sum;
-                        for c in o.iter_mut() {
-                            c[2 * r] *= alpha;
-                            c[2 * r + 1] *= alpha;
-                        }
-                    }
+                    online_softmax(&mut s, &mut o, (&mut m, &mut l), scale, diagonal.then_some((j0, row_pos)));
                     for kk in 0..S / 2 {
                         let a = acc_to_a(s[2 * kk], s[2 * kk + 1]);
                         for dp in 0..DK {

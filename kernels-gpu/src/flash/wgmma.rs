@@ -188,40 +188,12 @@ unsafe fn attend(
     (kt, vt): (u32, u32),
     (scale, j0, diagonal, row_pos): (f32, u32, bool, [u32; 2]),
 ) {
-    let lane = lane_id();
     let kp = panel(FLASH_WGMMA_KEYS);
     let kd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc(kt + (kk as u32 / 4) * kp + 32 * (kk as u32 % 4)));
     let mut s = [0.0f32; 64];
     // SAFETY: forwarded.
     unsafe { products_k128(&mut s, qd, kd) };
-    if diagonal {
-        for (i, v) in s.iter_mut().enumerate() {
-            if j0 + acc_col(lane, i as u32) > row_pos[(i / 2) % 2] {
-                *v = f32::NEG_INFINITY;
-            }
-        }
-    }
-    for rh in 0..2 {
-        // The four lanes of a quad hold a row's 128 (unscaled) scores, 32 each.
-        let mx = tree(core::array::from_fn::<f32, 16, _>(|q| fmax(s[4 * q + 2 * rh], s[4 * q + 2 * rh + 1])), fmax);
-        let mx = fmax(mx, warp_read(mx, lane ^ 1));
-        let mx = fmax(mx, warp_read(mx, lane ^ 2));
-        let new = fmax(m[rh], mx * scale);
-        let alpha = exp2_fast(m[rh] - new);
-        m[rh] = new;
-        for q in 0..16 {
-            for e in 0..2 {
-                let i = 4 * q + 2 * rh + e;
-                s[i] = exp2_fast(fma(s[i], scale, -new));
-            }
-        }
-        let sum = tree(core::array::from_fn::<f32, 16, _>(|q| s[4 * q + 2 * rh] + s[4 * q + 2 * rh + 1]), |a, b| a + b);
-        l[rh] = l[rh] * alpha + sum;
-        for q in 0..16 {
-            o[4 * q + 2 * rh] *= alpha;
-            o[4 * q + 2 * rh + 1] *= alpha;
-        }
-    }
+    online_softmax(quads(&mut s), quads(o), (m, l), scale, diagonal.then_some((j0, row_pos)));
     // Keys 16 kk .. + 16: accumulators 8 kk .. 8 kk + 8 (columns 16 kk + 2 (lane % 4) and 8
     // further on, rows lane / 4 and 8 further on), in pairs: step kk's fragment is pairs
     // 4 kk .. 4 kk + 4, as they are.
@@ -229,4 +201,12 @@ unsafe fn attend(
     let vd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc_mn(vt + 16 * kk as u32 * 128, kp));
     // SAFETY: forwarded.
     unsafe { products_regs_k128(o, &pf, vd) };
+}
+
+/// A warpgroup's 64 accumulators as the 16 groups of 4 (8 columns each) that the parent's
+/// [`online_softmax`] takes: accumulator `4 nt + e` is element e of group nt (`acc_col`).
+#[inline(always)]
+fn quads(a: &mut [f32; 64]) -> &mut [[f32; 4]; 16] {
+    // SAFETY: the same 256 bytes, 4-byte aligned either way.
+    unsafe { &mut *(a as *mut [f32; 64]).cast::<[[f32; 4]; 16]>() }
 }

@@ -259,6 +259,8 @@ pub fn attention_with(
                 && q_stride.is_multiple_of(8)
                 && [p.q as u64, p.k_cache as u64, p.v_cache as u64].into_iter().all(aligned);
             let kf = keys.kernel(s.head_dim, vec);
+            let items = tiles.len().saturating_mul(s.heads);
+            Check(kf.name()).count("query tiles x heads", i32::MAX as usize, items)?;
             let f = FlashParams {
                 q: p.q,
                 q_stride: p.q_stride,
@@ -272,9 +274,10 @@ pub fn attention_with(
                 max_len: p.max_len,
                 scale: p.scale,
                 vec: u32::from(vec),
+                items: items as u32,
             };
-            let blocks = tiles.len().saturating_mul(s.heads);
-            Check(kf.name()).count("query tiles x heads", i32::MAX as usize, blocks)?;
+            // The `wgmma` kernel's blocks (one an SM) loop over the items; the others take one each.
+            let blocks = if kf.kernel == Kernel::AttnFlashWgmma { items.min(gpu.sms() as usize) } else { items };
             Some((kf, blocks as u32, f))
         }
         _ => None,

@@ -71,6 +71,10 @@ pub struct FlashParams {
     /// 1: q and the caches 16-byte aligned, head_dim and q_stride multiples of 8, so tiles are
     /// staged 16 bytes at a time (`cp.async`); 0: element by element.
     pub vec: u32,
+    /// Query tiles times heads: the work items (item i: tile `i / heads`, head `i % heads`).
+    /// The `mma.sync` kernels take item `block_x`; the `wgmma` kernel's blocks (at most one an
+    /// SM) loop over them.
+    pub items: u32,
 }
 
 // SAFETY: #[repr(C)], Copy, only pointers, integers and floats.

@@ -54,6 +54,8 @@ pub struct Gpu {
     /// Most dynamic shared memory a block of each function may use (the device's opt-in
     /// limit less the function's static shared memory, enabled at load).
     max_smem: Vec<u32>,
+    /// The device's streaming multiprocessors (a persistent kernel's grid).
+    sms: u32,
     /// Whether [`Gpu::capture`] is recording: host copies are refused then (a graph would
     /// replay a copy from host memory that is gone, or hold stale data).
     capturing: AtomicBool,
@@ -154,6 +156,8 @@ impl Gpu {
             max_threads.push(threads as u32);
             max_smem.push(dynamic as u32);
         }
+        let sms = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let sms = ctx.attribute(sms).during("reading the multiprocessor count")?.max(1) as u32;
         if ctx.has_async_alloc() {
             keep_freed_memory(&ctx)?;
         }
@@ -166,6 +170,7 @@ impl Gpu {
             functions,
             max_threads,
             max_smem,
+            sms,
             blas: std::sync::OnceLock::new(),
             capturing: AtomicBool::new(false),
             counters,
@@ -189,6 +194,11 @@ impl Gpu {
     /// The arch whose PTX was loaded.
     pub fn arch(&self) -> Arch {
         self.arch
+    }
+
+    /// The device's streaming multiprocessors.
+    pub fn sms(&self) -> u32 {
+        self.sms
     }
 
     /// The device's name as the driver reports it.

@@ -46,6 +46,20 @@ fn dependency<const WAIT_FIRST: bool>() {
     timeline::record(t0);
 }
 
+/// Barrier `id` (1 to 15; 0 is [`sync_threads`]'s) of the `threads` threads (a multiple of
+/// 32: whole warps) that use it: a part of the block waiting for itself alone (sm_90a's PTX
+/// only, where its one user is).
+///
+/// # Safety
+/// Exactly `threads` threads use barrier `id` (each of its warps whole, in uniform flow), and
+/// no one else at the same time.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn sync_named(id: u32, threads: u32) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { asm!("bar.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) }
+}
+
 /// Block-wide barrier. Every thread of the block must reach it.
 #[inline(always)]
 pub fn sync_threads() {

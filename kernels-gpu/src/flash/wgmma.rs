@@ -1,7 +1,7 @@
 //! The flash kernel on warpgroup matrix products (`wgmma`, sm_90a PTX only), heads of exactly
-//! 128 channels, q and the caches 16-byte aligned: the parent's math and work split (a block a
-//! query tile and head, [`FLASH_ROWS`] rows), in two warpgroups of 64 rows each and key tiles
-//! of [`FLASH_WGMMA_KEYS`].
+//! 128 channels, q and the caches 16-byte aligned: the parent's math and work items (a query
+//! tile of [`FLASH_ROWS`] rows and a head), in two warpgroups of 64 rows each and key tiles of
+//! [`FLASH_WGMMA_KEYS`].
 //!
 //! Shared memory (from a 1024-byte aligned byte): the Q tile, then a ring of
 //! [`FLASH_WGMMA_STAGES`] K and V tiles, then two mbarriers a stage. Each tile is rows of 256
@@ -23,6 +23,13 @@
 //! registers (the accumulators of 16 keys are step kk's A fragment as they are) and `O += P V`
 //! (8 k steps over the keys, [`products_regs_k128`]). `setmaxnreg` gives the producer's
 //! registers to the consumers.
+//!
+//! The blocks are persistent, one an SM: each takes the work items (a query tile and head)
+//! `block_x`, `block_x + grid`, .. in turn, the producer running on into the next item's key
+//! tiles through the same ring while the consumers finish the last, each consumer copying
+//! its own 64 rows of the next item's Q between two barriers of its warpgroup (`bar.sync` 1
+//! and 2: the first after every one of its warps waited for its products, the second after
+//! the copies and their proxy fence).
 
 use super::*;
 use crate::device::*;
@@ -40,21 +47,20 @@ const fn panel(rows: u32) -> u32 {
     rows * 128
 }
 
-/// Flash attention on `wgmma`, [`FlashParams`] with head_dim 128 and `vec` 1. Grid `(tiles *
-/// heads)`, block [`FLASH_WGMMA_BLOCK`], dynamic shared memory [`flash_wgmma_smem_bytes`];
-/// sm_90a only. The module docs say what a block does.
+/// Flash attention on `wgmma`, [`FlashParams`] with head_dim 128 and `vec` 1. Grid at most
+/// `items` blocks (one an SM: the host gives it as many as the GPU has SMs), each taking items
+/// `block_x`, `block_x + grid`, ..; block [`FLASH_WGMMA_BLOCK`], dynamic shared memory
+/// [`flash_wgmma_smem_bytes`]; sm_90a only. The module docs say what a block does.
 ///
 /// # Safety
 /// The parent's launch contract, with head_dim 128, q, q_stride and the caches 16-byte aligned.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
     grid_dependency_wait();
-    let (t, h) = (block_x() / p.heads, block_x() % p.heads);
     let tid = thread_x();
     let (w, lane) = (warp_id(), lane_id());
     let (g, wi) = (w / 4, w % 4);
     let kw = (p.kv_heads * 128) as usize;
-    let kvh = h / (p.heads / p.kv_heads);
     let keys = FLASH_WGMMA_KEYS;
     let stages = FLASH_WGMMA_STAGES;
     let base = smem_addr(0);
@@ -71,11 +77,22 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
     let scale = p.scale * core::f32::consts::LOG2_E;
     // Shared address of 16-byte chunk c (panel c / 8, chunk c % 8 of its row) of `row`.
     let chunk = |tile: u32, rows: u32, row: u32, c: u32| tile + (c / 8) * panel(rows) + swizzle_128(row, c % 8);
+    // Item i's query tile, its head and its kv head's first channel in the caches' rows.
+    let item = |i: u32| {
+        let (t, h) = (i / p.heads, i % p.heads);
+        // SAFETY: t is below the tiles (items = tiles x heads, the launch contract).
+        let tile = unsafe { ld(p.tiles, t as usize) };
+        let cache = (tile.slot as usize * p.max_len as usize) * kw + (h / (p.heads / p.kv_heads) * 128) as usize;
+        (tile, h, cache)
+    };
     // SAFETY: launch contract as the doc says; the tiles and mbarriers fit in
     // flash_wgmma_smem_bytes (1024 bytes of room to align them); the mbarriers are initialized
     // and published by the block barrier before any use; a key tile's copies are read only
     // after its full phase completed and the reader's proxy fence, and copied again only after
-    // its empty phase (every consumer warp's products on it waited for) completed.
+    // its empty phase (every consumer warp's products on it waited for) completed; a
+    // warpgroup's Q rows are copied only after its barrier that follows every one of its
+    // warps' wait for the products of the item before, and read after the barrier that
+    // follows the copies and their proxy fence.
     unsafe {
         if tid == 0 {
             for s in 0..stages {
@@ -84,90 +101,101 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
             }
             fence_mbar_init();
         }
-        let tile = ld(p.tiles, t as usize);
-        let n_keys = tile.pos0 + tile.rows;
-        let key_tiles = n_keys.div_ceil(keys);
-        // The consumers: thread tid copies chunk `tid % 16` of Q's rows `tid / 16 + 16 i`;
-        // the one barrier every thread passes (at this one instruction) publishes Q and the
-        // mbarriers.
-        if g < 2 {
-            let q = p.q.wrapping_add(tile.row0 as usize * p.q_stride as usize + (h * 128) as usize);
-            let (r, c) = (tid / 16, tid % 16);
-            for i in 0..FLASH_ROWS / 16 {
-                let row = r + 16 * i;
-                let ok = row < tile.rows;
-                let src = q.wrapping_add(row as usize * p.q_stride as usize + 8 * c as usize);
-                copy16(chunk(q_at, FLASH_ROWS, row, c), if ok { src } else { p.q }, ok);
-            }
-            copied();
-            fence_async_shared();
-        }
         sync_threads();
         if g == 2 {
             // The producer warpgroup: thread 256 + i copies chunk `i % 16` of rows `i / 16 + 8
-            // j` of each key tile's K and V.
+            // j` of each key tile's K and V, the items' key tiles one after another through
+            // the ring (n: the key tiles this block copied before).
             set_max_regs::<false, PRODUCER_REGS>();
-            let cache = (tile.slot as usize * p.max_len as usize) * kw + (kvh * 128) as usize;
-            let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
             let (r, c) = ((tid - 256) / 16, tid % 16);
-            for jt in 0..key_tiles {
-                let s = jt % stages;
-                if jt >= stages {
-                    mbar_wait(empty(s), (jt / stages - 1) % 2);
+            let mut n = 0u32;
+            let mut i = block_x();
+            while i < p.items {
+                let (tile, _, cache) = item(i);
+                let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
+                let n_keys = tile.pos0 + tile.rows;
+                for jt in 0..n_keys.div_ceil(keys) {
+                    let s = n % stages;
+                    if n >= stages {
+                        mbar_wait(empty(s), (n / stages - 1) % 2);
+                    }
+                    let (kt, vt) = kv_at(s);
+                    let j0 = jt * keys;
+                    for k in 0..keys / 8 {
+                        let row = r + 8 * k;
+                        let ok = j0 + row < n_keys;
+                        let at = (j0 + row) as usize * kw + 8 * c as usize;
+                        copy16(chunk(kt, keys, row, c), if ok { k_at.wrapping_add(at) } else { k_at }, ok);
+                        copy16(chunk(vt, keys, row, c), if ok { v_at.wrapping_add(at) } else { v_at }, ok);
+                    }
+                    mbar_arrive_copies(full(s));
+                    n += 1;
                 }
-                let (kt, vt) = kv_at(s);
-                let j0 = jt * keys;
-                for i in 0..keys / 8 {
-                    let row = r + 8 * i;
-                    let ok = j0 + row < n_keys;
-                    let at = (j0 + row) as usize * kw + 8 * c as usize;
-                    copy16(chunk(kt, keys, row, c), if ok { k_at.wrapping_add(at) } else { k_at }, ok);
-                    copy16(chunk(vt, keys, row, c), if ok { v_at.wrapping_add(at) } else { v_at }, ok);
-                }
-                mbar_arrive_copies(full(s));
+                i += grid_dim_x();
             }
             copied();
             return;
         }
         set_max_regs::<true, CONSUMER_REGS>();
-        // The warpgroup's rows: `64 g ..`, those of this thread's accumulators 0, 1 and 2, 3
-        // at `acc_row`; positions from pos0.
-        let first = tile.pos0 + 64 * g;
-        let row_pos = [first + acc_row(wi, lane, 0), first + acc_row(wi, lane, 2)];
-        let active = 64 * g < tile.rows;
+        // The warpgroup's Q rows `64 g ..`: thread tid copies chunk `tid % 16` of rows `64 g +
+        // (tid % 128) / 16 + 8 i`. Its accumulators 0, 1 and 2, 3 lie on rows `acc_row`.
+        let (qr, qc) = (64 * g + (tid % 128) / 16, tid % 16);
+        let rows_at = [acc_row(wi, lane, 0), acc_row(wi, lane, 2)];
         // The Q descriptors of the 8 k steps (channels 16 kk ..: panel kk / 4, 32 bytes a step).
         let qd: [u64; 8] = core::array::from_fn(|kk| {
             swizzle_128_desc(q_at + (kk as u32 / 4) * qp + 64 * g * 128 + 32 * (kk as u32 % 4))
         });
-        let mut o = [0.0f32; 64];
-        let (mut m, mut l) = ([f32::NEG_INFINITY; 2], [0.0f32; 2]);
-        for jt in 0..key_tiles {
-            let s = jt % stages;
-            mbar_wait(full(s), (jt / stages) % 2);
-            let j0 = jt * keys;
-            // Warpgroup-uniform: whether any of its rows sees a key of this tile, and whether
-            // a key of it lies past one of its rows.
-            if active && j0 <= first + 63 {
-                fence_async_shared();
-                attend(&mut o, (&mut m, &mut l), qd, kv_at(s), (scale, j0, j0 + keys - 1 > first, row_pos));
-            }
-            mbar_arrive_warp(empty(s));
-        }
-        if !active {
-            return;
-        }
         let width = (p.heads * 128) as usize;
-        for rh in 0..2u32 {
-            let total = warp_sum_bits(l[rh as usize], 1, 2);
-            let row = 64 * g + acc_row(wi, lane, 2 * rh);
-            if row < tile.rows {
-                let at = (tile.row0 + row) as usize * width + (h * 128) as usize;
-                for q in 0..16u32 {
-                    let i = 4 * q + 2 * rh;
-                    let v = pack(o[i as usize] / total, o[i as usize + 1] / total);
-                    st(p.out.wrapping_add(at + acc_col(lane, i) as usize) as *mut u32, 0, v);
+        let mut n = 0u32;
+        let mut i = block_x();
+        while i < p.items {
+            let (tile, h, _) = item(i);
+            let n_keys = tile.pos0 + tile.rows;
+            sync_named(1 + g, 128);
+            let q = p.q.wrapping_add(tile.row0 as usize * p.q_stride as usize + (h * 128) as usize);
+            for k in 0..8 {
+                let row = qr + 8 * k;
+                let ok = row < tile.rows;
+                let src = q.wrapping_add(row as usize * p.q_stride as usize + 8 * qc as usize);
+                copy16(chunk(q_at, FLASH_ROWS, row, qc), if ok { src } else { p.q }, ok);
+            }
+            copied();
+            fence_async_shared();
+            sync_named(1 + g, 128);
+            // Positions of the warpgroup's first row and of this thread's two.
+            let first = tile.pos0 + 64 * g;
+            let row_pos = [first + rows_at[0], first + rows_at[1]];
+            let active = 64 * g < tile.rows;
+            let mut o = [0.0f32; 64];
+            let (mut m, mut l) = ([f32::NEG_INFINITY; 2], [0.0f32; 2]);
+            for jt in 0..n_keys.div_ceil(keys) {
+                let s = n % stages;
+                mbar_wait(full(s), (n / stages) % 2);
+                let j0 = jt * keys;
+                // Warpgroup-uniform: whether any of its rows sees a key of this tile, and
+                // whether a key of it lies past one of its rows.
+                if active && j0 <= first + 63 {
+                    fence_async_shared();
+                    attend(&mut o, (&mut m, &mut l), qd, kv_at(s), (scale, j0, j0 + keys - 1 > first, row_pos));
+                }
+                mbar_arrive_warp(empty(s));
+                n += 1;
+            }
+            if active {
+                for rh in 0..2u32 {
+                    let total = warp_sum_bits(l[rh as usize], 1, 2);
+                    let row = 64 * g + acc_row(wi, lane, 2 * rh);
+                    if row < tile.rows {
+                        let at = (tile.row0 + row) as usize * width + (h * 128) as usize;
+                        for q in 0..16u32 {
+                            let a = 4 * q + 2 * rh;
+                            let v = pack(o[a as usize] / total, o[a as usize + 1] / total);
+                            st(p.out.wrapping_add(at + acc_col(lane, a) as usize) as *mut u32, 0, v);
+                        }
+                    }
                 }
             }
+            i += grid_dim_x();
         }
     }
 }

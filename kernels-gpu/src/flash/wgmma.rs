@@ -26,10 +26,10 @@
 //!
 //! The blocks are persistent, one an SM: each takes the work items (a query tile and head)
 //! `block_x`, `block_x + grid`, .. in turn, the producer running on into the next item's key
-//! tiles through the same ring while the consumers finish the last, each consumer copying
-//! its own 64 rows of the next item's Q between two barriers of its warpgroup (`bar.sync` 1
-//! and 2: the first after every one of its warps waited for its products, the second after
-//! the copies and their proxy fence).
+//! tiles through the same ring while the consumers finish the last. Each consumer copies its
+//! own 64 rows of the next item's Q between two passes of its warpgroup's barrier
+//! (`bar.sync 1 + g`): the first after every one of its warps waited for its products, the
+//! second after the copies and their proxy fence.
 
 use super::*;
 use crate::device::*;

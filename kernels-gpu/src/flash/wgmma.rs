@@ -176,7 +176,8 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
                 // whether a key of it lies past one of its rows.
                 if active && j0 <= first + 63 {
                     fence_async_shared();
-                    attend(&mut o, (&mut m, &mut l), qd, kv_at(s), (scale, j0, j0 + keys - 1 > first, row_pos));
+                    let mask = (j0 + keys - 1 > first).then_some((j0, row_pos));
+                    attend(&mut o, (&mut m, &mut l), qd, kv_at(s), (scale, mask));
                 }
                 mbar_arrive_warp(empty(s));
                 n += 1;
@@ -201,9 +202,9 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
 }
 
 /// One key tile of a warpgroup (the module docs): its scores against the K tile at `kv.0`,
-/// masked past each row's position where `diagonal` (`j0` the tile's first key, `row_pos`
-/// this thread's two rows' positions), the running max `m` and sum `l` updated and `o`
-/// rescaled, then `o += P V` with the V tile at `kv.1`.
+/// masked past each row's position where `mask` is given (`(j0, row_pos)`: the tile's first
+/// key, this thread's two rows' positions, as [`online_softmax`] takes it), the running max
+/// `m` and sum `l` updated and `o` rescaled, then `o += P V` with the V tile at `kv.1`.
 ///
 /// # Safety
 /// The whole warpgroup calls it in uniform flow, the tiles complete and fenced to the async
@@ -214,14 +215,14 @@ unsafe fn attend(
     (m, l): (&mut [f32; 2], &mut [f32; 2]),
     qd: [u64; 8],
     (kt, vt): (u32, u32),
-    (scale, j0, diagonal, row_pos): (f32, u32, bool, [u32; 2]),
+    (scale, mask): (f32, Option<(u32, [u32; 2])>),
 ) {
     let kp = panel(FLASH_WGMMA_KEYS);
     let kd: [u64; 8] = core::array::from_fn(|kk| swizzle_128_desc(kt + (kk as u32 / 4) * kp + 32 * (kk as u32 % 4)));
     let mut s = [0.0f32; 64];
     // SAFETY: forwarded.
     unsafe { products_k128(&mut s, qd, kd) };
-    online_softmax(quads(&mut s), quads(o), (m, l), scale, diagonal.then_some((j0, row_pos)));
+    online_softmax(quads(&mut s), quads(o), (m, l), scale, mask);
     // Keys 16 kk .. + 16: accumulators 8 kk .. 8 kk + 8 (columns 16 kk + 2 (lane % 4) and 8
     // further on, rows lane / 4 and 8 further on), in pairs: step kk's fragment is pairs
     // 4 kk .. 4 kk + 4, as they are.

@@ -24,12 +24,13 @@
 //! (8 k steps over the keys, [`products_regs_k128`]). `setmaxnreg` gives the producer's
 //! registers to the consumers.
 //!
-//! The blocks are persistent, one an SM: each takes the work items (a query tile and head)
-//! `block_x`, `block_x + grid`, .. in turn, the producer running on into the next item's key
-//! tiles through the same ring while the consumers finish the last. Each consumer copies its
-//! own 64 rows of the next item's Q between two passes of its warpgroup's barrier
-//! (`bar.sync 1 + g`): the first after every one of its warps waited for its products, the
-//! second after the copies and their proxy fence.
+//! The blocks are persistent, one an SM: each takes one work item (a query tile and head) of
+//! every `grid` in turn, in a snake (round k forward, round k + 1 backward: the items come
+//! heaviest first, so each block's rounds pair heavier with lighter), the producer running on
+//! into the next item's key tiles through the same ring while the consumers finish the last.
+//! Each consumer copies its own 64 rows of the next item's Q between two passes of its
+//! warpgroup's barrier (`bar.sync 1 + g`): the first after every one of its warps waited for
+//! its products, the second after the copies and their proxy fence.
 
 use super::*;
 use crate::device::*;
@@ -48,8 +49,9 @@ const fn panel(rows: u32) -> u32 {
 }
 
 /// Flash attention on `wgmma`, [`FlashParams`] with head_dim 128 and `vec` 1. Grid at most
-/// `items` blocks (one an SM: the host gives it as many as the GPU has SMs), each taking items
-/// `block_x`, `block_x + grid`, ..; block [`FLASH_WGMMA_BLOCK`], dynamic shared memory
+/// `items` blocks (one an SM: the host gives it as many as the GPU has SMs), each taking one
+/// item of every `grid` in turn (a snake: `block_x` forward, then backward from the end of the
+/// next round); block [`FLASH_WGMMA_BLOCK`], dynamic shared memory
 /// [`flash_wgmma_smem_bytes`]; sm_90a only. The module docs say what a block does.
 ///
 /// # Safety
@@ -85,6 +87,15 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
         let cache = (tile.slot as usize * p.max_len as usize) * kw + (h / (p.heads / p.kv_heads) * 128) as usize;
         (tile, h, cache)
     };
+    // This block's items, in rounds of `grid`: forward in even rounds, backward in odd ones (a
+    // snake: the items come heaviest first, so a block's rounds pair heavier with lighter).
+    let grid = grid_dim_x();
+    let mine = || {
+        let b = block_x();
+        (0..p.items.div_ceil(grid))
+            .map(move |k| if k % 2 == 0 { k * grid + b } else { (k + 1) * grid - 1 - b })
+            .filter(move |&i| i < p.items)
+    };
     // SAFETY: launch contract as the doc says; the tiles and mbarriers fit in
     // flash_wgmma_smem_bytes (1024 bytes of room to align them); the mbarriers are initialized
     // and published by the block barrier before any use; a key tile's copies are read only
@@ -109,8 +120,7 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
             set_max_regs::<false, PRODUCER_REGS>();
             let (r, c) = ((tid - 256) / 16, tid % 16);
             let mut n = 0u32;
-            let mut i = block_x();
-            while i < p.items {
+            for i in mine() {
                 let (tile, _, cache) = item(i);
                 let (k_at, v_at) = (p.k_cache.wrapping_add(cache), p.v_cache.wrapping_add(cache));
                 let n_keys = tile.pos0 + tile.rows;
@@ -131,7 +141,6 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
                     mbar_arrive_copies(full(s));
                     n += 1;
                 }
-                i += grid_dim_x();
             }
             copied();
             return;
@@ -147,8 +156,7 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
         });
         let width = (p.heads * 128) as usize;
         let mut n = 0u32;
-        let mut i = block_x();
-        while i < p.items {
+        for i in mine() {
             let (tile, h, _) = item(i);
             let n_keys = tile.pos0 + tile.rows;
             sync_named(1 + g, 128);
@@ -196,7 +204,6 @@ pub unsafe extern "ptx-kernel" fn attn_flash_wgmma_d128_bf16(p: FlashParams) {
                     }
                 }
             }
-            i += grid_dim_x();
         }
     }
 }

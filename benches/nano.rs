@@ -33,7 +33,7 @@
 //! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, `depth`, ...) runs only the cases whose
 //! name contains the filter; `--no-graphs` launches decode steps one operation at a time
 //! instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one decode
-//! step of each batch (`ncu --profile-from-start off`); `--timeline` prints one decode step's
+//! step of each batch and the last plain run of each prefill (`ncu --profile-from-start off`); `--timeline` prints one decode step's
 //! launches, each with when it started and when its wait on the kernel before returned (needs
 //! the PTX built with `NEMO_TIMELINE` set, e.g. `NEMO_TIMELINE=1 cargo bench --bench nano --
 //! "decode batch 1" --timeline`).
@@ -301,9 +301,13 @@ impl Run<'_> {
         let prompt: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(7919) % self.vocab).collect();
         let parts = [Part { slot: 0, computed: 0, tokens: &prompt }];
         let times: Vec<f64> = (0..3)
-            .map(|_| {
+            .map(|run| {
                 let t = Instant::now();
-                model.step(&parts).expect("prefill");
+                if run == 2 && self.profile {
+                    self.b.gpu.profile(|| model.step(&parts)).expect("profiler").expect("prefill");
+                } else {
+                    model.step(&parts).expect("prefill");
+                }
                 t.elapsed().as_secs_f64()
             })
             .collect();

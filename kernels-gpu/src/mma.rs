@@ -258,14 +258,29 @@ mod device {
     }
 
     /// Starts copying the 16 bytes at `src` to shared address `dst` (`cp.async`), or, where not
-    /// `ok`, zeros there (nothing read). Complete after [`staged`] or [`staged_but`]. L2 fetches
-    /// the 256-byte block around `src` (`.L2::256B`): the next stages' bytes of the same row.
+    /// `ok`, zeros there (nothing read). Complete after [`staged`] or [`staged_but`].
     ///
     /// # Safety
     /// `dst` 16 bytes of the block's shared memory, 16-byte aligned; with `ok`, `src` 16
     /// readable bytes of global memory, 16-byte aligned.
     #[inline(always)]
     pub unsafe fn copy16(dst: u32, src: *const u16, ok: bool) {
+        // SAFETY: guaranteed by the caller; source size 0 where not ok.
+        unsafe {
+            asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};", d = in(reg32) dst, s = in(reg64) src,
+                 n = in(reg32) if ok { 16u32 } else { 0 }, options(nostack))
+        }
+    }
+
+    /// As [`copy16`], L2 fetching the 256-byte block around `src` (`.L2::256B`): a stage's
+    /// copies of a row bring the next stages' bytes of it (the grouped GEMMs, which read each
+    /// weight row 128 bytes a stage; the other kernels measured no better with it, the router
+    /// worse).
+    ///
+    /// # Safety
+    /// As [`copy16`].
+    #[inline(always)]
+    pub unsafe fn copy16_l2(dst: u32, src: *const u16, ok: bool) {
         // SAFETY: guaranteed by the caller; source size 0 where not ok.
         unsafe {
             asm!("cp.async.cg.shared.global.L2::256B [{d}], [{s}], 16, {n};", d = in(reg32) dst, s = in(reg64) src,

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::device::*;
-use crate::mma::{Tile, acc_col, acc_row, commit, copy16, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
+use crate::mma::{Tile, acc_col, acc_row, commit, copy16_l2, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
 
 #[cfg(target_feature = "sm_90a")]
 mod wgmma;
@@ -371,13 +371,13 @@ unsafe fn grouped<const FP8: bool, const MT: usize, const BKB: u32>(j: Job) {
                 for i in 0..a_passes {
                     let ok = a_ok[i] && in_k;
                     let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
-                    copy16(at.at(r + rpp * i as u32, cu), src as *const u16, ok);
+                    copy16_l2(at.at(r + rpp * i as u32, cu), src as *const u16, ok);
                 }
                 for i in 0..b_passes {
                     let br = r + rpp * i as u32;
                     let ok = br < t.cols && in_k;
                     let src = b_src.wrapping_add(off + i * rpp as usize * kb);
-                    copy16(bt.at(br, cu), if ok { src } else { j.w } as *const u16, ok);
+                    copy16_l2(bt.at(br, cu), if ok { src } else { j.w } as *const u16, ok);
                 }
             }
             commit();
@@ -448,10 +448,10 @@ unsafe fn grouped_nvfp4(j: Job) {
                 let off = 128 * step as usize;
                 for i in 0..2 {
                     let src = if a_ok[i] { a_src[i].wrapping_add(off) } else { j.a };
-                    copy16(a_tile(s).at(r + 32 * i as u32, c / 2), src as *const u16, a_ok[i]);
+                    copy16_l2(a_tile(s).at(r + 32 * i as u32, c / 2), src as *const u16, a_ok[i]);
                 }
                 let codes = w_row.wrapping_add(32 * step as usize + 16 * bh as usize);
-                copy16(raw(s) + 16 * tid, if w_ok { codes } else { j.w } as *const u16, w_ok);
+                copy16_l2(raw(s) + 16 * tid, if w_ok { codes } else { j.w } as *const u16, w_ok);
                 let scales = w_row.wrapping_add(j.k as usize / 2 + 4 * step as usize);
                 copy4(raw(s) + 16 * GROUPED_BLOCK + 4 * tid, if w_ok { scales } else { j.w }, w_ok);
             }

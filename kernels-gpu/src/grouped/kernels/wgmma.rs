@@ -129,13 +129,13 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
                 for i in 0..4 {
                     let ok = a_ok[i] && in_k;
                     let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
-                    copy16(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
+                    copy16_l2(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
                 }
                 for i in 0..8 {
                     let br = r + 32 * i as u32;
                     let ok = br < t.cols && in_k;
                     let src = b_src.wrapping_add(off + 32 * i * kb);
-                    copy16(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
+                    copy16_l2(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
                 }
             }
             commit();
@@ -211,12 +211,12 @@ unsafe fn grouped_wgmma_nvfp4(j: Job) {
                 let off = (step * STAGE_ROW_BYTES) as usize;
                 for i in 0..4 {
                     let src = if a_ok[i] { a_src[i].wrapping_add(off) } else { j.a };
-                    copy16(a_tile(s).chunk(r + 32 * i as u32, c), src as *const u16, a_ok[i]);
+                    copy16_l2(a_tile(s).chunk(r + 32 * i as u32, c), src as *const u16, a_ok[i]);
                 }
                 let codes = w_row.wrapping_add(32 * step as usize);
                 for h in 0..2 {
                     let src = if w_ok { codes.wrapping_add(16 * h as usize) } else { j.w };
-                    copy16(raw(s) + 16 * (WGMMA_N * h + tid), src as *const u16, w_ok);
+                    copy16_l2(raw(s) + 16 * (WGMMA_N * h + tid), src as *const u16, w_ok);
                 }
                 let scales = w_row.wrapping_add(j.k as usize / 2 + 4 * step as usize);
                 copy4(raw(s) + 32 * WGMMA_N + 4 * tid, if w_ok { scales } else { j.w }, w_ok);

@@ -67,26 +67,34 @@ mod gpu {
     fn gpu_combine_matches_reference() {
         let gpu = gpu();
         let mut rng = Rng::new(92);
-        let (rows, k, hidden, slots) = (7, 3, 2688, 21);
-        let y = rng.bf16s(slots * hidden, -2.0, 2.0);
-        let shared = rng.bf16s(rows * hidden, -1.0, 1.0);
-        let slot: Vec<i32> = (0..rows * k).map(|j| ((j * 5 + 2) % slots) as i32).collect();
-        let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
-        let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
-        let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
-        let dslot = gpu.upload(&slot).unwrap();
-        combine(&gpu, (&dy, hidden), Some(&dsh), Picks { slot: &dslot, weight: &dw, top_k: k }, &mut out).unwrap();
-        let want: Vec<f64> = (0..rows * hidden)
-            .map(|i| {
-                let (t, c) = (i / hidden, i % hidden);
-                shared[i].to_f64()
-                    + (0..k)
+        // (rows, top_k, hidden, slots, shared): Nano's width, a width of a partial last chunk
+        // and unaligned rows, top_k past the kernel's group of 8 and at MAX_TOP_K.
+        for (rows, k, hidden, slots, with_shared) in
+            [(7, 3, 2688, 21, true), (64, 6, 2688, 384, true), (5, 16, 100, 40, false), (3, 9, 24, 10, true)]
+        {
+            let y = rng.bf16s(slots * hidden, -2.0, 2.0);
+            let shared = rng.bf16s(rows * hidden, -1.0, 1.0);
+            let slot: Vec<i32> = (0..rows * k).map(|j| ((j * 5 + 2) % slots) as i32).collect();
+            let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
+            let (dy, dsh, dw) = (gpu.upload(&y).unwrap(), gpu.upload(&shared).unwrap(), gpu.upload(&w).unwrap());
+            let mut out = gpu.upload(&vec![POISON_BF16; rows * hidden]).unwrap();
+            let dslot = gpu.upload(&slot).unwrap();
+            let sh = with_shared.then_some(&dsh);
+            combine(&gpu, (&dy, hidden), sh, Picks { slot: &dslot, weight: &dw, top_k: k }, &mut out).unwrap();
+            let want: Vec<f64> = (0..rows * hidden)
+                .map(|i| {
+                    let (t, c) = (i / hidden, i % hidden);
+                    let base = if with_shared { shared[i].to_f64() } else { 0.0 };
+                    base + (0..k)
                         .map(|kk| f64::from(w[t * k + kk]) * y[slot[t * k + kk] as usize * hidden + c].to_f64())
                         .sum::<f64>()
-            })
-            .collect();
-        let n = assert_close("combine", &to_f64(&gpu.download(&out).unwrap()), &want, 1e-5, 1.0 / 256.0 + 1e-5);
-        println!("combine: {n} values compared");
+                })
+                .collect();
+            let got = to_f64(&gpu.download(&out).unwrap());
+            let n = assert_close("combine", &got, &want, 1e-5, 1.0 / 256.0 + 1e-5);
+            assert_eq!(n, rows * hidden, "combine {rows} x {hidden}, top_k {k}: values compared");
+            println!("combine {rows} x {hidden}, top_k {k}, shared {with_shared}: {n} values compared");
+        }
     }
 
     /// `rows` tokens each choosing `k` distinct experts of `e` at random.

@@ -522,6 +522,6 @@ pub fn combine(
         y_rows: (y.len() / hidden) as u32,
     };
     // SAFETY: extents checked above; a slot outside y traps; out is `&mut`.
-    let blocks = (hidden as u32).div_ceil(kernels_gpu::EW_BLOCK);
-    unsafe { gpu.launch(Grid::new(k, (rows as u32, blocks, 1)), p) }
+    let blocks = (rows * kernels_gpu::chunks(hidden as u32) as usize).div_ceil(kernels_gpu::EW_BLOCK as usize);
+    unsafe { gpu.launch(Grid::new(k, (blocks as u32, 1, 1)), p) }
 }

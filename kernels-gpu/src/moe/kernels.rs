@@ -2,10 +2,13 @@
 //! Launch parameters, sizes and the math the host shares are in `../moe.rs`.
 
 use super::*;
-use crate::EW_BLOCK;
 use crate::device::*;
 use crate::gemv::{Chunk, Fp4, Streamed, WARP_UNROLL, block_row0, partial_dots, warp_rows, warp_token_scale};
 use crate::qgemv::{Fp8, Nvfp4, QG_ROWS, TcRows, TcWeights, tc_tiles};
+use crate::{EW_BLOCK, VEC, chunks};
+
+/// Routing choices [`moe_combine_bf16`] loads at a time (a choice's 8 channels in 4 registers).
+const COMBINE_GROUP: u32 = 8;
 
 /// Dispatch, [`DispatchParams`]. One block of [`DISPATCH_BLOCK`] threads, dynamic shared
 /// memory [`DISPATCH_SMEM_BYTES`]: counts per expert (shared atomics), offsets and the
@@ -30,15 +33,12 @@ pub unsafe extern "ptx-kernel" fn moe_dispatch(p: DispatchParams) {
             i += step;
         }
         sync_threads();
-        i = tid;
-        while i < n {
-            let x = ld(p.idx, i);
+        each_entry(p.idx, n, (tid, step), |_, x| {
             if x < 0 || x as usize >= e {
                 trap();
             }
             AtomicU32::from_ptr(count.wrapping_add(x as usize)).fetch_add(1, Relaxed);
-            i += step;
-        }
+        });
         sync_threads();
         if warp_id() == 0 {
             // Lane l owns experts 8l..8l+8. Counts are below 2^24, so the f32 prefix sums
@@ -67,14 +67,42 @@ pub unsafe extern "ptx-kernel" fn moe_dispatch(p: DispatchParams) {
             }
         }
         sync_threads();
-        i = tid;
-        while i < n {
-            let x = ld(p.idx, i) as usize;
-            let row = AtomicU32::from_ptr(cursor.wrapping_add(x)).fetch_add(1, Relaxed);
+        each_entry(p.idx, n, (tid, step), |i, x| {
+            let row = AtomicU32::from_ptr(cursor.wrapping_add(x as usize)).fetch_add(1, Relaxed);
             st(p.token, row as usize, (i / p.top_k as usize) as u32);
             st(p.slot, i, row as i32);
-            i += step;
+        });
+    }
+}
+
+/// Entries [`each_entry`] loads at a time.
+const DISPATCH_BATCH: usize = 8;
+
+/// Calls `f(i, idx[i])` for this thread's entries `tid, tid + step, ...` below `n`, their ids
+/// loaded [`DISPATCH_BATCH`] at a time before the calls: the calls' shared atomics would
+/// otherwise order each load after the one before.
+///
+/// # Safety
+/// `idx[..n]` readable.
+#[inline(always)]
+unsafe fn each_entry(idx: *const i32, n: usize, (tid, step): (usize, usize), mut f: impl FnMut(usize, i32)) {
+    let mut i0 = tid;
+    while i0 < n {
+        let mut x = [0i32; DISPATCH_BATCH];
+        for (u, xu) in x.iter_mut().enumerate() {
+            let i = i0 + u * step;
+            if i < n {
+                // SAFETY: i < n (the caller's extent).
+                *xu = unsafe { ld(idx, i) };
+            }
         }
+        for (u, xu) in x.iter().enumerate() {
+            let i = i0 + u * step;
+            if i < n {
+                f(i, *xu);
+            }
+        }
+        i0 += DISPATCH_BATCH * step;
     }
 }
 
@@ -383,28 +411,49 @@ unsafe fn expert_tiles<F: TcWeights>(p: &ExpertParams) {
     }
 }
 
-/// Combining, [`CombineParams`]. Grid `(rows, ceil(hidden / EW_BLOCK))`, block
-/// [`EW_BLOCK`]: block (t, b) sums channel `b * EW_BLOCK + thread` of token t (coalesced):
-/// the shared output and the weighted expert rows in order k.
+/// Combining, [`CombineParams`]. Grid `(ceil(rows * chunks(hidden) / EW_BLOCK))`, block
+/// [`EW_BLOCK`]: thread i sums chunk `i % chunks(hidden)` (8 channels, 16-byte loads where
+/// whole and aligned) of token `i / chunks(hidden)`: the shared output and the weighted expert
+/// rows in order k, [`COMBINE_GROUP`] rows' loads issued before their sums.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_combine_bf16(p: CombineParams) {
     grid_dependency_wait();
-    let t = block_x() as usize;
     let (h, k) = (p.hidden as usize, p.top_k as usize);
-    let c = (block_y() * EW_BLOCK + thread_x()) as usize;
-    if c >= h {
+    let n = chunks(p.hidden) as usize;
+    let i = (block_x() * EW_BLOCK + thread_x()) as usize;
+    if i >= p.rows as usize * n {
         return;
     }
-    // SAFETY: launch contract checked by host/src/moe.rs; a slot outside y traps.
+    let (t, c0) = (i / n, (i % n) * VEC as usize);
+    // SAFETY: launch contract checked by host/src/moe.rs; a slot outside y traps before it
+    // is read.
     unsafe {
-        let mut acc = if p.shared.is_null() { 0.0 } else { bf16_to_f32(ld(p.shared, t * h + c)) };
-        for j in t * k..(t + 1) * k {
-            let s = ld(p.slot, j);
-            if s < 0 || s as u32 >= p.y_rows {
-                trap();
+        let mut acc = if p.shared.is_null() { [0.0; 8] } else { load8_bf16(p.shared.wrapping_add(t * h), c0, h) };
+        // COMBINE_GROUP choices at a time: their rows' loads all in flight, then their sums.
+        let g = COMBINE_GROUP as usize;
+        let mut j0 = 0;
+        while j0 < k {
+            let (mut raw, mut w) = ([[0u32; 4]; COMBINE_GROUP as usize], [0.0f32; COMBINE_GROUP as usize]);
+            for (j, (rj, wj)) in raw.iter_mut().zip(w.iter_mut()).enumerate() {
+                if j0 + j < k {
+                    let s = ld(p.slot, t * k + j0 + j);
+                    if s < 0 || s as u32 >= p.y_rows {
+                        trap();
+                    }
+                    *wj = ld(p.weight, t * k + j0 + j);
+                    *rj = load8_raw(p.y.wrapping_add(s as usize * h), c0, h);
+                }
             }
-            acc += ld(p.weight, j) * bf16_to_f32(ld(p.y, s as usize * h + c));
+            for (j, (rj, wj)) in raw.iter().zip(w.iter()).enumerate() {
+                if j0 + j < k {
+                    let v = raw8_values(*rj);
+                    for i in 0..8 {
+                        acc[i] += *wj * v[i];
+                    }
+                }
+            }
+            j0 += g;
         }
-        st(p.out, t * h + c, f32_to_bf16(acc));
+        store8_bf16(p.out.wrapping_add(t * h), c0, h, acc);
     }
 }

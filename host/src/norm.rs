@@ -2,7 +2,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
-use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, RmsNormParams, smem_bytes};
+use kernels_gpu::norm::{GatedNormFp8Params, GatedNormParams, RmsNormParams, smem_bytes, w_stage_offset};
 use kernels_gpu::{MAX_ROW_WIDTH, VEC, entry, row_block, row_block_many};
 
 use crate::args::{Len, Rows};
@@ -235,7 +235,7 @@ pub fn gated_norm_fp8(
     // `&mut`; grid/block/smem as norm_gated_fp8_bf16 documents.
     unsafe {
         gpu.launch(
-            Grid::new(k, (shape.rows as u32, 1, 1)).threads(shape.block()).smem(smem_bytes(p.width, p.groups)),
+            Grid::new(k, (shape.rows as u32, 1, 1)).threads(shape.block()).smem(w_stage_offset(p.width, p.groups)),
             p,
         )
     }

@@ -341,6 +341,8 @@ impl Kernel {
                 | Kernel::MoeExpertCombineFp8
                 | Kernel::MoeExpertCombineNvfp4
                 | Kernel::MambaDecode
+                | Kernel::NormRms
+                | Kernel::NormGated
         )
     }
 }

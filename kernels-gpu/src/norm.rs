@@ -85,15 +85,23 @@ unsafe impl KernelParams for GatedNormParams {}
 unsafe impl KernelParams for GatedNormFp8Params {}
 
 /// Dynamic shared memory of a norm launch: one sum of squares per chunk, one `rstd` per
-/// group, and the block-reduction scratch.
+/// group, the block-reduction scratch, then (from [`w_stage_offset`]) the row's w, 16 bytes a
+/// chunk.
 pub const fn smem_bytes(width: u32, groups: u32) -> u32 {
-    (crate::chunks(width) + groups + crate::REDUCE_SMEM_FLOATS) * 4
+    w_stage_offset(width, groups) + crate::chunks(width) * 16
+}
+
+/// Byte offset of the staged w in a norm launch's dynamic shared memory (16-byte aligned, past
+/// the sums of squares, `rstd` and the reduction scratch of [`smem_bytes`]).
+pub const fn w_stage_offset(width: u32, groups: u32) -> u32 {
+    ((crate::chunks(width) + groups + crate::REDUCE_SMEM_FLOATS) * 4).next_multiple_of(16)
 }
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels {
     use super::*;
     use crate::device::*;
+    use crate::mma::{copied, copy8, lds16, smem_addr, sts16};
     use crate::quant::token_scale;
     use crate::{CHUNKS_PER_THREAD, VEC, chunks};
 
@@ -118,10 +126,43 @@ mod kernels {
     }
 
     impl Row {
-        /// The normalized row, this thread's chunks, in f32 (before rounding). Uses the shared
-        /// memory laid out by [`smem_bytes`]; contains barriers: call in uniform flow.
+        /// Starts copying this thread's chunks of w to shared memory ([`w_stage_offset`]; a
+        /// whole aligned chunk by `cp.async`, no registers held; any other by element loads,
+        /// zero past the width): w is a weight no kernel writes, so a launch starts the copy
+        /// before its dependency wait and it overlaps that wait and the row's loads.
+        /// [`Row::normalize`] reads it back.
+        ///
+        /// # Safety
+        /// The launch's shared memory laid out by [`smem_bytes`] for this row's width and groups.
         #[inline(always)]
-        unsafe fn normalize(&self, smem: *mut f32, eps: f32) -> [[f32; 8]; J] {
+        unsafe fn stage_w(&self) {
+            let (width, n) = (self.width as usize, chunks(self.width));
+            let at = w_stage_offset(self.width, self.groups);
+            for j in 0..J {
+                let k = chunk(j);
+                let (c0, to) = ((k * VEC) as usize, smem_addr(at + k * 16));
+                let from = self.w.wrapping_add(c0);
+                // SAFETY: chunk k of the stage lies inside smem_bytes (caller), 16-byte aligned;
+                // the copy reads w[c0..c0 + 8] only when whole and aligned, load8_raw only
+                // below the width.
+                unsafe {
+                    if k < n && c0 + 8 <= width && (from as usize).is_multiple_of(16) {
+                        // Through L1 (`.ca`): a multiprocessor's blocks read the same w.
+                        copy8(to, from as *const u8);
+                        copy8(to + 8, from.wrapping_add(4) as *const u8);
+                    } else if k < n {
+                        sts16(to, load8_raw(self.w, c0, width));
+                    }
+                }
+            }
+        }
+
+        /// The normalized row, this thread's chunks, in f32 (before rounding). Uses the shared
+        /// memory laid out by [`smem_bytes`], with `STAGED` w staged there by
+        /// [`Row::stage_w`] (else loaded from global memory after the sums); contains
+        /// barriers: call in uniform flow.
+        #[inline(always)]
+        unsafe fn normalize<const STAGED: bool>(&self, smem: *mut f32, eps: f32) -> [[f32; 8]; J] {
             let (width, n) = (self.width as usize, chunks(self.width));
             let gs = self.width / self.groups;
             let css = smem;
@@ -133,8 +174,9 @@ mod kernels {
             unsafe {
                 // Every load of this thread's chunks first (x, add, z), so they are all in
                 // flight at once: a store in between (the residual's, or to css) would order
-                // the next chunk's loads after it. (w waits for the end: loaded here too, its
-                // registers made the kernels spill at the 64 a block of 1024 threads allows.)
+                // the next chunk's loads after it. (w is on its way to shared memory: loaded
+                // into registers here, it made the kernels spill at the 64 a block of 1024
+                // threads allows.)
                 let (mut xr, mut ar, mut zr) = ([[0u32; 4]; J], [[0u32; 4]; J], [[0u32; 4]; J]);
                 for j in 0..J {
                     let k = chunk(j);
@@ -188,11 +230,20 @@ mod kernels {
                     g += warps();
                 }
                 sync_threads();
+                if STAGED {
+                    // This thread's own copies of w (stage_w): complete and visible to it.
+                    copied();
+                }
+                let at = w_stage_offset(self.width, self.groups);
                 for (j, uj) in u.iter_mut().enumerate() {
                     let k = chunk(j);
                     if k < n {
                         let c0 = (k * VEC) as usize;
-                        let w = load8_bf16(self.w, c0, width);
+                        let w = if STAGED {
+                            raw8_values(lds16(smem_addr(at + k * 16)))
+                        } else {
+                            load8_bf16(self.w, c0, width)
+                        };
                         let r = ld(rstd, c0 / gs as usize);
                         for i in 0..8 {
                             uj[i] = w[i] * (uj[i] * r);
@@ -211,7 +262,7 @@ mod kernels {
         // SAFETY: the launcher sized y as [rows, width] and shared memory as smem_bytes;
         // each thread writes its own chunks.
         unsafe {
-            let v = row.normalize(dyn_smem_f32(), eps);
+            let v = row.normalize::<true>(dyn_smem_f32(), eps);
             for (j, vj) in v.iter().enumerate() {
                 let k = chunk(j);
                 if k < n {
@@ -226,7 +277,6 @@ mod kernels {
     /// row r of x) and all of w, writes row r of y.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_rms_bf16(p: RmsNormParams) {
-        grid_dependency_wait();
         let r = block_x() as usize;
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
@@ -236,6 +286,9 @@ mod kernels {
             width: p.width,
             groups: 1,
         };
+        // SAFETY: shared memory as the host launcher sized it (smem_bytes of this row).
+        unsafe { row.stage_w() };
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher (host/src/norm.rs).
         unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize), p.eps) }
     }
@@ -248,7 +301,6 @@ mod kernels {
     /// bits), more blocks than rows for few rows.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_bf16(p: GatedNormParams) {
-        grid_dependency_wait();
         let r = block_x() as usize;
         let (g, width, groups) =
             if grid_dim_y() > 1 { (block_y() as usize, p.width / p.groups, 1) } else { (0, p.width, p.groups) };
@@ -261,16 +313,19 @@ mod kernels {
             width,
             groups,
         };
+        // SAFETY: shared memory as the host launcher sized it (smem_bytes of this row).
+        unsafe { row.stage_w() };
+        grid_dependency_wait();
         // SAFETY: launch contract checked by the host launcher (host/src/norm.rs).
         unsafe { norm_row(row, p.y.wrapping_add(r * p.width as usize + at), p.eps) }
     }
 
     /// Gated group RMSNorm + per-token FP8, [`GatedNormFp8Params`]. Grid `(rows)`, block
-    /// `row_block(width)`, dynamic shared memory `smem_bytes(width, groups)`. Block r: the
-    /// normalized row rounded to bf16, its max |.|, then codes `e4m3(y / s)`; thread 0 writes `s`.
+    /// `row_block(width)`, dynamic shared memory `w_stage_offset(width, groups)` (no staged w).
+    /// Block r: the normalized row rounded to bf16, its max |.|, then codes `e4m3(y / s)`;
+    /// thread 0 writes `s`.
     #[unsafe(no_mangle)]
     pub unsafe extern "ptx-kernel" fn norm_gated_fp8_bf16(p: GatedNormFp8Params) {
-        grid_dependency_wait();
         let r = block_x() as usize;
         let row = Row {
             x: p.x.wrapping_add(r * p.x_stride as usize),
@@ -280,13 +335,15 @@ mod kernels {
             width: p.width,
             groups: p.groups,
         };
+        // w is not staged here (its copies pushed this kernel past 64 registers into spills).
+        grid_dependency_wait();
         let (width, n) = (p.width as usize, chunks(p.width));
         let q = p.q.wrapping_add(r * width);
         // SAFETY: launch contract checked by the host launcher; the reduction scratch follows
-        // css and rstd in shared memory (smem_bytes).
+        // css and rstd in shared memory (w_stage_offset).
         unsafe {
             let smem = dyn_smem_f32();
-            let mut v = row.normalize(smem, p.eps);
+            let mut v = row.normalize::<false>(smem, p.eps);
             let mut amax = 0.0f32;
             for vj in v.iter_mut() {
                 *vj = f32x8_to_bf16(*vj).map(bf16_to_f32);

@@ -8,8 +8,12 @@ mod common;
 use common::experts::{Fp8Experts, expert_reference, grouped_tiles};
 use half::bf16;
 use host::cpu::gemm::linear;
+use host::cpu::quant::quant_static;
 use host::gemv::{Proj, Weights};
-use host::grouped::{Fp8Rows, Tiles, experts_mlp_grouped_as, gemm, grouped_fp8, grouped_nvfp4, linear_fp8_as};
+use host::grouped::{
+    Fp8Rows, Fp8RowsMut, Tiles, experts_mlp_grouped_as, gemm, grouped_fp8, grouped_fp8_quant, grouped_nvfp4,
+    linear_fp8_as,
+};
 use host::moe::{Dispatch, ExpertMlp, ExpertWeights, dispatch};
 use host::quant::{Source, quant_rows};
 use nemotron_rs::{POISON_BF16, Rng, assert_close, fp8_weights, gpu, nvfp4_weights, to_f64, w8a8};
@@ -112,9 +116,10 @@ fn gpu_grouped_experts_at_nano_size() {
 /// the 64-byte stage, n not of the 128-column tile), on a sample of the grouped rows
 /// (expert 1's, the first and last 16 of expert 2's, every 7th), in two checks:
 /// - the hidden rows (the up projection alone, `quant_rows` + `grouped_fp8`, as the MLP
-///   runs it) against the f64 up projection: within three bf16 steps (f32 sums against f64
-///   move the pre-activation by one step at most, the square doubles it, the square's
-///   rounding adds one);
+///   runs it where the down projection's scales are per row; with static ones its launch
+///   writes their codes, the next test) against the f64 up projection: within three bf16
+///   steps (f32 sums against f64 move the pre-activation by one step at most, the square
+///   doubles it, the square's rounding adds one);
 /// - the MLP's output against the f64 down projection of those same hidden rows.
 ///
 /// The output is not compared with the f64 MLP of x: a hidden value one bf16 step from an
@@ -170,6 +175,56 @@ fn gpu_fp8_grouped_experts_match_reference() {
         }
     }
     println!("FP8 grouped experts: {compared} values compared");
+}
+
+/// `grouped_fp8_quant` (the up projection writing the down projection's e4m3 input with its
+/// static scales, a scale per expert) against `grouped_fp8`'s bf16 results quantized on the
+/// CPU (`cpu::quant::quant_static`, each grouped row by its expert's scale): every grouped
+/// row's codes bit for bit and its scale, at Nano's expert sizes with 16 experts and the
+/// skewed routing (an expert without rows, one with one, one with every token) and at a small
+/// shape whose n is not a multiple of the column tile, on every FP8 tile kind here.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fp8_grouped_quant_epilogue_matches_quantized_results() {
+    let gpu = gpu();
+    let mut rng = Rng::new(99);
+    let mut compared = 0;
+    for (hidden, inter, e, k, rows) in [(2688, 1856, 16, 6, 300), (144, 48, 5, 2, 70)] {
+        // Static input scales for the down projections.
+        let ex8 = Fp8Experts::new(&gpu, &mut rng, (e, inter, hidden), false);
+        let (next_dev, next) = (ex8.dev[1].2.as_ref().unwrap(), ex8.host[1].2.as_ref().unwrap());
+        let x = rng.bf16_rows(rows, hidden);
+        let skewed = Skewed::new(&gpu, &mut rng, (rows, k, e));
+        let (d, entries) = (&skewed.d, rows * k);
+        let dx = gpu.upload(&x).unwrap();
+        let (mut q, mut s) = (gpu.zeros::<u8>(entries * hidden).unwrap(), gpu.zeros::<f32>(entries).unwrap());
+        quant_rows(&gpu, hidden, &dx, Source::Grouped { d, by_token: true }, None, &mut q, &mut s).unwrap();
+        let up = Proj { w: ex8.weights().0, n: inter, k: hidden, relu2: true };
+        for t in grouped_tiles(&gpu, true) {
+            let label = format!("FP8 up projection to codes ({t:?}) hidden {hidden} inter {inter}");
+            let mut h = gpu.upload(&vec![POISON_BF16; entries * inter]).unwrap();
+            grouped_fp8(&gpu, d, Fp8Rows { codes: &q, scales: &s }, up, t, &mut h).unwrap();
+            let mut codes = gpu.upload(&vec![0x7fu8; entries * inter]).unwrap();
+            let mut scales = gpu.upload(&vec![f32::NAN; entries]).unwrap();
+            let a = Fp8Rows { codes: &q, scales: &s };
+            let next_rows = Fp8RowsMut { codes: &mut codes, scales: &mut scales };
+            grouped_fp8_quant(&gpu, d, a, up, t, next_dev, next_rows).unwrap();
+            let (h, codes, scales) =
+                (gpu.download(&h).unwrap(), gpu.download(&codes).unwrap(), gpu.download(&scales).unwrap());
+            let mut n = 0;
+            for (ex, &scale) in next.iter().enumerate() {
+                for j in skewed.offsets[ex] as usize..skewed.offsets[ex + 1] as usize {
+                    let want = quant_static(&h[j * inter..][..inter], scale);
+                    assert_eq!(&codes[j * inter..][..inter], &want[..], "{label}: grouped row {j} (expert {ex})");
+                    assert_eq!(scales[j].to_bits(), scale.to_bits(), "{label}: grouped row {j}'s scale");
+                    n += inter;
+                }
+            }
+            assert_eq!(n, entries * inter, "{label}: every grouped row compared");
+            compared += n;
+        }
+    }
+    println!("FP8 up projection to codes: {compared} codes compared");
 }
 
 /// The NVFP4 grouped GEMM (`grouped_nvfp4`: the codes made bf16 in shared memory, the

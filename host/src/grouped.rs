@@ -306,6 +306,54 @@ pub fn grouped_fp8(
     tiles: Tiles,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    let null = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null());
+    grouped_fp8_to(gpu, d, a, p, tiles, |args, n| Ok((args.output("out", out, Len::Exactly(n))?, null)))
+}
+
+/// The codes and scales [`grouped_fp8_quant`] writes.
+pub struct Fp8RowsMut<'a, Q: DevicePtrMut<u8>, S: DevicePtrMut<f32>> {
+    pub codes: &'a mut Q,
+    pub scales: &'a mut S,
+}
+
+/// As [`grouped_fp8`], its results written as the next projection's input: what
+/// [`quant_rows`] with [`Source::Grouped`] (`by_token` false) and the static input scales
+/// `next_in_scale` (a scale per expert) writes from the bf16 results, bit for bit (each
+/// result rounded to bf16, then `e4m3(v / s_e)`): the codes `[entries, p.n]` into `next.codes`
+/// and each grouped row's scale into `next.scales`. One launch in place of two, and a byte a
+/// result written in place of two. No synchronization.
+pub fn grouped_fp8_quant(
+    gpu: &Gpu,
+    d: &Dispatch,
+    a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
+    p: Proj<Weights<'_>>,
+    tiles: Tiles,
+    next_in_scale: &CudaSlice<f32>,
+    next: Fp8RowsMut<'_, impl DevicePtrMut<u8>, impl DevicePtrMut<f32>>,
+) -> Result<()> {
+    let (entries, experts) = (d.entries(), d.experts());
+    grouped_fp8_to(gpu, d, a, p, tiles, |args, n| {
+        let codes = args.output("codes", next.codes, Len::Exactly(n))?;
+        let scales = args.output("codes' scales", next.scales, Len::Exactly(entries))?;
+        let in_scale = args.input("next input scales", next_in_scale, Len::Exactly(experts))?;
+        Ok((std::ptr::null_mut(), (codes, scales, in_scale)))
+    })
+}
+
+/// The outputs of a grouped FP8 launch: `out`, or `codes`, `codes_scale` and `next_scale`
+/// ([`GroupedFp8Params`]).
+type Fp8Outs = (*mut u16, (*mut u8, *mut f32, *const f32));
+
+/// [`grouped_fp8`] and [`grouped_fp8_quant`]: `outs(args, entries * n)` checks and gives the
+/// outputs.
+fn grouped_fp8_to(
+    gpu: &Gpu,
+    d: &Dispatch,
+    a: Fp8Rows<'_, impl DevicePtr<u8>, impl DevicePtr<f32>>,
+    p: Proj<Weights<'_>>,
+    tiles: Tiles,
+    outs: impl FnOnce(&Args, usize) -> Result<Fp8Outs>,
+) -> Result<()> {
     let shape = tiles.grouped_fp8()?;
     let args = gpu.args(shape.entry);
     let c = args.check();
@@ -313,21 +361,27 @@ pub fn grouped_fp8(
     check_nk(c, (p.n, p.k), 16)?;
     let (entries, experts) = (d.entries(), d.experts());
     let (w, w_scale) = fp8_weights(&args, p.w, experts, (p.n, p.k))?;
+    let (out, (codes, codes_scale, next_scale)) = outs(&args, entries * p.n)?;
     let params = GroupedFp8Params {
         a: args.input("a", a.codes, Len::Exactly(entries * p.k))?,
         a_scale: args.input("a scales", a.scales, Len::Exactly(entries))?,
         w,
         w_scale,
         offsets: args.input("offsets", d.offsets(), Len::Any)?,
-        out: args.output("out", out, Len::Exactly(entries * p.n))?,
+        out,
+        codes,
+        codes_scale,
+        next_scale,
         experts: experts as u32,
         n: p.n as u32,
         k: p.k as u32,
         relu2: u32::from(p.relu2),
     };
-    let addrs = (params.a as u64, params.w as u64, params.out as u64);
+    let written = if codes.is_null() { out as u64 } else { codes as u64 };
+    let addrs = (params.a as u64, params.w as u64, written);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
-    // codes and scales, out); the dispatch's offsets cover `entries`; out is `&mut`.
+    // codes and scales, the outputs: out or the codes, their scales and the next scales);
+    // the dispatch's offsets cover `entries`; the outputs are `&mut`.
     unsafe { launch_grouped(gpu, (c, shape), d, p.n, params, addrs) }
 }
 
@@ -431,10 +485,11 @@ pub fn experts_mlp_grouped_as(
     // SAFETY (the temporaries): each is written whole before it is read: the up projection
     // writes every grouped row (every expert's tiles cover its rows), quant_rows every row's
     // codes and scale.
-    let mut h = unsafe { gpu.scratch::<bf16>(e * inter) }?;
+    let hidden_rows = || unsafe { gpu.scratch::<bf16>(e * inter) };
     match (mlp.up, mlp.down) {
         (Weights::Bf16(u), Weights::Bf16(dn)) => {
             let bf16 = ExpertMlp { up: u, down: dn, inter, hidden };
+            let mut h = hidden_rows()?;
             grouped(gpu, d, x, true, bf16.up_proj(), tiles, &mut h)?;
             grouped(gpu, d, &h, false, bf16.down_proj(), tiles, out)
         }
@@ -449,11 +504,23 @@ pub fn experts_mlp_grouped_as(
                 )
             };
             quant_rows(gpu, hidden, x, Source::Grouped { d, by_token: true }, up_in, &mut q, &mut s)?;
-            grouped_fp8(gpu, d, Fp8Rows { codes: &q, scales: &s }, up, tiles, &mut h)?;
-            quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, down_in, &mut q2, &mut s2)?;
+            let a = Fp8Rows { codes: &q, scales: &s };
+            match down_in {
+                // Static scales: the up projection writes the down projection's codes.
+                Some(down_in) => {
+                    let next = Fp8RowsMut { codes: &mut q2, scales: &mut s2 };
+                    grouped_fp8_quant(gpu, d, a, up, tiles, down_in, next)?
+                }
+                None => {
+                    let mut h = hidden_rows()?;
+                    grouped_fp8(gpu, d, a, up, tiles, &mut h)?;
+                    quant_rows(gpu, inter, &h, Source::Grouped { d, by_token: false }, None, &mut q2, &mut s2)?
+                }
+            }
             grouped_fp8(gpu, d, Fp8Rows { codes: &q2, scales: &s2 }, down, tiles, out)
         }
         (Weights::Nvfp4 { .. }, Weights::Nvfp4 { .. }) => {
+            let mut h = hidden_rows()?;
             grouped_nvfp4(gpu, d, x, true, up, tiles, &mut h)?;
             grouped_nvfp4(gpu, d, &h, false, down, tiles, out)
         }

@@ -14,7 +14,8 @@
 //!   `gemm_fp8`), the narrow tiles only: `a` the e4m3 codes of the rows with a scale `s_j` each
 //!   (`quant_rows_fp8_bf16` writes both), W e4m3 codes with a scale `ws_e` per matrix;
 //!   `out[j] = f((q_j · Q_eᵀ) (ws_e s_j))`, the codes' products on `mma.sync` m16n8k32 (e4m3
-//!   products are exact in f32; the sums f32). On sm_90 ptxas runs that instruction as two
+//!   products are exact in f32; the sums f32); optionally the results written as the next
+//!   projection's e4m3 input with its static scales (`codes`). On sm_90 ptxas runs that instruction as two
 //!   f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers: the wide tiles
 //!   spill, so FP8 has none); sm_120 and later have it natively.
 //! - NVFP4 weights, weight-only ([`GroupedNvfp4Params`]: `moe_grouped_wgmma_nvfp4` on sm_90a,
@@ -153,8 +154,17 @@ pub struct GroupedFp8Params {
     pub w_scale: *const f32,
     /// `[experts + 1]`.
     pub offsets: *const u32,
-    /// `[entries, n]`.
+    /// `[entries, n]`; unused where `codes` is given.
     pub out: *mut u16,
+    /// Null: the results go to `out`. Else they are the next projection's input: `[entries, n]`
+    /// e4m3 codes `e4m3(bf16(f(.)) / next_scale[e])`, as `quant_rows_fp8_bf16` makes them from
+    /// the bf16 results with static scales, and each grouped row's scale `next_scale[e]` to
+    /// `codes_scale`.
+    pub codes: *mut u8,
+    /// `[entries]`, with `codes`.
+    pub codes_scale: *mut f32,
+    /// `[experts]` the next projection's static input scales, with `codes`.
+    pub next_scale: *const f32,
     pub experts: u32,
     pub n: u32,
     pub k: u32,

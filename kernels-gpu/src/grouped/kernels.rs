@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::device::*;
-use crate::mma::{Tile, acc_col, acc_row, commit, copy16_l2, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride};
+use crate::mma::{
+    Tile, acc_col, acc_row, commit, copy16_l2, mma, mma_e4m3, pack, smem_addr, staged_but, tile_stride, unpack,
+};
 
 #[cfg(target_feature = "sm_90a")]
 mod wgmma;
@@ -24,6 +26,10 @@ struct Job {
     /// `[experts + 1]`; null: one matrix over `rows` rows.
     offsets: *const u32,
     out: *mut u16,
+    /// Null: results to `out`; else as e4m3 codes of `next_scale[e]` ([`GroupedFp8Params`]).
+    codes: *mut u8,
+    codes_scale: *mut f32,
+    next_scale: *const f32,
     experts: u32,
     rows: u32,
     n: u32,
@@ -102,6 +108,9 @@ impl Job {
             w_scale: null as _,
             offsets: null as _,
             out,
+            codes: null as _,
+            codes_scale: null as _,
+            next_scale: null,
             experts: 1,
             rows,
             n,
@@ -120,7 +129,16 @@ fn bf16_job(p: GroupedParams) -> Job {
 #[inline(always)]
 fn fp8_job(p: GroupedFp8Params) -> Job {
     let job = Job::plain(p.a, p.w, p.out, (0, p.n, p.k, p.relu2));
-    Job { a_scale: p.a_scale, w_scale: p.w_scale, offsets: p.offsets, experts: p.experts, ..job }
+    Job {
+        a_scale: p.a_scale,
+        w_scale: p.w_scale,
+        offsets: p.offsets,
+        experts: p.experts,
+        codes: p.codes,
+        codes_scale: p.codes_scale,
+        next_scale: p.next_scale,
+        ..job
+    }
 }
 
 #[inline(always)]
@@ -264,17 +282,64 @@ impl BlockTile {
         (src, ok)
     }
 
-    /// Stores this thread's `mma.sync` accumulators of the tile (warp rows from `wm`, columns
-    /// from `wn`, `MT` 16-row tiles of four 8-column ones): `f(v s)` rounded to bf16, `s` the
-    /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
+    /// The next projection's static input scale of this tile's matrix and its reciprocal, where
+    /// `j.codes` is given (else unused ones).
     ///
     /// # Safety
-    /// `j.out` and `j.a_scale` (where given) hold the tile's rows.
+    /// `j.next_scale` (where `j.codes` is given) holds the tile's matrix.
+    #[inline(always)]
+    unsafe fn next_scale(&self, j: &Job) -> (f32, f32) {
+        if j.codes.is_null() {
+            return (1.0, 1.0);
+        }
+        // SAFETY: forwarded.
+        let qs = unsafe { ld(j.next_scale, self.e as usize) };
+        (qs, 1.0 / qs)
+    }
+
+    /// Writes two results `(lo, hi)` (`f(v s)`) at tile row `row`, columns `col` and `col + 1`:
+    /// rounded to bf16 into `j.out`, or where `j.codes` is given those bf16 values as e4m3
+    /// codes of the scale `qs` (`inv` = 1 / qs: `quant_rows_fp8_bf16`'s arithmetic), and at
+    /// the output's column 0 the row's scale `qs` too.
+    ///
+    /// # Safety
+    /// The outputs ([`GroupedFp8Params`]) hold the tile's rows; `col` even.
+    #[inline(always)]
+    unsafe fn put(&self, j: &Job, (row, col): (u32, u32), (lo, hi): (f32, f32), (qs, inv): (f32, f32)) {
+        let v = pack(lo, hi);
+        let (r, c) = ((self.lo + row) as usize, (self.n0 + col) as usize);
+        let at = r * j.n as usize + c;
+        // SAFETY: forwarded (the tile's row and column; `at` even, n a multiple of 8).
+        unsafe {
+            if j.codes.is_null() {
+                st(j.out.wrapping_add(at) as *mut u32, 0, v);
+            } else {
+                let (l, h) = unpack(v);
+                st(
+                    j.codes.wrapping_add(at) as *mut u16,
+                    0,
+                    f32x2_to_e4m3(div_rn_by(h, qs, inv), div_rn_by(l, qs, inv)),
+                );
+                if c == 0 {
+                    st(j.codes_scale, r, qs);
+                }
+            }
+        }
+    }
+
+    /// Stores this thread's `mma.sync` accumulators of the tile (warp rows from `wm`, columns
+    /// from `wn`, `MT` 16-row tiles of four 8-column ones): `f(v s)` by [`BlockTile::put`], `s`
+    /// the matrix's scale `ws` times the row's scale where `j.a_scale` is given.
+    ///
+    /// # Safety
+    /// The outputs and `j.a_scale` (where given) hold the tile's rows.
     #[inline(always)]
     unsafe fn store_mma<const MT: usize>(&self, j: &Job, acc: &[[[f32; 4]; 4]; MT], (wm, wn): (u32, u32), ws: f32) {
         let lane = lane_id();
         let relu2 = j.relu2 != 0;
         let f = |v: f32| relu2_if(v, relu2);
+        // SAFETY: forwarded.
+        let next = unsafe { self.next_scale(j) };
         for (i, tiles) in acc.iter().enumerate() {
             for h in 0..2 {
                 let row = wm + 16 * i as u32 + acc_row(lane, 2 * h);
@@ -286,10 +351,9 @@ impl BlockTile {
                 for (jj, t) in tiles.iter().enumerate() {
                     let col = wn + 8 * jj as u32 + acc_col(lane, 0);
                     if col < self.cols {
-                        let v = pack(f(t[2 * h as usize] * s), f(t[2 * h as usize + 1] * s));
-                        let at = (self.lo + row) as usize * j.n as usize + (self.n0 + col) as usize;
+                        let v = (f(t[2 * h as usize] * s), f(t[2 * h as usize + 1] * s));
                         // SAFETY: forwarded (the tile's row and column).
-                        unsafe { st(j.out.wrapping_add(at) as *mut u32, 0, v) };
+                        unsafe { self.put(j, (row, col), v, next) };
                     }
                 }
             }

@@ -50,17 +50,19 @@ pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
 }
 
 impl BlockTile {
-    /// Stores this thread's accumulators of the tile: `f(v s)` rounded to bf16, `s` the
+    /// Stores this thread's accumulators of the tile: `f(v s)` by [`BlockTile::put`], `s` the
     /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
     ///
     /// # Safety
-    /// `j.out` and `j.a_scale` (where given) hold the tile's rows.
+    /// The outputs and `j.a_scale` (where given) hold the tile's rows.
     #[inline(always)]
     unsafe fn store_wgmma(&self, j: &Job, acc: &[[f32; 64]; 2], ws: f32) {
         use crate::wgmma::{acc_col, acc_row};
         let (w, lane) = (warp_id(), lane_id());
         let relu2 = j.relu2 != 0;
         let f = |v: f32| relu2_if(v, relu2);
+        // SAFETY: forwarded.
+        let next = unsafe { self.next_scale(j) };
         for rh in 0..2u32 {
             let row = 64 * (w / 4) + acc_row(w % 4, lane, 2 * rh);
             if row >= self.rows {
@@ -73,10 +75,9 @@ impl BlockTile {
                     let i = 4 * q + 2 * rh;
                     let col = 128 * h as u32 + acc_col(lane, i);
                     if col < self.cols {
-                        let v = pack(f(half[i as usize] * s), f(half[i as usize + 1] * s));
-                        let at = (self.lo + row) as usize * j.n as usize + (self.n0 + col) as usize;
+                        let v = (f(half[i as usize] * s), f(half[i as usize + 1] * s));
                         // SAFETY: forwarded (the tile's row and column).
-                        unsafe { st(j.out.wrapping_add(at) as *mut u32, 0, v) };
+                        unsafe { self.put(j, (row, col), v, next) };
                     }
                 }
             }

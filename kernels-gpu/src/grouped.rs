@@ -15,9 +15,9 @@
 //!   (`quant_rows_fp8_bf16` writes both), W e4m3 codes with a scale `ws_e` per matrix;
 //!   `out[j] = f((q_j · Q_eᵀ) (ws_e s_j))`, the codes' products on `mma.sync` m16n8k32 (e4m3
 //!   products are exact in f32; the sums f32); optionally the results written as the next
-//!   projection's e4m3 input with its static scales (`codes`). On sm_90 ptxas runs that instruction as two
-//!   f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers: the wide tiles
-//!   spill, so FP8 has none); sm_120 and later have it natively.
+//!   projection's e4m3 input with its static scales (`codes`). On sm_90 ptxas runs that
+//!   instruction as two f16 `HMMA`s after unpacking the codes (the bf16 rate, more registers:
+//!   the wide tiles spill, so FP8 has none); sm_120 and later have it natively.
 //! - NVFP4 weights, weight-only ([`GroupedNvfp4Params`]: `moe_grouped_wgmma_nvfp4` on sm_90a,
 //!   `moe_grouped_nvfp4` on `mma.sync` with the 64-row tiles and 64 weights a stage): `a`
 //!   bf16 as above, W each expert's rows in [`crate::nvfp4`]'s layout (e2m1 codes, e4m3 block

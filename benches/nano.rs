@@ -30,14 +30,14 @@
 //! (4160 up to prefill 4096 and decode after 16, 16448 for prefill 16384, 33024 at depth),
 //! loaded anew when the length changes: decode attention's shared memory grows with it.
 //!
-//! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, `depth`, ...) runs only the cases whose
-//! name contains the filter; `--no-graphs` launches decode steps one operation at a time
-//! instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one decode
-//! step of each batch and the last plain run of each prefill (`ncu --profile-from-start
-//! off`); `--timeline` prints one decode step's
-//! launches, each with when it started and when its wait on the kernel before returned (needs
-//! the PTX built with `NEMO_TIMELINE` set, e.g. `NEMO_TIMELINE=1 cargo bench --bench nano --
-//! "decode batch 1" --timeline`).
+//! `cargo bench --bench nano -- decode` (or `prefill`, `batch 8`, `depth`, ...) runs only the
+//! cases whose name contains the filter; `--no-graphs` launches decode steps one operation at
+//! a time instead of replaying CUDA graphs; `--profile` turns the CUDA profiler on for one
+//! decode step of each batch and the last plain run of each prefill (`ncu
+//! --profile-from-start off`); `--timeline` prints one decode step's launches, each with when
+//! it started and when its wait on the kernel before returned (needs the PTX built with
+//! `NEMO_TIMELINE` set, e.g. `NEMO_TIMELINE=1 cargo bench --bench nano -- "decode batch 1"
+//! --timeline`).
 //!
 //! A prefill breakdown looks like this (numbers made up):
 //! ```text

@@ -8,7 +8,7 @@ use crate::qgemv::{Fp8, Nvfp4, QG_ROWS, TcRows, TcWeights, tc_tiles};
 use crate::{EW_BLOCK, VEC, chunks};
 
 /// Routing choices [`moe_combine_bf16`] loads at a time (a choice's 8 channels in 4 registers).
-const COMBINE_GROUP: u32 = 8;
+const COMBINE_GROUP: usize = 8;
 
 /// Dispatch, [`DispatchParams`]. One block of [`DISPATCH_BLOCK`] threads, dynamic shared
 /// memory [`DISPATCH_SMEM_BYTES`]: counts per expert (shared atomics), offsets and the
@@ -430,10 +430,9 @@ pub unsafe extern "ptx-kernel" fn moe_combine_bf16(p: CombineParams) {
     unsafe {
         let mut acc = if p.shared.is_null() { [0.0; 8] } else { load8_bf16(p.shared.wrapping_add(t * h), c0, h) };
         // COMBINE_GROUP choices at a time: their rows' loads all in flight, then their sums.
-        let g = COMBINE_GROUP as usize;
         let mut j0 = 0;
         while j0 < k {
-            let (mut raw, mut w) = ([[0u32; 4]; COMBINE_GROUP as usize], [0.0f32; COMBINE_GROUP as usize]);
+            let (mut raw, mut w) = ([[0u32; 4]; COMBINE_GROUP], [0.0f32; COMBINE_GROUP]);
             for (j, (rj, wj)) in raw.iter_mut().zip(w.iter_mut()).enumerate() {
                 if j0 + j < k {
                     let s = ld(p.slot, t * k + j0 + j);
@@ -452,7 +451,7 @@ pub unsafe extern "ptx-kernel" fn moe_combine_bf16(p: CombineParams) {
                     }
                 }
             }
-            j0 += g;
+            j0 += COMBINE_GROUP;
         }
         store8_bf16(p.out.wrapping_add(t * h), c0, h, acc);
     }

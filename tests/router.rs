@@ -278,8 +278,9 @@ mod gpu {
         ];
         // One token, a partial tile of tokens and whole tiles (the kernel selects per tile of
         // LOGITS_TOKENS); each call after the first also finds the arrival counters reset. From
-        // ROUTE_TC_MIN_ROWS tokens on tensor cores (the experts a multiple of 32; the 16-expert
-        // case keeps the one-launch kernel): there, and a partial tile of 32, and 4096 tokens.
+        // ROUTE_LT_MIN_ROWS tokens (13 and 64 here) the logits through cuBLASLt and the
+        // selection apart; more: the former tensor-core bound, a partial tile of 32 past it,
+        // and 4096 tokens.
         let many = [ROUTE_TC_MIN_ROWS, ROUTE_TC_MIN_ROWS + 13, 4096];
         for ((s, bias_scale, ties), rows) in
             cases.into_iter().flat_map(|c| [1, 13, 64].into_iter().chain(many).map(move |r| (c, r)))

@@ -1,5 +1,6 @@
-//! Linear layers through cuBLASLt: bf16 in and out ([`linear`]; reference: cpu/gemm.rs), and
-//! FP8 W8A8 with per-tensor scales ([`linear_fp8`]; f32 accumulation both).
+//! Linear layers through cuBLASLt: bf16 in and out ([`linear`]; reference: cpu/gemm.rs),
+//! FP8 W8A8 with per-tensor scales ([`linear_fp8`]), and bf16 in, f32 out for a router's
+//! logits ([`logits_f32`]); f32 accumulation all.
 
 use std::ffi::c_void;
 
@@ -111,7 +112,8 @@ pub fn linear_fp8(
     }
     gpu.check_owner(NAME_FP8, "w", codes)?;
     gpu.check_owner(NAME_FP8, "out", out)?;
-    let blas = gpu.blas()?;
+    // cuBLASLt there before anything is queued.
+    gpu.blas()?;
     // SAFETY: quant_rows writes every row's codes (and scale) before the GEMM reads them.
     let (mut q, mut s) = unsafe { (gpu.scratch::<u8>(rows * p.k)?, gpu.scratch::<f32>(rows)?) };
     quant_rows(gpu, p.k, &x.slice(0..rows * p.k), Source::Plain, Some(in_scale), &mut q, &mut s)?;
@@ -119,15 +121,72 @@ pub fn linear_fp8(
     let (w, xq) = (codes.device_ptr(stream).0 as *const c_void, q.device_ptr(stream).0 as *const c_void);
     let (ws, xs) = (w_scale.device_ptr(stream).0 as *const c_void, in_scale.device_ptr(stream).0 as *const c_void);
     let y = out.device_ptr_mut(stream).0 as *mut c_void;
+    let types = (cudaDataType::CUDA_R_8F_E4M3, cudaDataType::CUDA_R_16BF);
+    // SAFETY: the pointers are this Gpu's buffers of the extents checked above (q its own),
+    // their work ordered on its stream; out is `&mut`, so it aliases no input.
+    unsafe { matmul_tn(gpu, "an FP8 GEMM", types, (p.n, rows, p.k), (w, xq, y), Some((ws, xs)))? };
+    if p.relu2 {
+        crate::act::relu2(gpu, out, rows * p.n)?;
+    }
+    Ok(())
+}
+
+/// The name shape errors of [`logits_f32`] carry.
+const NAME_LOGITS: &str = "logits_f32";
+
+/// `Y = X W^T` in f32 for row-major `X [m, k]` and `W [n, k]` bf16 (f32 sums), `Y [m, n]`:
+/// a MoE router's logits over `m` tokens. One cuBLASLt call.
+pub fn logits_f32(
+    gpu: &Gpu,
+    m: usize,
+    x: &impl DevicePtr<bf16>,
+    w: &impl DevicePtr<bf16>,
+    n: usize,
+    k: usize,
+    y: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    let c = Check(NAME_LOGITS);
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        c.count(arg, i32::MAX as usize, v)?;
+    }
+    c.len("x", m * k, x.len())?;
+    c.len("w", n * k, w.len())?;
+    c.len("y", m * n, y.len())?;
+    gpu.check_owner(NAME_LOGITS, "x", x)?;
+    gpu.check_owner(NAME_LOGITS, "w", w)?;
+    gpu.check_owner(NAME_LOGITS, "y", y)?;
+    let stream = gpu.stream();
+    let (wp, xp) = (w.device_ptr(stream).0 as *const c_void, x.device_ptr(stream).0 as *const c_void);
+    let yp = y.device_ptr_mut(stream).0 as *mut c_void;
+    let types = (cudaDataType::CUDA_R_16BF, cudaDataType::CUDA_R_32F);
+    // SAFETY: x holds m * k, w n * k and y m * n elements (checked), all this Gpu's, ordered
+    // on its stream; y is `&mut`, so it aliases neither input.
+    unsafe { matmul_tn(gpu, "the router logits' GEMM", types, (n, m, k), (wp, xp, yp), None) }
+}
+
+/// One cuBLASLt matmul, f32 compute: row-major `Y [rows, n] = X [rows, k] W [n, k]^T` as
+/// column-major `Y^T [n, rows] = W^T' X^T'` (W read transposed: "TN", the one layout FP8
+/// takes), `w` and `x` of the first type, `y` of the second, with per-tensor scale pointers
+/// `(w's, x's)` where given.
+///
+/// # Safety
+/// The pointers are this Gpu's buffers of those extents and types (the scales one f32 each),
+/// their work ordered on its stream (cuBLASLt runs on it); `y` aliases no input.
+unsafe fn matmul_tn(
+    gpu: &Gpu,
+    during: &'static str,
+    (ab, d_type): (cudaDataType, cudaDataType),
+    (n, rows, k): (usize, usize, usize),
+    (w, x, y): (*const c_void, *const c_void, *mut c_void),
+    scales: Option<(*const c_void, *const c_void)>,
+) -> Result<()> {
+    let blas = gpu.blas()?;
+    let stream = gpu.stream();
     let work = blas.workspace.device_ptr(stream).0 as *mut c_void;
-    let fail = |source| Error::Cublas { during: "an FP8 GEMM", source };
-    // Row-major Y[rows, n] = Xq Wq^T is column-major Y^T[n, rows] = Wq^T' Xq^T' (as in
-    // [`linear`]): A the weights read transposed, the one FP8 layout cuBLASLt takes ("TN").
-    let (e4m3, bf) = (cudaDataType::CUDA_R_8F_E4M3, cudaDataType::CUDA_R_16BF);
+    let fail = |source| Error::Cublas { during, source };
     // SAFETY: every descriptor lives until the call has been queued and is destroyed once;
-    // the attribute values are read during the calls that set them; the pointers are this
-    // Gpu's buffers of the extents checked above (q and the workspace its own), their work
-    // ordered on its stream, which cuBLASLt runs on; out is `&mut`, so it aliases no input.
+    // the attribute values are read during the calls that set them; the pointers as the
+    // caller promises, the workspace this Gpu's own.
     unsafe {
         let desc = Desc(
             lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F).map_err(fail)?,
@@ -135,16 +194,18 @@ pub fn linear_fp8(
         let t: i32 = 1;
         lt::set_matmul_desc_attribute(desc.0, Attr::CUBLASLT_MATMUL_DESC_TRANSA, (&raw const t).cast(), 4)
             .map_err(fail)?;
-        for (attr, p) in
-            [(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws), (Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)]
-        {
-            let size = size_of::<*const c_void>();
-            lt::set_matmul_desc_attribute(desc.0, attr, (p as *const *const c_void).cast(), size).map_err(fail)?;
+        if let Some((ws, xs)) = &scales {
+            for (attr, p) in
+                [(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws), (Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs)]
+            {
+                let size = size_of::<*const c_void>();
+                lt::set_matmul_desc_attribute(desc.0, attr, (p as *const *const c_void).cast(), size).map_err(fail)?;
+            }
         }
         let layout = |ty, r: usize, c: usize| lt::create_matrix_layout(ty, r as u64, c as u64, r as i64).map(Layout);
-        let a = layout(e4m3, p.k, p.n).map_err(fail)?;
-        let b = layout(e4m3, p.k, rows).map_err(fail)?;
-        let d = layout(bf, p.n, rows).map_err(fail)?;
+        let a = layout(ab, k, n).map_err(fail)?;
+        let b = layout(ab, k, rows).map_err(fail)?;
+        let d = layout(d_type, n, rows).map_err(fail)?;
         let pref = Pref(lt::create_matmul_pref().map_err(fail)?);
         let size = BLAS_WORKSPACE;
         let attr = PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
@@ -154,11 +215,8 @@ pub fn linear_fp8(
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (alpha, beta) = ((&raw const alpha).cast(), (&raw const beta).cast());
         let cu = stream.cu_stream() as *mut _;
-        lt::matmul(handle, desc.0, alpha, beta, w, a.0, xq, b.0, y, d.0, y, d.0, &algo.algo, work, size, cu)
+        lt::matmul(handle, desc.0, alpha, beta, w, a.0, x, b.0, y, d.0, y, d.0, &algo.algo, work, size, cu)
             .map_err(fail)?;
-    }
-    if p.relu2 {
-        crate::act::relu2(gpu, out, rows * p.n)?;
     }
     Ok(())
 }

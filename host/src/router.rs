@@ -157,6 +157,13 @@ fn launch_route(
         }
     };
     c.count("blocks", u32::MAX as usize, s.experts + extra)?;
+    if extra == 0 && rows >= ROUTE_LT_MIN_ROWS && gpu.blas().is_ok() {
+        crate::gemm::logits_f32(gpu, rows, x, router.gate, s.experts, hidden, &mut logits)?;
+        let ks = entry::MOE_SELECT;
+        // SAFETY: as below: the logits of every row written before (cuBLASLt on this stream);
+        // no counters used.
+        return unsafe { gpu.launch(Grid::new(ks, (tiles as u32, 1, 1)), p) };
+    }
     let aligned = (p.x as usize).is_multiple_of(16) && (p.gate as usize).is_multiple_of(16);
     if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
         let kt = entry::MOE_ROUTE_TC;
@@ -170,7 +177,13 @@ fn launch_route(
     unsafe { gpu.launch(Grid::new(k, ((s.experts + extra) as u32, tiles as u32, 1)), p) }
 }
 
+/// Fewest tokens whose router logits run as one GEMM through cuBLASLt
+/// ([`crate::gemm::logits_f32`], f32 out), then the selection (`moe_select_bf16`), rather than
+/// in the one-launch kernel (a block per expert and 8 tokens, each reading the tokens'
+/// activations again). A first guess, to be measured (`moe -- route/b`).
+pub const ROUTE_LT_MIN_ROWS: usize = 8;
+
 /// Fewest tokens whose routing runs on tensor cores (`moe_route_tc_bf16`: the router logits of
-/// 32 tokens against every expert as one product) rather than in the one-launch kernel (a
-/// block per expert and 8 tokens, each reading the tokens' activations again).
+/// 32 tokens against every expert as one product, and the selection, in one launch) where
+/// cuBLASLt cannot be loaded, rather than in the one-launch kernel.
 pub const ROUTE_TC_MIN_ROWS: usize = 256;

@@ -211,6 +211,8 @@ kernels! {
     MOE_ROUTE_UP = MoeRouteUp("moe_route_up_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// Routing of many tokens, the router logits on tensor cores.
     MOE_ROUTE_TC = MoeRouteTc("moe_route_tc_bf16", router::RouteParams, Threads::Fixed(router::ROUTER_BLOCK), Smem::Fixed(router::router_smem_bytes())),
+    /// The selection alone, from logits already written (cuBLASLt's, for many tokens).
+    MOE_SELECT = MoeSelect("moe_select_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// Routing choices grouped by expert.
     MOE_DISPATCH = MoeDispatch("moe_dispatch", moe::DispatchParams, Threads::Fixed(moe::DISPATCH_BLOCK), Smem::Fixed(moe::DISPATCH_SMEM_BYTES)),
     /// One projection of every expert with rows (small batches).

@@ -12,6 +12,22 @@ use crate::moe::{MAX_EXPERTS, weight_rows};
 /// n8 tiles a warp holds at the most experts.
 const NT: usize = (MAX_EXPERTS / 4 / 8) as usize;
 
+/// Selection only, from logits already written ([`RouteParams`]' `logits`, `[rows, experts]`
+/// f32; x, gate, counters and the appended pieces unused): grid `(ceil(rows /
+/// LOGITS_TOKENS))`, block [`LOGITS_BLOCK`], dynamic shared memory [`ROUTE_SMEM_BYTES`]; warp
+/// w of block b selects for token `LOGITS_TOKENS b + w` as `moe_route_bf16` does.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn moe_select_bf16(p: RouteParams) {
+    grid_dependency_wait();
+    let (w, tok) = (warp_id(), block_x() * LOGITS_TOKENS + warp_id());
+    if tok < p.rows {
+        // SAFETY: launch contract checked by host/src/router.rs (logits rows * experts, idx
+        // and weight rows * choices); each warp its own 2 * MAX_EXPERTS floats of the shared
+        // memory.
+        unsafe { select(&p, tok as usize, dyn_smem_f32().wrapping_add((2 * MAX_EXPERTS * w) as usize)) }
+    }
+}
+
 /// Routing on tensor cores, [`RouteParams`] (no appended up projections, no counters).
 /// Grid `(ceil(rows / ROUTER_TOKENS))`, block [`ROUTER_BLOCK`], dynamic shared memory
 /// [`router_smem_bytes`]; experts as [`router_takes`] says.

@@ -137,7 +137,7 @@ mod gpu {
         Appended, Choices, ExpertMlp, ExpertWeights, SharedExpert, experts_mlp_choices, experts_mlp_choices_after,
     };
     use host::router::{
-        AppendedUp, ROUTE_TC_MIN_ROWS, RouteShape, Routed, Router, route as gpu_route, route_appended_up,
+        AppendedUp, ROUTE_LT_MIN_ROWS, RouteShape, Routed, Router, route as gpu_route, route_appended_up,
     };
     use nemotron_rs::{POISON_BF16, Rng, assert_close, assert_same, gpu};
 
@@ -276,15 +276,13 @@ mod gpu {
                 true,
             ),
         ];
-        // One token, a partial tile of tokens and whole tiles (the kernel selects per tile of
-        // LOGITS_TOKENS); each call after the first also finds the arrival counters reset. From
-        // ROUTE_LT_MIN_ROWS tokens (13 and 64 here) the logits through cuBLASLt and the
-        // selection apart; more: the former tensor-core bound, a partial tile of 32 past it,
-        // and 4096 tokens.
-        let many = [ROUTE_TC_MIN_ROWS, ROUTE_TC_MIN_ROWS + 13, 4096];
-        for ((s, bias_scale, ties), rows) in
-            cases.into_iter().flat_map(|c| [1, 13, 64].into_iter().chain(many).map(move |r| (c, r)))
-        {
+        // One token and a partial tile of tokens (5) in the one-launch kernel (it selects per
+        // tile of LOGITS_TOKENS; each call after the first also finds the arrival counters
+        // reset); from ROUTE_LT_MIN_ROWS tokens the logits through cuBLASLt and the selection
+        // apart: a partial tile (13), whole tiles, and 4096 tokens.
+        assert!(5 < ROUTE_LT_MIN_ROWS && ROUTE_LT_MIN_ROWS <= 13, "the rows below cover both paths");
+        let rows_cases = [1, 5, 13, 64, 269, 4096];
+        for ((s, bias_scale, ties), rows) in cases.into_iter().flat_map(|c| rows_cases.map(move |r| (c, r))) {
             let hidden = 2688;
             let x = rng.bf16s(rows * hidden, -1.0, 1.0);
             let mut gate = rng.bf16s(s.experts * hidden, -0.05, 0.05);

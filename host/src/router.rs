@@ -1,13 +1,12 @@
-//! Launchers of the MoE router (kernels-gpu/src/moe.rs's routing kernels and
-//! kernels-gpu/src/router.rs's tensor-core logits; reference: cpu/moe.rs's `route`): each
-//! token's top-k experts and weights, and the shared expert's pieces appended to them.
+//! Launchers of the MoE router (kernels-gpu/src/router.rs's routing and selection kernels,
+//! cuBLASLt's logits for many tokens; reference: cpu/moe.rs's `route`): each token's top-k
+//! experts and weights, and the shared expert's pieces appended to them.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use kernels_gpu::entry;
 use kernels_gpu::moe::MAX_TOP_K;
 use kernels_gpu::router::{LOGITS_TOKENS, ROUTE_UP_ROWS, RouteParams};
-use kernels_gpu::router::{ROUTER_TOKENS, router_takes};
 
 use crate::args::Len;
 use crate::check::{MAX_ELEMS, MAX_ROWS};
@@ -164,13 +163,6 @@ fn launch_route(
         // no counters used.
         return unsafe { gpu.launch(Grid::new(ks, (tiles as u32, 1, 1)), p) };
     }
-    let aligned = (p.x as usize).is_multiple_of(16) && (p.gate as usize).is_multiple_of(16);
-    if extra == 0 && rows >= ROUTE_TC_MIN_ROWS && router_takes(s.experts as u32) && aligned {
-        let kt = entry::MOE_ROUTE_TC;
-        // SAFETY: as below, and x and gate 16-byte aligned (hidden a multiple of 8), experts
-        // as the kernel takes them; no counters used.
-        return unsafe { gpu.launch(Grid::new(kt, (rows.div_ceil(ROUTER_TOKENS as usize) as u32, 1, 1)), p) };
-    }
     // SAFETY: all extents checked above (logits allocated for rows * experts, a zeroed
     // counter per tile; with the pieces' up projections, one token, up and h of their
     // shapes); the group settings can always fill top_k; outputs are `&mut`.
@@ -180,10 +172,7 @@ fn launch_route(
 /// Fewest tokens whose router logits run as one GEMM through cuBLASLt
 /// ([`crate::gemm::logits_f32`], f32 out), then the selection (`moe_select_bf16`), rather than
 /// in the one-launch kernel (a block per expert and 8 tokens, each reading the tokens'
-/// activations again). A first guess, to be measured (`moe -- route/b`).
+/// activations again). On an H100 (`moe -- route/b`, cold) at 8 tokens 9.41 us against the
+/// one-launch kernel's 9.90, at 64 11.09 against 28.85 (and at 4096 18.97 against the
+/// tensor-core kernel this replaced, 55.35); one token stays one launch (5.9 us either way).
 pub const ROUTE_LT_MIN_ROWS: usize = 8;
-
-/// Fewest tokens whose routing runs on tensor cores (`moe_route_tc_bf16`: the router logits of
-/// 32 tokens against every expert as one product, and the selection, in one launch) where
-/// cuBLASLt cannot be loaded, rather than in the one-launch kernel.
-pub const ROUTE_TC_MIN_ROWS: usize = 256;

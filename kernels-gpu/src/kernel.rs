@@ -209,8 +209,6 @@ kernels! {
     MOE_ROUTE = MoeRoute("moe_route_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// As `MoeRoute`, one token fused with its appended pieces' up projections.
     MOE_ROUTE_UP = MoeRouteUp("moe_route_up_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
-    /// Routing of many tokens, the router logits on tensor cores.
-    MOE_ROUTE_TC = MoeRouteTc("moe_route_tc_bf16", router::RouteParams, Threads::Fixed(router::ROUTER_BLOCK), Smem::Fixed(router::router_smem_bytes())),
     /// The selection alone, from logits already written (cuBLASLt's, for many tokens).
     MOE_SELECT = MoeSelect("moe_select_bf16", router::RouteParams, Threads::Fixed(router::LOGITS_BLOCK), Smem::Fixed(router::ROUTE_SMEM_BYTES)),
     /// Routing choices grouped by expert.

@@ -5,19 +5,13 @@
 //!   against an expert each write the logits, and the last block of a tile of tokens selects
 //!   for them; for one token whose routing appends the shared expert's pieces, blocks past the
 //!   experts' also compute the pieces' up projections (they need no routing);
-//! - `moe_route_tc_bf16`, for many tokens: the logits of a tile of [`ROUTER_TOKENS`] tokens
-//!   against every expert as one matrix product, so each token's activations are read once.
-//!   Block b: tokens `ROUTER_TOKENS b ..`; k (hidden) in steps of [`ROUTER_K`] through a ring
-//!   of [`ROUTER_STAGES`] shared-memory stages (`cp.async`, zero past the tokens and hidden);
-//!   warp w computes tokens `16 (w % 2) ..` against experts `(experts / 4) (w / 2) ..` on
-//!   `mma.sync` m16n8k16; after the block's barrier each warp selects for tokens `w, w + 8,
-//!   ..` as `moe_route_bf16` does.
+//! - `moe_select_bf16`, for more tokens: the selection alone, a warp a token, from logits a
+//!   GEMM wrote before (cuBLASLt's, host/src/router.rs).
 //!
 //! The device code is in router/kernels.rs.
 
 use crate::KernelParams;
 use crate::gemv::WARP_ROWS;
-use crate::mma::tile_bytes;
 use crate::moe::MAX_EXPERTS;
 
 /// Tokens per block of the routing kernel (the router row read once for all of them).
@@ -78,29 +72,6 @@ pub const ROUTE_UP_ROWS: u32 = LOGITS_BLOCK / 32 * WARP_ROWS;
 /// Dynamic shared memory of the routing kernel: per token of a block, selection scores and
 /// group scores (group-limited routing).
 pub const ROUTE_SMEM_BYTES: u32 = LOGITS_TOKENS * 2 * MAX_EXPERTS * 4;
-
-/// Tokens per block.
-pub const ROUTER_TOKENS: u32 = 32;
-/// Threads per block: eight warps (the routing kernel's block).
-pub const ROUTER_BLOCK: u32 = LOGITS_BLOCK;
-/// k staged at a time.
-pub const ROUTER_K: u32 = 32;
-/// Stages of the shared-memory ring.
-pub const ROUTER_STAGES: u32 = 3;
-
-/// Dynamic shared memory of `moe_route_tc_bf16`: the stages (tokens and every expert's router
-/// row), reused by the selection afterwards (`2 * MAX_EXPERTS` floats a warp).
-pub const fn router_smem_bytes() -> u32 {
-    let stages = ROUTER_STAGES * (tile_bytes(ROUTER_TOKENS, ROUTER_K) + tile_bytes(MAX_EXPERTS, ROUTER_K));
-    let select = ROUTER_BLOCK / 32 * 2 * MAX_EXPERTS * 4;
-    if stages > select { stages } else { select }
-}
-
-/// Whether the kernel takes `experts` (a multiple of 32 up to [`MAX_EXPERTS`]: each warp's
-/// columns whole 16-wide steps).
-pub const fn router_takes(experts: u32) -> bool {
-    experts > 0 && experts.is_multiple_of(32) && experts <= MAX_EXPERTS
-}
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels;

@@ -280,7 +280,7 @@ mod gpu {
         // tile of LOGITS_TOKENS; each call after the first also finds the arrival counters
         // reset); from ROUTE_LT_MIN_ROWS tokens the logits through cuBLASLt and the selection
         // apart: a partial tile (13), whole tiles, and 4096 tokens.
-        assert!(5 < ROUTE_LT_MIN_ROWS && ROUTE_LT_MIN_ROWS <= 13, "the rows below cover both paths");
+        const { assert!(5 < ROUTE_LT_MIN_ROWS && ROUTE_LT_MIN_ROWS <= 13, "the rows below cover both paths") };
         let rows_cases = [1, 5, 13, 64, 269, 4096];
         for ((s, bias_scale, ties), rows) in cases.into_iter().flat_map(|c| rows_cases.map(move |r| (c, r))) {
             let hidden = 2688;

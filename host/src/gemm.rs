@@ -10,7 +10,7 @@ use cudarc::cublaslt::sys::{
     cublasLtMatmulPreferenceAttributes_t as PrefAttr, cublasLtMatrixLayout_t, cudaDataType,
 };
 use cudarc::cublaslt::{Matmul, MatmulConfig, MatmulShared};
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 use crate::check::Check;
@@ -34,13 +34,7 @@ pub fn linear(
     k: usize,
     y: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
-    let c = Check(NAME);
-    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
-        c.count(arg, i32::MAX as usize, v)?;
-    }
-    c.len("x", m * k, x.len())?;
-    c.len("w", n * k, w.len())?;
-    c.len("y", m * n, y.len())?;
+    check_gemm(gpu, NAME, (m, n, k), x, w, y)?;
     // Row-major Y[m, n] = X W^T is column-major Y^T[n, m] = W^T' X^T', with W read as the
     // column-major [k, n] matrix it is in memory, transposed.
     let cfg = MatmulConfig {
@@ -61,14 +55,34 @@ pub fn linear(
         stride_bias: None,
         batch_size: None,
     };
-    gpu.check_owner(NAME, "x", x)?;
-    gpu.check_owner(NAME, "w", w)?;
-    gpu.check_owner(NAME, "y", y)?;
     let blas = gpu.blas()?;
     // SAFETY: x holds m * k, w n * k and y m * n elements (checked), all of this Gpu's context
     // and ordered on its stream (cuBLASLt runs on it); y is `&mut`, so it aliases neither input.
     unsafe { blas.lt.matmul(cfg, w, x, y, None, None) }
         .map_err(|source| Error::Cublas { during: "a bf16 GEMM", source })
+}
+
+/// What [`linear`] and [`logits_f32`] check of `Y [m, n] = X [m, k] W [n, k]^T` before
+/// cuBLASLt sees it (errors named `name`): each size in `1..=i32::MAX`, each buffer exactly
+/// its matrix's elements, all three this Gpu's.
+fn check_gemm<T, U>(
+    gpu: &Gpu,
+    name: &'static str,
+    (m, n, k): (usize, usize, usize),
+    x: &impl DeviceSlice<T>,
+    w: &impl DeviceSlice<T>,
+    y: &impl DeviceSlice<U>,
+) -> Result<()> {
+    let c = Check(name);
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        c.count(arg, i32::MAX as usize, v)?;
+    }
+    c.len("x", m * k, x.len())?;
+    c.len("w", n * k, w.len())?;
+    c.len("y", m * n, y.len())?;
+    gpu.check_owner(name, "x", x)?;
+    gpu.check_owner(name, "w", w)?;
+    gpu.check_owner(name, "y", y)
 }
 
 /// The name shape errors of [`linear_fp8`] carry.
@@ -145,16 +159,7 @@ pub fn logits_f32(
     k: usize,
     y: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    let c = Check(NAME_LOGITS);
-    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
-        c.count(arg, i32::MAX as usize, v)?;
-    }
-    c.len("x", m * k, x.len())?;
-    c.len("w", n * k, w.len())?;
-    c.len("y", m * n, y.len())?;
-    gpu.check_owner(NAME_LOGITS, "x", x)?;
-    gpu.check_owner(NAME_LOGITS, "w", w)?;
-    gpu.check_owner(NAME_LOGITS, "y", y)?;
+    check_gemm(gpu, NAME_LOGITS, (m, n, k), x, w, y)?;
     let stream = gpu.stream();
     let (wp, xp) = (w.device_ptr(stream).0 as *const c_void, x.device_ptr(stream).0 as *const c_void);
     let yp = y.device_ptr_mut(stream).0 as *mut c_void;

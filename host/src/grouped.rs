@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::grouped::{
     GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedNvfp4Params,
-    GroupedParams, WGMMA_M, WGMMA_N, grouped_m_tiles,
+    GroupedParams, WGMMA_FP8_N, WGMMA_M, WGMMA_N, grouped_m_tiles,
 };
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
@@ -28,8 +28,8 @@ pub enum Tiles {
     /// only): each input and weight tile read half as often per product, more rows wasted in
     /// an expert's last tile.
     Wide,
-    /// 128 x 256 on `wgmma` (`moe_grouped_wgmma_bf16`, `_fp8`, `_nvfp4`, `gemm_wgmma_bf16`,
-    /// `_fp8`; sm_90a only: [`Gpu::has`]).
+    /// 128 x 256 (FP8 128 x 192) on `wgmma` (`moe_grouped_wgmma_bf16`, `_fp8`, `_nvfp4`,
+    /// `gemm_wgmma_bf16`, `_fp8`; sm_90a only: [`Gpu::has`]).
     Wgmma,
 }
 
@@ -82,7 +82,7 @@ impl Tiles {
     fn grouped_fp8(self) -> Result<Shape<GroupedFp8Params>> {
         match self {
             Tiles::Narrow => Ok(self.shape(entry::MOE_GROUPED_FP8)),
-            Tiles::Wgmma => Ok(self.shape(entry::MOE_GROUPED_WGMMA_FP8)),
+            Tiles::Wgmma => Ok(Shape { n: WGMMA_FP8_N, ..self.shape(entry::MOE_GROUPED_WGMMA_FP8) }),
             Tiles::Wide => Err(no_wide(Kernel::MoeGroupedFp8, "FP8")),
         }
     }
@@ -100,7 +100,7 @@ impl Tiles {
     fn dense_fp8(self) -> Result<Shape<GemmFp8Params>> {
         match self {
             Tiles::Narrow => Ok(self.shape(entry::GEMM_FP8)),
-            Tiles::Wgmma => Ok(self.shape(entry::GEMM_WGMMA_FP8)),
+            Tiles::Wgmma => Ok(Shape { n: WGMMA_FP8_N, ..self.shape(entry::GEMM_WGMMA_FP8) }),
             Tiles::Wide => Err(no_wide(Kernel::GemmFp8, "FP8")),
         }
     }
@@ -604,7 +604,7 @@ mod tests {
             assert_eq!((g.m, g.n, smem(g.entry.kernel)), (d.m, d.n, smem(d.entry.kernel)), "{t:?} FP8");
         }
         let w = Tiles::Wgmma.grouped_fp8().unwrap();
-        assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_N));
+        assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_FP8_N));
         // NVFP4: no 128-row tiles either; the narrow kernel of the bf16 one's tile, within a
         // sm_12x block's shared memory.
         assert_eq!(arg_of(Tiles::Wide.grouped_nvfp4().map(|_| ())), "tiles");

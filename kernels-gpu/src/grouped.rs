@@ -66,11 +66,35 @@ pub const WGMMA_N: u32 = 256;
 /// of the A and B tiles.
 pub const WGMMA_STAGES: u32 = 4;
 
+/// Columns of an output tile of the FP8 `wgmma` kernels: two halves of 96, so that a
+/// warpgroup adds one half's fresh sums while the other half's products run
+/// ([`crate::wgmma::mma_stage_fp8`]).
+pub const WGMMA_FP8_N: u32 = 192;
+/// Stages of the FP8 `wgmma` kernels' ring (their narrower B tiles leave room for a fifth).
+pub const WGMMA_FP8_STAGES: u32 = 5;
+
+/// Dynamic shared memory of the FP8 `wgmma` kernels: as [`wgmma_smem_bytes`] with
+/// [`WGMMA_FP8_STAGES`] stages of [`WGMMA_FP8_N`] B rows.
+pub const fn wgmma_fp8_smem_bytes() -> u32 {
+    1024 + WGMMA_FP8_STAGES * (WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 8
+}
+
 /// Dynamic shared memory of the `wgmma` kernels: room to align the stages to 1024 bytes, the
 /// stages' A (`WGMMA_M` rows) and B (`WGMMA_N` rows) tiles of 128-byte rows, the block's
 /// expert and first row.
 pub const fn wgmma_smem_bytes() -> u32 {
     1024 + WGMMA_STAGES * (WGMMA_M + WGMMA_N) * crate::wgmma::STAGE_ROW_BYTES + 8
+}
+
+/// Threads of a block of the warp-specialized FP8 `wgmma` kernels (`moe_grouped_wgmma_fp8`,
+/// `gemm_wgmma_fp8`): two consumer warpgroups of 64 rows each and a producer warpgroup.
+pub const WGMMA_WS_BLOCK: u32 = 384;
+
+/// Dynamic shared memory of the warp-specialized FP8 `wgmma` kernels: [`wgmma_smem_bytes`]'s
+/// room and stages, then two mbarriers a stage (`full`, `empty`), the block's expert and first
+/// row, and the row of `a` of each of the tile's [`WGMMA_M`] rows.
+pub const fn wgmma_ws_smem_bytes() -> u32 {
+    1024 + WGMMA_FP8_STAGES * ((WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 16) + 8 + 4 * WGMMA_M
 }
 
 /// Bytes of each weight row's codes and block scales a stage of `moe_grouped_wgmma_nvfp4`

@@ -12,14 +12,14 @@ use super::*;
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_bf16(p: GroupedParams) {
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<false>(bf16_job(p)) }
+    unsafe { grouped_wgmma(bf16_job(p)) }
 }
 
 /// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: GroupedFp8Params) {
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<true>(fp8_job(p)) }
+    unsafe { grouped_wgmma_ws(fp8_job(p)) }
 }
 
 /// Grouped NVFP4 projection on `wgmma` (weight-only), [`GroupedNvfp4Params`]: grid and block
@@ -39,24 +39,26 @@ pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_nvfp4(p: GroupedNvfp4Params)
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<false>(gemm_bf16_job(p)) }
+    unsafe { grouped_wgmma(gemm_bf16_job(p)) }
 }
 
 /// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma::<true>(gemm_job(p)) }
+    unsafe { grouped_wgmma_ws(gemm_job(p)) }
 }
 
 impl BlockTile {
     /// Stores this thread's accumulators of the tile: `f(v s)` by [`BlockTile::put`], `s` the
-    /// matrix's scale `ws` times the row's scale where `j.a_scale` is given.
+    /// matrix's scale `ws` times the row's scale where `j.a_scale` is given. `acc` holds the
+    /// warpgroup's halves of `width` columns each (128, or 96 in their first 48 accumulators)
+    /// side by side from column `col0`, its rows from `row0`.
     ///
     /// # Safety
     /// The outputs and `j.a_scale` (where given) hold the tile's rows.
     #[inline(always)]
-    unsafe fn store_wgmma(&self, j: &Job, acc: &[[f32; 64]; 2], ws: f32) {
+    unsafe fn store_wgmma(&self, j: &Job, acc: &[[f32; 64]], (row0, col0, width): (u32, u32, u32), ws: f32) {
         use crate::wgmma::{acc_col, acc_row};
         let (w, lane) = (warp_id(), lane_id());
         let relu2 = j.relu2 != 0;
@@ -64,16 +66,16 @@ impl BlockTile {
         // SAFETY: forwarded.
         let next = unsafe { self.next_scale(j) };
         for rh in 0..2u32 {
-            let row = 64 * (w / 4) + acc_row(w % 4, lane, 2 * rh);
+            let row = row0 + acc_row(w % 4, lane, 2 * rh);
             if row >= self.rows {
                 continue;
             }
             // SAFETY: forwarded (row is one of the tile's).
             let s = if j.a_scale.is_null() { ws } else { ws * unsafe { ld(j.a_scale, (self.lo + row) as usize) } };
             for (h, half) in acc.iter().enumerate() {
-                for q in 0..16u32 {
+                for q in 0..width / 8 {
                     let i = 4 * q + 2 * rh;
-                    let col = 128 * h as u32 + acc_col(lane, i);
+                    let col = col0 + width * h as u32 + acc_col(lane, i);
                     if col < self.cols {
                         let v = (f(half[i as usize] * s), f(half[i as usize + 1] * s));
                         // SAFETY: forwarded (the tile's row and column).
@@ -90,20 +92,23 @@ impl BlockTile {
 /// (swizzled tiles, `cp.async` by all 256 threads, 4 chunks of A and 8 of B each), each
 /// stage's products one [`mma_stage`] a warpgroup (waited for before the next barrier, so
 /// the stage loaded after that barrier, the one read before it, is free). The loads run
-/// three stages ahead of the products.
+/// three stages ahead of the products. A tile of at most 64 rows (an expert's last) is split
+/// by columns instead: each warpgroup its 128 over the 64 rows ([`mma_half`]), half a full
+/// tile's products.
 ///
 /// # Safety
 /// As [`grouped`], with this kernel's grid and shared memory.
 #[inline(always)]
-unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
-    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_stage};
+unsafe fn grouped_wgmma(j: Job) {
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_half, mma_stage};
     grid_dependency_wait();
     let tid = thread_x();
     let g = warp_id() / 4;
-    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, WGMMA_N * STAGE_ROW_BYTES);
+    let (n_tile, stages) = (WGMMA_N, WGMMA_STAGES);
+    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, n_tile * STAGE_ROW_BYTES);
     let base = smem_addr(0);
     let pad = base.next_multiple_of(1024) - base;
-    let found = dyn_smem_f32().wrapping_add(((pad + WGMMA_STAGES * (a_bytes + b_bytes)) / 4) as usize) as *mut u32;
+    let found = dyn_smem_f32().wrapping_add(((pad + stages * (a_bytes + b_bytes)) / 4) as usize) as *mut u32;
     let stage_tiles = |s: u32| {
         let at = base + pad + s * (a_bytes + b_bytes);
         (SwizzledTile { addr: at }, SwizzledTile { addr: at + a_bytes })
@@ -113,8 +118,8 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
     // published by the barrier before any warpgroup's products read it, and reloaded only
     // after the barrier that follows every warpgroup's wait for those products.
     unsafe {
-        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, WGMMA_N), found) else { return };
-        let kb = (j.k * if FP8 { 1 } else { 2 }) as usize;
+        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, n_tile), found) else { return };
+        let kb = 2 * j.k as usize;
         // This thread's 16-byte chunks of a stage: chunk c of rows `r + 32 i` (4 of A, 8
         // of B), the sources' rows fixed for the whole product.
         let (r, c) = (tid / 8, tid % 8);
@@ -123,7 +128,7 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
         let steps = (kb as u32).div_ceil(STAGE_ROW_BYTES);
         let load = |step: u32| {
             if step < steps {
-                let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+                let (at, bt) = stage_tiles(step % stages);
                 let k0 = step * STAGE_ROW_BYTES;
                 let in_k = k0 + 16 * c < kb as u32;
                 let off = k0 as usize;
@@ -132,7 +137,7 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
                     let src = if ok { a_src[i].wrapping_add(off) } else { j.a };
                     copy16_l2(at.chunk(r + 32 * i as u32, c), src as *const u16, ok);
                 }
-                for i in 0..8 {
+                for i in 0..(n_tile / 32) as usize {
                     let br = r + 32 * i as u32;
                     let ok = br < t.cols && in_k;
                     let src = b_src.wrapping_add(off + 32 * i * kb);
@@ -141,23 +146,168 @@ unsafe fn grouped_wgmma<const FP8: bool>(j: Job) {
             }
             commit();
         };
-        for s in 0..WGMMA_STAGES - 1 {
+        for s in 0..stages - 1 {
             load(s);
         }
         let mut acc = [[0.0f32; 64]; 2];
+        let (half, split) = (n_tile / 2, t.rows <= 64);
         for step in 0..steps {
             // Stage `step` in: this thread's copies done and fenced, then everyone's.
             core::arch::asm!("cp.async.wait_group {n};", n = const WGMMA_STAGES - 2, options(nostack));
             fence_async_shared();
             sync_threads();
-            load(step + WGMMA_STAGES - 1);
-            let (at, bt) = stage_tiles(step % WGMMA_STAGES);
+            load(step + stages - 1);
+            let (at, bt) = stage_tiles(step % stages);
+            if split {
+                let a: [u64; 4] = core::array::from_fn(|kk| at.desc(0, 32 * kk as u32));
+                let b: [u64; 4] = core::array::from_fn(|kk| bt.desc(half * g, 32 * kk as u32));
+                mma_half(&mut acc[0], a, b);
+            } else {
+                let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
+                let b: [[u64; 4]; 2] =
+                    core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(half * h as u32, 32 * kk as u32)));
+                mma_stage(&mut acc, a, b);
+            }
+        }
+        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) };
+        if split {
+            t.store_wgmma(&j, &acc[..1], (0, half * g, half), ws);
+        } else {
+            t.store_wgmma(&j, &acc, (64 * g, 0, half), ws);
+        }
+    }
+}
+
+/// Registers (`setmaxnreg`) of a producer thread and of a consumer thread of
+/// [`grouped_wgmma_ws`]: 128 x 40 + 256 x 232 of the 65536 an SM has.
+const WS_PRODUCER_REGS: u32 = 40;
+const WS_CONSUMER_REGS: u32 = 232;
+
+/// The FP8 `wgmma` grouped kernel, warp-specialized: a block's [`WGMMA_M`] x [`WGMMA_FP8_N`]
+/// tile, consumer warpgroup g (0 or 1) its rows `64 g .. + 64`, warpgroup 2 the producer
+/// ([`WGMMA_WS_BLOCK`] threads). k runs through a ring of [`WGMMA_FP8_STAGES`] stages of 128
+/// bytes of every row (swizzled tiles), each with two mbarriers: `full` (the producer's 128
+/// threads' `cp.async` copies of the stage landed) and `empty` (each of the 8 consumer warps
+/// done with the products that read it). Producer thread p copies chunk `p % 8` of rows `p / 8
+/// + 16 i` (8 of A, 12 of B) of each stage, once the stage's `empty` phase of the round before
+/// completed; a consumer warpgroup waits for `full`, fences, runs its [`mma_stage_fp8`] (waited
+/// for inside) and each of its warps arrives on `empty`. No block barrier in the k loop: the
+/// two consumer warpgroups run apart, so one's products overlap the other's waits and
+/// promotions, and neither issues a copy. The rows of `a` (gathered by `j.token`) are looked up
+/// once, into a table in shared memory the producer reads. A tile of at most 64 rows (an
+/// expert's last) is split by columns instead: each consumer warpgroup its 96 over the 64 rows
+/// ([`mma_half_fp8`]), half a full tile's products.
+///
+/// # Safety
+/// As [`grouped`], with this kernel's grid, block and shared memory
+/// ([`wgmma_ws_smem_bytes`]).
+#[inline(always)]
+unsafe fn grouped_wgmma_ws(j: Job) {
+    use crate::mma::copied;
+    use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_half_fp8, mma_stage_fp8, set_max_regs};
+    grid_dependency_wait();
+    let tid = thread_x();
+    let g = warp_id() / 4;
+    let (n_tile, stages) = (WGMMA_FP8_N, WGMMA_FP8_STAGES);
+    let (a_bytes, b_bytes) = (WGMMA_M * STAGE_ROW_BYTES, n_tile * STAGE_ROW_BYTES);
+    let base = smem_addr(0);
+    let ring = base.next_multiple_of(1024);
+    let stage_tiles = |s: u32| {
+        let at = ring + s * (a_bytes + b_bytes);
+        (SwizzledTile { addr: at }, SwizzledTile { addr: at + a_bytes })
+    };
+    let full = |s: u32| ring + stages * (a_bytes + b_bytes) + 8 * s;
+    let empty = |s: u32| full(stages) + 8 * s;
+    let found = dyn_smem_f32().wrapping_add(((empty(stages) - base) / 4) as usize) as *mut u32;
+    let a_row = found.wrapping_add(2);
+    // SAFETY: as the doc says; the stages (1024-byte aligned), the mbarriers, the two words and
+    // the rows' table fit in the shared memory; the table is written and the mbarriers are
+    // initialized before the block barrier that publishes them; a stage's copies are read only
+    // after its `full` phase completed and the reader's proxy fence, and copied again only
+    // after its `empty` phase (every consumer warp's products on it waited for) completed.
+    unsafe {
+        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, n_tile), found) else { return };
+        if tid == 0 {
+            for s in 0..stages {
+                mbar_init(full(s), 128);
+                mbar_init(empty(s), 8);
+            }
+            fence_mbar_init();
+        }
+        if tid < WGMMA_M {
+            let row = match () {
+                _ if tid >= t.rows => u32::MAX,
+                _ if j.token.is_null() => t.lo + tid,
+                _ => ld(j.token, (t.lo + tid) as usize),
+            };
+            st(a_row, tid as usize, row);
+        }
+        sync_threads();
+        let kb = j.k;
+        let steps = kb.div_ceil(STAGE_ROW_BYTES);
+        if g == 2 {
+            set_max_regs::<false, WS_PRODUCER_REGS>();
+            let (r, c) = ((tid - 256) / 8, tid % 8);
+            let b_src =
+                j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + r) as usize) * kb as usize + 16 * c as usize);
+            for step in 0..steps {
+                let s = step % stages;
+                if step >= stages {
+                    mbar_wait(empty(s), (step / stages - 1) % 2);
+                }
+                let (at, bt) = stage_tiles(s);
+                let k0 = step * STAGE_ROW_BYTES;
+                let in_k = k0 + 16 * c < kb;
+                for i in 0..WGMMA_M / 16 {
+                    let row = ld(a_row, (r + 16 * i) as usize);
+                    let ok = row != u32::MAX && in_k;
+                    let src = j.a.wrapping_add(row as usize * kb as usize + (k0 + 16 * c) as usize);
+                    copy16_l2(at.chunk(r + 16 * i, c), if ok { src } else { j.a } as *const u16, ok);
+                }
+                for i in 0..n_tile / 16 {
+                    let br = r + 16 * i;
+                    let ok = br < t.cols && in_k;
+                    let src = b_src.wrapping_add(k0 as usize + 16 * i as usize * kb as usize);
+                    copy16_l2(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
+                }
+                mbar_arrive_copies(full(s));
+            }
+            copied();
+            return;
+        }
+        set_max_regs::<true, WS_CONSUMER_REGS>();
+        let half = n_tile / 2;
+        let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) };
+        if t.rows <= 64 {
+            // A tile of at most 64 rows (an expert's last): each warpgroup its half of the
+            // columns over the 64 rows, so the block's products are half a full tile's.
+            let mut acc = [0.0f32; 64];
+            for step in 0..steps {
+                let s = step % stages;
+                mbar_wait(full(s), (step / stages) % 2);
+                fence_async_shared();
+                let (at, bt) = stage_tiles(s);
+                let a: [u64; 4] = core::array::from_fn(|kk| at.desc(0, 32 * kk as u32));
+                let b: [u64; 4] = core::array::from_fn(|kk| bt.desc(half * g, 32 * kk as u32));
+                mma_half_fp8(&mut acc, a, b);
+                mbar_arrive_warp(empty(s));
+            }
+            t.store_wgmma(&j, core::slice::from_ref(&acc), (0, half * g, half), ws);
+            return;
+        }
+        let mut acc = [[0.0f32; 64]; 2];
+        for step in 0..steps {
+            let s = step % stages;
+            mbar_wait(full(s), (step / stages) % 2);
+            fence_async_shared();
+            let (at, bt) = stage_tiles(s);
             let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
             let b: [[u64; 4]; 2] =
-                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
-            mma_stage::<FP8>(&mut acc, a, b);
+                core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(half * h as u32, 32 * kk as u32)));
+            mma_stage_fp8(&mut acc, a, b);
+            mbar_arrive_warp(empty(s));
         }
-        t.store_wgmma(&j, &acc, if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) });
+        t.store_wgmma(&j, &acc, (64 * g, 0, half), ws);
     }
 }
 
@@ -247,8 +397,8 @@ unsafe fn grouped_wgmma_nvfp4(j: Job) {
             let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
             let b: [[u64; 4]; 2] =
                 core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(128 * h as u32, 32 * kk as u32)));
-            mma_stage::<false>(&mut acc, a, b);
+            mma_stage(&mut acc, a, b);
         }
-        t.store_wgmma(&j, &acc, ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
+        t.store_wgmma(&j, &acc, (64 * g, 0, 128), ld(j.w_scale, t.e as usize) * FP4_SUM_SCALE);
     }
 }

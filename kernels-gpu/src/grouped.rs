@@ -73,12 +73,6 @@ pub const WGMMA_FP8_N: u32 = 192;
 /// Stages of the FP8 `wgmma` kernels' ring (their narrower B tiles leave room for a fifth).
 pub const WGMMA_FP8_STAGES: u32 = 5;
 
-/// Dynamic shared memory of the FP8 `wgmma` kernels: as [`wgmma_smem_bytes`] with
-/// [`WGMMA_FP8_STAGES`] stages of [`WGMMA_FP8_N`] B rows.
-pub const fn wgmma_fp8_smem_bytes() -> u32 {
-    1024 + WGMMA_FP8_STAGES * (WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 8
-}
-
 /// Dynamic shared memory of the `wgmma` kernels: room to align the stages to 1024 bytes, the
 /// stages' A (`WGMMA_M` rows) and B (`WGMMA_N` rows) tiles of 128-byte rows, the block's
 /// expert and first row.
@@ -90,9 +84,10 @@ pub const fn wgmma_smem_bytes() -> u32 {
 /// `gemm_wgmma_fp8`): two consumer warpgroups of 64 rows each and a producer warpgroup.
 pub const WGMMA_WS_BLOCK: u32 = 384;
 
-/// Dynamic shared memory of the warp-specialized FP8 `wgmma` kernels: [`wgmma_smem_bytes`]'s
-/// room and stages, then two mbarriers a stage (`full`, `empty`), the block's expert and first
-/// row, and the row of `a` of each of the tile's [`WGMMA_M`] rows.
+/// Dynamic shared memory of the warp-specialized FP8 `wgmma` kernels: room to align the stages
+/// to 1024 bytes, [`WGMMA_FP8_STAGES`] stages of A (`WGMMA_M` rows) and B ([`WGMMA_FP8_N`] rows)
+/// tiles of 128-byte rows, then two mbarriers a stage (`full`, `empty`), the block's expert and
+/// first row, and the row of `a` of each of the tile's [`WGMMA_M`] rows.
 pub const fn wgmma_ws_smem_bytes() -> u32 {
     1024 + WGMMA_FP8_STAGES * ((WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 16) + 8 + 4 * WGMMA_M
 }

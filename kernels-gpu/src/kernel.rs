@@ -246,8 +246,7 @@ kernels! {
     MOE_GROUPED_WGMMA = MoeGroupedWgmma("moe_grouped_wgmma_bf16", grouped::GroupedParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
     /// As `MoeGrouped`, NVFP4 weights made bf16 in shared memory (weight-only).
     MOE_GROUPED_NVFP4 = MoeGroupedNvfp4("moe_grouped_nvfp4", grouped::GroupedNvfp4Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NVFP4_SMEM_BYTES)),
-    /// As `MoeGroupedFp8`, 128 x 256 tiles on `wgmma` (sm_90a
-    /// PTX only).
+    /// As `MoeGroupedFp8`, 128 x 192 tiles on `wgmma`, warp-specialized (sm_90a PTX only).
     MOE_GROUPED_WGMMA_FP8 = MoeGroupedWgmmaFp8("moe_grouped_wgmma_fp8", grouped::GroupedFp8Params, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
     /// As `MoeGroupedWgmma`, NVFP4 weights made bf16 in shared memory (weight-only; sm_90a
     /// PTX only).
@@ -258,7 +257,7 @@ kernels! {
     GEMM_WIDE_BF16 = GemmWideBf16("gemm_m128_bf16", grouped::GemmParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::WIDE_SMEM_BYTES)),
     /// As `GemmBf16`, 128 x 256 tiles on `wgmma` (sm_90a PTX only).
     GEMM_WGMMA = GemmWgmma("gemm_wgmma_bf16", grouped::GemmParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
-    /// As `GemmFp8`, 128 x 256 tiles on `wgmma` (sm_90a PTX only).
+    /// As `GemmFp8`, 128 x 192 tiles on `wgmma`, warp-specialized (sm_90a PTX only).
     GEMM_WGMMA_FP8 = GemmWgmmaFp8("gemm_wgmma_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
     /// An FP8 linear layer of many rows on tensor cores (W8A8).
     GEMM_FP8 = GemmFp8("gemm_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NARROW_SMEM_BYTES)),

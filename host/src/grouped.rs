@@ -6,15 +6,17 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::grouped::{
     GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedNvfp4Params,
-    GroupedParams, WGMMA_FP8_N, WGMMA_M, WGMMA_N, grouped_m_tiles,
+    GroupedParams, TMA_A_BOX_ROWS, TMA_MAPS_COPIES, TMA_W_BOX_ROWS, Tma, TmaMaps, WGMMA_FP8_CLUSTER, WGMMA_FP8_N,
+    WGMMA_M, WGMMA_N, grouped_m_tiles,
 };
+use kernels_gpu::wgmma::STAGE_ROW_BYTES;
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
 
 use crate::args::{Args, Len};
 use crate::check::{Check, MAX_ELEMS, MAX_ROWS};
 use crate::error::{Error, Result};
 use crate::gemv::{Proj, Weights};
-use crate::gpu::{Gpu, Grid};
+use crate::gpu::{Gpu, Grid, byte_tensor_map};
 use crate::moe::{Dispatch, ExpertMlp};
 use crate::quant::{Source, quant_rows};
 
@@ -38,6 +40,66 @@ struct Shape<P> {
     entry: Entry<P>,
     m: u32,
     n: u32,
+}
+
+/// The launch shape of an FP8 GEMM kernel: the narrow kernels take their params as they are,
+/// the `wgmma` ones with the launch's tensor maps ([`Tma`]).
+enum Fp8Shape<P> {
+    Narrow(Shape<P>),
+    Wgmma(Shape<Tma<P>>),
+}
+
+/// What the tensor maps of an FP8 `wgmma` launch describe: A's codes `[rows, k]` (address,
+/// rows), the weights' codes `[matrices, n, k]` (address, matrices), `(n, k)`; and the most
+/// rows one matrix's product can have.
+struct Fp8Operands {
+    a: (u64, usize),
+    w: (u64, usize),
+    nk: (usize, usize),
+    most_rows: usize,
+}
+
+impl<P: KernelParams> Fp8Shape<P> {
+    /// The kernel and its output tile (rows, columns).
+    fn tile(&self) -> (Kernel, u32, u32) {
+        match self {
+            Fp8Shape::Narrow(s) => (s.entry.kernel, s.m, s.n),
+            Fp8Shape::Wgmma(s) => (s.entry.kernel, s.m, s.n),
+        }
+    }
+
+    /// Launches this kernel over the row tiles `m_tiles(m)` gives for tiles of `m` rows and
+    /// the column tiles of `o`'s n. The `wgmma` kernels get the tensor maps of `o`'s operands
+    /// and, where one matrix can have more rows than a tile, run in clusters of
+    /// [`WGMMA_FP8_CLUSTER`] blocks over tiles of that many times the rows (the pair shares each
+    /// stage's weights).
+    ///
+    /// # Safety
+    /// `params` satisfies the kernel's contract for these tiles, its operands' addresses
+    /// aligned ([`check_aligned`]) and those of `o`.
+    unsafe fn launch(self, gpu: &Gpu, m_tiles: impl Fn(u32) -> u32, o: Fp8Operands, params: P) -> Result<()> {
+        let (n, k) = (o.nk.0 as u64, o.nk.1 as u64);
+        let s = match self {
+            Fp8Shape::Narrow(s) => {
+                let m = m_tiles(s.m);
+                // SAFETY: the caller's contract.
+                return unsafe { launch_tiles(gpu, s, m, o.nk.0, params) };
+            }
+            Fp8Shape::Wgmma(s) => s,
+        };
+        let (a, rows) = o.a;
+        let (w, matrices) = o.w;
+        let maps = TmaMaps {
+            a: byte_tensor_map(a, &[k, rows as u64], &[k], &[STAGE_ROW_BYTES, TMA_A_BOX_ROWS])?,
+            w: byte_tensor_map(w, &[k, n, matrices as u64], &[k, n * k], &[STAGE_ROW_BYTES, TMA_W_BOX_ROWS, 1])?,
+            skew: [0; 2],
+        };
+        let c = if o.most_rows > s.m as usize { WGMMA_FP8_CLUSTER } else { 1 };
+        let grid = Grid::new(s.entry, (c * m_tiles(c * s.m), o.nk.0.div_ceil(s.n as usize) as u32, 1)).clusters(c);
+        // SAFETY: the caller's contract; the maps are of the params' operands, the grid covers
+        // every tile (in clusters of `c` blocks over tiles of `c * s.m` rows).
+        unsafe { gpu.launch(grid, Tma { maps: [maps; TMA_MAPS_COPIES], p: params }) }
+    }
 }
 
 impl Tiles {
@@ -79,10 +141,10 @@ impl Tiles {
     }
 
     /// The grouped kernel of these tiles for e4m3 operands (no 128-row tiles).
-    fn grouped_fp8(self) -> Result<Shape<GroupedFp8Params>> {
+    fn grouped_fp8(self) -> Result<Fp8Shape<GroupedFp8Params>> {
         match self {
-            Tiles::Narrow => Ok(self.shape(entry::MOE_GROUPED_FP8)),
-            Tiles::Wgmma => Ok(Shape { n: WGMMA_FP8_N, ..self.shape(entry::MOE_GROUPED_WGMMA_FP8) }),
+            Tiles::Narrow => Ok(Fp8Shape::Narrow(self.shape(entry::MOE_GROUPED_FP8))),
+            Tiles::Wgmma => Ok(Fp8Shape::Wgmma(Shape { n: WGMMA_FP8_N, ..self.shape(entry::MOE_GROUPED_WGMMA_FP8) })),
             Tiles::Wide => Err(no_wide(Kernel::MoeGroupedFp8, "FP8")),
         }
     }
@@ -97,10 +159,10 @@ impl Tiles {
     }
 
     /// The one-matrix kernel of these tiles for e4m3 operands (no 128-row tiles).
-    fn dense_fp8(self) -> Result<Shape<GemmFp8Params>> {
+    fn dense_fp8(self) -> Result<Fp8Shape<GemmFp8Params>> {
         match self {
-            Tiles::Narrow => Ok(self.shape(entry::GEMM_FP8)),
-            Tiles::Wgmma => Ok(Shape { n: WGMMA_FP8_N, ..self.shape(entry::GEMM_WGMMA_FP8) }),
+            Tiles::Narrow => Ok(Fp8Shape::Narrow(self.shape(entry::GEMM_FP8))),
+            Tiles::Wgmma => Ok(Fp8Shape::Wgmma(Shape { n: WGMMA_FP8_N, ..self.shape(entry::GEMM_WGMMA_FP8) })),
             Tiles::Wide => Err(no_wide(Kernel::GemmFp8, "FP8")),
         }
     }
@@ -355,9 +417,9 @@ fn grouped_fp8_to(
     outs: impl FnOnce(&Args, usize) -> Result<Fp8Outs>,
 ) -> Result<()> {
     let shape = tiles.grouped_fp8()?;
-    let args = gpu.args(shape.entry);
+    let args = gpu.args(shape.tile().0);
     let c = args.check();
-    d.check_filled(shape.entry.name())?;
+    d.check_filled(c.0)?;
     check_nk(c, (p.n, p.k), 16)?;
     let (entries, experts) = (d.entries(), d.experts());
     let (w, w_scale) = fp8_weights(&args, p.w, experts, (p.n, p.k))?;
@@ -378,11 +440,14 @@ fn grouped_fp8_to(
         relu2: u32::from(p.relu2),
     };
     let written = if codes.is_null() { out as u64 } else { codes as u64 };
-    let addrs = (params.a as u64, params.w as u64, written);
+    check_aligned(c, (params.a as u64, params.w as u64, written))?;
+    let o = Fp8Operands { a: (params.a as u64, entries), w: (w as u64, experts), nk: (p.n, p.k), most_rows: d.rows() };
+    let m_tiles = |m| grouped_m_tiles(entries as u32, experts as u32, m);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, the outputs: out or the codes, their scales and the next scales);
-    // the dispatch's offsets cover `entries`; the outputs are `&mut`.
-    unsafe { launch_grouped(gpu, (c, shape), d, p.n, params, addrs) }
+    // the dispatch's offsets cover `entries` and give an expert at most one row a token; the
+    // outputs are `&mut`; the addresses aligned.
+    unsafe { shape.launch(gpu, m_tiles, o, params) }
 }
 
 /// A bf16 linear layer `p` over `rows` rows of `x` on tensor cores, one launch: `out [rows,
@@ -427,7 +492,7 @@ pub fn gemm_fp8(
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let shape = tiles.dense_fp8()?;
-    let args = gpu.args(shape.entry);
+    let args = gpu.args(shape.tile().0);
     let c = args.check();
     check_nk(c, (p.n, p.k), 16)?;
     c.count("rows", MAX_ROWS, rows)?;
@@ -444,9 +509,9 @@ pub fn gemm_fp8(
         relu2: u32::from(p.relu2),
     };
     check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let m_tiles = rows.div_ceil(shape.m as usize) as u32;
-    // SAFETY: extents checked above; out is `&mut`.
-    unsafe { launch_tiles(gpu, shape, m_tiles, p.n, params) }
+    let o = Fp8Operands { a: (params.a as u64, rows), w: (w as u64, 1), nk: (p.n, p.k), most_rows: rows };
+    // SAFETY: extents checked above; out is `&mut`; the addresses aligned.
+    unsafe { shape.launch(gpu, |m| rows.div_ceil(m as usize) as u32, o, params) }
 }
 
 /// The expert MLPs of every grouped row (as `moe::experts_mlp` without pieces), on tensor
@@ -600,11 +665,11 @@ mod tests {
             assert_eq!((g.m, g.n, smem(gk)), (d.m, d.n, smem(dk)), "{t:?}: grouped and dense tiles agree");
         }
         for t in [Tiles::Narrow, Tiles::Wgmma] {
-            let (g, d) = (t.grouped_fp8().unwrap(), t.dense_fp8().unwrap());
-            assert_eq!((g.m, g.n, smem(g.entry.kernel)), (d.m, d.n, smem(d.entry.kernel)), "{t:?} FP8");
+            let ((gk, gm, gn), (dk, dm, dn)) = (t.grouped_fp8().unwrap().tile(), t.dense_fp8().unwrap().tile());
+            assert_eq!((gm, gn, smem(gk)), (dm, dn, smem(dk)), "{t:?} FP8");
         }
-        let w = Tiles::Wgmma.grouped_fp8().unwrap();
-        assert_eq!((w.entry.kernel, w.m, w.n), (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_FP8_N));
+        let w = Tiles::Wgmma.grouped_fp8().unwrap().tile();
+        assert_eq!(w, (Kernel::MoeGroupedWgmmaFp8, WGMMA_M, WGMMA_FP8_N));
         // NVFP4: no 128-row tiles either; the narrow kernel of the bf16 one's tile, within a
         // sm_12x block's shared memory.
         assert_eq!(arg_of(Tiles::Wide.grouped_nvfp4().map(|_| ())), "tiles");

@@ -80,16 +80,71 @@ pub const fn wgmma_smem_bytes() -> u32 {
     1024 + WGMMA_STAGES * (WGMMA_M + WGMMA_N) * crate::wgmma::STAGE_ROW_BYTES + 8
 }
 
+/// Rows of A a tensor-memory-accelerator box of the FP8 `wgmma` kernels copies (128 bytes of
+/// each): a tile's stage copies as many as its rows need.
+pub const TMA_A_BOX_ROWS: u32 = 16;
+/// Weight rows a box of the FP8 `wgmma` kernels copies (128 bytes of each): half a tile's
+/// [`WGMMA_FP8_N`], the half each block of a cluster pair copies for both.
+pub const TMA_W_BOX_ROWS: u32 = WGMMA_FP8_N / 2;
+/// Blocks of a cluster of the FP8 `wgmma` kernels where a matrix can have more rows than a
+/// tile: block r of a pair takes rows `WGMMA_M r ..` of the pair's `2 WGMMA_M`-row tile, and
+/// where both have rows each copies its half of the stage's weights into both.
+pub const WGMMA_FP8_CLUSTER: u32 = 2;
+
+/// The tensor maps of one FP8 `wgmma` launch (`cuTensorMapEncodeTiled`'s 128-byte opaque
+/// values): `a` the rows `[rows, k]` (u8, boxes of 128 x [`TMA_A_BOX_ROWS`]), `w` the weights
+/// `[matrices, n, k]` (boxes of 128 x [`TMA_W_BOX_ROWS`] x 1), both in the 128-byte swizzle;
+/// `skew` pads the size to 272 bytes, 16 past a multiple of 64 (see [`Tma`]).
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug)]
+pub struct TmaMaps {
+    pub a: [u64; 16],
+    pub w: [u64; 16],
+    pub skew: [u64; 2],
+}
+
+/// Copies of [`TmaMaps`] in a [`Tma`] parameter.
+pub const TMA_MAPS_COPIES: usize = 4;
+
+/// The parameter of the FP8 `wgmma` kernels: the maps, then the launch's params `p`. A tensor
+/// map must be 64-byte aligned where the copy engine reads it, and a kernel parameter is
+/// aligned to 16 bytes only (rustc's kernels take no parameter aligned past 16), so `maps`
+/// holds [`TMA_MAPS_COPIES`] equal copies 272 bytes apart: whatever the parameter's address
+/// modulo 64 (a multiple of 16), one copy starts at a multiple of 64 ([`tma_maps_copy`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Tma<P> {
+    pub maps: [TmaMaps; TMA_MAPS_COPIES],
+    pub p: P,
+}
+
+/// Which of a [`Tma`]'s map copies is 64-byte aligned when the parameter starts at `at` (a
+/// multiple of 16).
+pub const fn tma_maps_copy(at: u64) -> usize {
+    ((64 - at % 64) % 64 / 16) as usize
+}
+
+// Every 16-byte residue of the parameter's address has its aligned copy.
+const _: () = {
+    let size = core::mem::size_of::<TmaMaps>() as u64;
+    let mut r = 0;
+    while r < 64 {
+        let i = tma_maps_copy(r);
+        assert!(i < TMA_MAPS_COPIES && (r + size * i as u64).is_multiple_of(64));
+        r += 16;
+    }
+};
+
 /// Threads of a block of the warp-specialized FP8 `wgmma` kernels (`moe_grouped_wgmma_fp8`,
 /// `gemm_wgmma_fp8`): two consumer warpgroups of 64 rows each and a producer warpgroup.
 pub const WGMMA_WS_BLOCK: u32 = 384;
 
 /// Dynamic shared memory of the warp-specialized FP8 `wgmma` kernels: room to align the stages
 /// to 1024 bytes, [`WGMMA_FP8_STAGES`] stages of A (`WGMMA_M` rows) and B ([`WGMMA_FP8_N`] rows)
-/// tiles of 128-byte rows, then two mbarriers a stage (`full`, `empty`), the block's expert and
-/// first row, and the row of `a` of each of the tile's [`WGMMA_M`] rows.
+/// tiles of 128-byte rows, then two mbarriers a stage (`full`, `empty`) and the block's expert
+/// and first row.
 pub const fn wgmma_ws_smem_bytes() -> u32 {
-    1024 + WGMMA_FP8_STAGES * ((WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 16) + 8 + 4 * WGMMA_M
+    1024 + WGMMA_FP8_STAGES * ((WGMMA_M + WGMMA_FP8_N) * crate::wgmma::STAGE_ROW_BYTES + 16) + 8
 }
 
 /// Bytes of each weight row's codes and block scales a stage of `moe_grouped_wgmma_nvfp4`
@@ -263,6 +318,8 @@ unsafe impl KernelParams for GroupedNvfp4Params {}
 unsafe impl KernelParams for GemmParams {}
 // SAFETY: as above.
 unsafe impl KernelParams for GemmFp8Params {}
+// SAFETY: #[repr(C)], Copy, integers and a KernelParams.
+unsafe impl<P: KernelParams> KernelParams for Tma<P> {}
 
 /// Dynamic shared memory of the grouped kernels of `m`-row tiles staging `k_bytes` of each row
 /// at a time: the stages' A and B tiles, then the block's expert and first row.

@@ -247,7 +247,7 @@ kernels! {
     /// As `MoeGrouped`, NVFP4 weights made bf16 in shared memory (weight-only).
     MOE_GROUPED_NVFP4 = MoeGroupedNvfp4("moe_grouped_nvfp4", grouped::GroupedNvfp4Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NVFP4_SMEM_BYTES)),
     /// As `MoeGroupedFp8`, 128 x 192 tiles on `wgmma`, warp-specialized (sm_90a PTX only).
-    MOE_GROUPED_WGMMA_FP8 = MoeGroupedWgmmaFp8("moe_grouped_wgmma_fp8", grouped::GroupedFp8Params, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
+    MOE_GROUPED_WGMMA_FP8 = MoeGroupedWgmmaFp8("moe_grouped_wgmma_fp8", grouped::Tma<grouped::GroupedFp8Params>, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
     /// As `MoeGroupedWgmma`, NVFP4 weights made bf16 in shared memory (weight-only; sm_90a
     /// PTX only).
     MOE_GROUPED_WGMMA_NVFP4 = MoeGroupedWgmmaNvfp4("moe_grouped_wgmma_nvfp4", grouped::GroupedNvfp4Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_nvfp4_smem_bytes())),
@@ -258,7 +258,7 @@ kernels! {
     /// As `GemmBf16`, 128 x 256 tiles on `wgmma` (sm_90a PTX only).
     GEMM_WGMMA = GemmWgmma("gemm_wgmma_bf16", grouped::GemmParams, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::wgmma_smem_bytes())),
     /// As `GemmFp8`, 128 x 192 tiles on `wgmma`, warp-specialized (sm_90a PTX only).
-    GEMM_WGMMA_FP8 = GemmWgmmaFp8("gemm_wgmma_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
+    GEMM_WGMMA_FP8 = GemmWgmmaFp8("gemm_wgmma_fp8", grouped::Tma<grouped::GemmFp8Params>, Threads::Fixed(grouped::WGMMA_WS_BLOCK), Smem::Fixed(grouped::wgmma_ws_smem_bytes())),
     /// An FP8 linear layer of many rows on tensor cores (W8A8).
     GEMM_FP8 = GemmFp8("gemm_fp8", grouped::GemmFp8Params, Threads::Fixed(grouped::GROUPED_BLOCK), Smem::Fixed(grouped::NARROW_SMEM_BYTES)),
     /// An NVFP4 linear layer of NVFP4 activations (W4A4) on block-scaled FP4 tensor cores

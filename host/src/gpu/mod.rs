@@ -7,7 +7,8 @@
 //! - `scratch`: [`Buffer`], the temporaries of a step, and the capture arena they come from;
 //! - `capture`: CUDA graph capture and replay ([`Graph`]);
 //! - `timing`: timing events, the profiler range, and the [`Timeline`] of a timeline build;
-//! - `launch`: [`Gpu::launch`] of a typed entry on a [`Grid`], and buffer addresses.
+//! - `launch`: [`Gpu::launch`] of a typed entry on a [`Grid`], and buffer addresses;
+//! - `tma`: tensor maps, the tensor memory accelerator's view of a tensor.
 
 mod arch;
 mod capture;
@@ -15,6 +16,7 @@ mod launch;
 mod memory;
 mod scratch;
 mod timing;
+mod tma;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,6 +36,7 @@ use self::memory::Stage;
 pub use self::memory::UPLOAD_STAGE_BYTES;
 pub use self::scratch::{ARENA_BYTES, Buffer};
 pub use self::timing::{Launch, Stamp, Timeline};
+pub(crate) use self::tma::byte_tensor_map;
 use crate::error::{During, Error, Result};
 
 /// One CUDA device with the module of its arch loaded, and the stream every launch goes to.

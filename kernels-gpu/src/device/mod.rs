@@ -17,6 +17,8 @@ mod state;
 mod sync;
 #[cfg(feature = "timeline")]
 mod timeline;
+#[cfg(target_feature = "sm_90a")]
+mod tma;
 mod warp;
 
 use core::arch::nvptx;
@@ -32,6 +34,8 @@ pub use self::proxy::*;
 pub use self::smem::*;
 pub use self::state::*;
 pub use self::sync::*;
+#[cfg(target_feature = "sm_90a")]
+pub use self::tma::*;
 pub use self::warp::*;
 
 /// Stops the kernel (used by the panic handler; bounds-check failures end here).

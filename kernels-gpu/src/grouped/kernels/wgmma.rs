@@ -15,11 +15,13 @@ pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_bf16(p: GroupedParams) {
     unsafe { grouped_wgmma(bf16_job(p)) }
 }
 
-/// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step).
+/// As `moe_grouped_wgmma_bf16` for [`GroupedFp8Params`] (e4m3 `wgmma`, k32 a step) with the
+/// launch's tensor maps ([`Tma`]): [`grouped_wgmma_ws`]'s grid, block and shared memory.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: GroupedFp8Params) {
+pub unsafe extern "ptx-kernel" fn moe_grouped_wgmma_fp8(p: Tma<GroupedFp8Params>) {
+    let maps = tma_maps(param_address!("moe_grouped_wgmma_fp8_param_0"));
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma_ws(fp8_job(p)) }
+    unsafe { grouped_wgmma_ws(fp8_job(p.p), maps) }
 }
 
 /// Grouped NVFP4 projection on `wgmma` (weight-only), [`GroupedNvfp4Params`]: grid and block
@@ -42,11 +44,20 @@ pub unsafe extern "ptx-kernel" fn gemm_wgmma_bf16(p: GemmParams) {
     unsafe { grouped_wgmma(gemm_bf16_job(p)) }
 }
 
-/// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`).
+/// As `gemm_wgmma_bf16` for [`GemmFp8Params`] (e4m3 `wgmma`) with the launch's tensor maps
+/// ([`Tma`]): [`grouped_wgmma_ws`]'s grid, block and shared memory.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: GemmFp8Params) {
+pub unsafe extern "ptx-kernel" fn gemm_wgmma_fp8(p: Tma<GemmFp8Params>) {
+    let maps = tma_maps(param_address!("gemm_wgmma_fp8_param_0"));
     // SAFETY: the launch contract is the caller's.
-    unsafe { grouped_wgmma_ws(gemm_job(p)) }
+    unsafe { grouped_wgmma_ws(gemm_job(p.p), maps) }
+}
+
+/// The generic address of the 64-byte aligned copy of the maps of the [`Tma`] parameter at
+/// `at`.
+#[inline(always)]
+fn tma_maps(at: u64) -> u64 {
+    at + (core::mem::size_of::<TmaMaps>() * tma_maps_copy(at)) as u64
 }
 
 impl BlockTile {
@@ -184,26 +195,33 @@ const WS_PRODUCER_REGS: u32 = 40;
 const WS_CONSUMER_REGS: u32 = 232;
 
 /// The FP8 `wgmma` grouped kernel, warp-specialized: a block's [`WGMMA_M`] x [`WGMMA_FP8_N`]
-/// tile, consumer warpgroup g (0 or 1) its rows `64 g .. + 64`, warpgroup 2 the producer
-/// ([`WGMMA_WS_BLOCK`] threads). k runs through a ring of [`WGMMA_FP8_STAGES`] stages of 128
-/// bytes of every row (swizzled tiles), each with two mbarriers: `full` (the producer's 128
-/// threads' `cp.async` copies of the stage landed) and `empty` (each of the 8 consumer warps
-/// done with the products that read it). Producer thread p copies chunk `p % 8` of rows `p / 8
-/// + 16 i` (8 of A, 12 of B) of each stage, once the stage's `empty` phase of the round before
-/// completed; a consumer warpgroup waits for `full`, fences, runs its [`mma_stage_fp8`] (waited
-/// for inside) and each of its warps arrives on `empty`. No block barrier in the k loop: the
-/// two consumer warpgroups run apart, so one's products overlap the other's waits and
-/// promotions, and neither issues a copy. The rows of `a` (gathered by `j.token`) are looked up
-/// once, into a table in shared memory the producer reads. A tile of at most 64 rows (an
-/// expert's last) is split by columns instead: each consumer warpgroup its 96 over the 64 rows
-/// ([`mma_half_fp8`]), half a full tile's products.
+/// tile ([`BlockTile::of_cluster`]), consumer warpgroup g (0 or 1) its rows `64 g .. + 64`,
+/// thread 256 of warpgroup 2 the producer ([`WGMMA_WS_BLOCK`] threads; the rest of warpgroup 2
+/// leaves at once). k runs through a ring of [`WGMMA_FP8_STAGES`] stages of 128 bytes of every
+/// row (swizzled tiles), each with two mbarriers: `full` (the producer's arrival with the
+/// stage's bytes, then the copies' bytes) and `empty` (each consumer warp of every block that
+/// reads the stage done with its products). For each stage, once its `empty` phase of the
+/// round before completed, the producer copies with the tensor memory accelerator
+/// (`maps`: [`TmaMaps`] at that generic address) A's boxes of [`TMA_A_BOX_ROWS`] rows, as many
+/// as the tile's rows need (rows past them hold an earlier stage's: each product row reads
+/// only its own row of A, and rows past the tile are never stored), and the weights' two boxes
+/// of [`TMA_W_BOX_ROWS`] rows; in a cluster pair where both blocks have rows, each block copies
+/// its half of the weights into both (multicast), so they cross L2 once for the two row tiles.
+/// A consumer warpgroup waits for `full`, runs its [`mma_stage_fp8`] (waited for inside) and
+/// each of its warps arrives on `empty` of every block of the pair. No block barrier in the k
+/// loop: the two consumer warpgroups run apart, so one's products overlap the other's waits
+/// and promotions. A tile of at most 64 rows (an expert's last) is split by columns instead:
+/// each consumer warpgroup its 96 over the 64 rows ([`mma_half_fp8`]), half a full tile's
+/// products. The producer leaves last, once every consumer warp of the pair released the last
+/// stages: no block exits while its pair may still copy into it or arrive on its mbarriers.
 ///
 /// # Safety
-/// As [`grouped`], with this kernel's grid, block and shared memory
-/// ([`wgmma_ws_smem_bytes`]).
+/// As [`grouped`] (no `token`: A is the rows as they lie), with this kernel's grid (x as
+/// [`BlockTile::of_cluster`] says, in clusters of [`WGMMA_FP8_CLUSTER`] or none), block and
+/// shared memory ([`wgmma_ws_smem_bytes`]); `maps` the launch's [`TmaMaps`] (A `[rows, k]`,
+/// the weights `[matrices, n, k]`), 64-byte aligned.
 #[inline(always)]
-unsafe fn grouped_wgmma_ws(j: Job) {
-    use crate::mma::copied;
+unsafe fn grouped_wgmma_ws(j: Job, maps: u64) {
     use crate::wgmma::{STAGE_ROW_BYTES, SwizzledTile, mma_half_fp8, mma_stage_fp8, set_max_regs};
     grid_dependency_wait();
     let tid = thread_x();
@@ -219,63 +237,72 @@ unsafe fn grouped_wgmma_ws(j: Job) {
     let full = |s: u32| ring + stages * (a_bytes + b_bytes) + 8 * s;
     let empty = |s: u32| full(stages) + 8 * s;
     let found = dyn_smem_f32().wrapping_add(((empty(stages) - base) / 4) as usize) as *mut u32;
-    let a_row = found.wrapping_add(2);
-    // SAFETY: as the doc says; the stages (1024-byte aligned), the mbarriers, the two words and
-    // the rows' table fit in the shared memory; the table is written and the mbarriers are
-    // initialized before the block barrier that publishes them; a stage's copies are read only
-    // after its `full` phase completed and the reader's proxy fence, and copied again only
-    // after its `empty` phase (every consumer warp's products on it waited for) completed.
+    // SAFETY: as the doc says; the stages (1024-byte aligned, at the same offsets in both
+    // blocks of a pair), the mbarriers and the two words fit in the shared memory; the
+    // mbarriers are initialized before the barrier (of the cluster where the pair shares
+    // copies) that publishes them; a stage is read only after its `full` phase completed (its
+    // copies landed) and copied again only after its `empty` phase (every consumer warp of
+    // the pair done with the products that read it) completed.
     unsafe {
-        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, n_tile), found) else { return };
+        let Some((t, peers)) = BlockTile::of_cluster(&j, (WGMMA_M, n_tile), found) else { return };
         if tid == 0 {
             for s in 0..stages {
-                mbar_init(full(s), 128);
-                mbar_init(empty(s), 8);
+                mbar_init(full(s), 1);
+                mbar_init(empty(s), 8 * peers);
             }
             fence_mbar_init();
         }
-        if tid < WGMMA_M {
-            let row = match () {
-                _ if tid >= t.rows => u32::MAX,
-                _ if j.token.is_null() => t.lo + tid,
-                _ => ld(j.token, (t.lo + tid) as usize),
-            };
-            st(a_row, tid as usize, row);
+        if peers > 1 {
+            cluster_sync();
+        } else {
+            sync_threads();
         }
-        sync_threads();
-        let kb = j.k;
-        let steps = kb.div_ceil(STAGE_ROW_BYTES);
+        let steps = j.k.div_ceil(STAGE_ROW_BYTES);
         if g == 2 {
             set_max_regs::<false, WS_PRODUCER_REGS>();
-            let (r, c) = ((tid - 256) / 8, tid % 8);
-            let b_src =
-                j.w.wrapping_add((t.e as usize * j.n as usize + (t.n0 + r) as usize) * kb as usize + 16 * c as usize);
-            for step in 0..steps {
-                let s = step % stages;
-                if step >= stages {
-                    mbar_wait(empty(s), (step / stages - 1) % 2);
+            if tid == 256 {
+                let (box_a, box_w) = (TMA_A_BOX_ROWS * STAGE_ROW_BYTES, TMA_W_BOX_ROWS * STAGE_ROW_BYTES);
+                let a_boxes = t.rows.div_ceil(TMA_A_BOX_ROWS);
+                let (a_map, w_map) = (maps, maps + core::mem::size_of::<[u64; 16]>() as u64);
+                let rank = cluster_rank();
+                for step in 0..steps {
+                    let s = step % stages;
+                    if step >= stages {
+                        mbar_wait(empty(s), (step / stages - 1) % 2);
+                    }
+                    mbar_arrive_expect(full(s), a_boxes * box_a + 2 * box_w);
+                    let (at, bt) = stage_tiles(s);
+                    let k0 = step * STAGE_ROW_BYTES;
+                    for b in 0..a_boxes {
+                        tma_load_2d(at.addr + b * box_a, a_map, full(s), (k0, t.lo + b * TMA_A_BOX_ROWS));
+                    }
+                    let w_box = |h: u32| (bt.addr + h * box_w, (k0, t.n0 + h * TMA_W_BOX_ROWS, t.e));
+                    if peers > 1 {
+                        let (dst, at) = w_box(rank);
+                        tma_load_3d_multicast(dst, w_map, full(s), at, (1 << WGMMA_FP8_CLUSTER) - 1);
+                    } else {
+                        for h in 0..2 {
+                            let (dst, at) = w_box(h);
+                            tma_load_3d(dst, w_map, full(s), at);
+                        }
+                    }
                 }
-                let (at, bt) = stage_tiles(s);
-                let k0 = step * STAGE_ROW_BYTES;
-                let in_k = k0 + 16 * c < kb;
-                for i in 0..WGMMA_M / 16 {
-                    let row = ld(a_row, (r + 16 * i) as usize);
-                    let ok = row != u32::MAX && in_k;
-                    let src = j.a.wrapping_add(row as usize * kb as usize + (k0 + 16 * c) as usize);
-                    copy16_l2(at.chunk(r + 16 * i, c), if ok { src } else { j.a } as *const u16, ok);
+                for step in steps.saturating_sub(stages)..steps {
+                    mbar_wait(empty(step % stages), (step / stages) % 2);
                 }
-                for i in 0..n_tile / 16 {
-                    let br = r + 16 * i;
-                    let ok = br < t.cols && in_k;
-                    let src = b_src.wrapping_add(k0 as usize + 16 * i as usize * kb as usize);
-                    copy16_l2(bt.chunk(br, c), if ok { src } else { j.w } as *const u16, ok);
-                }
-                mbar_arrive_copies(full(s));
             }
-            copied();
             return;
         }
         set_max_regs::<true, WS_CONSUMER_REGS>();
+        let release = |s: u32| {
+            if peers > 1 {
+                for r in 0..peers {
+                    mbar_arrive_cluster_warp(empty(s), r);
+                }
+            } else {
+                mbar_arrive_warp(empty(s));
+            }
+        };
         let half = n_tile / 2;
         let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) };
         if t.rows <= 64 {
@@ -285,12 +312,11 @@ unsafe fn grouped_wgmma_ws(j: Job) {
             for step in 0..steps {
                 let s = step % stages;
                 mbar_wait(full(s), (step / stages) % 2);
-                fence_async_shared();
                 let (at, bt) = stage_tiles(s);
                 let a: [u64; 4] = core::array::from_fn(|kk| at.desc(0, 32 * kk as u32));
                 let b: [u64; 4] = core::array::from_fn(|kk| bt.desc(half * g, 32 * kk as u32));
                 mma_half_fp8(&mut acc, a, b);
-                mbar_arrive_warp(empty(s));
+                release(s);
             }
             t.store_wgmma(&j, core::slice::from_ref(&acc), (0, half * g, half), ws);
             return;
@@ -299,13 +325,12 @@ unsafe fn grouped_wgmma_ws(j: Job) {
         for step in 0..steps {
             let s = step % stages;
             mbar_wait(full(s), (step / stages) % 2);
-            fence_async_shared();
             let (at, bt) = stage_tiles(s);
             let a: [u64; 4] = core::array::from_fn(|kk| at.desc(64 * g, 32 * kk as u32));
             let b: [[u64; 4]; 2] =
                 core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(half * h as u32, 32 * kk as u32)));
             mma_stage_fp8(&mut acc, a, b);
-            mbar_arrive_warp(empty(s));
+            release(s);
         }
         t.store_wgmma(&j, &acc, (64 * g, 0, half), ws);
     }

@@ -112,11 +112,10 @@ fn gpu_grouped_experts_at_nano_size() {
 /// The FP8 grouped GEMM path (each projection's rows quantized, then multiplied on tensor
 /// cores) at Nemotron-3 Nano's expert sizes with the skewed routing (an expert without rows,
 /// one with one, one with every token), static input scales for up and per-row for down (16
-/// experts: about 115 rows each) and the other way round (12 experts: about 167 rows each, so
-/// on `wgmma` a cluster pair whose second block has a tile of at most 64 rows), and an odd
-/// shape (k not a multiple of the 64-byte stage, n not of the 128-column tile), on a sample
-/// of the grouped rows (expert 1's, the first and last 16 of expert 2's, every 7th), in two
-/// checks:
+/// experts: about 115 rows each) and the other way round (12 experts: about 167 rows each, a
+/// full row tile and one of at most 64 on `wgmma`), and an odd shape (k not a multiple of
+/// the 64-byte stage, n not of the 128-column tile), on a sample of the grouped rows (expert
+/// 1's, the first and last 16 of expert 2's, every 7th), in two checks:
 /// - the hidden rows (the up projection alone, `quant_rows` + `grouped_fp8`, as the MLP
 ///   runs it where the down projection's scales are per row; with static ones its launch
 ///   writes their codes, the next test) against the f64 up projection: within three bf16

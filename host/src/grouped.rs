@@ -6,8 +6,8 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 use half::bf16;
 use kernels_gpu::grouped::{
     GROUPED_M, GROUPED_M_WIDE, GROUPED_N, GemmFp8Params, GemmParams, GroupedFp8Params, GroupedNvfp4Params,
-    GroupedParams, TMA_A_BOX_ROWS, TMA_MAPS_COPIES, TMA_W_BOX_ROWS, Tma, TmaMaps, WGMMA_FP8_CLUSTER, WGMMA_FP8_N,
-    WGMMA_M, WGMMA_N, grouped_m_tiles,
+    GroupedParams, TMA_A_BOX_ROWS, TMA_MAPS_COPIES, TMA_W_BOX_ROWS, Tma, TmaMaps, WGMMA_FP8_N, WGMMA_M, WGMMA_N,
+    grouped_m_tiles,
 };
 use kernels_gpu::wgmma::STAGE_ROW_BYTES;
 use kernels_gpu::{Entry, Kernel, KernelParams, entry};
@@ -50,13 +50,11 @@ enum Fp8Shape<P> {
 }
 
 /// What the tensor maps of an FP8 `wgmma` launch describe: A's codes `[rows, k]` (address,
-/// rows), the weights' codes `[matrices, n, k]` (address, matrices), `(n, k)`; and the most
-/// rows one matrix's product can have.
+/// rows), the weights' codes `[matrices, n, k]` (address, matrices), `(n, k)`.
 struct Fp8Operands {
     a: (u64, usize),
     w: (u64, usize),
     nk: (usize, usize),
-    most_rows: usize,
 }
 
 impl<P: KernelParams> Fp8Shape<P> {
@@ -69,36 +67,37 @@ impl<P: KernelParams> Fp8Shape<P> {
     }
 
     /// Launches this kernel over the row tiles `m_tiles(m)` gives for tiles of `m` rows and
-    /// the column tiles of `o`'s n. The `wgmma` kernels get the tensor maps of `o`'s operands
-    /// and, where one matrix can have more rows than a tile, run in clusters of
-    /// [`WGMMA_FP8_CLUSTER`] blocks over tiles of that many times the rows (the pair shares each
-    /// stage's weights).
+    /// the column tiles of `o`'s n; the `wgmma` kernels with the tensor maps of `o`'s operands.
     ///
     /// # Safety
     /// `params` satisfies the kernel's contract for these tiles, its operands' addresses
     /// aligned ([`check_aligned`]) and those of `o`.
     unsafe fn launch(self, gpu: &Gpu, m_tiles: impl Fn(u32) -> u32, o: Fp8Operands, params: P) -> Result<()> {
         let (n, k) = (o.nk.0 as u64, o.nk.1 as u64);
-        let s = match self {
+        match self {
             Fp8Shape::Narrow(s) => {
                 let m = m_tiles(s.m);
                 // SAFETY: the caller's contract.
-                return unsafe { launch_tiles(gpu, s, m, o.nk.0, params) };
+                unsafe { launch_tiles(gpu, s, m, o.nk.0, params) }
             }
-            Fp8Shape::Wgmma(s) => s,
-        };
-        let (a, rows) = o.a;
-        let (w, matrices) = o.w;
-        let maps = TmaMaps {
-            a: byte_tensor_map(a, &[k, rows as u64], &[k], &[STAGE_ROW_BYTES, TMA_A_BOX_ROWS])?,
-            w: byte_tensor_map(w, &[k, n, matrices as u64], &[k, n * k], &[STAGE_ROW_BYTES, TMA_W_BOX_ROWS, 1])?,
-            skew: [0; 2],
-        };
-        let c = if o.most_rows > s.m as usize { WGMMA_FP8_CLUSTER } else { 1 };
-        let grid = Grid::new(s.entry, (c * m_tiles(c * s.m), o.nk.0.div_ceil(s.n as usize) as u32, 1)).clusters(c);
-        // SAFETY: the caller's contract; the maps are of the params' operands, the grid covers
-        // every tile (in clusters of `c` blocks over tiles of `c * s.m` rows).
-        unsafe { gpu.launch(grid, Tma { maps: [maps; TMA_MAPS_COPIES], p: params }) }
+            Fp8Shape::Wgmma(s) => {
+                let m = m_tiles(s.m);
+                let ((a, rows), (w, matrices)) = (o.a, o.w);
+                let maps = TmaMaps {
+                    a: byte_tensor_map(a, &[k, rows as u64], &[k], &[STAGE_ROW_BYTES, TMA_A_BOX_ROWS])?,
+                    w: byte_tensor_map(
+                        w,
+                        &[k, n, matrices as u64],
+                        &[k, n * k],
+                        &[STAGE_ROW_BYTES, TMA_W_BOX_ROWS, 1],
+                    )?,
+                    skew: [0; 2],
+                };
+                let params = Tma { maps: [maps; TMA_MAPS_COPIES], p: params };
+                // SAFETY: the caller's contract; the maps are of the params' operands.
+                unsafe { launch_tiles(gpu, s, m, o.nk.0, params) }
+            }
+        }
     }
 }
 
@@ -441,12 +440,11 @@ fn grouped_fp8_to(
     };
     let written = if codes.is_null() { out as u64 } else { codes as u64 };
     check_aligned(c, (params.a as u64, params.w as u64, written))?;
-    let o = Fp8Operands { a: (params.a as u64, entries), w: (w as u64, experts), nk: (p.n, p.k), most_rows: d.rows() };
+    let o = Fp8Operands { a: (params.a as u64, entries), w: (w as u64, experts), nk: (p.n, p.k) };
     let m_tiles = |m| grouped_m_tiles(entries as u32, experts as u32, m);
     // SAFETY: extents checked above (codes and scales of every grouped row, the experts'
     // codes and scales, the outputs: out or the codes, their scales and the next scales);
-    // the dispatch's offsets cover `entries` and give an expert at most one row a token; the
-    // outputs are `&mut`; the addresses aligned.
+    // the dispatch's offsets cover `entries`; the outputs are `&mut`; the addresses aligned.
     unsafe { shape.launch(gpu, m_tiles, o, params) }
 }
 
@@ -509,7 +507,7 @@ pub fn gemm_fp8(
         relu2: u32::from(p.relu2),
     };
     check_aligned(c, (params.a as u64, params.w as u64, params.out as u64))?;
-    let o = Fp8Operands { a: (params.a as u64, rows), w: (w as u64, 1), nk: (p.n, p.k), most_rows: rows };
+    let o = Fp8Operands { a: (params.a as u64, rows), w: (w as u64, 1), nk: (p.n, p.k) };
     // SAFETY: extents checked above; out is `&mut`; the addresses aligned.
     unsafe { shape.launch(gpu, |m| rows.div_ceil(m as usize) as u32, o, params) }
 }

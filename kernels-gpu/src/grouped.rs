@@ -83,13 +83,9 @@ pub const fn wgmma_smem_bytes() -> u32 {
 /// Rows of A a tensor-memory-accelerator box of the FP8 `wgmma` kernels copies (128 bytes of
 /// each): a tile's stage copies as many as its rows need.
 pub const TMA_A_BOX_ROWS: u32 = 16;
-/// Weight rows a box of the FP8 `wgmma` kernels copies (128 bytes of each): half a tile's
-/// [`WGMMA_FP8_N`], the half each block of a cluster pair copies for both.
-pub const TMA_W_BOX_ROWS: u32 = WGMMA_FP8_N / 2;
-/// Blocks of a cluster of the FP8 `wgmma` kernels where a matrix can have more rows than a
-/// tile: block r of a pair takes rows `WGMMA_M r ..` of the pair's `2 WGMMA_M`-row tile, and
-/// where both have rows each copies its half of the stage's weights into both.
-pub const WGMMA_FP8_CLUSTER: u32 = 2;
+/// Weight rows a box of the FP8 `wgmma` kernels copies (128 bytes of each): a tile's
+/// [`WGMMA_FP8_N`].
+pub const TMA_W_BOX_ROWS: u32 = WGMMA_FP8_N;
 
 /// The tensor maps of one FP8 `wgmma` launch (`cuTensorMapEncodeTiled`'s 128-byte opaque
 /// values): `a` the rows `[rows, k]` (u8, boxes of 128 x [`TMA_A_BOX_ROWS`]), `w` the weights

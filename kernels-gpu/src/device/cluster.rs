@@ -12,16 +12,6 @@ pub fn cluster_rank() -> u32 {
     r
 }
 
-/// Blocks of this block's cluster (`%cluster_nctarank`; 1 for a launch without clusters).
-#[cfg(target_feature = "sm_90a")]
-#[inline(always)]
-pub fn cluster_blocks() -> u32 {
-    let n: u32;
-    // SAFETY: reading a special register.
-    unsafe { asm!("mov.u32 {n}, %cluster_nctarank;", n = out(reg32) n, options(pure, nomem, nostack)) };
-    n
-}
-
 /// Barrier over every thread of every block of the cluster: what each wrote to its shared
 /// memory before it is visible to all of them after it (arrive with release, wait with
 /// acquire): [`cluster_arrive`] then [`cluster_wait`]. Call in uniform flow, every thread of

@@ -1,8 +1,7 @@
 //! The tensor memory accelerator (sm_90a): copies of a tensor map's boxes into shared memory
 //! (`cp.async.bulk.tensor`, zeros where a box reaches past the tensor), completing on an
-//! mbarrier by their bytes, optionally multicast to blocks of the cluster; the arrivals that go
-//! with them (the bytes a phase expects, an arrival on another block's mbarrier); and the
-//! address of a kernel parameter, where the maps travel (by value, as CUDA's grid constants).
+//! mbarrier by their bytes; the arrival that expects those bytes; and the address of a kernel
+//! parameter, where the maps travel (by value, as CUDA's grid constants).
 
 use core::arch::asm;
 
@@ -30,7 +29,7 @@ pub(crate) use param_address;
 /// One arrival on the mbarrier at `addr` (release) that also raises the bytes its current
 /// phase waits for by `bytes` (`mbarrier.arrive.expect_tx`): the phase completes once its
 /// arrivals are in and that many bytes of copies completed on it. Copies that complete before
-/// this arrival (a peer's multicast) count toward the same phase.
+/// this arrival count toward the same phase.
 ///
 /// # Safety
 /// `addr` an initialized mbarrier of the block whose current phase expects the arrival.
@@ -42,34 +41,6 @@ pub unsafe fn mbar_arrive_expect(addr: u32, bytes: u32) {
             "mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [{a}], {n};",
             a = in(reg32) addr,
             n = in(reg32) bytes,
-            options(nostack),
-        )
-    };
-}
-
-/// One arrival for this warp, by one of its lanes (`elect.sync`), on the mbarrier at `addr`'s
-/// offset in the shared memory of block `rank` of the cluster (this block's own for its rank):
-/// release at cluster scope, for what every lane did before a point the whole warp passed
-/// together.
-///
-/// # Safety
-/// `addr` an initialized mbarrier in block `rank`, whose current phase expects the arrival;
-/// that block started (a cluster barrier passed since its initialization) and not exited; the
-/// whole warp calls it in uniform flow.
-#[inline(always)]
-pub unsafe fn mbar_arrive_cluster_warp(addr: u32, rank: u32) {
-    // SAFETY: guaranteed by the caller.
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .pred p;",
-            ".reg .b32 r;",
-            "elect.sync _|p, 0xffffffff;",
-            "mapa.shared::cluster.u32 r, {a}, {rank};",
-            "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];",
-            "}}",
-            a = in(reg32) addr,
-            rank = in(reg32) rank,
             options(nostack),
         )
     };
@@ -117,31 +88,6 @@ pub unsafe fn tma_load_3d(dst: u32, map: u64, mbar: u32, (x, y, z): (u32, u32, u
             y = in(reg32) y,
             z = in(reg32) z,
             b = in(reg32) mbar,
-            options(nostack),
-        )
-    };
-}
-
-/// As [`tma_load_3d`], the box written at `dst` of every block of the cluster whose rank's bit
-/// is set in `blocks`, completing its bytes on the mbarrier at `mbar` of each of them
-/// (`.multicast::cluster`).
-///
-/// # Safety
-/// As [`tma_load_2d`] in every block named, each started (a cluster barrier passed since its
-/// mbarriers' initialization) and not exited.
-#[inline(always)]
-pub unsafe fn tma_load_3d_multicast(dst: u32, map: u64, mbar: u32, (x, y, z): (u32, u32, u32), blocks: u16) {
-    // SAFETY: guaranteed by the caller.
-    unsafe {
-        asm!(
-            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{x}, {y}, {z}}}], [{b}], {mask};",
-            d = in(reg32) dst,
-            m = in(reg64) map,
-            x = in(reg32) x,
-            y = in(reg32) y,
-            z = in(reg32) z,
-            b = in(reg32) mbar,
-            mask = in(reg16) blocks,
             options(nostack),
         )
     };

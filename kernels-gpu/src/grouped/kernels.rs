@@ -227,24 +227,13 @@ impl BlockTile {
     /// # Safety
     /// As [`block_tile`].
     #[inline(always)]
-    unsafe fn of_block(j: &Job, dims: (u32, u32), found: *mut u32) -> Option<BlockTile> {
-        // SAFETY: forwarded.
-        unsafe { Self::of_unit(j, dims, found, (block_x(), grid_dim_x())) }
-    }
-
-    /// [`BlockTile::of_block`] of the unit (a block, or a cluster of blocks along x) at x of
-    /// `nx` along x and the block's y.
-    ///
-    /// # Safety
-    /// As [`block_tile`].
-    #[inline(always)]
-    unsafe fn of_unit(j: &Job, (bm, bn): (u32, u32), found: *mut u32, (x, nx): (u32, u32)) -> Option<BlockTile> {
+    unsafe fn of_block(j: &Job, (bm, bn): (u32, u32), found: *mut u32) -> Option<BlockTile> {
         // SAFETY: forwarded.
         unsafe {
             let (i, col) = if j.offsets.is_null() {
-                (x, block_y())
+                (block_x(), block_y())
             } else {
-                let b = x + nx * block_y();
+                let b = block_x() + grid_dim_x() * block_y();
                 (b / grid_dim_y(), b % grid_dim_y())
             };
             let (e, m0) = block_tile(j, i, bm, found);
@@ -261,34 +250,6 @@ impl BlockTile {
             }
             let n0 = col * bn;
             Some(BlockTile { e, lo, rows: (end - lo).min(bm), n0, cols: (j.n - n0).min(bn) })
-        }
-    }
-
-    /// This block's tile where the launch has clusters of [`WGMMA_FP8_CLUSTER`] blocks along
-    /// x: cluster c takes the `2 bm`-row tile [`BlockTile::of_unit`] gives unit c, block r of
-    /// it the rows `bm r ..` of that (None where it has none); without clusters the block's
-    /// own. With the number of the cluster's blocks that have rows (1 or 2; 1 without
-    /// clusters). Both blocks of a cluster agree on it.
-    ///
-    /// # Safety
-    /// As [`block_tile`].
-    #[cfg(target_feature = "sm_90a")]
-    #[inline(always)]
-    unsafe fn of_cluster(j: &Job, (bm, bn): (u32, u32), found: *mut u32) -> Option<(BlockTile, u32)> {
-        const _: () = assert!(WGMMA_FP8_CLUSTER == 2);
-        // SAFETY: forwarded.
-        unsafe {
-            if cluster_blocks() == 1 {
-                return Self::of_block(j, (bm, bn), found).map(|t| (t, 1));
-            }
-            let c = WGMMA_FP8_CLUSTER;
-            let t = Self::of_unit(j, (c * bm, bn), found, (block_x() / c, grid_dim_x() / c))?;
-            let skip = bm * cluster_rank();
-            if t.rows <= skip {
-                return None;
-            }
-            let peers = if t.rows > bm { 2 } else { 1 };
-            Some((BlockTile { lo: t.lo + skip, rows: (t.rows - skip).min(bm), ..t }, peers))
         }
     }
 

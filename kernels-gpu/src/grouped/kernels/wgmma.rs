@@ -195,29 +195,24 @@ const WS_PRODUCER_REGS: u32 = 40;
 const WS_CONSUMER_REGS: u32 = 232;
 
 /// The FP8 `wgmma` grouped kernel, warp-specialized: a block's [`WGMMA_M`] x [`WGMMA_FP8_N`]
-/// tile ([`BlockTile::of_cluster`]), consumer warpgroup g (0 or 1) its rows `64 g .. + 64`,
-/// thread 256 of warpgroup 2 the producer ([`WGMMA_WS_BLOCK`] threads; the rest of warpgroup 2
-/// leaves at once). k runs through a ring of [`WGMMA_FP8_STAGES`] stages of 128 bytes of every
-/// row (swizzled tiles), each with two mbarriers: `full` (the producer's arrival with the
-/// stage's bytes, then the copies' bytes) and `empty` (each consumer warp of every block that
-/// reads the stage done with its products). For each stage, once its `empty` phase of the
-/// round before completed, the producer copies with the tensor memory accelerator
-/// (`maps`: [`TmaMaps`] at that generic address) A's boxes of [`TMA_A_BOX_ROWS`] rows, as many
-/// as the tile's rows need (rows past them hold an earlier stage's: each product row reads
-/// only its own row of A, and rows past the tile are never stored), and the weights' two boxes
-/// of [`TMA_W_BOX_ROWS`] rows; in a cluster pair where both blocks have rows, each block copies
-/// its half of the weights into both (multicast), so they cross L2 once for the two row tiles.
-/// A consumer warpgroup waits for `full`, runs its [`mma_stage_fp8`] (waited for inside) and
-/// each of its warps arrives on `empty` of every block of the pair. No block barrier in the k
-/// loop: the two consumer warpgroups run apart, so one's products overlap the other's waits
-/// and promotions. A tile of at most 64 rows (an expert's last) is split by columns instead:
-/// each consumer warpgroup its 96 over the 64 rows ([`mma_half_fp8`]), half a full tile's
-/// products. The producer leaves last, once every consumer warp of the pair released the last
-/// stages: no block exits while its pair may still copy into it or arrive on its mbarriers.
+/// tile, consumer warpgroup g (0 or 1) its rows `64 g .. + 64`, thread 256 of warpgroup 2 the
+/// producer ([`WGMMA_WS_BLOCK`] threads; the rest of warpgroup 2 leaves at once). k runs
+/// through a ring of [`WGMMA_FP8_STAGES`] stages of 128 bytes of every row (swizzled tiles),
+/// each with two mbarriers: `full` (the producer's arrival with the stage's bytes, then the
+/// copies' bytes) and `empty` (each of the 8 consumer warps done with the products that read
+/// it). For each stage, once its `empty` phase of the round before completed, the producer
+/// copies it with the tensor memory accelerator (`maps`: [`TmaMaps`] at that generic address):
+/// A's boxes of [`TMA_A_BOX_ROWS`] rows, as many as the tile's rows need (rows past them hold
+/// an earlier stage's: each product row reads only its own row of A, and rows past the tile
+/// are never stored), and the weights' box of the tile's columns. A consumer warpgroup waits
+/// for `full`, runs its [`mma_stage_fp8`] (waited for inside) and each of its warps arrives on
+/// `empty`. No block barrier in the k loop: the two consumer warpgroups run apart, so one's
+/// products overlap the other's waits and promotions, and neither issues a copy. A tile of at
+/// most 64 rows (an expert's last) is split by columns instead: each consumer warpgroup its 96
+/// over the 64 rows ([`mma_half_fp8`]), half a full tile's products.
 ///
 /// # Safety
-/// As [`grouped`] (no `token`: A is the rows as they lie), with this kernel's grid (x as
-/// [`BlockTile::of_cluster`] says, in clusters of [`WGMMA_FP8_CLUSTER`] or none), block and
+/// As [`grouped`] (no `token`: A is the rows as they lie), with this kernel's grid, block and
 /// shared memory ([`wgmma_ws_smem_bytes`]); `maps` the launch's [`TmaMaps`] (A `[rows, k]`,
 /// the weights `[matrices, n, k]`), 64-byte aligned.
 #[inline(always)]
@@ -237,72 +232,45 @@ unsafe fn grouped_wgmma_ws(j: Job, maps: u64) {
     let full = |s: u32| ring + stages * (a_bytes + b_bytes) + 8 * s;
     let empty = |s: u32| full(stages) + 8 * s;
     let found = dyn_smem_f32().wrapping_add(((empty(stages) - base) / 4) as usize) as *mut u32;
-    // SAFETY: as the doc says; the stages (1024-byte aligned, at the same offsets in both
-    // blocks of a pair), the mbarriers and the two words fit in the shared memory; the
-    // mbarriers are initialized before the barrier (of the cluster where the pair shares
-    // copies) that publishes them; a stage is read only after its `full` phase completed (its
-    // copies landed) and copied again only after its `empty` phase (every consumer warp of
-    // the pair done with the products that read it) completed.
+    // SAFETY: as the doc says; the stages (1024-byte aligned), the mbarriers and the two words
+    // fit in the shared memory; the mbarriers are initialized before the block barrier that
+    // publishes them; a stage is read only after its `full` phase completed (its copies
+    // landed) and copied again only after its `empty` phase (every consumer warp done with the
+    // products that read it) completed.
     unsafe {
-        let Some((t, peers)) = BlockTile::of_cluster(&j, (WGMMA_M, n_tile), found) else { return };
+        let Some(t) = BlockTile::of_block(&j, (WGMMA_M, n_tile), found) else { return };
         if tid == 0 {
             for s in 0..stages {
                 mbar_init(full(s), 1);
-                mbar_init(empty(s), 8 * peers);
+                mbar_init(empty(s), 8);
             }
             fence_mbar_init();
         }
-        if peers > 1 {
-            cluster_sync();
-        } else {
-            sync_threads();
-        }
+        sync_threads();
         let steps = j.k.div_ceil(STAGE_ROW_BYTES);
         if g == 2 {
             set_max_regs::<false, WS_PRODUCER_REGS>();
             if tid == 256 {
-                let (box_a, box_w) = (TMA_A_BOX_ROWS * STAGE_ROW_BYTES, TMA_W_BOX_ROWS * STAGE_ROW_BYTES);
+                let box_a = TMA_A_BOX_ROWS * STAGE_ROW_BYTES;
                 let a_boxes = t.rows.div_ceil(TMA_A_BOX_ROWS);
                 let (a_map, w_map) = (maps, maps + core::mem::size_of::<[u64; 16]>() as u64);
-                let rank = cluster_rank();
                 for step in 0..steps {
                     let s = step % stages;
                     if step >= stages {
                         mbar_wait(empty(s), (step / stages - 1) % 2);
                     }
-                    mbar_arrive_expect(full(s), a_boxes * box_a + 2 * box_w);
+                    mbar_arrive_expect(full(s), a_boxes * box_a + b_bytes);
                     let (at, bt) = stage_tiles(s);
                     let k0 = step * STAGE_ROW_BYTES;
                     for b in 0..a_boxes {
                         tma_load_2d(at.addr + b * box_a, a_map, full(s), (k0, t.lo + b * TMA_A_BOX_ROWS));
                     }
-                    let w_box = |h: u32| (bt.addr + h * box_w, (k0, t.n0 + h * TMA_W_BOX_ROWS, t.e));
-                    if peers > 1 {
-                        let (dst, at) = w_box(rank);
-                        tma_load_3d_multicast(dst, w_map, full(s), at, (1 << WGMMA_FP8_CLUSTER) - 1);
-                    } else {
-                        for h in 0..2 {
-                            let (dst, at) = w_box(h);
-                            tma_load_3d(dst, w_map, full(s), at);
-                        }
-                    }
-                }
-                for step in steps.saturating_sub(stages)..steps {
-                    mbar_wait(empty(step % stages), (step / stages) % 2);
+                    tma_load_3d(bt.addr, w_map, full(s), (k0, t.n0, t.e));
                 }
             }
             return;
         }
         set_max_regs::<true, WS_CONSUMER_REGS>();
-        let release = |s: u32| {
-            if peers > 1 {
-                for r in 0..peers {
-                    mbar_arrive_cluster_warp(empty(s), r);
-                }
-            } else {
-                mbar_arrive_warp(empty(s));
-            }
-        };
         let half = n_tile / 2;
         let ws = if j.w_scale.is_null() { 1.0 } else { ld(j.w_scale, t.e as usize) };
         if t.rows <= 64 {
@@ -316,7 +284,7 @@ unsafe fn grouped_wgmma_ws(j: Job, maps: u64) {
                 let a: [u64; 4] = core::array::from_fn(|kk| at.desc(0, 32 * kk as u32));
                 let b: [u64; 4] = core::array::from_fn(|kk| bt.desc(half * g, 32 * kk as u32));
                 mma_half_fp8(&mut acc, a, b);
-                release(s);
+                mbar_arrive_warp(empty(s));
             }
             t.store_wgmma(&j, core::slice::from_ref(&acc), (0, half * g, half), ws);
             return;
@@ -330,7 +298,7 @@ unsafe fn grouped_wgmma_ws(j: Job, maps: u64) {
             let b: [[u64; 4]; 2] =
                 core::array::from_fn(|h| core::array::from_fn(|kk| bt.desc(half * h as u32, 32 * kk as u32)));
             mma_stage_fp8(&mut acc, a, b);
-            release(s);
+            mbar_arrive_warp(empty(s));
         }
         t.store_wgmma(&j, &acc, (64 * g, 0, half), ws);
     }

@@ -73,16 +73,12 @@ impl<P: KernelParams> Fp8Shape<P> {
     /// `params` satisfies the kernel's contract for these tiles, its operands' addresses
     /// aligned ([`check_aligned`]) and those of `o`.
     unsafe fn launch(self, gpu: &Gpu, m_tiles: impl Fn(u32) -> u32, o: Fp8Operands, params: P) -> Result<()> {
-        let (n, k) = (o.nk.0 as u64, o.nk.1 as u64);
+        let m = m_tiles(self.tile().1);
         match self {
-            Fp8Shape::Narrow(s) => {
-                let m = m_tiles(s.m);
-                // SAFETY: the caller's contract.
-                unsafe { launch_tiles(gpu, s, m, o.nk.0, params) }
-            }
+            // SAFETY: the caller's contract.
+            Fp8Shape::Narrow(s) => unsafe { launch_tiles(gpu, s, m, o.nk.0, params) },
             Fp8Shape::Wgmma(s) => {
-                let m = m_tiles(s.m);
-                let ((a, rows), (w, matrices)) = (o.a, o.w);
+                let ((a, rows), (w, matrices), (n, k)) = (o.a, o.w, (o.nk.0 as u64, o.nk.1 as u64));
                 let maps = TmaMaps {
                     a: byte_tensor_map(a, &[k, rows as u64], &[k], &[STAGE_ROW_BYTES, TMA_A_BOX_ROWS])?,
                     w: byte_tensor_map(

@@ -1,7 +1,8 @@
 //! The one module that talks to the hardware: thread ids, warp shuffles, barriers, dynamic shared
-//! memory, bf16 and FP8 conversions, fast exp, the async proxy's fence and mbarriers. Kernels
-//! use only these wrappers, through `use crate::device::*;`: every submodule's items are
-//! re-exported here (each submodule's doc says what it holds), and this file holds `trap`.
+//! memory, bf16 and FP8 conversions, fast exp, the async proxy's fence and mbarriers, the tensor
+//! memory accelerator's copies. Kernels use only these wrappers, through `use crate::device::*;`:
+//! every submodule's items are re-exported here (each submodule's doc says what it holds), and
+//! this file holds `trap`.
 
 mod chunks;
 mod cluster;

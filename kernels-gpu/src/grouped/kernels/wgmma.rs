@@ -253,7 +253,7 @@ unsafe fn grouped_wgmma_ws(j: Job, maps: u64) {
             if tid == 256 {
                 let box_a = TMA_A_BOX_ROWS * STAGE_ROW_BYTES;
                 let a_boxes = t.rows.div_ceil(TMA_A_BOX_ROWS);
-                let (a_map, w_map) = (maps, maps + core::mem::size_of::<[u64; 16]>() as u64);
+                let (a_map, w_map) = (maps, maps + core::mem::offset_of!(TmaMaps, w) as u64);
                 for step in 0..steps {
                     let s = step % stages;
                     if step >= stages {

@@ -59,7 +59,8 @@ impl Weights {
     }
 
     /// Uploads `list` (all of `shape`, all bf16, all NVFP4, or all FP8 with or without input
-    /// scales) into one buffer, with room for `spare` more bf16 matrices (zeros) after them.
+    /// scales) into one buffer, with room for `spare` more matrices after them (bf16 or FP8:
+    /// zeros, FP8's scales 1, for the shared expert's pieces to be written there).
     pub(super) fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2], spare: usize) -> Result<Weights> {
         let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
         let size = shape[0] * shape[1];
@@ -96,10 +97,7 @@ impl Weights {
             }
             return Ok(Weights::Bf16(w));
         }
-        if spare > 0 {
-            return Err(unsupported("FP8 matrices beside bf16 ones"));
-        }
-        let mut codes = gpu.zeros::<u8>(list.len() * size)?;
+        let mut codes = gpu.zeros::<u8>((list.len() + spare) * size)?;
         for (i, l) in list.iter().enumerate() {
             if l.weight.dtype != Dtype::F8E4M3 {
                 return Err(Error::Unsupported(format!(
@@ -109,7 +107,11 @@ impl Weights {
             }
             gpu.upload_bytes_into(l.weight.bytes, &mut codes.slice_mut(i * size..(i + 1) * size))?;
         }
-        let scales = |f: fn(&Linear) -> Option<f32>| list.iter().map(|l| f(l)).collect::<Option<Vec<f32>>>();
+        let scales = |f: fn(&Linear) -> Option<f32>| {
+            let mut v = list.iter().map(|l| f(l)).collect::<Option<Vec<f32>>>()?;
+            v.resize(list.len() + spare, 1.0);
+            Some(v)
+        };
         let w_scale = gpu.upload(&scales(|l| l.fp8.map(|f| f.weight_scale)).unwrap_or_default())?;
         let in_scale = scales(|l| l.fp8.and_then(|f| f.input_scale)).map(|s| gpu.upload(&s)).transpose()?;
         Ok(Weights::Fp8 { codes, w_scale, in_scale })

@@ -60,9 +60,9 @@ pub const CHOICES_MAX_ROWS: usize = 1;
 /// streams the weights once per row, so only a single row gains.
 pub const SHARED_PIECES_MAX_ROWS: usize = 1;
 
-/// How many pieces of the routed experts' shape (`inter` wide) a bf16 shared expert `shared`
-/// wide is cut into beside `routed` experts; 0 (its own MLP) where a dispatch could not count
-/// them among the experts.
+/// How many pieces of the routed experts' shape (`inter` wide) a shared expert `shared` wide is
+/// cut into beside `routed` experts (bf16 layers, and FP8 ones whose inputs all have static
+/// scales); 0 (its own MLP) where a dispatch could not count them among the experts.
 pub(super) fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {
     let pieces = shared.div_ceil(inter);
     if routed + pieces <= MAX_EXPERTS as usize { pieces } else { 0 }
@@ -94,6 +94,9 @@ pub enum SharedForm {
     Mlp,
     /// This many pieces of the routed experts' shape stored after them (bf16 layers).
     Pieces(usize),
+    /// Its own MLP, and this many pieces stored after the routed experts for steps of one row
+    /// (FP8 layers with static input scales: FP8's GEMMs take no pieces).
+    MlpAndPieces(usize),
 }
 
 /// What a MoE layer is, as far as its plan goes.
@@ -151,15 +154,16 @@ pub struct MoePlan {
 impl MoePlan {
     /// The plan of a step of `rows` rows through a layer of kind `k`.
     pub fn new(k: &MoeKind, rows: usize) -> MoePlan {
-        let pieces = match k.shared {
-            SharedForm::Pieces(n) => n,
-            _ => 0,
+        let (pieces, stored) = match k.shared {
+            SharedForm::Pieces(n) => (n, n),
+            SharedForm::MlpAndPieces(n) => (0, n),
+            _ => (0, 0),
         };
-        let appended = appended_pieces(rows, k.top_k, pieces);
+        let appended = appended_pieces(rows, k.top_k, stored);
         let shared = match k.shared {
             SharedForm::None => SharedPath::None,
-            SharedForm::Mlp => SharedPath::Mlp,
-            SharedForm::Pieces(_) if appended > 0 => SharedPath::Appended(appended),
+            SharedForm::Pieces(_) | SharedForm::MlpAndPieces(_) if appended > 0 => SharedPath::Appended(appended),
+            SharedForm::Mlp | SharedForm::MlpAndPieces(_) => SharedPath::Mlp,
             SharedForm::Pieces(_) => SharedPath::PiecesGemm,
         };
         let sized = |m: usize| k.inter.is_multiple_of(m) && k.hidden.is_multiple_of(m);
@@ -241,6 +245,9 @@ mod tests {
         assert_eq!(bf16(false), [&want[..], &[(PiecesGemm, PerExpertGemm { dequantize: false })]].concat());
         let fp8 = paths(&nano(Format::Fp8, false), &rows);
         assert_eq!(fp8, [&[(Mlp, Choices)][..], &[(Mlp, grouped); 7]].concat());
+        // FP8 with static input scales: the pieces appended at one row, its MLP past it.
+        let both = MoeKind { shared: SharedForm::MlpAndPieces(2), ..nano(Format::Fp8, true) };
+        assert_eq!(paths(&both, &rows), [&[(Appended(2), Choices)][..], &[(Mlp, grouped); 7]].concat());
         let nvfp4_rows = [1, 2, 32, 33, 64, 65, 1024, 1025, 8192, 8193];
         let nvfp4 = paths(&nano(Format::Nvfp4, true), &nvfp4_rows);
         let mut want = vec![(Mlp, Choices)];
@@ -278,5 +285,7 @@ mod tests {
         let full = MoeKind { top_k: 15, shared: SharedForm::Pieces(2), ..nano(Format::Bf16, true) };
         assert_eq!(MoePlan::new(&full, 1).shared, SharedPath::PiecesGemm);
         assert_eq!(MoePlan::new(&full, 1).appended(), 0);
+        let full = MoeKind { top_k: 15, shared: SharedForm::MlpAndPieces(2), ..nano(Format::Fp8, true) };
+        assert_eq!(MoePlan::new(&full, 1).shared, SharedPath::Mlp);
     }
 }

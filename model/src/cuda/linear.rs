@@ -59,8 +59,8 @@ impl Weights {
     }
 
     /// Uploads `list` (all of `shape`, all bf16, all NVFP4, or all FP8 with or without input
-    /// scales) into one buffer, with room for `spare` more matrices after them (bf16 or FP8:
-    /// zeros, FP8's scales 1, for the shared expert's pieces to be written there).
+    /// scales) into one buffer, with room for `spare` more matrices after them (zeros, their
+    /// scales 1, for the shared expert's pieces to be written there).
     pub(super) fn upload(gpu: &Gpu, list: &[&Linear], shape: [usize; 2], spare: usize) -> Result<Weights> {
         let first = list.first().ok_or_else(|| Error::Unsupported("no weights to upload".into()))?;
         let size = shape[0] * shape[1];
@@ -77,17 +77,16 @@ impl Weights {
             }
         }
         if first.nvfp4.is_some() {
-            if spare > 0 {
-                return Err(unsupported("NVFP4 matrices beside bf16 ones"));
-            }
             let [n, k] = shape;
-            let mut rows = Vec::with_capacity(list.len() * n * host::nvfp4::row_bytes(k));
+            let mut rows = Vec::with_capacity((list.len() + spare) * n * host::nvfp4::row_bytes(k));
             let mut global = Vec::with_capacity(list.len());
             for l in list {
                 let s = l.nvfp4.ok_or_else(|| unsupported("NVFP4 without scales"))?;
                 rows.extend(host::nvfp4::pack_rows(l.weight.bytes, s.block.bytes, n, k)?);
                 global.push(s.global);
             }
+            rows.resize((list.len() + spare) * n * host::nvfp4::row_bytes(k), 0);
+            global.resize(list.len() + spare, 1.0);
             return Ok(Weights::Nvfp4 { rows: gpu.upload(&rows)?, global: gpu.upload(&global)? });
         }
         if first.fp8.is_none() {

@@ -17,21 +17,22 @@ use host::moe::{
 use host::router::{AppendedUp, Routed, Router, route, route_appended_up};
 use host::{Buffer, CudaSlice, CudaView, Gpu};
 
+mod pieces;
 mod plan;
 
+use pieces::put_pieces;
 pub use plan::{
     CHOICES_MAX_ROWS, EXPERT_KERNEL_MAX_ROWS, FP8_EXPERT_KERNEL_MAX_ROWS, GROUPED_MAX_ROWS,
     NVFP4_EXPERT_KERNEL_MAX_ROWS, NVFP4_NARROW_MAX_ROWS, SHARED_PIECES_MAX_ROWS,
 };
 use plan::{ExpertPath, Format, MoeKind, MoePlan, SharedForm, SharedPath, shared_pieces};
 
-use super::linear::{CudaWeight, Weights, check_linear, gemm_rows, mlp_rows};
+use super::linear::{CudaWeight, Weights, gemm_rows, mlp_rows};
 use super::{Cuda, unsupported, view_mut};
 use crate::backend::{ExpertsOps, In, Out};
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
-use crate::layout::{Fp8Scales, Linear, Mlp};
-use crate::weights::Dtype;
+use crate::layout::{Linear, Mlp};
 
 /// A MoE layer's experts on the device, each kind in one buffer: `up [experts, inter,
 /// hidden]`, `down [experts, hidden, inter]` (the routed experts, then the shared expert's
@@ -57,87 +58,16 @@ enum Shared {
     Pieces(usize),
     /// Its own MLP (FP8 and NVFP4 layers).
     Mlp(Box<(CudaWeight, CudaWeight)>),
-    /// FP8 layers whose routed and shared experts all quantize their inputs with static scales:
-    /// its own MLP for steps of more than one row (FP8's GEMMs take no pieces), and as many
-    /// pieces as [`Shared::Pieces`] (each with its projection's weight and input scales) for a
-    /// step of one row, appended to the token's choices as there, so that the shared expert
-    /// runs in the routed experts' two launches instead of two launches of its own. Its weights
-    /// are held twice (20 MB a Nano layer, 1.4% of the FP8 checkpoint). The inputs of a piece
-    /// are quantized with the same static scales as the MLP's, element by element; the down
-    /// projection's pieces are rounded to bf16 apart before the combine sums them, as bf16's.
+    /// FP8 layers whose routed and shared experts all quantize their inputs with static scales,
+    /// and NVFP4 layers (pieces of a multiple of 16 columns): its own MLP for steps of more than
+    /// one row (the quantized GEMMs take no pieces), and as many pieces as [`Shared::Pieces`]
+    /// (each with its projection's scales) for a step of one row, appended to the token's
+    /// choices as there, so that the shared expert runs in the routed experts' two launches
+    /// instead of two launches of its own. Its weights are held twice (FP8: 20 MB a Nano layer,
+    /// 1.4% of the checkpoint). FP8 inputs of a piece are quantized with the same static scales
+    /// as the MLP's, element by element; the down projection's pieces are rounded to bf16 apart
+    /// before the combine sums them, as bf16's.
     MlpAndPieces(Box<(CudaWeight, CudaWeight)>, usize),
-}
-
-/// The shared expert `s` as pieces of the routed experts' shape (see [`Shared::Pieces`]): the
-/// bytes of the pieces' up matrices (the shared up's rows in order), of their down matrices
-/// (the shared down's rows, each padded with zeros to `pieces * inter` columns: piece j's row r
-/// at element `r * pieces * inter + j * inter`, as the expert kernels read pieces), as bf16 or,
-/// with `fp8`, as the checkpoint's e4m3 codes; and how many pieces.
-fn pieces_bytes(s: &Mlp, (inter, hidden): (usize, usize), fp8: bool) -> Result<(Vec<u8>, Vec<u8>, usize)> {
-    let si = s.up.shape()[0];
-    for (l, shape) in [(&s.up, [si, hidden]), (&s.down, [hidden, si])] {
-        check_linear(l, shape, "the shared expert's")?;
-        if fp8 && l.weight.dtype != Dtype::F8E4M3 {
-            return Err(Error::Unsupported(format!(
-                "`{}`: FP8 scales on a {:?} weight",
-                l.weight.name, l.weight.dtype
-            )));
-        }
-    }
-    let bytes = |l: &Linear| -> Result<Vec<u8>> {
-        Ok(if fp8 {
-            l.weight.bytes.to_vec()
-        } else {
-            l.to_bf16()?.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
-        })
-    };
-    let (unit, padded) = (if fp8 { 1 } else { 2 }, si.next_multiple_of(inter));
-    let mut down = vec![0u8; hidden * padded * unit];
-    for (to, from) in down.chunks_mut(padded * unit).zip(bytes(&s.down)?.chunks(si * unit)) {
-        to[..si * unit].copy_from_slice(from);
-    }
-    Ok((bytes(&s.up)?, down, padded / inter))
-}
-
-/// Writes the shared expert `s` as pieces ([`pieces_bytes`]) after the `routed` experts of
-/// `up [.., inter, hidden]` and `down [.., hidden, inter]`: bf16, or FP8 codes with each
-/// piece's weight and input scales its projection's.
-fn put_pieces(
-    gpu: &Gpu,
-    s: &Mlp,
-    routed: usize,
-    (inter, hidden): (usize, usize),
-    (up, down): (&mut Weights, &mut Weights),
-) -> Result<()> {
-    let at = routed * inter * hidden;
-    match (up, down) {
-        (Weights::Bf16(up), Weights::Bf16(down)) => {
-            let (u, d, _) = pieces_bytes(s, (inter, hidden), false)?;
-            gpu.upload_bytes_into(&u, &mut up.slice_mut(at..at + u.len() / 2))?;
-            Ok(gpu.upload_bytes_into(&d, &mut down.slice_mut(at..at + d.len() / 2))?)
-        }
-        (
-            Weights::Fp8 { codes: up, w_scale: up_w, in_scale: Some(up_in) },
-            Weights::Fp8 { codes: down, w_scale: down_w, in_scale: Some(down_in) },
-        ) => {
-            let (u, d, pieces) = pieces_bytes(s, (inter, hidden), true)?;
-            for (l, w, i) in [(&s.up, up_w, up_in), (&s.down, down_w, down_in)] {
-                let Some(Fp8Scales { weight_scale, input_scale: Some(input_scale) }) = l.fp8 else {
-                    return Err(Error::Unsupported(format!(
-                        "`{}`: a shared expert's pieces beside FP8 experts need FP8 with a static input scale",
-                        l.weight.name
-                    )));
-                };
-                gpu.upload_into(&vec![weight_scale; pieces], &mut w.slice_mut(routed..routed + pieces))?;
-                gpu.upload_into(&vec![input_scale; pieces], &mut i.slice_mut(routed..routed + pieces))?;
-            }
-            gpu.upload_bytes_into(&u, &mut up.slice_mut(at..at + u.len()))?;
-            Ok(gpu.upload_bytes_into(&d, &mut down.slice_mut(at..at + d.len()))?)
-        }
-        _ => {
-            Err(unsupported("a shared expert's pieces beside experts other than bf16 or FP8 with static input scales"))
-        }
-    }
 }
 
 impl CudaExperts {
@@ -147,8 +77,10 @@ impl CudaExperts {
         let [inter, hidden] = first.up.shape();
         let bf16 = |m: &Mlp| [&m.up, &m.down].iter().all(|l| l.fp8.is_none() && l.nvfp4.is_none());
         let fp8 = |m: &Mlp| [&m.up, &m.down].iter().all(|l| l.fp8.is_some_and(|f| f.input_scale.is_some()));
+        let nvfp4 = |m: &Mlp| [&m.up, &m.down].iter().all(|l| l.nvfp4.is_some()) && inter.is_multiple_of(16);
+        let formats: [&dyn Fn(&Mlp) -> bool; 3] = [&bf16, &fp8, &nvfp4];
         let pieces = match shared {
-            Some(s) if bf16(s) && list.iter().all(bf16) || fp8(s) && list.iter().all(fp8) => {
+            Some(s) if formats.iter().any(|f| f(s) && list.iter().all(f)) => {
                 shared_pieces(list.len(), inter, s.up.shape()[0])
             }
             _ => 0,
@@ -167,7 +99,7 @@ impl CudaExperts {
                     || Ok::<_, Error>(Box::new((CudaWeight::upload(gpu, &s.up)?, CudaWeight::upload(gpu, &s.down)?)));
                 match &up {
                     Weights::Bf16(_) if pieces > 0 => Shared::Pieces(pieces),
-                    Weights::Fp8 { .. } if pieces > 0 => Shared::MlpAndPieces(mlp()?, pieces),
+                    _ if pieces > 0 => Shared::MlpAndPieces(mlp()?, pieces),
                     _ => Shared::Mlp(mlp()?),
                 }
             }
@@ -287,8 +219,8 @@ impl CudaExperts {
         // NVFP4 weights dequantized to bf16 for bf16's GEMMs, where the plan says so.
         let dequantized = match plan.experts {
             ExpertPath::Grouped { dequantize: true } | ExpertPath::PerExpertGemm { dequantize: true } => Some((
-                self.up.dequantized(g, c.experts, (self.inter, hidden))?,
-                self.down.dequantized(g, c.experts, (hidden, self.inter))?,
+                self.up.dequantized(g, experts, (self.inter, hidden))?,
+                self.down.dequantized(g, experts, (hidden, self.inter))?,
             )),
             _ => None,
         };
@@ -361,67 +293,5 @@ impl ExpertsOps<Cuda> for CudaExperts {
         x: (In<Buffer<bf16>>, usize),
     ) -> Result<Vec<u32>> {
         choices(&cuda.gpu, c, x, Router { gate, bias })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use host::cpu::quant::e4m3_decode;
-
-    use super::*;
-    use crate::weights::Tensor;
-
-    /// `down(relu(up x)^2)` in f64 of `[n, k]` weight matrices given by element getters.
-    fn mlp(x: &[f64], up: impl Fn(usize, usize) -> f64, down: impl Fn(usize, usize) -> f64, inter: usize) -> Vec<f64> {
-        let h: Vec<f64> =
-            (0..inter).map(|r| (0..x.len()).map(|c| up(r, c) * x[c]).sum::<f64>().max(0.0).powi(2)).collect();
-        (0..x.len()).map(|r| (0..inter).map(|c| down(r, c) * h[c]).sum()).collect()
-    }
-
-    /// The pieces of a shared expert (24 wide beside experts of 16: two pieces, the second half
-    /// zeros), FP8 codes and bf16, read as the expert kernels read them (each piece's up rows,
-    /// its down columns at `r * pieces * inter + j * inter`), sum to the shared expert's MLP.
-    #[test]
-    fn shared_expert_pieces_sum_to_its_mlp() {
-        let (hidden, inter, si) = (8, 16, 24);
-        let mut rng = nemotron_rs::Rng::new(7);
-        // Finite e4m3 codes of either sign (0x7f and 0xff are NaN).
-        let mut code = || (rng.next_u64() % 0x7f) as u8 | if rng.next_u64().is_multiple_of(2) { 0x80 } else { 0 };
-        let mut codes = |n: usize| -> Vec<u8> { (0..n).map(|_| code()).collect() };
-        let (upc, downc) = (codes(si * hidden), codes(hidden * si));
-        let x: Vec<f64> = (0..hidden).map(|i| (i as f64 - 3.5) / 4.0).collect();
-        let scales = Some(Fp8Scales { weight_scale: 1.0, input_scale: Some(1.0) });
-        let linear = |name, shape, bytes| Linear {
-            weight: Tensor { name, path: Path::new(""), dtype: Dtype::F8E4M3, shape, bytes },
-            bias: None,
-            fp8: scales,
-            nvfp4: None,
-        };
-        let (up_shape, down_shape) = ([si, hidden], [hidden, si]);
-        let s = Mlp { up: linear("up", &up_shape, &upc), down: linear("down", &down_shape, &downc) };
-        let whole = mlp(
-            &x,
-            |r, c| f64::from(e4m3_decode(upc[r * hidden + c])),
-            |r, c| f64::from(e4m3_decode(downc[r * si + c])),
-            si,
-        );
-        let (u, d, pieces) = pieces_bytes(&s, (inter, hidden), true).unwrap();
-        assert_eq!((u.len(), d.len(), pieces), (si * hidden, hidden * 2 * inter, 2));
-        let mut sum = vec![0.0; hidden];
-        for j in 0..pieces {
-            let up = |r: usize, c: usize| {
-                let row = j * inter + r;
-                if row < si { f64::from(e4m3_decode(u[row * hidden + c])) } else { 0.0 }
-            };
-            let down = |r: usize, c: usize| f64::from(e4m3_decode(d[r * pieces * inter + j * inter + c]));
-            for (s, v) in sum.iter_mut().zip(mlp(&x, up, down, inter)) {
-                *s += v;
-            }
-        }
-        for (a, b) in sum.iter().zip(&whole) {
-            assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "pieces {sum:?} against the MLP {whole:?}");
-        }
     }
 }

@@ -90,20 +90,19 @@ fn fp8_checkpoint_runs_as_w8a8() {
     assert_close("FP8 vs bf16 weights (f64)", &fp8_exact, &bf16_exact, 0.6, 0.2);
 }
 
-/// The FP8 fixture on the CUDA backend (e4m3 codes on the device, the expert kernel's W8A8
-/// path for dense layers and experts at up to 64 rows, the FP8 GEMM and grouped GEMM on tensor
-/// cores at more; static and per-token input scales, and static ones everywhere, where one-row
-/// steps run the shared expert as pieces among the routed experts) against the CPU backend on
-/// the same checkpoint: a 40-token prompt and a 100-token one (its prefill past 64 rows), each then 16
-/// decode steps fed the CPU's greedy tokens. On this tiny model (hidden 32) one activation
-/// crossing an e4m3 rounding boundary moves the logits by about as much as FP8 itself does:
-/// measured here, the CPU backend against the f64 reference (the same W8A8 definition) over
-/// the 40-token prompt's 17 steps differs by up to 0.92 and agrees on 14/17 greedy tokens. So
-/// the logits are checked at the prompt within the CPU backend's band and decode steps by
-/// their greedy tokens, with that same margin (a first decode step's logits were measured
-/// 0.25 apart on an H100, the pieces not involved); the kernels themselves are checked value by
-/// value in tests/moe.rs, tests/grouped.rs and tests/gemv.rs, the layout of the shared
-/// expert's pieces in the CUDA backend's unit tests.
+/// The FP8 fixture on the CUDA backend (e4m3 codes on the device, the expert kernel's W8A8 path for
+/// dense layers and experts at up to 64 rows, the FP8 GEMM and grouped GEMM on tensor cores at
+/// more; static and per-token input scales, and static ones everywhere, where one-row steps run the
+/// shared expert as pieces among the routed experts) against the CPU backend on the same
+/// checkpoint: a 40-token prompt and a 100-token one (its prefill past 64 rows), each then 16
+/// decode steps fed the CPU's greedy tokens. On this tiny model (hidden 32) one activation crossing
+/// an e4m3 rounding boundary moves the logits by about as much as FP8 itself does: measured here,
+/// the CPU backend against the f64 reference (the same W8A8 definition) over the 40-token prompt's
+/// 17 steps differs by up to 0.92 and agrees on 14/17 greedy tokens. So the logits are checked at
+/// the prompt within the CPU backend's band and decode steps by their greedy tokens, with that same
+/// margin (a first decode step's logits were measured 0.25 apart on an H100, the pieces not
+/// involved); the kernels themselves are checked value by value in tests/moe.rs, tests/grouped.rs
+/// and tests/gemv.rs, the layout of the shared expert's pieces in the CUDA backend's unit tests.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_fp8_matches_cpu_fp8() {

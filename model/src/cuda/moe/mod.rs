@@ -1,12 +1,12 @@
-//! MoE layers on the CUDA backend: the experts on the device ([`CudaExperts`], the shared
-//! expert as pieces of the routed experts' shape, its own MLP, or both: [`Shared`]) and the execution of a step's
-//! plan ([`CudaExperts::execute`]: route, shared expert, dispatch, experts, combine). Which
-//! path a step takes is `plan.rs`'s ([`MoePlan`], with the row counts where the paths
-//! switch: per routing choice up to [`CHOICES_MAX_ROWS`], the expert kernel up to
-//! [`EXPERT_KERNEL_MAX_ROWS`] (FP8 [`FP8_EXPERT_KERNEL_MAX_ROWS`], NVFP4
+//! MoE layers on the CUDA backend: the experts on the device ([`CudaExperts`], the shared expert as
+//! pieces of the routed experts' shape, its own MLP, or both: [`Shared`]; the pieces' layout in
+//! `pieces.rs`) and the execution of a step's plan ([`CudaExperts::execute`]: route, shared expert,
+//! dispatch, experts, combine). Which path a step takes is `plan.rs`'s ([`MoePlan`], with the row
+//! counts where the paths switch: per routing choice up to [`CHOICES_MAX_ROWS`], the expert kernel
+//! up to [`EXPERT_KERNEL_MAX_ROWS`] (FP8 [`FP8_EXPERT_KERNEL_MAX_ROWS`], NVFP4
 //! [`NVFP4_EXPERT_KERNEL_MAX_ROWS`]), then the grouped GEMM (NVFP4 on the 64-row tiles up to
-//! [`NVFP4_NARROW_MAX_ROWS`] where there is `wgmma`) or, without `wgmma` past
-//! [`GROUPED_MAX_ROWS`], per-expert cuBLASLt GEMMs).
+//! [`NVFP4_NARROW_MAX_ROWS`] where there is `wgmma`) or, without `wgmma` past [`GROUPED_MAX_ROWS`],
+//! per-expert cuBLASLt GEMMs).
 
 use half::bf16;
 use host::grouped::{Tiles, experts_mlp_grouped, experts_mlp_grouped_as};

@@ -19,13 +19,13 @@ enum PieceFormat {
     Nvfp4,
 }
 
-/// The shared expert `s` as pieces of the routed experts' shape (see `Shared::Pieces` in the parent), as
-/// the device holds them: the pieces' up matrices (the shared up's rows in order, zero rows
-/// past its width), their down matrices (piece j's row r is the shared down's row r, columns
+/// The shared expert `s` as pieces of the routed experts' shape (see `Shared::Pieces` in the
+/// parent), as the device holds them: the pieces' up matrices (the shared up's rows in order, zero
+/// rows past its width), their down matrices (piece j's row r is the shared down's row r, columns
 /// `j * inter..`, zeros past its width: as the expert kernels read pieces, at matrix row `r *
 /// pieces + j` of rows of `inter`), in bf16, as the checkpoint's e4m3 codes, or as NVFP4 rows
-/// ([`host::nvfp4::pack_rows`]: each piece's row its codes and its blocks' scales, so `inter`
-/// must be a multiple of 16); and how many pieces.
+/// ([`host::nvfp4::pack_rows`]: each piece's row its codes and its blocks' scales, so `inter` must
+/// be a multiple of 16); and how many pieces.
 fn pieces_bytes(s: &Mlp, (inter, hidden): (usize, usize), format: PieceFormat) -> Result<(Vec<u8>, Vec<u8>, usize)> {
     let si = s.up.shape()[0];
     for (l, shape) in [(&s.up, [si, hidden]), (&s.down, [hidden, si])] {

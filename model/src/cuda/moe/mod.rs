@@ -56,7 +56,8 @@ enum Shared {
     /// they run in the routed experts' launches and the combine sums them; otherwise the two
     /// matrices go through cuBLASLt.
     Pieces(usize),
-    /// Its own MLP (FP8 and NVFP4 layers).
+    /// Its own MLP (FP8 and NVFP4 layers that take no pieces: [`Shared::MlpAndPieces`] says
+    /// which do).
     Mlp(Box<(CudaWeight, CudaWeight)>),
     /// FP8 layers whose routed and shared experts all quantize their inputs with static scales,
     /// and NVFP4 layers (pieces of a multiple of 16 columns): its own MLP for steps of more than

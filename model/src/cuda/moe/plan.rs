@@ -61,8 +61,8 @@ pub const CHOICES_MAX_ROWS: usize = 1;
 pub const SHARED_PIECES_MAX_ROWS: usize = 1;
 
 /// How many pieces of the routed experts' shape (`inter` wide) a shared expert `shared` wide is
-/// cut into beside `routed` experts (bf16 layers, and FP8 ones whose inputs all have static
-/// scales); 0 (its own MLP) where a dispatch could not count them among the experts.
+/// cut into beside `routed` experts (bf16 layers, FP8 ones whose inputs all have static scales,
+/// NVFP4 ones); 0 (its own MLP) where a dispatch could not count them among the experts.
 pub(super) fn shared_pieces(routed: usize, inter: usize, shared: usize) -> usize {
     let pieces = shared.div_ceil(inter);
     if routed + pieces <= MAX_EXPERTS as usize { pieces } else { 0 }
@@ -90,12 +90,12 @@ pub enum Format {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SharedForm {
     None,
-    /// Its own MLP (FP8 and NVFP4 layers).
+    /// Its own MLP (FP8 and NVFP4 layers without pieces).
     Mlp,
     /// This many pieces of the routed experts' shape stored after them (bf16 layers).
     Pieces(usize),
     /// Its own MLP, and this many pieces stored after the routed experts for steps of one row
-    /// (FP8 layers with static input scales: FP8's GEMMs take no pieces).
+    /// (FP8 layers with static input scales, NVFP4 layers: their GEMMs take no pieces).
     MlpAndPieces(usize),
 }
 

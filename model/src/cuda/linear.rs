@@ -2,6 +2,8 @@
 //! bf16, FP8 codes with their scales, or NVFP4 codes with theirs) and the kernel it runs
 //! through, by rows and weight kind ([`CudaWeight::forward`]).
 
+use std::borrow::Cow;
+
 use half::bf16;
 use host::gemv::{self, Proj, gemv, gemv_split};
 use host::grouped::linear_fp8;
@@ -213,13 +215,19 @@ pub(super) fn mlp_rows(
     down.forward(g, &h.as_view(), n, false, out)
 }
 
-/// Uploads `l`'s weight into `dst` as bf16: its bytes as they are where it is bf16 (staged, no
-/// copy in between), else converted (NVFP4 dequantized on the host: [`Linear::to_bf16`]).
+/// Uploads `l`'s weight into `dst` as bf16 ([`bf16_bytes`]: staged, no copy in between where it
+/// is bf16).
 pub(super) fn put_bf16(gpu: &Gpu, l: &Linear, dst: &mut CudaViewMut<bf16>) -> Result<()> {
+    Ok(gpu.upload_bytes_into(&bf16_bytes(l)?, dst)?)
+}
+
+/// `l`'s weight as the bytes of bf16 values: its bytes as they are where it is bf16, else
+/// converted (NVFP4 dequantized on the host: [`Linear::to_bf16`]).
+pub(super) fn bf16_bytes<'a>(l: &Linear<'a>) -> Result<Cow<'a, [u8]>> {
     if l.weight.dtype == Dtype::Bf16 {
-        return Ok(gpu.upload_bytes_into(l.weight.bytes, dst)?);
+        return Ok(Cow::Borrowed(l.weight.bytes));
     }
-    Ok(gpu.upload_into(&l.to_bf16()?, dst)?)
+    Ok(Cow::Owned(bytemuck::cast_slice(&l.to_bf16()?).to_vec()))
 }
 
 /// Fails unless `l` has `shape` (`whose`: whose shape that is, for the message) and no bias.

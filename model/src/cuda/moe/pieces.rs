@@ -5,7 +5,7 @@
 
 use host::{CudaSlice, Gpu};
 
-use super::super::linear::{Weights, check_linear};
+use super::super::linear::{Weights, bf16_bytes, check_linear};
 use super::super::unsupported;
 use crate::error::{Error, Result};
 use crate::layout::{Fp8Scales, Linear, Mlp};
@@ -69,7 +69,7 @@ fn pieces_bytes(s: &Mlp, (inter, hidden): (usize, usize), format: PieceFormat) -
             let bytes = |l: &Linear| -> Result<Vec<u8>> {
                 Ok(match format {
                     PieceFormat::Fp8 => l.weight.bytes.to_vec(),
-                    _ => l.to_bf16()?.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+                    _ => bf16_bytes(l)?.into_owned(),
                 })
             };
             let mut u = bytes(&s.up)?;

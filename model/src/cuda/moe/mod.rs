@@ -19,6 +19,8 @@ use host::{Buffer, CudaSlice, CudaView, Gpu};
 
 mod pieces;
 mod plan;
+#[cfg(test)]
+mod tests;
 
 use pieces::put_pieces;
 pub use plan::{

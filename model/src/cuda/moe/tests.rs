@@ -4,17 +4,16 @@
 
 use std::path::Path;
 
-use host::cpu::quant::{E4M3_MAX, e4m3_encode};
-use nemotron_rs::{Rng, assert_close};
+use nemotron_rs::{Rng, assert_close, fp8_weights};
 
 use super::*;
 use crate::backend::{In, Out};
 use crate::layout::{Fp8Scales, Nvfp4Scales};
 use crate::weights::{Dtype, Tensor};
 
-/// One projection `[n, k]` quantized from uniform values in `+-sqrt(3 / k)`: FP8 (codes, a
-/// per-tensor weight scale, a static input scale) or NVFP4 (ModelOpt's rounding: codes, block
-/// scales, a per-tensor scale).
+/// One projection `[n, k]` quantized from uniform values in `+-sqrt(3 / k)`: FP8
+/// ([`fp8_weights`]: codes, a per-tensor weight scale; and a static input scale) or NVFP4
+/// (ModelOpt's rounding: codes, block scales, a per-tensor scale).
 struct Quantized {
     shape: [usize; 2],
     fp8: bool,
@@ -28,13 +27,13 @@ struct Quantized {
 
 impl Quantized {
     fn new(rng: &mut Rng, fp8: bool, [n, k]: [usize; 2], input_scale: f32) -> Quantized {
+        if fp8 {
+            let (codes, scales, _) = fp8_weights(rng, 1, n, k);
+            let (blocks, block_shape, scale) = (vec![], [0, 0], scales[0]);
+            return Quantized { shape: [n, k], fp8, codes, blocks, block_shape, scale, input_scale };
+        }
         let a = (3.0 / k as f64).sqrt();
         let w: Vec<f32> = (0..n * k).map(|_| rng.uniform(-a, a) as f32).collect();
-        if fp8 {
-            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
-            let codes = w.iter().map(|&v| e4m3_encode(v / scale)).collect();
-            return Quantized { shape: [n, k], fp8, codes, blocks: vec![], block_shape: [0, 0], scale, input_scale };
-        }
         let q = host::cpu::nvfp4::quantize(&w, n, k);
         let (shape, block_shape) = ([n, k / 2], [n, k / 16]);
         Quantized { shape, fp8, codes: q.packed, blocks: q.block, block_shape, scale: q.global, input_scale }

@@ -163,7 +163,7 @@ const LAUNCH_BOUNDS: [(Kernel, u32); 30] = [
     (Kernel::AttnFlashK32D128, 1),
     (Kernel::AttnFlashWgmma, 1),
     (Kernel::MambaDecode, 0),
-    (Kernel::GemvTcFp8, 2),
+    (Kernel::GemvTcFp8, 3),
     (Kernel::MoeExpertTcFp8, 2),
     (Kernel::GemvTcNvfp4, 3),
     (Kernel::MoeExpertTcNvfp4, 2),

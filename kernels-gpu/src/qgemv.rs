@@ -45,9 +45,11 @@ pub const QG_TOKENS: usize = 8;
 /// Code bytes of each weight row per half step (FP8: two `m16n8k32` products; NVFP4: eight
 /// `m16n8k16` ones).
 pub const QG_HALF: usize = 64;
-/// Half steps in flight per warp (a round): with [`QG_WARPS`] over k, all of a warp's share of
-/// a row of up to 3072 bytes (Nano's 2688 and 1856) in one round trip (8 spilled on sm_121a).
-pub const QG_UNROLL: usize = 6;
+/// Half steps in flight per warp (a round): with [`QG_WARPS`] over k, 1536 bytes of a row a
+/// round trip. Three, not six (a row of 3072 bytes a round): 79 registers and three blocks an
+/// SM rather than 125 and two; on an H100 the dense FP8 projections at 8 rows took 3-6% less
+/// time and FP8 decode batch 8 1.5-2.7% less (docs/PERFORMANCE.md).
+pub const QG_UNROLL: usize = 3;
 
 #[cfg(target_arch = "nvptx64")]
 pub(crate) use device::*;
@@ -69,8 +71,6 @@ mod device {
         const ZERO: Self::Half;
         /// Elements of a row per code byte.
         const PER_BYTE: usize;
-        /// Half steps in flight per warp (at most [`QG_UNROLL`]).
-        const UNROLL: usize;
         /// Whether the inputs are quantized (FP8, with a scale per row of x; the sums then
         /// multiplied by it).
         const QUANTIZED: bool;
@@ -107,7 +107,6 @@ mod device {
         type Half = [u32; 4];
         const ZERO: [u32; 4] = [0; 4];
         const PER_BYTE: usize = 1;
-        const UNROLL: usize = QG_UNROLL;
         const QUANTIZED: bool = true;
         const SUM_SCALE: f32 = 1.0;
         #[inline(always)]
@@ -162,7 +161,6 @@ mod device {
         type Half = Fp4Half;
         const ZERO: Fp4Half = Fp4Half { codes: [0; 4], scales: 0 };
         const PER_BYTE: usize = 2;
-        const UNROLL: usize = 3;
         const QUANTIZED: bool = false;
         const SUM_SCALE: f32 = FP4_SUM_SCALE;
         #[inline(always)]
@@ -386,7 +384,7 @@ mod device {
                     let mut a = [[[F::ZERO; 2]; QG_TILES]; QG_UNROLL];
                     for (u, a) in a.iter_mut().enumerate() {
                         let c = (i0 + QG_WARPS * u) * QG_HALF + 16 * q;
-                        if u < F::UNROLL && i0 + QG_WARPS * u < halves {
+                        if i0 + QG_WARPS * u < halves {
                             for (a, w) in a.iter_mut().zip(&wrow) {
                                 a[0] = F::load::<WIDE>(w[0], c, k);
                                 a[1] = F::load::<WIDE>(w[1], c, k);
@@ -395,12 +393,12 @@ mod device {
                     }
                     for (u, a) in a.iter().enumerate() {
                         // Warp-uniform: i0 and u are the same for every lane.
-                        if u < F::UNROLL && i0 + QG_WARPS * u < halves {
+                        if i0 + QG_WARPS * u < halves {
                             let c = (i0 + QG_WARPS * u) * QG_HALF + 16 * q;
                             F::products(&mut acc, a, x, (c, k), (s, inv));
                         }
                     }
-                    i0 += QG_WARPS * F::UNROLL;
+                    i0 += QG_WARPS * QG_UNROLL;
                 }
                 for (m, acc) in acc.iter().enumerate() {
                     for (e, &v) in acc.iter().enumerate() {

@@ -51,27 +51,27 @@ fn gpu_gemv_fp8_matches_reference() {
     let gpu = gpu();
     let mut rng = Rng::new(97);
     let mut compared = 0;
-    // (n, k, static input scale, rows). A Nano expert's up projection with a static input scale
+    // (n, k, static input scale, rows, shift). A Nano expert's up projection with a static input scale
     // and with per-token scales at 1 row (the warp mode), 5 and 8 rows (one pass of the
     // tensor-core kernel) and 9 (two), q at 8; odd shapes: n not a multiple of the 32 rows of a
     // block, k not of the 64-byte half step (k 2720: a half step of 32 bytes at the end, 16-byte
     // loads; k 136: rows 8-byte aligned only, one 8-byte chunk at the end, at one row through the
-    // warp mode too), 17 rows (three passes, one row in the last). The last: x one element
-    // into its allocation (2-byte aligned rows: no input chunk copied whole).
+    // warp mode too), 17 rows (three passes, one row in the last). The last column: x that many
+    // elements into its allocation (1: 2-byte aligned rows, no input chunk loaded whole).
     let cases = [
-        (1856, 2688, true, 1),
-        (1856, 2688, false, 1),
-        (40, 136, true, 1),
-        (1856, 2688, true, 5),
-        (1856, 2688, false, 8),
-        (4096, 2688, true, 8),
-        (1856, 2688, false, 9),
-        (72, 2720, false, 3),
-        (40, 136, true, 5),
-        (40, 136, false, 17),
-        (1856, 2688, true, 8),
+        (1856, 2688, true, 1, 0),
+        (1856, 2688, false, 1, 0),
+        (40, 136, true, 1, 0),
+        (1856, 2688, true, 5, 0),
+        (1856, 2688, false, 8, 0),
+        (4096, 2688, true, 8, 0),
+        (1856, 2688, false, 9, 0),
+        (72, 2720, false, 3, 0),
+        (40, 136, true, 5, 0),
+        (40, 136, false, 17, 0),
+        (1856, 2688, true, 8, 1),
     ];
-    for (i, &(n, k, static_in, rows)) in cases.iter().enumerate() {
+    for (n, k, static_in, rows, shift) in cases {
         let (codes, w_scale, values) = fp8_weights(&mut rng, 1, n, k);
         let in_scale = static_in.then(|| rng.uniform(0.002, 0.004) as f32);
         let x = rng.bf16s(rows * k, -1.0, 1.0);
@@ -79,7 +79,6 @@ fn gpu_gemv_fp8_matches_reference() {
         let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
         let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
         let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-        let shift = usize::from(i == cases.len() - 1);
         let dx = gpu.upload(&[vec![bf16::ZERO; shift], x.clone()].concat()).unwrap();
         gemv(&gpu, &dx.slice(shift..), rows, Proj { w, n, k, relu2: false }, &mut y).unwrap();
         let want: Vec<f64> = x.chunks(k).flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale)).collect();
@@ -87,7 +86,7 @@ fn gpu_gemv_fp8_matches_reference() {
         compared += assert_close(&label, &to_f64(&gpu.download(&y).unwrap()), &want, 1e-3, 1.0 / 128.0);
     }
     println!("FP8 gemv: {compared} values compared");
-    assert_eq!(compared, cases.iter().map(|&(n, _, _, rows)| rows * n).sum::<usize>());
+    assert_eq!(compared, cases.iter().map(|&(n, _, _, rows, _)| rows * n).sum::<usize>());
 }
 
 /// The NVFP4 gemv (weight-only: `x W^T` with `W` the exact dequantized weights) against f64,

@@ -46,7 +46,7 @@ pub const QG_TOKENS: usize = 8;
 /// `m16n8k16` ones).
 pub const QG_HALF: usize = 64;
 /// Half steps in flight per warp (a round): with [`QG_WARPS`] over k, 1536 bytes of a row a
-/// round trip. Three, not six (a row of 3072 bytes a round): 79 registers and three blocks an
+/// round trip. Three, not six (a row of 3072 bytes a round): 80 registers and three blocks an
 /// SM rather than 125 and two; on an H100 the dense FP8 projections at 8 rows took 3-6% less
 /// time and FP8 decode batch 8 1.5-2.7% less (docs/PERFORMANCE.md).
 pub const QG_UNROLL: usize = 3;

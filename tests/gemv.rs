@@ -51,13 +51,14 @@ fn gpu_gemv_fp8_matches_reference() {
     let gpu = gpu();
     let mut rng = Rng::new(97);
     let mut compared = 0;
-    // (n, k, static input scale, rows, shift). A Nano expert's up projection with a static input scale
-    // and with per-token scales at 1 row (the warp mode), 5 and 8 rows (one pass of the
-    // tensor-core kernel) and 9 (two), q at 8; odd shapes: n not a multiple of the 32 rows of a
-    // block, k not of the 64-byte half step (k 2720: a half step of 32 bytes at the end, 16-byte
-    // loads; k 136: rows 8-byte aligned only, one 8-byte chunk at the end, at one row through the
-    // warp mode too), 17 rows (three passes, one row in the last). The last column: x that many
-    // elements into its allocation (1: 2-byte aligned rows, no input chunk loaded whole).
+    // (n, k, static input scale, rows, shift). A Nano expert's up projection with a static
+    // input scale and with per-token scales at 1 row (the warp mode), 5 and 8 rows (one pass of
+    // the tensor-core kernel) and 9 (two), q at 8; odd shapes: n not a multiple of the 32 rows
+    // of a block, k not of the 64-byte half step (k 2720: a half step of 32 bytes at the end,
+    // 16-byte loads; k 136: rows 8-byte aligned only, one 8-byte chunk at the end, at one row
+    // through the warp mode too), 17 rows (three passes, one row in the last). The last column:
+    // x that many elements into its allocation (1: 2-byte aligned rows, no input chunk loaded
+    // whole).
     let cases = [
         (1856, 2688, true, 1, 0),
         (1856, 2688, false, 1, 0),
@@ -79,7 +80,7 @@ fn gpu_gemv_fp8_matches_reference() {
         let din = in_scale.map(|s| gpu.upload(&[s]).unwrap());
         let w = Weights::Fp8 { codes: &dc, w_scale: &ds, in_scale: din.as_ref() };
         let mut y = gpu.upload(&vec![POISON_BF16; rows * n]).unwrap();
-        let dx = gpu.upload(&[vec![bf16::ZERO; shift], x.clone()].concat()).unwrap();
+        let dx = gpu.upload(&[&vec![bf16::ZERO; shift][..], &x].concat()).unwrap();
         gemv(&gpu, &dx.slice(shift..), rows, Proj { w, n, k, relu2: false }, &mut y).unwrap();
         let want: Vec<f64> = x.chunks(k).flat_map(|r| w8a8(&to_f64(r), &values, w_scale[0], in_scale)).collect();
         let label = format!("FP8 gemv {n} x {k}, rows {rows}, static input scale {static_in}, x shifted {shift}");

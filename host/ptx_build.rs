@@ -138,12 +138,12 @@ fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
 /// Kernels whose launches need a bound on their registers (64K registers an SM: a block of
 /// 512 threads fits only at 128 or fewer each, which ptxas does not assume), bounded by their
 /// most threads a block (`Kernel::threads`), and the blocks an SM should hold at once
-/// (`.minnctapersm`, 0: not said). One block
-/// for `sample_bf16` (for sm_121a ptxas otherwise kept it at 64 registers, and spilled); the
-/// chunked scan's kernels as many as their shared memory allows at NemotronH widths, so the
-/// staging of some blocks overlaps the products of others; the FP8 and NVFP4 tensor-core mat-vecs two, so an SM
-/// holds 16 warps of weight loads. The norms launch up to 1024
-/// threads (rows wider than 8192), so at most 64 registers.
+/// (`.minnctapersm`, 0: not said). One block for `sample_bf16` (for sm_121a ptxas otherwise
+/// kept it at 64 registers, and spilled); the chunked scan's kernels as many as their shared
+/// memory allows at NemotronH widths, so the staging of some blocks overlaps the products of
+/// others; the FP8 and NVFP4 tensor-core mat-vecs three (80 registers: an SM holds 24 warps of
+/// weight loads), the expert kernels on them two. The norms launch up to 1024 threads (rows
+/// wider than 8192), so at most 64 registers.
 const LAUNCH_BOUNDS: [(Kernel, u32); 30] = [
     (Kernel::MoeGroupedWide, 2),
     (Kernel::MoeGrouped, 2),

@@ -142,8 +142,8 @@ fn pinned_cargo(workspace: &Path) -> Result<Command, String> {
 /// kept it at 64 registers, and spilled); the chunked scan's kernels as many as their shared
 /// memory allows at NemotronH widths, so the staging of some blocks overlaps the products of
 /// others; the FP8 and NVFP4 tensor-core mat-vecs three (at most 80 registers: an SM holds 24
-/// warps of weight loads), the expert kernels on them two. The norms launch up to 1024 threads (rows
-/// wider than 8192), so at most 64 registers.
+/// warps of weight loads), the expert kernels on them two. The norms launch up to 1024
+/// threads (rows wider than 8192), so at most 64 registers.
 const LAUNCH_BOUNDS: [(Kernel, u32); 30] = [
     (Kernel::MoeGroupedWide, 2),
     (Kernel::MoeGrouped, 2),
